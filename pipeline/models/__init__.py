@@ -1,0 +1,111 @@
+"""Model families: HF config.json -> DecoderSpec, and which HF tensors fill each stage parameter.
+
+A family module defines ``MODEL_TYPES`` (HF ``model_type`` values it reads), ``ALIASES`` (extra
+``--model-type`` spellings, e.g. the seed's ``gptj``), ``to_spec(cfg) -> DecoderSpec``,
+``layer_source(spec, i, name) -> Source`` for parameter ``name`` of global layer ``i`` and
+``top_source(spec, name) -> Source`` for embedding/head parameters. The loader walks a stage's
+parameters and asks the family where each one comes from, so a stage reads only its own tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .spec import DecoderSpec, RopeSpec
+
+# family module name -> imported lazily so a broken family cannot break the others
+_FAMILY_MODULES = ["llama", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon"]
+
+
+@dataclass
+class Source:
+    """HF tensor names that make one of our parameters, and how to combine them."""
+
+    names: list[str]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=lambda ts: ts[0])
+
+
+def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def activation_name(hf_act: str) -> str:
+    table = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
+             "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+    if hf_act not in table:
+        raise ValueError(f"unsupported activation {hf_act!r}; supported: {sorted(table)}")
+    return table[hf_act]
+
+
+def rope_from_config(cfg: dict, head_dim: int, rotary_dim: int | None = None, interleaved: bool = False) -> RopeSpec:
+    """Read rope settings from either transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    return RopeSpec(
+        theta=float(theta), rotary_dim=rotary_dim, interleaved=interleaved, scaling_type=kind,
+        factor=float(params.get("factor", 1.0)), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _families() -> dict[str, object]:
+    out = {}
+    for name in _FAMILY_MODULES:
+        try:
+            out[name] = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:  # family not written yet
+            if e.name != f"{__name__}.{name}":
+                raise
+    return out
+
+
+def supported_model_types() -> list[str]:
+    """Every spelling --model-type accepts (HF model_type values and the seed's aliases)."""
+    names = set()
+    for mod in _families().values():
+        names.update(mod.MODEL_TYPES)
+        names.update(getattr(mod, "ALIASES", ()))
+    return sorted(names)
+
+
+def family_for(cfg: dict, model_type: str | None = None):
+    """The family module for a config (or an explicit --model-type)."""
+    wanted = model_type or cfg.get("model_type")
+    for mod in _families().values():
+        if wanted in mod.MODEL_TYPES or wanted in getattr(mod, "ALIASES", ()):
+            return mod
+    raise ValueError(
+        f"unsupported model type {wanted!r} (architectures: {cfg.get('architectures')}); "
+        f"supported: {', '.join(supported_model_types())}"
+    )
+
+
+def spec_from_config(cfg: dict, model_type: str | None = None) -> DecoderSpec:
+    return family_for(cfg, model_type).to_spec(cfg)
+
+
+def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict[str, Source]:
+    """Map every parameter of a StageModel to the HF tensors it is made from."""
+    out = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("layers."):
+            _, local, rest = name.split(".", 2)
+            out[name] = family.layer_source(spec, model.first + int(local), rest)
+        else:
+            out[name] = family.top_source(spec, name)
+    return out
+
+
+__all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "rope_from_config",
+           "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

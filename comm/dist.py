@@ -1,0 +1,124 @@
+"""Start torch.distributed once: torchrun's environment or the seed's legacy per-rank flags.
+
+NCCL when CUDA is available, gloo otherwise; an explicit timeout; world size 1 needs no process
+group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
+grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    pipeline_size: int
+    data_size: int
+    device: torch.device
+    backend: str | None  # None: single process, no process group
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pipeline_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.pipeline_size
+
+    def pipeline_rank(self, stage: int) -> int:
+        """Global rank of ``stage`` in this process's pipeline."""
+        return self.data_rank * self.pipeline_size + stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pipeline_size - 1
+
+
+def resolve_layout(
+    rank: int | None,
+    world_size: int | None,
+    pipeline_group_size: int | None,
+    data_group_size: int,
+    env: dict[str, str] | None = None,
+) -> tuple[int, int, int, int, int, int]:
+    """(rank, world, local_rank, local_world, pipeline, data) from flags or torchrun's env."""
+    env = os.environ if env is None else env
+    if rank is None:
+        rank = int(env.get("RANK", 0))
+    if world_size is None:
+        world_size = int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", rank))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % data_group_size:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of --data-group-size {data_group_size}: "
+            "launch data x pipeline processes"
+        )
+    pipeline = pipeline_group_size or world_size // data_group_size
+    if pipeline * data_group_size != world_size:
+        raise ValueError(
+            f"--pipeline-group-size {pipeline} x --data-group-size {data_group_size} = "
+            f"{pipeline * data_group_size}, but {world_size} processes were launched: make them equal"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank} is outside 0..{world_size - 1}")
+    return rank, world_size, local_rank, local_world, pipeline, data_group_size
+
+
+def init_distributed(
+    rank: int | None = None,
+    world_size: int | None = None,
+    pipeline_group_size: int | None = None,
+    data_group_size: int = 1,
+    dist_url: str | None = None,
+    cuda_id: int | None = None,
+    timeout_s: int = 1800,
+) -> DistInfo:
+    """The one place that starts distributed. Safe to call with nothing set (single process)."""
+    rank, world, local_rank, local_world, pipeline, data = resolve_layout(
+        rank, world_size, pipeline_group_size, data_group_size
+    )
+    if torch.cuda.is_available():
+        device = torch.device("cuda", cuda_id if cuda_id is not None else local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world == 1:
+        return DistInfo(rank, 1, 0, 1, 1, 1, device, None)
+    init_method = dist_url or "env://"
+    if init_method == "env://" and "MASTER_ADDR" not in os.environ:
+        raise ValueError(
+            "no rendezvous: launch with torchrun, or pass --dist-url tcp://HOST:PORT with --rank and --world-size"
+        )
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    log.info("process group up: backend=%s rank=%d/%d pipeline=%d data=%d", backend, rank, world, pipeline, data)
+    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Point-to-point messages between pipeline ranks: a small JSON header plus an optional tensor.
+
+Each message is three transfers: a fixed int64 "meta" tensor (header length, payload bytes, dtype,
+shape), the header as bytes, and the payload as bytes. Sends are asynchronous (``isend``) and their
+buffers are kept until they complete, so no two ranks can block sending to each other; receives
+block. Messages between a pair of ranks arrive in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import torch
+import torch.distributed as dist
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+_META = 8  # [header_len, payload_bytes, dtype_code, ndim, d0, d1, d2, 0]
+
+
+class Messenger:
+    """Header + tensor messages over an initialized process group (gloo or NCCL)."""
+
+    def __init__(self, device: torch.device):
+        # NCCL moves only device tensors; gloo only CPU tensors.
+        self.device = device
+        self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        self.comm_seconds = 0.0  # time spent blocked in receives (for busy-fraction figures)
+
+    def send(self, dst: int, header: dict, tensor: torch.Tensor | None = None) -> None:
+        self._reap()
+        hdr = torch.frombuffer(bytearray(orjson.dumps(header)), dtype=torch.uint8).to(self.device)
+        meta = torch.zeros(_META, dtype=torch.int64)
+        meta[0] = hdr.numel()
+        parts: list[torch.Tensor] = [hdr]
+        if tensor is not None:
+            assert tensor.dim() <= 3, "payloads are at most 3-d"
+            payload = tensor.contiguous().view(-1).view(torch.uint8).to(self.device)
+            meta[1] = payload.numel()
+            meta[2] = _DTYPES.index(tensor.dtype)
+            meta[3] = tensor.dim()
+            meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
+            parts.append(payload)
+        meta = meta.to(self.device)
+        for t in (meta, *parts):
+            self._pending.append((dist.isend(t, dst), (t,)))
+
+    def recv(self, src: int) -> tuple[dict, torch.Tensor | None]:
+        t0 = time.perf_counter()
+        meta = torch.empty(_META, dtype=torch.int64, device=self.device)
+        dist.recv(meta, src)
+        meta = meta.tolist()
+        hdr = torch.empty(meta[0], dtype=torch.uint8, device=self.device)
+        dist.recv(hdr, src)
+        header = orjson.loads(hdr.cpu().numpy().tobytes())
+        tensor = None
+        if meta[1]:
+            payload = torch.empty(meta[1], dtype=torch.uint8, device=self.device)
+            dist.recv(payload, src)
+            shape = meta[4 : 4 + meta[3]]
+            tensor = payload.view(_DTYPES[meta[2]]).view(shape)
+        self.comm_seconds += time.perf_counter() - t0
+        return header, tensor
+
+    def _reap(self) -> None:
+        self._pending = [(w, keep) for w, keep in self._pending if not w.is_completed()]
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has left this process."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

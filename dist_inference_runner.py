@@ -1,0 +1,220 @@
+"""Pipeline-parallel batch inference over OpenAI-style completion request files.
+
+    torchrun --nproc-per-node 8 dist_inference_runner.py --model-name MODEL_DIR --infer-data requests.jsonl
+
+Each process holds a slice of the layers; rank 0 reads and schedules the requests, activations
+flow down the pipeline (NCCL on GPU, gloo on CPU) and the last rank writes one OpenAI-format
+result per request, in input order, to ``output_<input name>`` beside the input.
+The seed's per-rank launch works too:
+``python dist_inference_runner.py ... --rank i --world-size P --pipeline-group-size P --dist-url tcp://HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("runner")
+
+
+class UsageError(ValueError):
+    """A problem with how the runner was invoked; reported without a traceback."""
+
+
+def setup_logging(rank: int) -> None:
+    level = os.environ.get("DIST_INFER_LOG", "INFO").upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def resolve_inputs(opts) -> list[str]:
+    """--infer-data as given (files, globs, directories), or the PATH of a NAME#PATH job name."""
+    specs = opts.infer_data
+    if not specs:
+        job = opts.job_name or os.environ.get("LSB_JOBNAME") or os.environ.get("SLURM_JOB_NAME") or ""
+        if "#" in job:
+            specs = [job.split("#", 1)[1]]
+    files: list[str] = []
+    for spec in specs or []:
+        p = Path(spec)
+        if p.is_dir():
+            found = sorted(str(x) for x in p.glob("*.jsonl") if not x.name.startswith("output_"))
+        elif any(c in spec for c in "*?["):
+            found = sorted(x for x in glob.glob(spec) if not Path(x).name.startswith("output_"))
+        elif p.is_file():
+            found = [spec]
+        else:
+            raise UsageError(f"--infer-data {spec}: no such file or directory")
+        if not found:
+            raise UsageError(f"--infer-data {spec}: matches no .jsonl files")
+        files += found
+    return files
+
+
+def output_for(input_path: str, output_path: str | None, several: bool) -> str:
+    name = "output_" + Path(input_path).name
+    if output_path is None:
+        return str(Path(input_path).with_name(name))
+    return str(Path(output_path) / name) if several else output_path
+
+
+def input_fingerprint(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.options import parse_options
+
+    opts = parse_options(argv)  # exits 2 with a message on bad flags
+    rank_hint = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
+    setup_logging(rank_hint)
+    try:
+        return run(opts)
+    except UsageError as e:
+        print(f"dist_inference_runner.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(opts) -> int:
+    import torch
+
+    from comm.dist import init_distributed, resolve_layout, shutdown
+    from pipeline.loading import CheckpointError, build_stage, read_config
+    from pipeline.models import spec_from_config
+    from pipeline.partition import stage_ranges
+
+    # ---- everything that can fail without a model fails here, before any loading ----
+    try:
+        rank, world, _, local_world, pipeline, data = resolve_layout(
+            opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size)
+        if opts.model_name is None:
+            from examples.default_model import default_model_dir
+
+            model_dir = default_model_dir()
+        else:
+            model_dir = opts.model_name
+        cfg = read_config(model_dir)
+        spec = spec_from_config(cfg, opts.model_type)
+        ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
+        inputs = resolve_inputs(opts) if rank % pipeline == 0 else []
+    except (ValueError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    dummy = None
+    if rank % pipeline == 0 and not inputs:
+        from tasks.dummy import write_dummy_requests
+
+        dummy = write_dummy_requests(opts)
+        inputs = [dummy]
+    threads = opts.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+    torch.set_num_threads(threads)
+
+    info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
+                            opts.dist_url, opts.cuda_id, opts.timeout)
+    dtype = resolve_dtype(opts.torch_dtype_name, cfg, info.device)
+    first, last = ranges[info.stage]
+    t0 = time.perf_counter()
+    try:
+        model, store = build_stage(model_dir, first, last, info.is_first, info.is_last, dtype, info.device, opts.model_type)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads",
+             info.stage, info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, threads)
+
+    from comm.p2p import Messenger
+    from pipeline.engine import Engine, Job, StageRunner
+
+    messenger = Messenger(info.device) if info.world_size > 1 else None
+    runner = StageRunner(model, info.device)
+    model_label = opts.model_name or "tiny-llama-default-v1"
+    driver = head = None
+    tokenizer = load_tokenizer(model_dir, opts.trust_remote_code) if (info.is_first or info.is_last) else None
+    if info.is_first:
+        from pipeline.driver import Driver
+        from pipeline.schedule import Scheduler
+
+        slots = opts.num_micro_batches or info.pipeline_size
+        sched = Scheduler(opts.budget, slots, opts.max_micro_batch_size)
+        driver = Driver(tokenizer, spec.vocab_size, spec.max_positions, sched, opts.truncate_prompts,
+                        info.data_rank, info.data_size)
+    if info.is_last:
+        from pipeline.head import Head
+
+        head = Head(model, tokenizer, eos_ids(model_dir, tokenizer), Path(model_label).name, opts.seed, None)
+    fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
+                   "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
+                   "data_group_size": info.data_size}
+    engine = Engine(info, runner, messenger, driver, head, fingerprint, opts.overwrite)
+    if head is not None:
+        head.emit = lambda index, line: engine.writer.put(index, line)
+    try:
+        if info.is_first:
+            jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
+            reports = engine.drive(jobs)
+            summarize(reports)
+            if dummy:
+                os.unlink(dummy)
+            failed = sum(r.errors for r in reports)
+            return 1 if (opts.strict and failed) else 0
+        engine.serve()
+        return 0
+    finally:
+        shutdown()
+
+
+def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
+    import torch
+
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UsageError(f"{model_dir}: cannot load the tokenizer: {e}") from None
+
+
+def eos_ids(model_dir: str, tokenizer) -> set[int]:
+    """EOS tokens: the tokenizer's, plus generation_config.json's (Llama 3 lists several)."""
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    return ids
+
+
+def summarize(reports) -> None:
+    for r in reports:
+        if r.skipped:
+            print(f"{r.input}: skipped, output already complete at {r.output}", file=sys.stderr)
+            continue
+        rate = r.generated_tokens / r.seconds if r.seconds else 0.0
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
+        print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
+              f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "
+              f"({rate:.1f} tok/s) -> {r.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

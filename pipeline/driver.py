@@ -1,0 +1,180 @@
+"""Rank 0's side: stream request lines, validate and tokenize them, and decide what runs.
+
+The driver turns each prompt of a request into a scheduler :class:`Group` (``best_of`` rows),
+keeps the scheduler's queue filled from the input stream (never the whole file in memory), and
+builds each pass's header and input token ids. Lines that cannot run become error records,
+passed along to the writer in their input position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tasks.requests import Request, RequestError, parse_line
+from tasks.results import output_line
+
+from .schedule import Group, Pass, Scheduler
+
+
+def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(index, line) for each non-blank line, split on b"\\n" only (a JSON string may hold U+2028)."""
+    index = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if index >= skip:
+                yield index, line
+            index += 1
+
+
+@dataclass
+class RowFeed:
+    last: dict[int, dict[int, int]] = field(default_factory=dict)  # slot -> row -> token to feed
+
+
+class Driver:
+    def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
+                 truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1):
+        self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
+        self.sched, self.truncate = scheduler, truncate_prompts
+        self.data_rank, self.data_size = data_rank, data_size
+        self.lines: Iterator[tuple[int, bytes]] | None = None
+        self.errors: list[tuple[int, dict]] = []  # (index, output line) not yet sent to the writer
+        self.metas: dict[int, dict] = {}  # gid -> admission metadata for the last rank
+        self.feed = RowFeed()
+        self.next_gid = 0
+        self.requests_read = 0
+        self.error_kinds: dict[str, int] = {}
+
+    def start(self, lines: Iterator[tuple[int, bytes]]) -> None:
+        self.lines = lines
+
+    # -- input ------------------------------------------------------------------------------
+    def fill(self) -> None:
+        """Read lines until the scheduler has a full look-ahead window (or the input ends)."""
+        while self.lines is not None and len(self.sched.queue) < self.sched.window:
+            item = next(self.lines, None)
+            if item is None:
+                self.lines = None
+                return
+            index, line = item
+            if index % self.data_size != self.data_rank:
+                continue  # another data-parallel pipeline answers this line
+            self.requests_read += 1
+            req = None
+            try:
+                req = parse_line(line, index)
+                groups = self._groups(req)
+            except RequestError as e:
+                raw = req.raw if req is not None else e.raw
+                custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
+                self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
+                key = e.param or "line"
+                self.error_kinds[key] = self.error_kinds.get(key, 0) + 1
+                continue
+            for g in groups:
+                self.sched.submit(g)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.lines is None
+
+    def _tokenize(self, req: Request, prompt) -> list[int]:
+        if req.kind == "chat":
+            if not getattr(self.tok, "chat_template", None):
+                raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
+            ids = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return list(ids)
+        if isinstance(prompt, str):
+            ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+            if not ids:  # empty prompt: start from BOS, or EOS for GPT-2 style tokenizers
+                start = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
+                ids = [start]
+            return list(ids)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+        return prompt
+
+    def _groups(self, req: Request) -> list[Group]:
+        p = req.params
+        groups, metas = [], []
+        for i, prompt in enumerate(req.prompts):
+            ids = self._tokenize(req, prompt)
+            note = None
+            if len(ids) + p.max_tokens > self.max_positions:
+                keep = self.max_positions - p.max_tokens
+                if not self.truncate or keep < 1:
+                    raise RequestError(
+                        f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} = {len(ids) + p.max_tokens} "
+                        f"tokens exceeds the model's context window of {self.max_positions} tokens; shorten the "
+                        "prompt, lower max_tokens, or run with --truncate-prompts", "prompt")
+                note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
+                ids = ids[-keep:]
+            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of)
+            if g.width > self.sched.max_rows:
+                raise RequestError(f"best_of {g.width} exceeds --max-micro-batch-size {self.sched.max_rows}", "best_of")
+            if not self.sched.fits(g):
+                raise RequestError(
+                    f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
+                    f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
+                    "max_tokens")
+            meta = {"gid": g.gid, "req": req.index, "prompt_i": i, "n_prompts": len(req.prompts), "prompt_ids": ids,
+                    "params": p.to_json(), "kind": req.kind, "custom_id": req.custom_id, "note": note}
+            if i == 0:
+                meta["raw"] = req.raw
+            groups.append(g)
+            metas.append(meta)
+        self.next_gid += len(req.prompts)
+        for g, m in zip(groups, metas):
+            self.metas[g.gid] = m
+        return groups
+
+    # -- passes -----------------------------------------------------------------------------
+    def build(self, ps: Pass, release: list[int]) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+        """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
+        slot = self.sched.slots[ps.slot]
+        feed = self.feed.last.setdefault(ps.slot, {})
+        decode_ids = prefill_ids = None
+        header = {"op": "pass", "slot": ps.slot, "alloc": ps.alloc, "release": release, "rows": slot.rows,
+                  "decode_rows": ps.decode_rows, "decode_start": ps.decode_start, "prefill": [], "forks": [],
+                  "admit": [], "errors": self.take_errors()}
+        if ps.decode_rows:
+            rows = decode_layout(ps.decode_rows, slot.rows)
+            decode_ids = torch.tensor([[feed.get(r, 0)] for r in rows], dtype=torch.long)
+        if ps.prefill:
+            prompts = [self.metas[gid]["prompt_ids"] for gid, _ in ps.prefill]
+            t = max(len(x) for x in prompts)
+            prefill_ids = torch.zeros(len(prompts), t, dtype=torch.long)
+            for i, ids in enumerate(prompts):
+                prefill_ids[i, : len(ids)] = torch.tensor(ids)
+            header["prefill"] = [{"gid": gid, "row": row, "len": len(p)} for (gid, row), p in zip(ps.prefill, prompts)]
+            lens = {row: len(p) for (_, row), p in zip(ps.prefill, prompts)}
+            header["forks"] = [[lead, rows, lens[lead]] for lead, rows in ps.forks]
+            for gid in ps.admitted:
+                meta = self.metas.pop(gid)
+                meta["rows"] = ps.rows_of[gid]
+                meta["prompt_ids"] = prompts[[g for g, _ in ps.prefill].index(gid)]
+                header["admit"].append(meta)
+        return header, decode_ids, prefill_ids
+
+    def take_errors(self) -> list:
+        errors, self.errors = self.errors, []
+        return errors
+
+    def on_reply(self, sid: int, feed: dict[int, int], finished: list[int]) -> None:
+        slot_feed = self.feed.last.setdefault(sid, {})
+        for r in finished:
+            slot_feed.pop(r, None)
+        slot_feed.update(feed)
+        self.sched.on_reply(sid, sorted(feed), finished)
+
+
+def decode_layout(decode_rows: list[int], slot_rows: int) -> list[int]:
+    """Rows the decode segment computes: every row of the slot (no cache gather) unless few are live."""
+    return list(range(slot_rows)) if 2 * len(decode_rows) >= slot_rows else list(decode_rows)

@@ -1,0 +1,230 @@
+"""The last stage's work after the layers: logits -> logprobs -> tokens, stops, finished choices.
+
+Everything for a micro-batch is batched: one head matmul for the rows that need logits, one
+log-softmax/top-k, one sampling call. Echo scoring runs the head over the prompt in chunks so a
+(prompt length x vocabulary) float32 tensor never exists beyond one chunk. Finished requests are
+formatted (tasks.results) and handed to the ordered writer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tasks.requests import Params
+from tasks.results import Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line, result_object
+
+from .sampling import apply_penalties, logprob_info, sample, stream_key, uniform
+
+ECHO_CHUNK = 256  # prompt positions per head call when scoring
+
+
+@dataclass
+class RowState:
+    gid: int
+    cand: Candidate
+    key: int  # random stream
+    text: IncrementalText | None = None  # only when the request has stop strings
+    counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
+
+
+@dataclass
+class GroupState:
+    meta: dict  # what rank 0 sent on admission
+    params: Params
+    rows: list[int]
+    started: float
+    echo: dict | None = None
+    done: int = 0
+
+
+@dataclass
+class RequestState:
+    raw: object
+    kind: str
+    custom_id: str | None
+    params: Params
+    n_prompts: int
+    choices: dict[int, list[Candidate]] = field(default_factory=dict)  # prompt_i -> candidates
+    echoes: dict[int, dict | None] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    started: float = 0.0
+    batch_size: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class Head:
+    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int, emit):
+        self.model, self.detok = model, Detokenizer(tokenizer)
+        self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
+        self.emit = emit  # emit(index, line_dict): the ordered writer
+        self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
+        self.groups: dict[int, GroupState] = {}
+        self.requests: dict[int, RequestState] = {}
+        self.generated_tokens = 0
+
+    # -- admission --------------------------------------------------------------------------
+    def admit(self, slot: int, meta: dict, slot_rows: int) -> None:
+        p = Params.from_json(meta["params"])
+        idx = meta["req"]
+        if idx not in self.requests:
+            self.requests[idx] = RequestState(meta.get("raw"), meta["kind"], meta.get("custom_id"), p,
+                                              meta["n_prompts"], started=time.perf_counter())
+        req = self.requests[idx]
+        req.batch_size = max(req.batch_size, slot_rows)
+        if meta.get("note"):
+            req.notes.append(meta["note"])
+        req.prompt_tokens += len(meta["prompt_ids"])
+        g = GroupState(meta, p, meta["rows"], time.perf_counter())
+        self.groups[meta["gid"]] = g
+        rows = self.slots.setdefault(slot, {})
+        for j, r in enumerate(g.rows):
+            key = stream_key(self.run_seed, p.seed, idx, meta["prompt_i"], j)
+            cand = Candidate(choice=j, top=[] if p.logprobs else None)
+            text = IncrementalText(self.detok, meta["prompt_ids"]) if p.stop else None
+            rows[r] = RowState(meta["gid"], cand, key, text)
+
+    # -- one pass ---------------------------------------------------------------------------
+    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[dict], h_prefill) -> tuple[dict, list[int]]:
+        """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
+
+        h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
+        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``.
+        """
+        states = self.slots[slot]
+        hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
+        if decode_rows:
+            hiddens.append(h_decode)
+            targets += [[r] for r in decode_rows]
+        for i, item in enumerate(prefill):
+            g = self.groups[item["gid"]]
+            n = item["len"]
+            if g.params.echo:
+                g.echo = self._score_prompt(h_prefill[i, :n], g.meta["prompt_ids"], g.params.logprobs or 0)
+            if g.params.max_tokens == 0:
+                for r in g.rows:
+                    states[r].cand.finish_reason = "length"
+                continue
+            hiddens.append(h_prefill[i, n - 1 : n])
+            targets.append(g.rows)
+        feed, finished = {}, []
+        if hiddens:
+            logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
+            expand = torch.tensor([i for i, rows in enumerate(targets) for _ in rows])
+            rows = [r for rs in targets for r in rs]
+            logits = logits[expand]
+            self._step(states, rows, logits, feed, finished)
+        for item in prefill:  # scoring-only groups finish without sampling
+            g = self.groups[item["gid"]]
+            if g.params.max_tokens == 0:
+                finished += g.rows
+        for r in finished:
+            self._finish_row(slot, r)
+        return feed, finished
+
+    def _step(self, states, rows: list[int], logits: torch.Tensor, feed: dict, finished: list[int]) -> None:
+        ps = [self.groups[states[r].gid].params for r in rows]
+        raw = logits
+        if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
+            logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
+                                     [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+                                     [p.logit_bias for p in ps])
+        temp = torch.tensor([p.temperature for p in ps])
+        unif = torch.tensor([uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
+                             for r, p in zip(rows, ps)], dtype=torch.float64).float()
+        chosen = sample(logits, temp, torch.tensor([p.top_k for p in ps]), torch.tensor([p.top_p for p in ps]), unif)
+        k = max((p.logprobs or 0) for p in ps)
+        chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
+        chosen, chosen_lp = chosen.tolist(), chosen_lp.tolist()
+        if k:
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+        self.generated_tokens += len(rows)
+        for i, (r, p) in enumerate(zip(rows, ps)):
+            st, tok = states[r], chosen[i]
+            cand = st.cand
+            cand.generated += 1
+            if tok in self.eos_ids:
+                cand.finish_reason = "stop"
+                finished.append(r)
+                continue
+            cand.ids.append(tok)
+            cand.logprobs.append(chosen_lp[i])
+            if cand.top is not None:
+                cand.top.append(list(zip(top_i[i][: p.logprobs], top_v[i][: p.logprobs])))
+            if p.presence_penalty or p.frequency_penalty:
+                st.counts[tok] = st.counts.get(tok, 0) + 1
+            if st.text is not None:
+                before = len(st.text.text)
+                st.text.add(tok)
+                hit = _find_stop(st.text.text, p.stop, before)
+                if hit is not None:
+                    cand.finish_reason, cand.stop_at = "stop", hit
+                    finished.append(r)
+                    continue
+            if len(cand.ids) >= p.max_tokens:
+                cand.finish_reason = "length"
+                finished.append(r)
+                continue
+            feed[r] = tok
+
+    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int) -> dict:
+        """Logprob of every prompt token given the ones before it (the first is None), in chunks."""
+        lps: list[float | None] = [None]
+        tops: list = [None]
+        for a in range(0, len(ids) - 1, ECHO_CHUNK):
+            b = min(a + ECHO_CHUNK, len(ids) - 1)
+            chunk = self.model.head(h[a:b])  # (b-a, V): position p predicts token p+1
+            nxt = torch.tensor(ids[a + 1 : b + 1])
+            lp, top_v, top_i = logprob_info(chunk, nxt, k)
+            lps += lp.tolist()
+            if k:
+                tops += [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        return {"ids": ids, "logprobs": lps, "top": tops if k else None}
+
+    # -- finishing --------------------------------------------------------------------------
+    def _finish_row(self, slot: int, row: int) -> None:
+        st = self.slots[slot].pop(row)
+        g = self.groups[st.gid]
+        if st.text is not None:
+            st.cand.pieces = st.text.finish()
+        req = self.requests[g.meta["req"]]
+        req.choices.setdefault(g.meta["prompt_i"], []).append(st.cand)
+        g.done += 1
+        if g.done == len(g.rows):
+            req.echoes[g.meta["prompt_i"]] = g.echo
+            del self.groups[st.gid]
+            if len(req.choices) == req.n_prompts and all(
+                len(c) == req.params.best_of for c in req.choices.values()
+            ):
+                self._emit(g.meta["req"], self.requests.pop(g.meta["req"]))
+
+    def _emit(self, index: int, req: RequestState) -> None:
+        p = req.params
+        choices, completion_tokens = [], 0
+        for prompt_i in range(req.n_prompts):
+            cands = req.choices[prompt_i]
+            completion_tokens += sum(c.generated for c in cands)
+            best = sorted(cands, key=lambda c: (-c.mean_logprob, c.choice))[: p.n] if p.best_of > p.n else sorted(cands, key=lambda c: c.choice)
+            for j, cand in enumerate(best):
+                idx = prompt_i * p.n + j
+                if req.kind == "chat":
+                    choices.append(chat_choice(self.detok, cand, idx, p))
+                else:
+                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i)))
+        result = result_object(req.kind, self.model_name, choices, req.prompt_tokens, completion_tokens,
+                               time.perf_counter() - req.started, req.batch_size)
+        if req.notes:
+            result["warnings"] = req.notes
+        self.emit(index, output_line(req.raw, req.custom_id, result=result))
+
+
+def _find_stop(text: str, stops: list[str], since: int) -> int | None:
+    """Earliest index of any stop string that ends after ``since`` (so spans across tokens count)."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, since - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

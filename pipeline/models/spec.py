@@ -1,0 +1,78 @@
+"""The config-driven description of a decoder-only transformer.
+
+Every supported family (Llama/Mistral/Qwen2, OPT, BLOOM, GPT-2, GPT-NeoX, GPT-J, Falcon) is the
+same decoder block with a few switches: the norm kind, how positions enter (learned table, rotary,
+ALiBi), whether attention and MLP run in parallel, the MLP kind, grouped-query attention, biases.
+A family module turns a HuggingFace ``config.json`` (read as a plain dict, so we do not depend on
+transformers' config classes) into a :class:`DecoderSpec` and tells which HF tensors fill which
+of our parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding: which dims rotate and how inv_freq is built."""
+
+    theta: float = 10000.0
+    rotary_dim: int = 0  # number of leading head dims that rotate (even); head_dim for full rotary
+    interleaved: bool = False  # GPT-J rotates (x0,x1),(x2,x3)...; NeoX/Llama rotate halves
+    scaling_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    norm: str = "rms"  # rms | layer
+    norm_eps: float = 1e-5
+    position: str = "rope"  # rope | learned | alibi
+    rope: RopeSpec | None = None
+    learned_pos_offset: int = 0  # OPT's learned positions start at index 2
+    mlp: str = "gated"  # gated (SwiGLU: down(act(gate) * up)) | plain (fc2(act(fc1)))
+    activation: str = "silu"  # silu | gelu | gelu_tanh | relu
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False  # layer norms with bias (LayerNorm); rms norms have none
+    pre_norm: bool = True  # False: OPT-350m style post-norm residual blocks
+    parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x))
+    shared_norm: bool = False  # parallel residual with one norm for both branches (GPT-J, Falcon-7b)
+    embed_norm: bool = False  # BLOOM: layer norm right after the word embedding
+    final_norm: bool = True
+    embed_dim: int = 0  # OPT-350m: embeddings of size embed_dim, projected in/out of hidden_size
+    lm_head_bias: bool = False  # GPT-J
+    tie_embeddings: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def word_dim(self) -> int:
+        """Width of the word embedding table (differs from hidden_size only with a projection)."""
+        return self.embed_dim or self.hidden_size
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert self.position in ("rope", "learned", "alibi"), self.position
+        assert self.position != "rope" or self.rope is not None

@@ -1,0 +1,142 @@
+"""Run options: one dataclass, from which argparse and the YAML config loader are built.
+
+Defaults are written once, on the fields. ``--config run.yaml`` supplies values keyed by the long
+flag names (``budget: 4096``, ``infer-data: [a.jsonl]``); flags on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _opt(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class RunOptions:
+    # what to run
+    model_name: str | None = _opt(None, "HuggingFace model folder (config.json + weights + tokenizer). Omitted: the embedded default tiny Llama, built locally on first use.")
+    model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or an HF model_type). Omitted: read from config.json.")
+    infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
+    output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
+    job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME is read too).")
+    # scheduling
+    budget: int = _opt(8192, "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait.")
+    max_micro_batch_size: int = _opt(32, "Most sequences (rows) in one micro-batch.")
+    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size (the fewest that keep every stage busy).")
+    pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule.", choices=PP_MODES)
+    seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
+    # model partition and numerics
+    num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
+    max_layers: int | None = _opt(None, "Use only the first N layers of the model (trailing layers dropped).")
+    fp16: bool = _opt(False, "Shorthand for --dtype float16.")
+    dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
+    trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
+    # distributed launch (torchrun sets these through the environment)
+    world_size: int | None = _opt(None, "Legacy launch: total number of processes.")
+    pipeline_group_size: int | None = _opt(None, "Stages per pipeline (default: world size / data group size).")
+    data_group_size: int = _opt(1, "Independent pipelines sharing the requests (world = data x pipeline).")
+    rank: int | None = _opt(None, "Legacy launch: this process's rank.")
+    cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
+    dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
+    timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
+    num_threads: int = _opt(0, "CPU threads per process; 0 = the machine's cores divided among local processes.")
+    # requests and results
+    truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
+    strict: bool = _opt(False, "Exit non-zero when any request failed.")
+    no_progress: bool = _opt(False, "No progress bar or progress log lines.")
+    profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
+    # dummy-data mode (no --infer-data)
+    batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
+    input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
+    generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "float16" if self.fp16 else self.dtype
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dist_inference_runner.py",
+        description="Pipeline-parallel batch inference over OpenAI-style completion request files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(RunOptions):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {k: v for k, v in f.metadata.items()}
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default, **kwargs)
+            continue
+        if "nargs" not in kwargs:
+            kwargs["type"] = int if f.type.startswith("int") else str
+        parser.add_argument(flag, default=f.default, **kwargs)
+    return parser
+
+
+def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        parser.error(f"--config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        parser.error(f"--config {path}: not valid YAML: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    known = {f.name for f in dataclasses.fields(RunOptions)}
+    values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(k for k in values if k not in known or k == "config")
+    if unknown:
+        parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}; keys are the long flag names, e.g. budget, infer-data")
+    if isinstance(values.get("infer_data"), str):
+        values["infer_data"] = [values["infer_data"]]
+    return values
+
+
+def parse_options(argv: list[str] | None = None) -> RunOptions:
+    """Parse flags (after merging --config), check what can be checked without a model."""
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    if first.config:
+        parser.set_defaults(**_load_yaml(first.config, parser))
+    ns = parser.parse_args(argv)
+    opts = RunOptions(**vars(ns))
+    problems = check_options(opts)
+    if problems:
+        parser.error("; ".join(problems))
+    return opts
+
+
+def check_options(opts: RunOptions) -> list[str]:
+    """Flag problems that need no model: each message says what to change."""
+    problems = []
+    if opts.budget < 1:
+        problems.append(f"--budget must be a positive number of KV-cache tokens, got {opts.budget}")
+    if opts.max_micro_batch_size < 1:
+        problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
+    if opts.num_micro_batches < 0:
+        problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
+    if opts.data_group_size < 1:
+        problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.fp16 and opts.dtype not in ("auto", "float16"):
+        problems.append(f"--fp16 contradicts --dtype {opts.dtype}: pass only one of them")
+    if opts.model_name is not None and not Path(opts.model_name).is_dir():
+        problems.append(
+            f"--model-name {opts.model_name}: no such folder (this runner loads local HuggingFace "
+            "model folders only; omit --model-name to use the embedded default model)"
+        )
+    for name in ("batch_size", "input_seq_length", "generate_seq_length", "timeout"):
+        if getattr(opts, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    return problems

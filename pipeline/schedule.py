@@ -1,0 +1,186 @@
+"""Which sequences run in which micro-batch, under the KV-cache token budget. Pure CPU logic.
+
+A *group* is one prompt of one request with ``width`` = best_of candidate rows; its rows share
+one prefill (the lead row's cache is forked to the others). A *slot* is one micro-batch: a KV
+cache of ``rows x cols`` tokens on every stage. ``--budget`` bounds the sum of ``rows x cols``
+over allocated slots. A new slot is packed with groups of similar length (prompt + max_tokens)
+from a look-ahead window, and a slot whose rows finish takes new groups into those rows at once
+(continuous refill) instead of waiting for the whole micro-batch to end.
+
+Nothing here imports torch.distributed or runs a model (tests/test_schedule.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    gid: int
+    prompt_len: int
+    max_tokens: int
+    width: int = 1  # rows: best_of candidates
+
+    @property
+    def need(self) -> int:
+        """Cache columns a row of this group may fill."""
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass
+class Slot:
+    sid: int
+    rows: int = 0
+    cols: int = 0
+    row_group: list[int | None] = field(default_factory=list)  # gid per row, None = free
+    row_len: list[int] = field(default_factory=list)  # tokens in the cache per row
+    decoding: set[int] = field(default_factory=set)  # rows waiting for their next decode step
+    inflight: bool = False
+
+    @property
+    def allocated(self) -> bool:
+        return self.rows > 0
+
+    def free_rows(self) -> list[int]:
+        return [r for r, g in enumerate(self.row_group) if g is None]
+
+
+@dataclass
+class Pass:
+    """One trip of a slot through the pipeline."""
+
+    slot: int
+    alloc: tuple[int, int] | None  # (rows, cols) to (re)allocate before the pass
+    decode_rows: list[int]  # rows whose last token is fed this pass (all other rows are idle)
+    decode_start: list[int]  # cache column per slot row for the decode segment (0 for idle rows)
+    prefill: list[tuple[int, int]]  # (gid, lead row)
+    forks: list[tuple[int, list[int]]]  # (lead row, other rows of the group)
+    admitted: list[int]  # gids admitted in this pass
+    rows_of: dict[int, list[int]]  # gid -> its rows, for admitted groups
+
+
+class Scheduler:
+    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None):
+        self.budget, self.max_rows = budget, max_rows
+        self.slots = [Slot(i) for i in range(num_slots)]
+        self.queue: deque[Group] = deque()
+        self.window = window or max(64, 4 * max_rows)
+        self.groups: dict[int, Group] = {}
+        self.padding_waste = 0  # allocated cells never needed by the groups packed into them
+        self.allocated_cells = 0
+
+    # -- input side -------------------------------------------------------------------------
+    def fits(self, g: Group) -> bool:
+        return g.need * g.width <= self.budget and g.width <= self.max_rows
+
+    def submit(self, g: Group) -> None:
+        assert self.fits(g), "caller must reject groups larger than the budget"
+        self.queue.append(g)
+
+    @property
+    def used(self) -> int:
+        return sum(s.rows * s.cols for s in self.slots)
+
+    def idle(self) -> bool:
+        return not self.queue and not any(s.allocated for s in self.slots)
+
+    # -- building passes --------------------------------------------------------------------
+    def _pack(self, available: int) -> list[Group]:
+        """Groups for a new slot: the oldest queued group plus the most similar ones that fit."""
+        seed = self.queue[0]
+        target = max(self.budget // len(self.slots), seed.need * seed.width)
+        cap = min(available, target)
+        if seed.need * seed.width > cap:
+            return []
+        window = list(self.queue)[: self.window]
+        chosen, rows, cols = [seed], seed.width, seed.need
+        for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
+            new_cols = max(cols, g.need)
+            if rows + g.width <= self.max_rows and (rows + g.width) * new_cols <= cap:
+                chosen.append(g)
+                rows, cols = rows + g.width, new_cols
+        return chosen
+
+    def _refill(self, slot: Slot) -> list[Group]:
+        free = len(slot.free_rows())
+        chosen = []
+        for g in list(self.queue)[: self.window]:
+            if free == 0:
+                break
+            if g.width <= free and g.need <= slot.cols:
+                chosen.append(g)
+                free -= g.width
+        return chosen
+
+    def _head_blocked(self) -> bool:
+        """The oldest queued group cannot start anywhere now: stop refilling so slots drain.
+
+        Without this a long request could wait behind an endless stream of short refills,
+        and the ordered writer would have to hold every later result in memory.
+        """
+        if not self.queue:
+            return False
+        head = self.queue[0]
+        if head.need * head.width <= self.budget - self.used:
+            return False
+        return not any(s.allocated and head.need <= s.cols and head.width <= s.rows for s in self.slots)
+
+    def next_pass(self, sid: int) -> Pass | None:
+        """The next pass for an idle slot, or None when it has nothing to do now."""
+        slot = self.slots[sid]
+        assert not slot.inflight
+        alloc = None
+        if not slot.allocated and self.queue:
+            new = self._pack(self.budget - self.used)
+            if new:
+                rows, cols = sum(g.width for g in new), max(g.need for g in new)
+                slot.rows, slot.cols = rows, cols
+                slot.row_group, slot.row_len = [None] * rows, [0] * rows
+                alloc = (rows, cols)
+                self.allocated_cells += rows * cols
+                self.padding_waste += rows * cols - sum(g.need * g.width for g in new)
+        elif slot.allocated and not self._head_blocked():
+            new = self._refill(slot)
+        else:
+            new = []
+        for g in new:
+            self.queue.remove(g)
+        if not slot.allocated:
+            return None
+        decode_rows = sorted(slot.decoding)
+        decode_start = [slot.row_len[r] if r in slot.decoding else 0 for r in range(slot.rows)]
+        prefill, forks, rows_of = [], [], {}
+        free = slot.free_rows()
+        for g in new:
+            rows, free = free[: g.width], free[g.width :]
+            for r in rows:
+                slot.row_group[r], slot.row_len[r] = g.gid, g.prompt_len
+            self.groups[g.gid] = g
+            prefill.append((g.gid, rows[0]))
+            if len(rows) > 1:
+                forks.append((rows[0], rows[1:]))
+            rows_of[g.gid] = rows
+        if not decode_rows and not prefill:
+            return None
+        slot.inflight = True
+        return Pass(sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of)
+
+    # -- results side -----------------------------------------------------------------------
+    def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> None:
+        """After a pass: ``continuing`` rows got a token to feed next; ``finished`` rows are done."""
+        slot = self.slots[sid]
+        slot.inflight = False
+        for r in slot.decoding:
+            slot.row_len[r] += 1  # the token fed this pass is now in the cache
+        slot.decoding = set(continuing)
+        for r in finished:
+            slot.decoding.discard(r)
+            gid = slot.row_group[r]
+            slot.row_group[r] = None
+            if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
+                del self.groups[gid]
+        if all(g is None for g in slot.row_group):
+            slot.rows = slot.cols = 0
+            slot.row_group, slot.row_len, slot.decoding = [], [], set()

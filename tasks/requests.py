@@ -1,0 +1,236 @@
+"""Request lines in: parse and validate OpenAI completion requests (and Batch API lines).
+
+Validation here needs no model; what needs the tokenizer (token ids in range, context window)
+happens when rank 0 tokenizes. Every problem raises :class:`RequestError` with a message that
+names the field, so the line gets an error result in its place and the rest of the file runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import orjson
+
+MAX_N = 128  # n and best_of
+MAX_LOGPROBS = 20
+MAX_STOPS = 4
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class RequestError(ValueError):
+    """A request that cannot run; becomes {"error": {"message", "type", "param"}}."""
+
+    def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.kind = message, param, kind
+
+    def to_dict(self) -> dict:
+        return {"message": self.message, "type": self.kind, "param": self.param}
+
+
+@dataclass
+class Params:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    n: int = 1
+    best_of: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Params":
+        d = dict(d)
+        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+        return cls(**d)
+
+
+@dataclass
+class Request:
+    index: int  # position among the file's non-blank lines
+    raw: object  # the original JSON value, echoed in the output
+    prompts: list  # each a str, a list[int] of token ids, or (chat) a list of messages
+    params: Params
+    kind: str = "completion"  # completion | chat
+    custom_id: str | None = None  # Batch API lines
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, what: str = ""):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise RequestError(f"'{key}' must be an integer, got {orjson.dumps(v).decode()[:40]}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise RequestError(f"'{key}' must be {rng}{what}, got {v}", key)
+    return v
+
+
+def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise RequestError(f"'{key}' must be a number, got {orjson.dumps(v).decode()[:40]}", key)
+    if v > hi or v < lo or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise RequestError(f"'{key}' must be in {left}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _prompts(body: dict) -> list:
+    if "prompt" not in body or body["prompt"] is None:
+        raise RequestError("'prompt' is required (a string, a list of strings, or token ids)", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list):
+        if not p:
+            raise RequestError("'prompt' is an empty list", "prompt")
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(_is_int(x) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+            return [list(x) for x in p]
+    raise RequestError(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of non-empty "
+        "lists of token ids", "prompt"
+    )
+
+
+def _stops(body: dict) -> list[str]:
+    s = body.get("stop")
+    if s is None:
+        return []
+    if isinstance(s, str):
+        s = [s]
+    if not isinstance(s, list) or not all(isinstance(x, str) for x in s):
+        raise RequestError("'stop' must be a string or a list of strings", "stop")
+    if len(s) > MAX_STOPS:
+        raise RequestError(f"'stop' has {len(s)} sequences; at most {MAX_STOPS} are allowed", "stop")
+    return [x for x in s if x]
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return {}
+    if not isinstance(lb, dict):
+        raise RequestError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out = {}
+    for k, v in lb.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise RequestError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if not _is_num(v) or not -100 <= v <= 100:
+            raise RequestError(f"'logit_bias' value for token {k} must be a number in [-100, 100]", "logit_bias")
+        out[tok] = float(v)
+    return out
+
+
+def parse_params(body: dict, chat: bool = False) -> Params:
+    """Sampling parameters of a completion (or chat completion) body, validated."""
+    max_tokens_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int(body, max_tokens_key, DEFAULT_MAX_TOKENS if not chat else 256, lo=0)
+    n = _int(body, "n", 1, lo=1, hi=MAX_N)
+    best_of = _int(body, "best_of", n, lo=1, hi=MAX_N)
+    if best_of < n:
+        raise RequestError(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    if chat:
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise RequestError("'logprobs' must be true or false for chat completions", "logprobs")
+        top = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        logprobs = top if want else None
+        echo = False
+    else:
+        logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, what=" (the documented cap)")
+        echo = body.get("echo", False)
+        if echo is None:
+            echo = False
+        if not isinstance(echo, bool):
+            raise RequestError("'echo' must be true or false", "echo")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("'seed' must be an integer", "seed")
+    top_k = _int(body, "top_k", 0, lo=-1)
+    return Params(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        n=n,
+        best_of=best_of,
+        logprobs=logprobs,
+        echo=echo,
+        stop=_stops(body),
+        seed=seed,
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body),
+    )
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+            raise RequestError("each message must be an object with a string 'role' and a 'content'", "messages")
+    return msgs
+
+
+def parse_request(raw: object, index: int) -> Request:
+    """A parsed JSON value -> Request (completion, or a Batch API line of either endpoint)."""
+    if not isinstance(raw, dict):
+        raise RequestError(f"a request must be a JSON object, got a JSON {type(raw).__name__}", None)
+    if "custom_id" in raw and "body" in raw:
+        url = raw.get("url", "/v1/completions")
+        body = raw["body"]
+        if not isinstance(body, dict):
+            raise RequestError("Batch API line: 'body' must be an object", "body")
+        if url == "/v1/chat/completions":
+            return Request(index, raw, [_messages(body)], parse_params(body, chat=True), "chat", str(raw["custom_id"]))
+        if url != "/v1/completions":
+            raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
+        return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]))
+    return Request(index, raw, _prompts(raw), parse_params(raw))
+
+
+def parse_line(line: bytes, index: int) -> Request:
+    """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo)."""
+    try:
+        raw = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        err = RequestError(f"line {index + 1} is not valid JSON: {e}", None)
+        err.raw = line.decode("utf-8", errors="replace").rstrip("\r\n")
+        raise err from None
+    try:
+        return parse_request(raw, index)
+    except RequestError as e:
+        e.raw = raw
+        raise

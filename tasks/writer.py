@@ -1,0 +1,124 @@
+"""The ordered, resumable writer on the last rank.
+
+Results arrive out of order (micro-batches finish when they finish); lines are written strictly
+in input order to a journal ``<output>.partial`` as soon as they are contiguous, so the journal
+is always a prefix of the final file. A restarted run with the same settings reads how many
+lines the journal holds and resumes after them (a torn last line is cut off). When every line is
+in, the journal is renamed to the output path in one step: the output appears only complete.
+A sidecar ``<output>.partial.json`` holds the run's fingerprint, so a journal written by another
+model or other settings is refused instead of mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import orjson
+
+
+class JournalMismatch(RuntimeError):
+    pass
+
+
+def _count_and_trim(path: Path) -> int:
+    """Complete lines in a journal; a torn final line (killed mid-write) is truncated away."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            f.truncate(end)
+        return data[:end].count(b"\n")
+
+
+class OrderedWriter:
+    def __init__(self, output: str | os.PathLike, fingerprint: dict, share: int = 0, shares: int = 1):
+        self.output = Path(output)
+        suffix = ".partial" if shares == 1 else f".partial-{share}-of-{shares}"
+        self.journal = self.output.with_name(self.output.name + suffix)
+        self.meta = self.journal.with_name(self.journal.name + ".json")
+        self.fingerprint = fingerprint
+        self.share, self.shares = share, shares
+        self.pending: dict[int, bytes] = {}
+        self.written = 0  # lines in the journal
+        self._file = None
+
+    def open(self, overwrite: bool = False) -> int | None:
+        """Prepare the journal; returns how many of this share's lines are already done, or None
+        when the output is already complete (and not --overwrite)."""
+        if self.output.exists() and not overwrite:
+            return None
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for p in (self.journal, self.meta):
+                p.unlink(missing_ok=True)
+        if self.journal.exists():
+            old = json.loads(self.meta.read_text()) if self.meta.exists() else None
+            if old != self.fingerprint:
+                changed = sorted(k for k in set(old or {}) | set(self.fingerprint) if (old or {}).get(k) != self.fingerprint.get(k))
+                raise JournalMismatch(
+                    f"{self.journal} was written by a run with different settings ({', '.join(changed) or 'no fingerprint'}); "
+                    "rerun with the same settings to resume it, or pass --overwrite to start over"
+                )
+            self.written = _count_and_trim(self.journal)
+        else:
+            self.meta.write_text(json.dumps(self.fingerprint, sort_keys=True))
+        self._file = open(self.journal, "ab")
+        return self.written
+
+    def _index_of(self, k: int) -> int:
+        """Input index of this share's k-th line."""
+        return self.share + k * self.shares
+
+    def put(self, index: int, line: dict) -> None:
+        self.pending[index] = orjson.dumps(line) + b"\n"
+
+    def flush(self) -> int:
+        """Write every line that is now contiguous; returns how many were written."""
+        out = []
+        while self._index_of(self.written) in self.pending:
+            out.append(self.pending.pop(self._index_of(self.written)))
+            self.written += 1
+        if out:
+            self._file.write(b"".join(out))
+            self._file.flush()
+        return len(out)
+
+    def close(self, total_lines: int) -> bool:
+        """Finish the journal; with every line of the share present, publish it. True if complete."""
+        self.flush()
+        expected = len(range(self.share, total_lines, self.shares))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if self.written != expected:
+            return False
+        if self.shares == 1:
+            os.replace(self.journal, self.output)
+            self.meta.unlink(missing_ok=True)
+        return True
+
+
+def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
+    """Interleave data-parallel journals (line i from share i % shares) into the output, atomically."""
+    output = Path(output)
+    journals = [output.with_name(f"{output.name}.partial-{d}-of-{shares}") for d in range(shares)]
+    tmp = output.with_name(output.name + ".merging")
+    files = [open(j, "rb") for j in journals]
+    try:
+        with open(tmp, "wb") as out:
+            for i in range(total_lines):
+                line = files[i % shares].readline()
+                if not line.endswith(b"\n"):
+                    raise RuntimeError(f"{journals[i % shares]} ends early (line {i} missing)")
+                out.write(line)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        for f in files:
+            f.close()
+    os.replace(tmp, output)
+    for j in journals:
+        j.unlink(missing_ok=True)
+        j.with_name(j.name + ".json").unlink(missing_ok=True)
