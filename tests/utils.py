@@ -1,0 +1,223 @@
+"""Shared test helpers: tiny HF models in temp dirs, in-process stage chains, real multi-process runs.
+
+No hub access anywhere: models are random ``save_pretrained`` folders, tokenizers are the
+project's locally trained BPE (examples/default_model.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = REPO / "dist_inference_runner.py"
+DATA = REPO.parent / "shared" / "data"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@functools.lru_cache(maxsize=1)
+def local_tokenizer():
+    from examples.default_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def save_hf_model(model, out_dir: str | os.PathLike, tokenizer=None, **save_kwargs) -> str:
+    """save_pretrained the model (and the local tokenizer) into out_dir; returns the path."""
+    out_dir = str(out_dir)
+    model.save_pretrained(out_dir, **save_kwargs)
+    (tokenizer or local_tokenizer()).save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_llama(out_dir, seed: int = 0, **overrides) -> str:
+    """A random tiny Llama (vocab of the local tokenizer) saved with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = local_tokenizer()
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    return save_hf_model(model, out_dir)
+
+
+def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float32, model_type=None):
+    """Our StageModels for the given layer ranges, loaded from model_dir (in this process)."""
+    from pipeline.loading import build_stage
+
+    n = len(ranges)
+    return [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type)[0]
+            for i, (a, b) in enumerate(ranges)]
+
+
+@torch.inference_mode()
+def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None) -> list[torch.Tensor]:
+    """Full-prompt logits of each prompt run together as one right-ragged micro-batch through the chain.
+
+    Returns one (len_i, vocab) float32 tensor per prompt. Different lengths share the batch, so
+    this checks per-row positions and masks.
+    """
+    from pipeline.models.decoder import Segment
+
+    b, t = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True)
+    x = ids
+    for st in stages:
+        x = st(x, seg, st.new_cache(b, cache_cols or t))
+    logits = stages[-1].head(x)
+    return [logits[i, : len(p)] for i, p in enumerate(prompts)]
+
+
+@torch.inference_mode()
+def chain_greedy(stages, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy decode through the chain with the KV cache: (tokens, token logprobs) per prompt."""
+    from pipeline.models.decoder import Segment
+
+    b, t = len(prompts), max(len(p) for p in prompts)
+    cols = t + steps
+    caches = [st.new_cache(b, cols) for st in stages]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True)
+    x = ids
+    for st, c in zip(stages, caches):
+        x = st(x, seg, c)
+    lens = torch.tensor([len(p) for p in prompts])
+    h = x[torch.arange(b), lens - 1]
+    out_tok, out_lp = [[] for _ in prompts], [[] for _ in prompts]
+    for step in range(steps):
+        lp = torch.log_softmax(stages[-1].head(h), -1)
+        nxt = lp.argmax(-1)
+        for i in range(b):
+            out_tok[i].append(int(nxt[i]))
+            out_lp[i].append(float(lp[i, nxt[i]]))
+        if step == steps - 1:
+            break
+        seg = Segment(torch.arange(b), lens + step, 1, int((lens + step).max()) + 1, all_rows=True)
+        x = nxt[:, None]
+        for st, c in zip(stages, caches):
+            x = st(x, seg, c)
+        h = x[:, -1]
+    return out_tok, out_lp
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: str, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """HuggingFace generate (greedy) on one unpadded prompt: tokens and their logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(model_dir)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                         output_scores=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    toks = out.sequences[0, len(prompt):].tolist()
+    lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(out.logits, toks)]
+    return toks, lps
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_logits(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """HF logits (len, vocab) float32 for one unpadded prompt."""
+    return _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(args: list[str], nproc: int, timeout: float = 300, env: dict | None = None,
+                 extra_torchrun: list[str] | None = None) -> subprocess.CompletedProcess:
+    """torchrun --nproc-per-node nproc dist_inference_runner.py args (gloo on loopback)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *(extra_torchrun or []),
+           str(RUNNER), *args]
+    return run_cmd(cmd, timeout, env)
+
+
+def run_single(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, str(RUNNER), *args], timeout, env)
+
+
+def run_legacy(args: list[str], nproc: int, timeout: float = 300, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """The seed's launch: one `python dist_inference_runner.py --rank i ...` process per rank."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(RUNNER), *args, "--rank", str(i), "--cuda-id", str(i),
+                               "--world-size", str(nproc), "--pipeline-group-size", str(nproc), "--dist-url", url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+                              start_new_session=True)
+             for i in range(nproc)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            _kill_group(p)
+    return results
+
+
+def run_cmd(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        _kill_group(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _env(extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait()
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def strip_volatile(line: dict) -> dict:
+    """An output line without the fields that differ between identical runs (ids, timing)."""
+    line = json.loads(json.dumps(line))
+    res = line.get("result") or (line.get("response") or {}).get("body")
+    for obj in (line, res or {}):
+        for k in ("id", "created", "request_time"):
+            obj.pop(k, None)
+    if isinstance(line.get("response"), dict):
+        line["response"].pop("request_id", None)
+    return line
