@@ -1,0 +1,99 @@
+"""GPT-NeoX, GPT-J and Falcon parity with HuggingFace (logits close, greedy equal) for P = 1, 2, 3,
+plus --model-type spellings and config edge cases."""
+
+import pytest
+import torch
+
+from pipeline.models import family_for, spec_from_config, supported_model_types
+from pipeline.partition import stage_ranges
+from tests.utils import chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer, save_hf_model, stage_chain
+
+PROMPTS = [[5, 17, 300, 42, 9, 11, 2000, 7, 13], [100, 200], [31, 4000, 8, 99, 1500]]
+
+# model_type -> config overrides; all 3 layers, head_dim >= 8
+VARIANTS = {
+    "neox-parallel": ("gpt_neox", dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                       rotary_pct=0.5, use_parallel_residual=True)),
+    "neox-sequential": ("gpt_neox", dict(hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                                         rotary_pct=0.25, use_parallel_residual=False, attention_bias=False)),
+    "gptj": ("gptj", dict(n_embd=64, n_head=4, n_inner=128, rotary_dim=8)),
+    "falcon-new-gqa": ("falcon", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=2, ffn_hidden_size=96,
+                                      new_decoder_architecture=True, bias=True, tie_word_embeddings=False)),
+    "falcon-7b-mq": ("falcon", dict(hidden_size=64, num_attention_heads=4, new_decoder_architecture=False,
+                                    multi_query=True, parallel_attn=True, bias=False)),
+    "falcon-mha-sequential": ("falcon", dict(hidden_size=48, num_attention_heads=4, new_decoder_architecture=False,
+                                             multi_query=False, parallel_attn=False, bias=True)),
+}
+
+
+def tiny_model(out_dir, model_type: str, seed: int = 0, **overrides) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = local_tokenizer()
+    layers = "n_layer" if model_type == "gptj" else "num_hidden_layers"
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=256, **{layers: 3},
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases and sets norms to 1: randomize them so the maps are checked
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return save_hf_model(model, out_dir)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def model_dir(request, tmp_path_factory):
+    model_type, overrides = VARIANTS[request.param]
+    return tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_logits_and_greedy_match_hf(model_dir, stages):
+    chain = stage_chain(model_dir, stage_ranges(3, stages))
+    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+        torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
+    toks, lps = chain_greedy(chain, PROMPTS, 6)
+    for prompt, t, lp in zip(PROMPTS, toks, lps):
+        ref_t, ref_lp = hf_greedy(model_dir, prompt, 6)
+        assert t == ref_t
+        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+
+
+def test_variant_specs():
+    """The fixtures really exercise what they are named after."""
+    specs = {}
+    for name in ("falcon-new-gqa", "falcon-7b-mq", "falcon-mha-sequential"):
+        model_type, overrides = VARIANTS[name]
+        cfg = dict(vocab_size=64, num_hidden_layers=1, model_type=model_type, **overrides)
+        specs[name] = spec_from_config(cfg)
+    gqa, mq, seq = specs["falcon-new-gqa"], specs["falcon-7b-mq"], specs["falcon-mha-sequential"]
+    assert (gqa.num_kv_heads, gqa.parallel_residual, gqa.shared_norm) == (2, True, False)
+    assert (mq.num_kv_heads, mq.parallel_residual, mq.shared_norm, mq.tie_embeddings) == (1, True, True, True)
+    assert (seq.num_kv_heads, seq.parallel_residual) == (4, False)
+
+
+@pytest.mark.parametrize("spelling,module", [("gptneox", "gpt_neox"), ("gpt_neox", "gpt_neox"), ("gptj", "gptj"),
+                                             ("falcon", "falcon")])
+def test_model_type_spellings(spelling, module):
+    assert family_for({"model_type": "llama"}, spelling).__name__ == f"pipeline.models.{module}"
+    assert spelling in supported_model_types()
+
+
+def test_neox_legacy_config_keys():
+    """Original Pythia configs: rotary_pct / rotary_emb_base instead of rope_parameters (default pct 0.25)."""
+    base = dict(model_type="gpt_neox", vocab_size=64, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=256)
+    legacy = spec_from_config({**base, "rotary_pct": 0.5, "rotary_emb_base": 500.0})
+    new = spec_from_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                        "partial_rotary_factor": 0.5}})
+    assert legacy.rope == new.rope and legacy.rope.rotary_dim == 8 and legacy.rope.theta == 500.0
+    assert spec_from_config(base).rope.rotary_dim == 4  # HF's default rotary_pct is 0.25
+
+
+def test_falcon_alibi_rejected():
+    cfg = dict(model_type="falcon", vocab_size=64, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+               alibi=True)
+    with pytest.raises(ValueError, match="alibi"):
+        spec_from_config(cfg)
