@@ -123,8 +123,10 @@ def hf_greedy(model_dir: str, prompt: list[int], steps: int) -> tuple[list[int],
     from transformers import AutoModelForCausalLM
 
     model = _hf_model(model_dir)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                         output_scores=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=model.config.pad_token_id or 0)
     toks = out.sequences[0, len(prompt):].tolist()
     lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(out.logits, toks)]
     return toks, lps
@@ -221,3 +223,29 @@ def strip_volatile(line: dict) -> dict:
     if isinstance(line.get("response"), dict):
         line["response"].pop("request_id", None)
     return line
+
+
+def assert_same_results(a: list[dict], b: list[dict], tol: float = 1e-4) -> None:
+    """Two output files agree: same structure and strings, numbers within ``tol``.
+
+    Different batch shapes change float rounding (a few 1e-7), never tokens or texts.
+    """
+    assert len(a) == len(b), (len(a), len(b))
+
+    def same(x, y, where):
+        if isinstance(x, float) or isinstance(y, float):
+            assert isinstance(x, (int, float)) and isinstance(y, (int, float)), where
+            assert abs(x - y) <= tol, f"{where}: {x} vs {y}"
+        elif isinstance(x, dict):
+            assert isinstance(y, dict) and x.keys() == y.keys(), f"{where}: keys {list(x)} vs {list(y)}"
+            for k in x:
+                same(x[k], y[k], f"{where}.{k}")
+        elif isinstance(x, list):
+            assert isinstance(y, list) and len(x) == len(y), f"{where}: length {len(x)} vs {len(y) if isinstance(y, list) else y}"
+            for i, (u, v) in enumerate(zip(x, y)):
+                same(u, v, f"{where}[{i}]")
+        else:
+            assert x == y, f"{where}: {x!r} vs {y!r}"
+
+    for i, (x, y) in enumerate(zip(a, b)):
+        same(strip_volatile(x), strip_volatile(y), f"line {i}")

@@ -1,0 +1,113 @@
+"""End to end through real processes (gloo on loopback): parity with HF for P = 1, 2, 3,
+torchrun vs the seed's per-rank launch, the shared request files, tiny budgets, bad flags."""
+
+import json
+
+import pytest
+
+from tests.utils import (DATA, assert_same_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun,
+                         strip_volatile, tiny_llama)
+
+PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
+           "a", "Passage: The office is east of the hallway. The bedroom is west of the garden. The garden is"]
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=3, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def requests_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("req") / "greedy.jsonl"
+    lines = [{"prompt": p, "max_tokens": STEPS, "temperature": 0, "logprobs": 2} for p in PROMPTS]
+    lines.append({"prompt": [5, 17, 300, 42], "max_tokens": STEPS, "temperature": 0})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _check_against_hf(model_dir, out_path):
+    tok = local_tokenizer()
+    lines = read_jsonl(out_path)
+    assert len(lines) == len(PROMPTS) + 1
+    prompts = [tok(p)["input_ids"] for p in PROMPTS] + [[5, 17, 300, 42]]
+    for line, ids in zip(lines, prompts):
+        choice = line["result"]["choices"][0]
+        ref_tokens, ref_lps = hf_greedy(model_dir, ids, STEPS)
+        assert choice["text"] == tok.decode(ref_tokens, skip_special_tokens=True) or ref_tokens.count(tok.eos_token_id)
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == STEPS
+        assert max(abs(a - b) for a, b in zip(got, ref_lps)) < 1e-4
+        assert line["result"]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": STEPS,
+                                           "total_tokens": len(ids) + STEPS}
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_greedy_parity_with_hf(model_dir, requests_file, tmp_path, stages):
+    out = tmp_path / "out.jsonl"
+    args = ["--model-name", model_dir, "--infer-data", str(requests_file), "--output-path", str(out)]
+    proc = run_single(args) if stages == 1 else run_torchrun(args, stages)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_against_hf(model_dir, out)
+    top = read_jsonl(out)[0]["result"]["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(len(t) <= 2 for t in top) and len(top) == STEPS
+
+
+def test_legacy_launch_equals_torchrun(model_dir, tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    src.write_text((DATA / "mixed_params.jsonl").read_text())
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base = ["--model-name", model_dir, "--infer-data", str(src)]
+    p = run_torchrun(base + ["--output-path", str(a)], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    procs = run_legacy(base + ["--output-path", str(b)], 2)
+    assert all(x.returncode == 0 for x in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
+    assert_same_results(read_jsonl(a), read_jsonl(b))
+
+
+@pytest.mark.parametrize("name", ["babi_fewshot.jsonl", "mixed_params.jsonl"])
+def test_shared_files_complete_with_tiny_budget(model_dir, tmp_path, name):
+    src = tmp_path / name
+    src.write_text((DATA / name).read_text())
+    n_lines = sum(1 for l in src.read_text().splitlines() if l.strip())
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--output-path", str(big)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    # a budget barely above the largest single request: requests queue, every one completes
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--output-path", str(small),
+                    "--budget", "1200", "--max-micro-batch-size", "3"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = read_jsonl(big), read_jsonl(small)
+    assert len(a) == len(b) == n_lines
+    assert [x["request"] for x in a] == [json.loads(l) for l in src.read_text().splitlines() if l.strip()]
+    assert all("result" in x for x in a), [x.get("error") for x in a if "error" in x]
+    assert_same_results(a, b)
+
+
+def test_default_output_path_and_default_model(tmp_path):
+    src = tmp_path / "two.jsonl"
+    src.write_text('{"prompt": "Hello", "max_tokens": 3}\n{"prompt": "World", "max_tokens": 2, "temperature": 0}\n')
+    p = run_single(["--infer-data", str(src)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = read_jsonl(tmp_path / "output_two.jsonl")
+    assert [x["result"]["model"] for x in out] == ["tiny-llama-default-v1"] * 2
+    assert out[1]["result"]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp-mode", "bogus"], "invalid choice"),
+    (["--num-layers", "1"], "--num-layers 1 x 1 stages"),
+    (["--max-layers", "0"], "--max-layers must be at least 1"),
+    (["--budget", "0"], "--budget must be a positive"),
+    (["--model-name", "/nonexistent/model"], "no such folder"),
+    (["--infer-data", "/nonexistent.jsonl"], "no such file"),
+])
+def test_bad_flags_fail_fast_with_a_fix(model_dir, flags, message):
+    args = (["--model-name", model_dir] if "--model-name" not in flags else []) + flags
+    if "--infer-data" not in flags:
+        args += ["--infer-data", str(DATA / "bad_lines.jsonl")]
+    p = run_single(args, timeout=120)
+    assert p.returncode == 2
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr
