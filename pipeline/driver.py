@@ -117,8 +117,6 @@ class Driver:
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
             g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of)
-            if g.width > self.sched.max_rows:
-                raise RequestError(f"best_of {g.width} exceeds --max-micro-batch-size {self.sched.max_rows}", "best_of")
             if not self.sched.fits(g):
                 raise RequestError(
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "

@@ -15,7 +15,8 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=3, num_key_value_heads=2)
+    return tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=3, num_key_value_heads=2,
+                      max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,99 @@
+"""The scheduler as plain CPU logic: budget, packing, continuous refill, best_of rows."""
+
+from pipeline.schedule import Group, Scheduler
+
+
+def drain(s: Scheduler, lengths_of: dict[int, int], max_steps: int = 10_000) -> list[int]:
+    """Simulate: every pass finishes rows whose group has produced its max_tokens. Returns finish order."""
+    produced: dict[tuple[int, int], int] = {}
+    order, steps = [], 0
+    while not s.idle():
+        steps += 1
+        assert steps < max_steps, "scheduler stalled"
+        ran = False
+        for slot in s.slots:
+            if slot.inflight:
+                continue
+            ps = s.next_pass(slot.sid)
+            if ps is None:
+                continue
+            ran = True
+            assert s.used <= s.budget or slot.rows * slot.cols > s.budget - (s.used - slot.rows * slot.cols)
+            live = set(ps.decode_rows) | {r for rows in ps.rows_of.values() for r in rows}
+            cont, fin = [], []
+            for r in live:
+                gid = slot.row_group[r]
+                produced[(slot.sid, r)] = produced.get((slot.sid, r), 0) + 1 if r in ps.decode_rows else 1
+                if produced[(slot.sid, r)] >= lengths_of[gid]:
+                    fin.append(r)
+                    produced.pop((slot.sid, r))
+                    if gid not in order and all(slot.row_group[x] != gid for x in live if x not in fin):
+                        order.append(gid)
+                else:
+                    cont.append(r)
+            s.on_reply(slot.sid, cont, fin)
+        assert ran or s.idle(), "nothing ran although work is queued"
+    return order
+
+
+def test_everything_runs_under_a_small_budget():
+    s = Scheduler(budget=64, num_slots=2, max_rows=4)
+    lengths = {}
+    for gid in range(30):
+        g = Group(gid, prompt_len=5 + gid % 7, max_tokens=1 + gid % 5)
+        lengths[gid] = g.max_tokens
+        s.submit(g)
+    done = drain(s, lengths)
+    assert sorted(done) == list(range(30))
+
+
+def test_budget_is_never_exceeded_and_similar_lengths_pack_together():
+    s = Scheduler(budget=400, num_slots=1, max_rows=8)
+    for gid, need in enumerate([10, 200, 11, 12, 190, 10]):
+        s.submit(Group(gid, prompt_len=need - 2, max_tokens=2))
+    ps = s.next_pass(0)
+    slot = s.slots[0]
+    assert slot.rows * slot.cols <= 400
+    packed = {slot.row_group[r] for r in range(slot.rows)}
+    assert packed == {0, 2, 3, 5}  # the short ones, not the 200-token ones
+    assert ps.alloc == (4, 12)
+
+
+def test_finished_rows_are_refilled_while_others_continue():
+    s = Scheduler(budget=1000, num_slots=1, max_rows=2)
+    for gid in range(3):
+        s.submit(Group(gid, prompt_len=4, max_tokens=8))
+    s.next_pass(0)
+    assert s.slots[0].rows == 2 and len(s.queue) == 1
+    s.on_reply(0, continuing=[1], finished=[0])  # group 0 stopped early (a stop string)
+    ps = s.next_pass(0)
+    assert ps.alloc is None  # same micro-batch, no reallocation
+    assert ps.decode_rows == [1] and ps.prefill == [(2, 0)]
+
+
+def test_best_of_rows_share_one_prefill():
+    s = Scheduler(budget=1000, num_slots=1, max_rows=8)
+    s.submit(Group(0, prompt_len=6, max_tokens=3, width=4))
+    ps = s.next_pass(0)
+    assert ps.prefill == [(0, 0)] and ps.forks == [(0, [1, 2, 3])]
+
+
+def test_wide_group_runs_alone_and_oversized_groups_are_refused():
+    s = Scheduler(budget=100, num_slots=1, max_rows=2)
+    assert s.fits(Group(0, 10, 10, width=4))
+    assert not s.fits(Group(1, 90, 20))
+    s.submit(Group(0, 10, 10, width=4))
+    assert s.next_pass(0).alloc == (4, 20)
+
+
+def test_long_request_is_not_starved_by_refills():
+    s = Scheduler(budget=100, num_slots=2, max_rows=4)
+    s.submit(Group(0, 8, 2))
+    s.next_pass(0)
+    s.submit(Group(1, 60, 30))  # needs 90 cells: must wait until slot 0 drains
+    for gid in range(2, 20):
+        s.submit(Group(gid, 8, 2))
+    s.on_reply(0, continuing=[], finished=[0])
+    assert not s.slots[0].allocated
+    ps = s.next_pass(1)
+    assert ps is not None and s.slots[1].cols == 90
