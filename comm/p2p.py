@@ -18,12 +18,21 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int3
 _META = 8  # [header_len, payload_bytes, dtype_code, ndim, d0, d1, d2, 0]
 
 
+class PeerLost(RuntimeError):
+    """A pipeline neighbour died or stopped answering."""
+
+    def __init__(self, rank: int, cause: Exception):
+        super().__init__(f"lost contact with rank {rank} ({str(cause).splitlines()[0][:200]}); "
+                         f"see rank {rank}'s log for its error")
+        self.rank = rank
+
+
 class Messenger:
     """Header + tensor messages over an initialized process group (gloo or NCCL)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, trace=None):
         # NCCL moves only device tensors; gloo only CPU tensors.
-        self.device = device
+        self.device, self.trace = device, trace
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
         self.comm_seconds = 0.0  # time spent blocked in receives (for busy-fraction figures)
 
@@ -47,19 +56,24 @@ class Messenger:
 
     def recv(self, src: int) -> tuple[dict, torch.Tensor | None]:
         t0 = time.perf_counter()
-        meta = torch.empty(_META, dtype=torch.int64, device=self.device)
-        dist.recv(meta, src)
-        meta = meta.tolist()
-        hdr = torch.empty(meta[0], dtype=torch.uint8, device=self.device)
-        dist.recv(hdr, src)
-        header = orjson.loads(hdr.cpu().numpy().tobytes())
-        tensor = None
-        if meta[1]:
-            payload = torch.empty(meta[1], dtype=torch.uint8, device=self.device)
-            dist.recv(payload, src)
-            shape = meta[4 : 4 + meta[3]]
-            tensor = payload.view(_DTYPES[meta[2]]).view(shape)
+        try:
+            meta = torch.empty(_META, dtype=torch.int64, device=self.device)
+            dist.recv(meta, src)
+            meta = meta.tolist()
+            hdr = torch.empty(meta[0], dtype=torch.uint8, device=self.device)
+            dist.recv(hdr, src)
+            header = orjson.loads(hdr.cpu().numpy().tobytes())
+            tensor = None
+            if meta[1]:
+                payload = torch.empty(meta[1], dtype=torch.uint8, device=self.device)
+                dist.recv(payload, src)
+                shape = meta[4 : 4 + meta[3]]
+                tensor = payload.view(_DTYPES[meta[2]]).view(shape)
+        except RuntimeError as e:  # gloo/NCCL: the peer's connection closed, or the timeout passed
+            raise PeerLost(src, e) from None
         self.comm_seconds += time.perf_counter() - t0
+        if self.trace is not None:
+            self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
         return header, tensor
 
     def _reap(self) -> None:
@@ -67,6 +81,9 @@ class Messenger:
 
     def flush(self) -> None:
         """Wait until every message sent so far has left this process."""
-        for work, _ in self._pending:
-            work.wait()
+        try:
+            for work, _ in self._pending:
+                work.wait()
+        except RuntimeError as e:
+            raise PeerLost(-1, e) from None
         self._pending.clear()

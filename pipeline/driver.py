@@ -8,6 +8,9 @@ passed along to the writer in their input position.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +34,14 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
             index += 1
 
 
+def input_fingerprint(path: str) -> str:
+    """Size and a hash of the first MiB: a journal is only resumed against the same input."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"
+
+
 @dataclass
 class RowFeed:
     last: dict[int, dict[int, int]] = field(default_factory=dict)  # slot -> row -> token to feed
@@ -49,6 +60,7 @@ class Driver:
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
+        self.encode_seconds = 0.0
 
     def start(self, lines: Iterator[tuple[int, bytes]]) -> None:
         self.lines = lines
@@ -84,6 +96,13 @@ class Driver:
         return self.lines is None
 
     def _tokenize(self, req: Request, prompt) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            return self._encode(req, prompt)
+        finally:
+            self.encode_seconds += time.perf_counter() - t0
+
+    def _encode(self, req: Request, prompt) -> list[int]:
         if req.kind == "chat":
             if not getattr(self.tok, "chat_template", None):
                 raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")

@@ -41,13 +41,14 @@ class FileReport:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    summary: dict = field(default_factory=dict)
 
 
 class StageRunner:
     """This rank's layers and its micro-batch caches."""
 
-    def __init__(self, model: StageModel, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: StageModel, device: torch.device, trace=None):
+        self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
         self.busy = 0.0  # seconds spent computing
 
@@ -75,7 +76,12 @@ class StageRunner:
                 outs.append(self.model(x_pre.to(self.device), seg, cache))
             for lead, dsts, ncols in hdr["forks"]:
                 cache.fork(lead, dsts, ncols)
-        self.busy += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.busy += t1 - t0
+        hdr["busy"] = hdr.get("busy", []) + [self.busy]  # every stage's cumulative compute, for the summary
+        if self.trace is not None:
+            self.trace.add("forward", t0, t1, args={"slot": hdr["slot"], "decode": len(hdr["decode_rows"]),
+                                                    "prefill": len(hdr["prefill"])})
         return pack(outs)
 
 
@@ -100,12 +106,15 @@ def unpack(hdr: dict, x: torch.Tensor | None) -> tuple[torch.Tensor | None, torc
 
 class Engine:
     def __init__(self, info: DistInfo, runner: StageRunner, messenger=None, driver: Driver | None = None,
-                 head=None, fingerprint: dict | None = None, overwrite: bool = False, progress=None):
+                 head=None, fingerprint: dict | None = None, overwrite: bool = False, show_progress: bool = True,
+                 trace=None):
         self.info, self.runner, self.msg = info, runner, messenger
         self.driver, self.head = driver, head
         self.fingerprint, self.overwrite = fingerprint or {}, overwrite
-        self.progress = progress
+        self.show_progress, self.trace = show_progress, trace
         self.writer: OrderedWriter | None = None
+        self.file: dict = {}  # last rank: figures of the file being written
+        self.outputs: list[str] = []  # every output this rank has seen (for the trace's location)
         self.local_replies: deque = deque()
         self.next_rank = info.pipeline_rank(info.stage + 1) if not info.is_last else None
         self.prev_rank = info.pipeline_rank(info.stage - 1) if not info.is_first else None
@@ -114,6 +123,8 @@ class Engine:
     # -- transport --------------------------------------------------------------------------
     def _forward(self, hdr: dict, x: torch.Tensor | None) -> None:
         """Hand a message to the next stage, or (last stage) act on it."""
+        if hdr["op"] == "open":
+            self.outputs.append(hdr["output"])
         if self.info.is_last:
             reply = self._on_last(hdr, x)
             if reply is not None:
@@ -132,9 +143,13 @@ class Engine:
 
     # -- rank 0 -----------------------------------------------------------------------------
     def drive(self, jobs: list[Job]) -> list[FileReport]:
+        from .driver import input_fingerprint, read_lines
+
         reports = []
         for job in jobs:
-            self._forward({"op": "open", "output": job.output, "errors": []}, None)
+            total = sum(1 for _ in read_lines(job.input))
+            self._forward({"op": "open", "output": job.output, "input": job.input, "total": total,
+                           "input_id": input_fingerprint(job.input), "errors": []}, None)
             reply = self._reply()
             if reply.get("error"):
                 raise RuntimeError(reply["error"])
@@ -142,22 +157,27 @@ class Engine:
                 log.warning("%s: complete output exists at %s, skipping (--overwrite recomputes)", job.input, job.output)
                 reports.append(FileReport(job.input, job.output, skipped=True))
                 continue
-            reports.append(self._drive_file(job, reply["skip"]))
+            reports.append(self._drive_file(job, reply["skip"], total))
         self._forward({"op": "stop", "errors": []}, None)
-        if self.msg is not None:
-            self.msg.flush()
+        self.finish()
         return reports
 
-    def _drive_file(self, job: Job, done: int) -> FileReport:
+    def finish(self) -> None:
+        """End of the run on this rank: messages out, trace written."""
+        if self.msg is not None:
+            self.msg.flush()
+        if self.trace is not None and self.outputs:
+            path = f"{self.outputs[-1]}.trace-rank{self.info.rank}.json"
+            log.info("profile trace: %s", self.trace.save(path))
+
+    def _drive_file(self, job: Job, done: int, total: int) -> FileReport:
         from .driver import read_lines
 
         t0 = time.perf_counter()
         d, sched = self.driver, self.driver.sched
-        # `done` counts this share's finished lines; map back to input lines to skip.
-        skip = done * self.info.data_size + (self.info.data_rank if done else 0)
-        d.start(read_lines(job.input, skip=skip))
-        d.requests_read, d.error_kinds = 0, {}
-        total = sum(1 for _ in read_lines(job.input))
+        # `done` counts this share's finished lines; its next line is input index data_rank + done * D.
+        d.start(read_lines(job.input, skip=self.info.data_rank + done * self.info.data_size))
+        d.requests_read, d.error_kinds, d.encode_seconds = 0, {}, 0.0
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
         inflight, release = 0, []
@@ -184,16 +204,17 @@ class Engine:
             d.on_reply(reply["slot"], {int(r): t for r, t in reply["feed"]}, reply["finished"])
             if was and not sched.slots[reply["slot"]].allocated:
                 release.append(reply["slot"])
-            if self.progress is not None:
-                self.progress(reply.get("done", 0), reply.get("generated", 0))
-        self._forward({"op": "close", "total": total, "errors": d.take_errors(), "release": release}, None)
+        self._forward({"op": "close", "total": total, "errors": d.take_errors(), "release": release,
+                       "requests": d.requests_read, "error_kinds": d.error_kinds, "encode_seconds": d.encode_seconds,
+                       "padding_waste": sched.padding_waste / max(1, sched.allocated_cells)}, None)
         reply = self._reply()
-        report = FileReport(job.input, job.output, requests=d.requests_read, errors=reply.get("errors", 0),
-                            error_kinds=dict(d.error_kinds), prompt_tokens=reply.get("prompt_tokens", 0),
-                            generated_tokens=reply.get("generated", 0), seconds=time.perf_counter() - t0)
         if not reply.get("complete"):
             raise RuntimeError(f"{job.output}: the writer did not receive every result")
-        return report
+        s = reply["summary"]
+        return FileReport(job.input, job.output, requests=d.requests_read, errors=s["errors"],
+                          error_kinds=dict(d.error_kinds), prompt_tokens=s["prompt_tokens"],
+                          generated_tokens=s["completion_tokens"], seconds=time.perf_counter() - t0,
+                          summary=s)
 
     # -- middle ranks -----------------------------------------------------------------------
     def serve(self) -> None:
@@ -209,7 +230,7 @@ class Engine:
             else:
                 self._forward(hdr, x)
             if hdr["op"] == "stop":
-                self.msg.flush()
+                self.finish()
                 return
 
     # -- last rank --------------------------------------------------------------------------
@@ -217,29 +238,67 @@ class Engine:
         op = hdr["op"]
         for index, line in hdr.get("errors", []):
             self.writer.put(index, line)
-            self.file_errors += 1
+            self.file["errors"] += 1
         if op == "pass":
             return self._last_pass(hdr, x)
         if op == "open":
-            self.writer = OrderedWriter(hdr["output"], self.fingerprint, self.info.data_rank, self.info.data_size)
-            self.file_errors, self.file_prompt_tokens, self.head.generated_tokens = 0, 0, 0
-            try:
-                return {"op": "opened", "skip": self.writer.open(self.overwrite)}
-            except Exception as e:
-                return {"op": "opened", "skip": None, "error": str(e)}
+            return self._open(hdr)
         if op == "close":
-            for sid in hdr.get("release", []):
-                self.runner.caches.pop(sid, None)
-            complete = self.writer.close(hdr["total"])
-            return {"op": "closed", "complete": complete, "errors": self.file_errors,
-                    "generated": self.head.generated_tokens, "prompt_tokens": self.file_prompt_tokens}
+            return self._close(hdr)
         return None  # stop
+
+    def _open(self, hdr: dict) -> dict:
+        fingerprint = dict(self.fingerprint, input=hdr.get("input_id"))
+        self.writer = OrderedWriter(hdr["output"], fingerprint, self.info.data_rank, self.info.data_size)
+        try:
+            skip = self.writer.open(self.overwrite)
+        except Exception as e:
+            return {"op": "opened", "skip": None, "error": str(e)}
+        share_total = len(range(self.info.data_rank, hdr["total"], self.info.data_size))
+        self.file = {"errors": 0, "prompt_tokens": 0, "t0": time.perf_counter(), "busy": [],
+                     "decode_seconds": 0.0, "progress": None}
+        self.head.generated_tokens, self.head.format_seconds = 0, 0.0
+        if skip is not None and self.show_progress:
+            from tasks.progress import Progress
+
+            self.file["progress"] = Progress(hdr["output"], share_total, skip)
+        return {"op": "opened", "skip": skip}
+
+    def _close(self, hdr: dict) -> dict:
+        for sid in hdr.get("release", []):
+            self.runner.caches.pop(sid, None)
+        f = self.file
+        if f["progress"] is not None:
+            f["progress"].close()
+        complete = self.writer.close(hdr["total"])
+        wall = time.perf_counter() - f["t0"]
+        summary = {
+            "output": str(self.writer.output), "requests": hdr["requests"], "errors": f["errors"],
+            "answered": hdr["requests"] - f["errors"], "error_kinds": hdr["error_kinds"],
+            "prompt_tokens": f["prompt_tokens"], "completion_tokens": self.head.generated_tokens,
+            "wall_seconds": round(wall, 3),
+            "completion_tokens_per_second": round(self.head.generated_tokens / wall, 2) if wall else None,
+            "stage_busy": [round(b / wall, 4) for b in f["busy"]] if wall else [],
+            "padding_waste": round(hdr.get("padding_waste", 0.0), 4),
+            "encode_seconds": round(hdr.get("encode_seconds", 0.0), 4),
+            "decode_seconds": round(self.head.format_seconds, 4),
+            "pipeline_size": self.info.pipeline_size, "data_group_size": self.info.data_size,
+            "data_rank": self.info.data_rank,
+        }
+        if complete:
+            _write_json(summary_path(self.writer.output, self.info.data_rank, self.info.data_size), summary)
+            if self.info.data_size > 1:
+                from tasks.writer import try_merge_shares
+
+                try_merge_shares(self.writer.output, self.info.data_size, hdr["total"])
+        return {"op": "closed", "complete": complete, "summary": summary}
 
     def _last_pass(self, hdr: dict, h: torch.Tensor | None) -> dict:
         slot = hdr["slot"]
+        t0 = time.perf_counter()
         for meta in hdr["admit"]:
             self.head.admit(slot, meta, hdr["rows"])
-            self.file_prompt_tokens += len(meta["prompt_ids"])
+            self.file["prompt_tokens"] += len(meta["prompt_ids"])
         h_dec, h_pre = unpack(hdr, h)
         decode_rows = hdr["decode_rows"]
         h_live = None
@@ -249,8 +308,31 @@ class Engine:
         with torch.inference_mode():
             feed, finished = self.head.on_pass(slot, decode_rows, h_live, hdr["prefill"], h_pre)
         done = self.writer.flush()
-        return {"op": "reply", "slot": slot, "feed": sorted(feed.items()), "finished": finished,
-                "done": done, "generated": len(decode_rows) + len(hdr["prefill"])}
+        t1 = time.perf_counter()
+        self.runner.busy += t1 - t0
+        if self.trace is not None:
+            self.trace.add("sample+write", t0, t1, args={"slot": slot})
+        busy = hdr["busy"][:-1] + [self.runner.busy]  # cumulative per stage since the run began
+        self.file.setdefault("busy0", [0.0] * len(busy))
+        self.file["busy"] = [b - b0 for b, b0 in zip(busy, self.file["busy0"])]
+        if self.file["progress"] is not None:
+            self.file["progress"].update(done, self.head.generated_tokens)
+        return {"op": "reply", "slot": slot, "feed": sorted(feed.items()), "finished": finished}
+
+
+def summary_path(output, data_rank: int, data_size: int) -> str:
+    suffix = ".summary.json" if data_size == 1 else f".summary-{data_rank}-of-{data_size}.json"
+    return str(output) + suffix
+
+
+def _write_json(path: str, obj: dict) -> None:
+    import json
+    import os
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def pack_ids(dec: torch.Tensor | None, pre: torch.Tensor | None) -> torch.Tensor | None:

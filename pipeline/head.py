@@ -64,6 +64,7 @@ class Head:
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[int, RequestState] = {}
         self.generated_tokens = 0
+        self.format_seconds = 0.0  # detokenizing and formatting results
 
     # -- admission --------------------------------------------------------------------------
     def admit(self, slot: int, meta: dict, slot_rows: int) -> None:
@@ -201,6 +202,7 @@ class Head:
                 self._emit(g.meta["req"], self.requests.pop(g.meta["req"]))
 
     def _emit(self, index: int, req: RequestState) -> None:
+        t0 = time.perf_counter()
         p = req.params
         choices, completion_tokens = [], 0
         for prompt_i in range(req.n_prompts):
@@ -218,6 +220,7 @@ class Head:
         if req.notes:
             result["warnings"] = req.notes
         self.emit(index, output_line(req.raw, req.custom_id, result=result))
+        self.format_seconds += time.perf_counter() - t0
 
 
 def _find_stop(text: str, stops: list[str], since: int) -> int | None:

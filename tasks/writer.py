@@ -97,6 +97,8 @@ class OrderedWriter:
         if self.shares == 1:
             os.replace(self.journal, self.output)
             self.meta.unlink(missing_ok=True)
+        else:
+            mark_share_done(self.journal)
         return True
 
 
@@ -122,3 +124,31 @@ def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> No
     for j in journals:
         j.unlink(missing_ok=True)
         j.with_name(j.name + ".json").unlink(missing_ok=True)
+
+
+def mark_share_done(journal: Path) -> None:
+    journal.with_name(journal.name + ".done").touch()
+
+
+def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> bool:
+    """Called by each data-parallel writer once its share is complete: the last one to finish merges.
+
+    A share marks itself done with ``<journal>.done``; an O_EXCL lock file makes sure only one
+    process merges. Returns True if this call produced the output.
+    """
+    output = Path(output)
+    journals = [output.with_name(f"{output.name}.partial-{d}-of-{shares}") for d in range(shares)]
+    if not all(j.with_name(j.name + ".done").exists() for j in journals):
+        return False
+    lock = output.with_name(output.name + ".merge-lock")
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    try:
+        merge_shares(output, shares, total_lines)
+        for j in journals:
+            j.with_name(j.name + ".done").unlink(missing_ok=True)
+    finally:
+        lock.unlink(missing_ok=True)
+    return True

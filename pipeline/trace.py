@@ -1,0 +1,30 @@
+"""--profiling: a per-rank Chrome trace (chrome://tracing, Perfetto) of compute and communication."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class Trace:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.events: list[dict] = []
+        self.origin = time.perf_counter()
+
+    def add(self, name: str, t0: float, t1: float, tid: int = 0, args: dict | None = None) -> None:
+        """One complete event; tid 0 = compute, 1 = communication."""
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
+                            "ts": round((t0 - self.origin) * 1e6, 1), "dur": round((t1 - t0) * 1e6, 1),
+                            **({"args": args} if args else {})})
+
+    def save(self, path: str) -> str:
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
+                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}}]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, path)
+        return path
