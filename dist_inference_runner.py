@@ -12,7 +12,6 @@ The seed's per-rank launch works too:
 from __future__ import annotations
 
 import glob
-import hashlib
 import logging
 import os
 import sys
@@ -67,24 +66,57 @@ def output_for(input_path: str, output_path: str | None, several: bool) -> str:
     return str(Path(output_path) / name) if several else output_path
 
 
-def input_fingerprint(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"
-
-
 def main(argv: list[str] | None = None) -> int:
     from pipeline.options import parse_options
 
     opts = parse_options(argv)  # exits 2 with a message on bad flags
-    rank_hint = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
-    setup_logging(rank_hint)
+    rank = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
+    setup_logging(rank)
+    watch_signals(rank)
     try:
         return run(opts)
     except UsageError as e:
         print(f"dist_inference_runner.py: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
+        from comm.p2p import PeerLost
+
+        if isinstance(e, PeerLost):
+            log.error("rank %d stops: %s", rank, e)
+        else:
+            log.exception("rank %d failed: %s", rank, e)
+        log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
+        _hard_exit(1)
+
+
+def _hard_exit(code: int) -> None:
+    """Exit now: a process group whose peer died can hang in its destructor."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def watch_signals(rank: int) -> None:
+    """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive.
+
+    Python runs signal handlers only between bytecodes, never while the main thread waits in a
+    gloo/NCCL call, so the signals are blocked in every thread and a dedicated thread waits for them.
+    The journal is flushed after every write, so what finished is kept.
+    """
+    import signal
+    import threading
+
+    sigs = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+
+    def wait() -> None:
+        sig = signal.sigwait(sigs)
+        name = signal.Signals(sig).name
+        log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
+                  rank, name)
+        _hard_exit(128 + sig)
+
+    threading.Thread(target=wait, name="signals", daemon=True).start()
 
 
 def run(opts) -> int:
@@ -135,8 +167,13 @@ def run(opts) -> int:
     from comm.p2p import Messenger
     from pipeline.engine import Engine, Job, StageRunner
 
-    messenger = Messenger(info.device) if info.world_size > 1 else None
-    runner = StageRunner(model, info.device)
+    trace = None
+    if opts.profiling:
+        from pipeline.trace import Trace
+
+        trace = Trace(info.rank)
+    messenger = Messenger(info.device, trace) if info.world_size > 1 else None
+    runner = StageRunner(model, info.device, trace)
     model_label = opts.model_name or "tiny-llama-default-v1"
     driver = head = None
     tokenizer = load_tokenizer(model_dir, opts.trust_remote_code) if (info.is_first or info.is_last) else None
@@ -155,7 +192,8 @@ def run(opts) -> int:
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": info.data_size}
-    engine = Engine(info, runner, messenger, driver, head, fingerprint, opts.overwrite)
+    engine = Engine(info, runner, messenger, driver, head, fingerprint, opts.overwrite,
+                    show_progress=not opts.no_progress, trace=trace)
     if head is not None:
         head.emit = lambda index, line: engine.writer.put(index, line)
     try:
@@ -164,7 +202,11 @@ def run(opts) -> int:
             reports = engine.drive(jobs)
             summarize(reports)
             if dummy:
-                os.unlink(dummy)
+                from tasks.dummy import print_latency
+
+                print_latency(reports[0], opts)
+                for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
+                    Path(path).unlink(missing_ok=True)
             failed = sum(r.errors for r in reports)
             return 1 if (opts.strict and failed) else 0
         engine.serve()
@@ -176,20 +218,24 @@ def run(opts) -> int:
 def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
     import torch
 
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+        if name not in table:
+            raise UsageError(f"the checkpoint's dtype {name!r} is not supported; pass --dtype float16, bfloat16 or float32")
+    return table[name]
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
+    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading)."""
+    from pipeline.loading import CheckpointError, load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise UsageError(f"{model_dir}: cannot load the tokenizer: {e}") from None
+        return load(model_dir, trust_remote_code)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
 
 
 def eos_ids(model_dir: str, tokenizer) -> set[int]:
