@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
         from comm.p2p import PeerLost
+        from pipeline.engine import RunError
 
-        if isinstance(e, PeerLost):
+        if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
         else:
             log.exception("rank %d failed: %s", rank, e)
@@ -161,6 +162,9 @@ def run(opts) -> int:
         model, store = build_stage(model_dir, first, last, info.is_first, info.is_last, dtype, info.device, opts.model_type)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+    from comm.faults import maybe_fail
+
+    maybe_fail("load", info.rank)
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads",
              info.stage, info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, threads)
 

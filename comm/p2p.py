@@ -51,8 +51,11 @@ class Messenger:
             meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
             parts.append(payload)
         meta = meta.to(self.device)
-        for t in (meta, *parts):
-            self._pending.append((dist.isend(t, dst), (t,)))
+        try:
+            for t in (meta, *parts):
+                self._pending.append((dist.isend(t, dst), (t,)))
+        except RuntimeError as e:
+            raise PeerLost(dst, e) from None
 
     def recv(self, src: int) -> tuple[dict, torch.Tensor | None]:
         t0 = time.perf_counter()

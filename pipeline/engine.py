@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.dist import DistInfo
+from comm.faults import maybe_fail
 from tasks.writer import OrderedWriter
 
 from .driver import Driver, decode_layout
 from .models.decoder import KVCache, Segment, StageModel
 
 log = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """A problem the user can fix (reported in one line, no traceback)."""
 
 
 @dataclass
@@ -152,7 +157,7 @@ class Engine:
                            "input_id": input_fingerprint(job.input), "errors": []}, None)
             reply = self._reply()
             if reply.get("error"):
-                raise RuntimeError(reply["error"])
+                raise RunError(reply["error"])
             if reply["skip"] is None:
                 log.warning("%s: complete output exists at %s, skipping (--overwrite recomputes)", job.input, job.output)
                 reports.append(FileReport(job.input, job.output, skipped=True))
@@ -180,7 +185,7 @@ class Engine:
         d.requests_read, d.error_kinds, d.encode_seconds = 0, {}, 0.0
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
-        inflight, release = 0, []
+        inflight, replies, release = 0, 0, []
         while True:
             d.fill()
             for slot in sched.slots:
@@ -200,6 +205,9 @@ class Engine:
                 raise RuntimeError("scheduler stalled with queued requests and nothing in flight")
             reply = self._reply()
             inflight -= 1
+            replies += 1
+            if replies == 10:
+                maybe_fail("drive", self.info.rank)
             was = sched.slots[reply["slot"]].allocated
             d.on_reply(reply["slot"], {int(r): t for r, t in reply["feed"]}, reply["finished"])
             if was and not sched.slots[reply["slot"]].allocated:
@@ -283,7 +291,7 @@ class Engine:
             "encode_seconds": round(hdr.get("encode_seconds", 0.0), 4),
             "decode_seconds": round(self.head.format_seconds, 4),
             "pipeline_size": self.info.pipeline_size, "data_group_size": self.info.data_size,
-            "data_rank": self.info.data_rank,
+            "data_rank": self.info.data_rank, "last_rank_peak_rss_mb": round(peak_rss_mb(), 1),
         }
         if complete:
             _write_json(summary_path(self.writer.output, self.info.data_rank, self.info.data_size), summary)
@@ -308,6 +316,10 @@ class Engine:
         with torch.inference_mode():
             feed, finished = self.head.on_pass(slot, decode_rows, h_live, hdr["prefill"], h_pre)
         done = self.writer.flush()
+        if self.writer.written >= 3:
+            maybe_fail("midgen", self.info.rank)
+        elif hdr["prefill"]:
+            maybe_fail("prefill", self.info.rank)
         t1 = time.perf_counter()
         self.runner.busy += t1 - t0
         if self.trace is not None:
@@ -318,6 +330,14 @@ class Engine:
         if self.file["progress"] is not None:
             self.file["progress"].update(done, self.head.generated_tokens)
         return {"op": "reply", "slot": slot, "feed": sorted(feed.items()), "finished": finished}
+
+
+def peak_rss_mb() -> float:
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:

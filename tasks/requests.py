@@ -226,7 +226,7 @@ def parse_line(line: bytes, index: int) -> Request:
     try:
         raw = orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        err = RequestError(f"line {index + 1} is not valid JSON: {e}", None)
+        err = RequestError(f"the line is not valid JSON: {e}", None)
         err.raw = line.decode("utf-8", errors="replace").rstrip("\r\n")
         raise err from None
     try:

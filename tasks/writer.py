@@ -17,6 +17,8 @@ from pathlib import Path
 
 import orjson
 
+from comm.faults import maybe_fail
+
 
 class JournalMismatch(RuntimeError):
     pass
@@ -94,6 +96,7 @@ class OrderedWriter:
         self._file.close()
         if self.written != expected:
             return False
+        maybe_fail("finalize")
         if self.shares == 1:
             os.replace(self.journal, self.output)
             self.meta.unlink(missing_ok=True)
