@@ -1,25 +1,55 @@
-"""Read only this stage's tensors from a HuggingFace model folder.
+"""Read only this stage's tensors (and the tokenizer) from a model folder.
 
-Supported layouts: ``model.safetensors``; sharded safetensors with ``model.safetensors.index.json``;
-``pytorch_model.bin`` and sharded ``.bin`` with ``pytorch_model.bin.index.json`` (loaded with
-``weights_only=True`` and ``mmap=True``, so untouched tensors are never read into memory).
+Weight layouts, tried in this order:
+
+- ``model.safetensors.index.json`` + shards, or ``model.safetensors``. Read with plain positioned
+  reads (no mmap): the header is parsed when a file is first needed, then each tensor is read on
+  demand into its own buffer, so a stage's resident memory is its own weights plus one tensor.
+- ``pytorch_model.bin.index.json`` + shards, or ``pytorch_model.bin``: ``torch.load(mmap=True,
+  weights_only=True)``, so untouched tensors are never read (touched pages stay mapped until
+  :meth:`TensorStore.close`).
+- The seed's pre-split layout: ``pytorch_embs.pt`` (the embedding side: token embeddings, and the
+  position table of learned-position models), ``pytorch_{i}.pt`` (layer ``i``) and
+  ``pytorch_lm_head.pt`` (final norm + lm_head). Each file is a ``torch.save``'d dict holding the
+  **HF tensor names** of its part, e.g. ``model.layers.1.self_attn.q_proj.weight`` in
+  ``pytorch_1.pt``: what splitting an HF state dict by layer gives. With tied embeddings the
+  embedding table is stored in both end files, so the last stage needs no ``pytorch_embs.pt``.
+  A layer file may instead hold module-relative names (``self_attn.q_proj.weight``, as a
+  ``layer.state_dict()`` gives). A stage opens only the files of its parts.
+  :func:`split_checkpoint` writes this layout from any of the others.
+
 The stage model is built on the meta device and each parameter is filled key by key with a shape
-check: a missing or mis-shaped tensor is an error naming it, never a silent random init.
+check: a missing, mis-shaped or unreadable tensor is a :class:`CheckpointError` naming the file
+and the tensor, never a silent random init. ``TensorStore.loaded`` / ``opened_files`` record what
+a stage actually read (tests assert on them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import math
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
-from .models import DecoderSpec, family_for, parameter_sources, spec_from_config
+from .models import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
 from .models.decoder import StageModel
 
 log = logging.getLogger(__name__)
+
+EMBS, HEAD = "embs", "lm_head"  # the two non-layer parts of the pre-split layout
+Part = int | str  # a layer index, EMBS or HEAD
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_AS_IS = Source([]).combine  # the default combine: the one tensor unchanged
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
 
 
 class CheckpointError(ValueError):
@@ -36,13 +66,81 @@ def read_config(model_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: cannot read config: {e}") from e
 
 
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked at open, tensors read on demand (no mmap)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            self._read_header()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _read_header(self) -> None:
+        path = self.path
+        size = os.fstat(self.f.fileno()).st_size
+        n = int.from_bytes(self.f.read(8), "little") if size >= 8 else -1
+        if n < 0 or 8 + n > size:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header incomplete)")
+        header = json.loads(self.f.read(n))
+        header.pop("__metadata__", None)
+        self.base, self.entries = 8 + n, header
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][1]):
+            if self.base + e["data_offsets"][1] > size:
+                raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte "
+                                      f"{self.base + e['data_offsets'][1]} but the file has {size} bytes")
+
+    def keys(self):
+        return self.entries.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def _entry(self, name: str) -> tuple[int, int, torch.dtype, list[int]]:
+        e = self.entries[name]
+        begin, end = e["data_offsets"]
+        dtype = _ST_DTYPES.get(e["dtype"])
+        if dtype is None or end - begin != math.prod(e["shape"]) * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has a bad entry {e} (dtype or byte count)")
+        return self.base + begin, end - begin, dtype, e["shape"]
+
+    def _read(self, name: str, offset: int, buf: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``buf`` with the bytes at ``offset``."""
+        self.f.seek(offset)
+        view = buf.view(-1).view(torch.uint8).numpy() if buf.numel() else bytearray()
+        if self.f.readinto(view) != len(view):
+            raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        offset, nbytes, dtype, shape = self._entry(name)
+        buf = torch.empty(shape, dtype=dtype)
+        self._read(name, offset, buf)
+        return buf
+
+    def read_into(self, name: str, out: torch.Tensor) -> bool:
+        """Read tensor ``name`` straight into ``out`` if it is a contiguous CPU tensor of its dtype and shape."""
+        offset, nbytes, dtype, shape = self._entry(name)
+        if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype or list(out.shape) != shape:
+            return False
+        self._read(name, offset, out)
+        return True
+
+    def close(self) -> None:
+        self.f.close()
+
+
 class TensorStore:
-    """Lazy access to a checkpoint's tensors by HF name; remembers which tensors were read."""
+    """Lazy access to a checkpoint's tensors by HF name; remembers which tensors and files were read."""
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
-        self.file_of: dict[str, Path] = {}
+        self.file_of: dict[str, Path] = {}  # HF name -> file (pre-split: filled as tensors are read)
         self.loaded: list[str] = []  # accounting: HF names this stage actually read
+        self.opened_files: list[Path] = []  # accounting: weight files this stage opened, in order
+        self.listing: Path | None = None  # the file that lists every tensor (index or single file)
+        self.pre_split = False
         self._handles: dict[Path, object] = {}
         self._index()
 
@@ -55,43 +153,107 @@ class TensorStore:
                 except (OSError, ValueError, KeyError) as e:
                     raise CheckpointError(f"{index}: unreadable shard index: {e}") from e
                 self.file_of = {k: self.dir / v for k, v in weight_map.items()}
+                self.listing = index
                 return
         for single in ("model.safetensors", "pytorch_model.bin"):
             path = self.dir / single
             if path.is_file():
-                self.file_of = {k: path for k in self._open(path).keys()}
+                self.file_of = {k: path for k in self._open(path, None).keys()}
+                self.listing = path
                 return
+        if (self.dir / "pytorch_embs.pt").is_file():
+            self.pre_split = True
+            return
         raise CheckpointError(
             f"{self.dir}: no weights found (expected model.safetensors, a sharded "
-            "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json)"
+            "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
+            "or the pre-split pytorch_embs.pt + pytorch_{i}.pt + pytorch_lm_head.pt)"
         )
 
-    def _open(self, path: Path):
+    def _open(self, path: Path, wanted: str | None):
+        """The open file (SafetensorsFile or an mmap'd state dict); ``wanted`` names the tensor for errors."""
         if path not in self._handles:
+            need = f" (needed for tensor {wanted!r})" if wanted else ""
             if not path.is_file():
-                raise CheckpointError(f"{path}: checkpoint shard listed in the index is missing")
+                what = f"listed in {self.listing.name}" if self.listing else "of the pre-split layout"
+                raise CheckpointError(f"{path}: checkpoint file {what} is missing{need}")
+            self.opened_files.append(path)
             try:
                 if path.suffix == ".safetensors":
-                    from safetensors import safe_open
-
-                    self._handles[path] = safe_open(str(path), framework="pt")
+                    handle = SafetensorsFile(path)
                 else:
-                    self._handles[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as e:  # safetensors raises its own error types on truncation
-                raise CheckpointError(f"{path}: cannot open checkpoint file: {e}") from e
+                    handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                    if not isinstance(handle, dict):
+                        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(handle).__name__}")
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}{need}") from None
+            except Exception as e:  # torch.load raises RuntimeError/pickle errors on truncated files
+                raise CheckpointError(f"{path}: cannot open checkpoint file{need}: {e}") from e
+            self._handles[path] = handle
         return self._handles[path]
 
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.file_of:
-            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        path = self.file_of[name]
-        handle = self._open(path)
+    def get(self, name: str, part: Part | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Tensor ``name``; ``part`` (layer index, EMBS or HEAD) picks the file of a pre-split layout.
+
+        With ``out`` (a CPU tensor of the stored dtype and shape) a safetensors tensor is read straight
+        into it and None is returned; otherwise the tensor is returned.
+        """
+        if self.pre_split:
+            path, key = self._locate_pre_split(name, part)
+        elif name not in self.file_of:
+            raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
+        else:
+            path, key = self.file_of[name], name
+        handle = self._open(path, name)
         try:
-            tensor = handle.get_tensor(name) if path.suffix == ".safetensors" else handle[name]
+            if out is not None and isinstance(handle, SafetensorsFile) and handle.read_into(key, out):
+                tensor = None
+            else:
+                tensor = handle[key]
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
+        self.file_of[name] = path
         self.loaded.append(name)
         return tensor
+
+    def _locate_pre_split(self, name: str, part: Part | None) -> tuple[Path, str]:
+        if part is None:
+            m = re.search(r"\.(\d+)\.", name)
+            part = int(m.group(1)) if m else EMBS
+        path = self.dir / f"pytorch_{part}.pt"
+        handle = self._open(path, name)
+        if name in handle:
+            return path, name
+        if isinstance(part, int):  # a layer file may hold module-relative names
+            key = name.split(f".{part}.", 1)[-1]
+            if key in handle:
+                return path, key
+        else:  # tied embeddings stored only once: look in the other end file
+            other = self.dir / f"pytorch_{HEAD if part == EMBS else EMBS}.pt"
+            if other.is_file() and name in self._open(other, name):
+                return other, name
+        raise CheckpointError(f"{path}: tensor {name!r} is missing from the checkpoint")
+
+    def close(self) -> None:
+        """Drop open files and mappings (accounting is kept)."""
+        for h in self._handles.values():
+            if isinstance(h, SafetensorsFile):
+                h.close()
+        self._handles.clear()
+
+
+def _embed_side(spec: DecoderSpec) -> set[str]:
+    """Names of the embedding-side parameters of a StageModel (the rest of the non-layer ones are the head's)."""
+    with torch.device("meta"):
+        return {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
+
+
+def _part_of(param: str, first: int, embs: set[str]) -> Part:
+    if param.startswith("layers."):
+        return first + int(param.split(".")[1])
+    return EMBS if param in embs else HEAD
 
 
 def build_stage(
@@ -112,23 +274,157 @@ def build_stage(
         model = StageModel(spec, first, last, has_embed, has_head)
     model = model.to_empty(device=device).to(dtype)
     store = TensorStore(model_dir)
+    embs = _embed_side(spec)
     params = dict(model.named_parameters())
-    for name, source in parameter_sources(family, spec, model).items():
-        tensors = [store.get(n) for n in source.names]
-        value = source.combine(tensors)
-        param = params[name]
-        if tuple(value.shape) != tuple(param.shape):
-            files = sorted({str(store.file_of[n]) for n in source.names})
-            raise CheckpointError(
-                f"{', '.join(files)}: tensor {'+'.join(source.names)} has shape {tuple(value.shape)}, "
-                f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(value.to(dtype))
+    try:
+        for name, source in parameter_sources(family, spec, model).items():
+            part = _part_of(name, first, embs)
+            param = params[name]
+            if len(source.names) == 1 and source.combine is _AS_IS:
+                with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
+                    tensors = [store.get(source.names[0], part, out=param.data)]
+                if tensors[0] is None:
+                    continue
+            else:
+                tensors = [store.get(n, part) for n in source.names]
+            files = ", ".join(sorted({str(store.file_of[n]) for n in source.names}))
+            what = "+".join(source.names)
+            try:
+                value = source.combine(tensors)
+            except RuntimeError as e:  # e.g. q/k/v of inconsistent widths
+                raise CheckpointError(f"{files}: tensors {what} do not fit together for {name}: {e}") from e
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{files}: tensor {what} has shape {tuple(value.shape)}, "
+                    f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)  # casts to the stage dtype without another temporary
+            del tensors, value
+    finally:
+        store.close()
     model.init_buffers()
     model.eval().requires_grad_(False)
-    log.info("loaded %d tensors for layers [%d, %d) embed=%s head=%s", len(store.loaded), first, last, has_embed, has_head)
+    log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
 
 
-__all__ = ["CheckpointError", "TensorStore", "build_stage", "read_config", "spec_from_config"]
+def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                     model_type: str | None = None) -> list[Path]:
+    """Write ``model_dir``'s weights in the pre-split layout into ``out_dir`` (one part in memory at a time).
+
+    Non-weight files (config, tokenizer, generation config) are copied along, so ``out_dir`` is a
+    complete model folder. Tensors no parameter uses (e.g. saved rotary buffers) are left out.
+    Returns the written weight files.
+    """
+    cfg = read_config(model_dir)
+    family = family_for(cfg, model_type)
+    spec = family.to_spec(cfg)
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    store = TensorStore(src)
+    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(spec.num_layers)],
+              (HEAD, (0, 0, False, True))]
+    written = []
+    for part, shape in layout:
+        with torch.device("meta"):
+            model = StageModel(spec, *shape)
+        names = dict.fromkeys(n for s in parameter_sources(family, spec, model).values() for n in s.names)
+        tensors = {n: store.get(n, part).contiguous().clone() for n in names}  # own, compact storage
+        path = out / f"pytorch_{part}.pt"
+        torch.save(tensors, path.with_suffix(".pt.tmp"))
+        os.replace(path.with_suffix(".pt.tmp"), path)
+        written.append(path)
+    store.close()
+    if src.resolve() != out.resolve():
+        for f in src.iterdir():
+            if f.is_file() and not _WEIGHT_FILES.fullmatch(f.name):
+                shutil.copy2(f, out / f.name)
+    return written
+
+
+# ---- tokenizers ----
+
+def load_tokenizer(model_dir: str | os.PathLike, trust_remote_code: bool = False):
+    """AutoTokenizer from a local folder, or the sentencepiece fallback for ``tokenizer.model``-only folders.
+
+    transformers 5 always builds a fast tokenizer; from a bare ``tokenizer.model`` that conversion
+    needs ``protobuf`` (and otherwise falls back to tiktoken and fails). Without protobuf, or if
+    the conversion fails, such folders get :class:`SentencePieceTokenizer`, which runs the
+    sentencepiece model directly and honours ``add_bos_token``/``add_eos_token`` of tokenizer_config.json.
+    """
+    d = Path(model_dir)
+    sp_only = (d / "tokenizer.model").is_file() and not (d / "tokenizer.json").is_file()
+    if sp_only and not _has_protobuf():
+        log.info("%s: tokenizer.model only and no protobuf: using the sentencepiece tokenizer directly", d)
+        return sentencepiece_tokenizer(d)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:
+        if not sp_only:
+            raise CheckpointError(f"{d}: cannot load the tokenizer: {e}") from e
+        log.warning("%s: AutoTokenizer failed (%s); using the sentencepiece tokenizer directly", d, e)
+        return sentencepiece_tokenizer(d)
+
+
+def _has_protobuf() -> bool:
+    try:
+        return importlib.util.find_spec("google.protobuf") is not None
+    except ImportError:  # no "google" package at all
+        return False
+
+
+def sentencepiece_tokenizer(model_dir: str | os.PathLike):
+    """A slow tokenizer over ``tokenizer.model`` configured by ``tokenizer_config.json`` (Llama conventions)."""
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    class SentencePieceTokenizer(SentencePieceBackend):
+        """sentencepiece encode/decode; BOS/EOS added per add_bos_token (default true) / add_eos_token."""
+
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def __init__(self, vocab_file, add_bos_token=True, add_eos_token=False, **kwargs):
+            self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+            kwargs["legacy"] = True  # legacy=False needs protobuf; same ids for text without special tokens
+            super().__init__(vocab_file=vocab_file, **kwargs)
+
+        def build_inputs_with_special_tokens(self, ids0, ids1=None):
+            bos = [self.bos_token_id] if self.add_bos_token and self.bos_token_id is not None else []
+            eos = [self.eos_token_id] if self.add_eos_token and self.eos_token_id is not None else []
+            return bos + ids0 + eos + ([] if ids1 is None else bos + ids1 + eos)
+
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs) -> str:
+            ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+            special, out, run = set(self.all_special_ids), [], []
+            for i in ids + [None]:
+                if i is not None and i not in special:
+                    run.append(i)
+                    continue
+                if run:
+                    out.append(self.sp_model.decode(run))
+                    run = []
+                if i is not None and not skip_special_tokens:
+                    out.append(self.convert_ids_to_tokens(i))
+            return "".join(out)
+
+    d = Path(model_dir)
+    defaults = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    wanted = ("add_bos_token", "add_eos_token", "pad_token", "model_max_length", "chat_template", *defaults)
+    try:
+        kwargs = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+            if (d / name).is_file():
+                kwargs.update({k: v for k, v in json.loads((d / name).read_text()).items() if k in wanted})
+        template = d / "chat_template.jinja"
+        if "chat_template" not in kwargs and template.is_file():
+            kwargs["chat_template"] = template.read_text()
+        return SentencePieceTokenizer(vocab_file=str(d / "tokenizer.model"), **{**defaults, **kwargs})
+    except Exception as e:
+        raise CheckpointError(f"{d}: cannot load the sentencepiece tokenizer from tokenizer.model: {e}") from e
+
+
+__all__ = ["CheckpointError", "SafetensorsFile", "TensorStore", "build_stage", "load_tokenizer", "read_config",
+           "sentencepiece_tokenizer", "spec_from_config", "split_checkpoint"]

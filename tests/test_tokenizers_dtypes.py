@@ -1,0 +1,154 @@
+"""sentencepiece-only tokenizer folders, and --dtype / --fp16 resolution and CPU runs."""
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist_inference_runner import UsageError, resolve_dtype
+from pipeline.loading import load_tokenizer
+from tests.utils import REPO, hf_greedy, read_jsonl, run_single, tiny_llama
+
+TEXT = "The cat sat on the mat.\nTwo  spaces, café ✓"
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> Path:
+    """A tiny BPE sentencepiece model trained on the local corpus (Llama's conventions: byte fallback, identity)."""
+    import sentencepiece as spm
+
+    out = tmp_path_factory.mktemp("spm")
+    lines = (REPO / "examples" / "corpus.txt").read_text().splitlines()[:3000]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(out / "m"), vocab_size=400, model_type="bpe",
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, minloglevel=2, num_threads=1)
+    return out / "m.model"
+
+
+def _sp_folder(root: Path, sp_model: Path, add_bos: bool, with_model: bool = False) -> Path:
+    d = root / f"sp-bos-{add_bos}"
+    d.mkdir()
+    if with_model:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+        LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    (d / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": add_bos, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False}))
+    assert not (d / "tokenizer.json").exists()
+    return d
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_sentencepiece_only_folder_loads_offline(sp_model, tmp_path, add_bos):
+    import sentencepiece as spm
+
+    tok = load_tokenizer(_sp_folder(tmp_path, sp_model, add_bos))
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    ids = tok(TEXT, add_special_tokens=True)["input_ids"]
+    assert ids == [1] * add_bos + sp.encode(TEXT)
+    assert tok(TEXT, add_special_tokens=False)["input_ids"] == sp.encode(TEXT)
+    assert (tok.bos_token_id, tok.eos_token_id, len(tok)) == (1, 2, 400)
+    assert tok.decode(ids, skip_special_tokens=True) == TEXT  # byte fallback, spaces and newlines survive
+    assert tok.decode([1, *sp.encode("hi")]) == "<s>hi"
+
+
+def test_sentencepiece_folder_end_to_end(sp_model, tmp_path):
+    d = _sp_folder(tmp_path, sp_model, True, with_model=True)
+    tok = load_tokenizer(d)
+    req = tmp_path / "requests.jsonl"
+    prompts = ["The cat sat on", "Hello world"]
+    req.write_text(json.dumps({"prompt": prompts[0], "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1})
+                   + "\n" + json.dumps({"prompt": prompts[1], "max_tokens": 3, "temperature": 0}) + "\n")
+    r = run_single(["--model-name", str(d), "--infer-data", str(req), "--output-path", str(tmp_path / "out.jsonl")])
+    assert r.returncode == 0, r.stderr
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert [l["request"]["prompt"] for l in lines] == prompts
+    for line, prompt in zip(lines, prompts):
+        res = line["result"]
+        ids = tok(prompt)["input_ids"]
+        assert ids[0] == 1 and res["usage"]["prompt_tokens"] == len(ids)
+        ref, _ = hf_greedy(str(d), ids, line["request"]["max_tokens"])
+        if 2 in ref:  # a random model may pick EOS
+            ref = ref[: ref.index(2)]
+        choice = res["choices"][0]
+        assert res["usage"]["completion_tokens"] == len(ref)
+        assert choice["text"].endswith(tok.decode(ref, skip_special_tokens=True))
+    echo, usage = lines[0]["result"]["choices"][0]["logprobs"], lines[0]["result"]["usage"]
+    assert len(echo["tokens"]) == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert echo["token_logprobs"][0] is None  # the BOS (whose text is empty: special tokens are skipped)
+    assert "".join(echo["tokens"][: usage["prompt_tokens"]]) == prompts[0]
+
+
+# ---- dtypes ----
+
+CPU, CUDA = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
+
+
+@pytest.mark.parametrize("cfg, device, want", [
+    ({"dtype": "bfloat16"}, CPU, torch.float32),
+    ({"dtype": "bfloat16"}, CUDA, torch.bfloat16),
+    ({"torch_dtype": "float16"}, CUDA, torch.float16),
+    ({"torch_dtype": "float32"}, CUDA, torch.float32),
+    ({}, CUDA, torch.float16),
+])
+def test_auto_dtype(cfg, device, want):
+    assert resolve_dtype("auto", cfg, device) is want
+
+
+def test_explicit_dtype_wins():
+    assert resolve_dtype("bfloat16", {"dtype": "float16"}, CPU) is torch.bfloat16
+    assert resolve_dtype("float32", {"dtype": "float16"}, CUDA) is torch.float32
+    with pytest.raises(UsageError, match="--dtype"):
+        resolve_dtype("auto", {"dtype": "float64"}, CUDA)
+
+
+def test_fp16_flag():
+    from pipeline.options import parse_options
+
+    assert parse_options(["--fp16"]).torch_dtype_name == "float16"
+    assert parse_options(["--dtype", "bfloat16"]).torch_dtype_name == "bfloat16"
+    assert parse_options([]).torch_dtype_name == "auto"
+    with pytest.raises(SystemExit):
+        parse_options(["--fp16", "--dtype", "bfloat16"])
+
+
+@pytest.fixture(scope="module")
+def float32_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dtype")
+    d = tiny_llama(root / "model")
+    req = root / "requests.jsonl"
+    req.write_text(json.dumps({"prompt": "Hello world, the cat", "max_tokens": 3, "echo": True, "logprobs": 2}) + "\n"
+                   + json.dumps({"prompt": "A B C", "max_tokens": 2, "logprobs": 1, "temperature": 0}) + "\n")
+    return d, req, _run(d, req, root / "out-float32.jsonl", [])
+
+
+def _run(model_dir, req, out, flags):
+    r = run_single(["--model-name", model_dir, "--infer-data", str(req), "--output-path", str(out), *flags])
+    assert r.returncode == 0, r.stderr
+    return r, read_jsonl(out)
+
+
+@pytest.mark.parametrize("flags, dtype", [(["--dtype", "bfloat16"], "bfloat16"), (["--fp16"], "float16")])
+def test_half_dtypes_run_on_cpu(float32_run, tmp_path, flags, dtype):
+    d, req, (r32, ref) = float32_run
+    assert "dtype torch.float32" in r32.stderr  # auto on CPU
+    r, lines = _run(d, req, tmp_path / "out.jsonl", flags)
+    assert f"dtype torch.{dtype}" in r.stderr
+    for line, ref_line in zip(lines, ref):
+        lp = line["result"]["choices"][0]["logprobs"]
+        values = [v for v in lp["token_logprobs"] if v is not None]
+        assert values and all(isinstance(v, float) and math.isfinite(v) and v <= 0 for v in values)
+    # the echoed prompt's logprobs follow the float32 ones (random tiny model: within half-precision error)
+    ours = lines[0]["result"]["choices"][0]["logprobs"]["token_logprobs"]
+    theirs = ref[0]["result"]["choices"][0]["logprobs"]["token_logprobs"]
+    n = len(lines[0]["result"]["choices"][0]["logprobs"]["tokens"]) - 3
+    assert max(abs(a - b) for a, b in zip(ours[1:n], theirs[1:n])) < 0.05
