@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Drain a folder of shards: for k = MIN_INDEX .. MAX_INDEX run QUERY_DIR/request_k.jsonl, one launch
+# per shard, skipping shards that are missing or whose output_request_k.jsonl already exists (the
+# runner publishes an output only when it is complete, so an existing output means done; an
+# interrupted shard left a journal and resumes where it stopped). Rerun the same command after a
+# crash or preemption to finish the rest.
+#
+# Usage:
+#   [MODEL=DIR] [QUERY_DIR=DIR] [MAX_INDEX=K] [NPROC=N] launch/drain.sh [runner flags...]
+# Example (shards from `python split_queries.py --input-file helm.jsonl --output-dir queries --requests-per-shard 500`):
+#   MODEL=/models/llama-2-70b-hf QUERY_DIR=queries/default MAX_INDEX=199 NPROC=8 launch/drain.sh --budget 32768
+#
+# Environment (defaults in brackets):
+#   MODEL        HuggingFace model folder                   [empty: the runner's embedded default model]
+#   QUERY_DIR    folder of request_<k>.jsonl shards (DATA is accepted as an alias)  [queries/default]
+#   MIN_INDEX    first shard index                          [0]
+#   MAX_INDEX    last shard index, inclusive                 [99]
+#   NPROC        ranks per shard: >1 = torchrun --standalone, 1 = a single python process  [1]
+#   OUTPUT_DIR   where output_request_<k>.jsonl go          [empty: beside the shards, in QUERY_DIR]
+#   KEEP_GOING   1 = go on after a failed shard (exit 1 at the end); 0 = stop at the first failure  [1]
+#   TORCHRUN     launcher command for NPROC>1, split on spaces  [torchrun]
+#   PYTHON       interpreter for NPROC=1                     [python]
+#   REPO         checkout holding dist_inference_runner.py  [this script's parent folder]
+# Any further arguments go to every run unchanged.
+set -euo pipefail
+
+REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+MODEL=${MODEL:-}
+QUERY_DIR=${QUERY_DIR:-${DATA:-queries/default}}
+MIN_INDEX=${MIN_INDEX:-0}
+MAX_INDEX=${MAX_INDEX:-99}
+NPROC=${NPROC:-1}
+OUTPUT_DIR=${OUTPUT_DIR:-}
+KEEP_GOING=${KEEP_GOING:-1}
+PYTHON=${PYTHON:-python}
+read -r -a TORCHRUN_CMD <<< "${TORCHRUN:-torchrun}"
+
+if [[ ! -d $QUERY_DIR ]]; then
+    echo "drain: QUERY_DIR=$QUERY_DIR is not a folder" >&2
+    exit 2
+fi
+[[ -n $OUTPUT_DIR ]] && mkdir -p "$OUTPUT_DIR"
+model_args=()
+[[ -n $MODEL ]] && model_args=(--model-name "$MODEL")
+if ((NPROC > 1)); then
+    launch=("${TORCHRUN_CMD[@]}" --standalone --nproc-per-node "$NPROC" "$REPO/dist_inference_runner.py")
+else
+    launch=("$PYTHON" "$REPO/dist_inference_runner.py")
+fi
+
+trap 'echo "drain: interrupted" >&2; exit 130' SIGINT SIGTERM
+ran=0 skipped=0 missing=0 failed=0
+for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
+    input="$QUERY_DIR/request_$k.jsonl"
+    output="${OUTPUT_DIR:-$QUERY_DIR}/output_request_$k.jsonl"
+    if [[ ! -f $input ]]; then
+        missing=$((missing + 1))
+        continue
+    fi
+    if [[ -e $output ]]; then
+        echo "drain: skip $input: $output exists" >&2
+        skipped=$((skipped + 1))
+        continue
+    fi
+    echo "drain: run $input -> $output" >&2
+    rc=0
+    "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
+    if ((rc == 130 || rc == 143)); then
+        echo "drain: $input interrupted (status $rc); rerun to resume" >&2
+        exit "$rc"
+    elif ((rc != 0)); then
+        echo "drain: $input failed with status $rc" >&2
+        failed=$((failed + 1))
+        ((KEEP_GOING == 1)) || break
+    else
+        ran=$((ran + 1))
+    fi
+done
+echo "drain: shards $MIN_INDEX..$MAX_INDEX of $QUERY_DIR: $ran ran, $skipped skipped (output exists), $missing missing, $failed failed" >&2
+((failed == 0))

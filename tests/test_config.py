@@ -1,0 +1,105 @@
+"""--config run.yaml: keys are the long flag names, the command line overrides the file, unknown keys
+and broken files fail with exit code 2 and a message. parse_options is called directly (no processes),
+plus one end-to-end run configured by YAML alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pipeline.options import parse_options
+from tests.utils import read_jsonl, run_single, tiny_llama
+
+
+def config(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def parse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_options(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_command_line_overrides_the_file(tmp_path):
+    cfg = config(tmp_path, "budget: 123\nseed: 7\n")
+    assert parse_options(["--config", cfg, "--budget", "456"]).budget == 456
+    assert parse_options(["--budget", "456", "--config", cfg]).budget == 456  # order does not matter
+    opts = parse_options(["--config", cfg])
+    assert (opts.budget, opts.seed) == (123, 7)
+
+
+def test_keys_only_in_the_file_apply_and_the_rest_keep_defaults(tmp_path):
+    cfg = config(tmp_path, "max-micro-batch-size: 4\nnum_micro_batches: 3\nno-progress: true\n"
+                           "dtype: bfloat16\noutput-path: out.jsonl\n")
+    opts = parse_options(["--config", cfg, "--seed", "9"])
+    assert (opts.max_micro_batch_size, opts.num_micro_batches, opts.no_progress) == (4, 3, True)
+    assert (opts.dtype, opts.output_path, opts.seed) == ("bfloat16", "out.jsonl", 9)
+    assert (opts.budget, opts.strict, opts.infer_data) == (8192, False, None)
+
+
+def test_infer_data_as_list_or_string(tmp_path):
+    assert parse_options(["--config", config(tmp_path, "infer-data: [a.jsonl, 'q/*.jsonl']\n")]).infer_data == \
+        ["a.jsonl", "q/*.jsonl"]
+    assert parse_options(["--config", config(tmp_path, "infer-data:\n  - a.jsonl\n  - b.jsonl\n")]).infer_data == \
+        ["a.jsonl", "b.jsonl"]
+    cfg = config(tmp_path, "infer-data: queries/default\n")
+    assert parse_options(["--config", cfg]).infer_data == ["queries/default"]
+    assert parse_options(["--config", cfg, "--infer-data", "x.jsonl", "y.jsonl"]).infer_data == ["x.jsonl", "y.jsonl"]
+
+
+def test_unknown_key_is_named(tmp_path, capsys):
+    err = parse_error(capsys, ["--config", config(tmp_path, "budget: 5\nbugdet: 6\n")])
+    assert "unknown option" in err and "bugdet" in err and "budget, infer-data" in err
+    err = parse_error(capsys, ["--config", config(tmp_path, "config: other.yaml\n")])
+    assert "unknown option" in err and "config" in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("budget: [1\n", "not valid YAML"),
+    ("- budget\n- 5\n", "expected a mapping"),
+    ("budget: lots\n", "invalid int value: 'lots'"),
+    ("budget: 0\n", "--budget must be a positive number"),
+])
+def test_broken_file_exits_2_with_message(tmp_path, capsys, text, message):
+    err = parse_error(capsys, ["--config", config(tmp_path, text)])
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    err = parse_error(capsys, ["--config", str(tmp_path / "nope.yaml")])
+    assert "nope.yaml" in err and "No such file" in err
+
+
+def test_empty_file_changes_nothing(tmp_path):
+    cfg = config(tmp_path, "")
+    assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
+
+
+@pytest.mark.xfail(reason="pipeline/options.py does not type-check non-string YAML values "
+                          "(budget: 12.5 is kept as a float, infer-data: 5 as an int)", strict=False)
+def test_wrongly_typed_yaml_values_are_rejected(tmp_path, capsys):
+    parse_error(capsys, ["--config", config(tmp_path, "budget: 12.5\n")])
+    parse_error(capsys, ["--config", config(tmp_path, "infer-data: 5\n")])
+
+
+def test_run_configured_by_yaml(tmp_path):
+    model = tiny_llama(tmp_path / "model", num_hidden_layers=2)
+    data = tmp_path / "requests.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4, "temperature": 0}) + "\n"
+                            for p in ("hello", "Once upon a time", "The kitchen is north of")))
+    out = tmp_path / "results" / "out.jsonl"
+    out.parent.mkdir()
+    cfg = config(tmp_path, f"model-name: {model}\ninfer-data: {data}\noutput-path: {out}\n"
+                           "num-threads: 1\nno-progress: true\nbudget: 100\nmax-micro-batch-size: 1\n")
+    p = run_single(["--config", cfg, "--max-micro-batch-size", "2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = read_jsonl(out)
+    assert [x["request"]["prompt"] for x in lines] == ["hello", "Once upon a time", "The kitchen is north of"]
+    assert all(len(x["result"]["choices"][0]["logprobs"]["tokens"]) == 4 for x in lines)
+    assert max(x["result"]["request_time"]["batch_size"] for x in lines) == 2  # the command line's 2, not the file's 1
