@@ -249,3 +249,16 @@ def assert_same_results(a: list[dict], b: list[dict], tol: float = 1e-4) -> None
 
     for i, (x, y) in enumerate(zip(a, b)):
         same(strip_volatile(x), strip_volatile(y), f"line {i}")
+
+
+def run_inprocess(args: list[str]) -> int:
+    """One-process run inside the test process (no process group): fast for semantics tests."""
+    import dist_inference_runner
+    from pipeline.options import parse_options
+
+    return dist_inference_runner.run(parse_options(args))
+
+
+def write_jsonl(path, objs) -> str:
+    Path(path).write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
