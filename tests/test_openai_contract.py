@@ -79,7 +79,7 @@ def test_mixed_params_all_answered_and_valid_openai_types(model_dir, tmp_path):
 
 def _hf_loglik(model_dir, ids: list[int]) -> float:
     lp = torch.log_softmax(hf_logits(model_dir, ids), -1)
-    return float(sum(lp[i, ids[i + 1]] for i in range(len(ids) - 1)))
+    return sum(float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1))  # float64 sum
 
 
 def test_echo_scoring_matches_hf_loglikelihood_p1_and_p2(model_dir, tmp_path):
