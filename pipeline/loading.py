@@ -192,6 +192,17 @@ class TensorStore:
             self._handles[path] = handle
         return self._handles[path]
 
+    def _resolve(self, name: str) -> str:
+        """The stored name of HF tensor ``name``. Older or hub-exported checkpoints often lack the
+        base-model prefix that transformers' save_pretrained writes (``h.0.attn...`` for
+        ``transformer.h.0.attn...``, ``decoder.layers...`` for ``model.decoder.layers...``)."""
+        if name in self.file_of:
+            return name
+        bare = name.split(".", 1)[1] if "." in name else name
+        if bare in self.file_of:
+            return bare
+        raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
+
     def get(self, name: str, part: Part | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Tensor ``name``; ``part`` (layer index, EMBS or HEAD) picks the file of a pre-split layout.
 
@@ -200,10 +211,9 @@ class TensorStore:
         """
         if self.pre_split:
             path, key = self._locate_pre_split(name, part)
-        elif name not in self.file_of:
-            raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
         else:
-            path, key = self.file_of[name], name
+            key = self._resolve(name)
+            path = self.file_of[key]
         handle = self._open(path, name)
         try:
             if out is not None and isinstance(handle, SafetensorsFile) and handle.read_into(key, out):

@@ -101,7 +101,30 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
         parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}; keys are the long flag names, e.g. budget, infer-data")
     if isinstance(values.get("infer_data"), str):
         values["infer_data"] = [values["infer_data"]]
+    types = {f.name: f.type for f in dataclasses.fields(RunOptions)}
+    for key, value in values.items():
+        if value is None or _type_ok(types[key], value):
+            continue
+        parser.error(f"--config {path}: '{key.replace('_', '-')}' must be {_type_word(types[key])}, got {value!r}")
+    for f in dataclasses.fields(RunOptions):
+        if "choices" in f.metadata and values.get(f.name) not in (None, *f.metadata["choices"]):
+            parser.error(f"--config {path}: '{f.name.replace('_', '-')}' must be one of {', '.join(f.metadata['choices'])}")
     return values
+
+
+def _type_ok(annotation: str, value) -> bool:
+    if annotation == "bool":
+        return isinstance(value, bool)
+    if annotation.startswith("int"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation.startswith("list"):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return isinstance(value, str)
+
+
+def _type_word(annotation: str) -> str:
+    return {"bool": "true or false", "list": "a list of paths"}.get(
+        annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
 
 
 def parse_options(argv: list[str] | None = None) -> RunOptions:

@@ -230,3 +230,28 @@ def test_runner_reports_broken_checkpoint(formats, tmp_path):
     assert str(d / shard) in r.stderr
     assert any(f"tensor {n!r}" in r.stderr for n, f in index.items() if f == shard), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_without_base_model_prefix_loads(tmp_path):
+    """Hub-exported GPT-2/BLOOM/OPT files often store ``h.0...`` for ``transformer.h.0...``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.utils import chain_logits, local_tokenizer, save_hf_model, stage_chain
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(local_tokenizer()), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ref_dir = save_hf_model(GPT2LMHeadModel(cfg).eval(), tmp_path / "ref")
+    bare_dir = tmp_path / "bare"
+    bare_dir.mkdir()
+    for f in Path(ref_dir).iterdir():
+        if f.name != "model.safetensors":
+            (bare_dir / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(Path(ref_dir) / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, bare_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    a = chain_logits(stage_chain(ref_dir, [(0, 1), (1, 2)]), prompts)
+    b = chain_logits(stage_chain(str(bare_dir), [(0, 1), (1, 2)]), prompts)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

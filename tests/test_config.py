@@ -63,7 +63,7 @@ def test_unknown_key_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("text, message", [
     ("budget: [1\n", "not valid YAML"),
     ("- budget\n- 5\n", "expected a mapping"),
-    ("budget: lots\n", "invalid int value: 'lots'"),
+    ("budget: lots\n", "'budget' must be an integer, got 'lots'"),
     ("budget: 0\n", "--budget must be a positive number"),
 ])
 def test_broken_file_exits_2_with_message(tmp_path, capsys, text, message):
@@ -81,11 +81,14 @@ def test_empty_file_changes_nothing(tmp_path):
     assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
 
 
-@pytest.mark.xfail(reason="pipeline/options.py does not type-check non-string YAML values "
-                          "(budget: 12.5 is kept as a float, infer-data: 5 as an int)", strict=False)
-def test_wrongly_typed_yaml_values_are_rejected(tmp_path, capsys):
-    parse_error(capsys, ["--config", config(tmp_path, "budget: 12.5\n")])
-    parse_error(capsys, ["--config", config(tmp_path, "infer-data: 5\n")])
+@pytest.mark.parametrize("text, message", [
+    ("budget: 12.5\n", "'budget' must be an integer"),
+    ("infer-data: 5\n", "'infer-data' must be a list of paths"),
+    ('fp16: "no"\n', "'fp16' must be true or false"),
+    ("pp-mode: other\n", "'pp-mode' must be one of"),
+])
+def test_wrongly_typed_yaml_values_are_rejected(tmp_path, capsys, text, message):
+    assert message in parse_error(capsys, ["--config", config(tmp_path, text)])
 
 
 def test_run_configured_by_yaml(tmp_path):
