@@ -1,0 +1,76 @@
+"""Operations: data parallelism, progress, run summary, dummy-data mode, profiling traces."""
+
+import json
+
+import pytest
+
+from tests.utils import assert_same_results, read_jsonl, run_single, run_torchrun, tiny_llama, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("ops"), num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory):
+    reqs = [{"prompt": f"Line {i} says", "max_tokens": 3 + i % 4, "temperature": 0.8, "logprobs": 1}
+            for i in range(11)]
+    reqs.insert(4, {"prompt": "bad", "max_tokens": -1})
+    return write_jsonl(tmp_path_factory.mktemp("ops_req") / "req.jsonl", reqs)
+
+
+def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, requests, tmp_path):
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(one)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(two),
+                      "--data-group-size", "2"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_same_results(read_jsonl(one), read_jsonl(two))
+    leftovers = [f.name for f in tmp_path.iterdir() if ".partial" in f.name or "merge" in f.name]
+    assert leftovers == []
+    shares = [json.loads((tmp_path / f"two.jsonl.summary-{d}-of-2.json").read_text()) for d in range(2)]
+    assert sum(s["requests"] for s in shares) == 12 and sum(s["errors"] for s in shares) == 1
+
+
+def test_progress_lines_summary_and_no_progress(model_dir, requests, tmp_path):
+    out = tmp_path / "o.jsonl"
+    p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(out)],
+                   env={"DIST_INFER_PROGRESS_SECONDS": "0"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "/12 requests" in p.stderr and "generated tok/s" in p.stderr and "ETA" in p.stderr
+    assert "12 requests, 11 answered, 1 errors (max_tokens: 1)" in p.stderr
+    summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text())
+    for key in ("requests", "errors", "prompt_tokens", "completion_tokens", "wall_seconds",
+                "completion_tokens_per_second", "stage_busy", "padding_waste"):
+        assert key in summary
+    assert summary["completion_tokens"] == sum(len(x["result"]["choices"][0]["logprobs"]["tokens"])
+                                               for x in read_jsonl(out) if "result" in x)
+    assert len(summary["stage_busy"]) == 1 and 0 < summary["stage_busy"][0] <= 1
+    p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(out),
+                    "--overwrite", "--no-progress"], env={"DIST_INFER_PROGRESS_SECONDS": "0"})
+    assert p.returncode == 0 and "/12 requests" not in p.stderr
+
+
+def test_two_stage_summary_has_a_busy_fraction_per_stage_and_profiling_traces(model_dir, requests, tmp_path):
+    out = tmp_path / "o.jsonl"
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(out), "--profiling"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text())
+    assert len(summary["stage_busy"]) == 2 and all(0 < b <= 1 for b in summary["stage_busy"])
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / f"o.jsonl.trace-rank{rank}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert "forward" in names and "recv" in names
+        assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+def test_dummy_data_mode_prints_latency_figures(model_dir):
+    p = run_single(["--model-name", model_dir, "--batch-size", "3", "--input-seq-length", "8",
+                    "--generate-seq-length", "4"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    for figure in ("encode latency", "generation latency", "decode latency", "latency per output token",
+                   "output tokens/s"):
+        assert figure in p.stdout
+    assert "batch 3 x 8 prompt tokens, 4 new tokens each" in p.stdout
