@@ -33,6 +33,17 @@ def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0)
 
 
+def config_value(cfg: dict, *keys: str, default=None):
+    """The first of ``keys`` present in a config (families spell sizes differently: n_embd,
+    hidden_size, n_embed...); ``default`` if none is, else a ValueError naming them."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    if default is None:
+        raise ValueError(f"{cfg.get('model_type', 'model')} config has none of {keys}")
+    return default
+
+
 def activation_name(hf_act: str) -> str:
     table = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
              "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -107,5 +118,5 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
     return out
 
 
-__all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "rope_from_config",
+__all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "config_value", "rope_from_config",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

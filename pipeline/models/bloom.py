@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from . import DecoderSpec, Source, activation_name
+from . import DecoderSpec, Source, activation_name, config_value
 
 MODEL_TYPES = ("bloom",)
 ALIASES = ()
 
 _P = "transformer."
-
-
-def _get(cfg: dict, *keys: str, default=None):
-    """First present key: BLOOM configs spell sizes as hidden_size/n_embed, n_head/num_attention_heads..."""
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    if default is None:
-        raise ValueError(f"BLOOM config has none of {keys}")
-    return default
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
@@ -28,23 +18,23 @@ def to_spec(cfg: dict) -> DecoderSpec:
             "BLOOM with apply_residual_connection_post_layernorm=True (residual taken after the layer norm) "
             "is not supported; only the standard pre-norm residual (False, every released BLOOM) is"
         )
-    hidden = _get(cfg, "hidden_size", "n_embed")
-    heads = _get(cfg, "n_head", "num_attention_heads")
+    hidden = config_value(cfg, "hidden_size", "n_embed")
+    heads = config_value(cfg, "n_head", "num_attention_heads")
     if hidden % heads:
         raise ValueError(f"BLOOM config: hidden_size {hidden} is not a multiple of n_head {heads}")
     return DecoderSpec(
         family="bloom",
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
-        num_layers=_get(cfg, "n_layer", "num_hidden_layers"),
+        num_layers=config_value(cfg, "n_layer", "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
         intermediate_size=4 * hidden,
         # ALiBi has no table; this only caps prompt + max_tokens (BLOOM trained on 2048 tokens)
-        max_positions=_get(cfg, "max_position_embeddings", "seq_length", default=2048),
+        max_positions=config_value(cfg, "max_position_embeddings", "seq_length", default=2048),
         norm="layer",
-        norm_eps=_get(cfg, "layer_norm_epsilon", default=1e-5),
+        norm_eps=config_value(cfg, "layer_norm_epsilon", default=1e-5),
         position="alibi",
         mlp="plain",
         activation=activation_name("gelu_fast"),  # BloomGelu: tanh approximation

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import DecoderSpec, Source, activation_name
+from . import DecoderSpec, Source, activation_name, config_value
 
 MODEL_TYPES = ("gpt2",)
 ALIASES = ()  # the seed's spelling "gpt2" is the HF model_type itself
@@ -22,32 +22,23 @@ ALIASES = ()  # the seed's spelling "gpt2" is the HF model_type itself
 _P = "transformer."
 
 
-def _get(cfg: dict, *keys: str, default=None):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    if default is None:
-        raise ValueError(f"GPT-2 config has none of {keys}")
-    return default
-
-
 def to_spec(cfg: dict) -> DecoderSpec:
-    hidden = _get(cfg, "n_embd", "hidden_size")
-    heads = _get(cfg, "n_head", "num_attention_heads")
+    hidden = config_value(cfg, "n_embd", "hidden_size")
+    heads = config_value(cfg, "n_head", "num_attention_heads")
     if hidden % heads:
         raise ValueError(f"GPT-2 config: n_embd {hidden} is not a multiple of n_head {heads}")
     return DecoderSpec(
         family="gpt2",
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
-        num_layers=_get(cfg, "n_layer", "num_hidden_layers"),
+        num_layers=config_value(cfg, "n_layer", "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        intermediate_size=_get(cfg, "n_inner", default=4 * hidden),
-        max_positions=_get(cfg, "n_positions", "max_position_embeddings", "n_ctx", default=1024),
+        intermediate_size=config_value(cfg, "n_inner", default=4 * hidden),
+        max_positions=config_value(cfg, "n_positions", "max_position_embeddings", "n_ctx", default=1024),
         norm="layer",
-        norm_eps=_get(cfg, "layer_norm_epsilon", default=1e-5),
+        norm_eps=config_value(cfg, "layer_norm_epsilon", default=1e-5),
         position="learned",
         mlp="plain",
         activation=activation_name(cfg.get("activation_function", "gelu_new")),
