@@ -113,7 +113,7 @@ class Head:
         feed, finished = {}, []
         if hiddens:
             logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
-            expand = torch.tensor([i for i, rows in enumerate(targets) for _ in rows])
+            expand = torch.tensor([i for i, rows in enumerate(targets) for _ in rows], device=logits.device)
             rows = [r for rs in targets for r in rs]
             logits = logits[expand]
             self._step(states, rows, logits, feed, finished)
@@ -132,10 +132,12 @@ class Head:
             logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
                                      [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                                      [p.logit_bias for p in ps])
-        temp = torch.tensor([p.temperature for p in ps])
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in ps], device=dev)
         unif = torch.tensor([uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
-                             for r, p in zip(rows, ps)], dtype=torch.float64).float()
-        chosen = sample(logits, temp, torch.tensor([p.top_k for p in ps]), torch.tensor([p.top_p for p in ps]), unif)
+                             for r, p in zip(rows, ps)], device=dev)
+        chosen = sample(logits, temp, torch.tensor([p.top_k for p in ps], device=dev),
+                        torch.tensor([p.top_p for p in ps], device=dev), unif)
         k = max((p.logprobs or 0) for p in ps)
         chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
         chosen, chosen_lp = chosen.tolist(), chosen_lp.tolist()
@@ -177,7 +179,7 @@ class Head:
         for a in range(0, len(ids) - 1, ECHO_CHUNK):
             b = min(a + ECHO_CHUNK, len(ids) - 1)
             chunk = self.model.head(h[a:b])  # (b-a, V): position p predicts token p+1
-            nxt = torch.tensor(ids[a + 1 : b + 1])
+            nxt = torch.tensor(ids[a + 1 : b + 1], device=chunk.device)
             lp, top_v, top_i = logprob_info(chunk, nxt, k)
             lps += lp.tolist()
             if k:
