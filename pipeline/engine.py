@@ -130,6 +130,7 @@ class Engine:
         """Hand a message to the next stage, or (last stage) act on it."""
         if hdr["op"] == "open":
             self.outputs.append(hdr["output"])
+            self.runner.busy = 0.0  # busy fractions are per file
         if self.info.is_last:
             reply = self._on_last(hdr, x)
             if reply is not None:
@@ -324,9 +325,7 @@ class Engine:
         self.runner.busy += t1 - t0
         if self.trace is not None:
             self.trace.add("sample+write", t0, t1, args={"slot": slot})
-        busy = hdr["busy"][:-1] + [self.runner.busy]  # cumulative per stage since the run began
-        self.file.setdefault("busy0", [0.0] * len(busy))
-        self.file["busy"] = [b - b0 for b, b0 in zip(busy, self.file["busy0"])]
+        self.file["busy"] = hdr["busy"][:-1] + [self.runner.busy]  # each stage's compute seconds in this file
         if self.file["progress"] is not None:
             self.file["progress"].update(done, self.head.generated_tokens)
         return {"op": "reply", "slot": slot, "feed": sorted(feed.items()), "finished": finished}
