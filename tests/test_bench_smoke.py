@@ -1,0 +1,83 @@
+"""Smoke test of bench/throughput.py: a tiny model, HF + runner P=1, JSON written with every figure.
+
+No timing is asserted (the machine may be busy); only that the benchmark runs end to end, writes
+the expected keys and computes greedy agreement.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench" / "throughput.py"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+FIGURES = {"generated_tokens", "scored_prompt_tokens", "gen_tokens_per_s", "scored_tokens_per_s", "gen_seconds",
+           "score_seconds", "wall_seconds", "startup_and_load_seconds", "peak_rss_mb", "peak_rss_mb_per_process",
+           "flops_per_s", "flops_fraction_of_peak", "stage_busy", "timing", "other_load_cores"}
+
+
+def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(BENCH), "--quick", "--tiny", "--systems", "hf,runner1", "--json", str(out),
+           "--work-dir", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--timeout", "120"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=str(REPO))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["profile"] == "tiny"
+    assert data["workload"]["requests"] == 12
+    assert data["workload"]["score_requests"] >= 1 and data["workload"]["stop_requests"] >= 1
+    assert not data["failures"], data["failures"]
+    assert set(data["systems"]) == {"hf", "runner1"}
+    for name, figs in data["systems"].items():
+        assert FIGURES <= set(figs), (name, FIGURES - set(figs))
+        assert figs["generated_tokens"] > 0 and figs["peak_rss_mb"] > 0
+    assert data["matmul_peak_flops"]["1"] > 0
+    agreement = data["agreement"]["runner P=1 vs HF generate"]
+    assert agreement["requests"] == 12
+    assert 0.0 <= agreement["fraction"] <= 1.0 and agreement["agree"] + agreement["disagree"] == 12
+    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4
+    assert "runner P=1 / HF (gen tok/s)" in data["ratios"]
+    assert "Targets:" in p.stdout and "Greedy agreement" in p.stdout
+
+
+def test_unknown_system_is_rejected():
+    p = subprocess.run([sys.executable, str(BENCH), "--systems", "hf,vllm"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "vllm" in p.stderr
+
+
+@pytest.mark.parametrize(
+    "ids_text, max_tokens, stops, want",
+    [
+        ("abc", 16, [], ("abc", "length")),  # no stop: the whole text
+        ("abc", 16, ["c"], ("ab", "stop")),  # cut before the stop string
+        ("abcabc", 16, ["c", "b"], ("a", "stop")),  # earliest of several stops
+        ("abc", 1, ["c"], ("a", "length")),  # max_tokens first
+    ],
+)
+def test_finish_generation_matches_runner_semantics(ids_text, max_tokens, stops, want):
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    from throughput import finish_generation
+
+    tok = _local_tokenizer()
+    ids = [tok.convert_tokens_to_ids(c) for c in ids_text]  # one token per character
+    got = finish_generation(tok, ids, max_tokens, stops, eos=tok.eos_token_id)
+    assert (got["text"], got["finish"]) == want
+    # EOS ends the sequence and counts as a computed token
+    got = finish_generation(tok, ids[:1] + [tok.eos_token_id] + ids[1:], 16, [], eos=tok.eos_token_id)
+    assert (got["text"], got["generated"], got["finish"]) == (ids_text[0], 2, "stop")
+
+
+@functools.lru_cache(maxsize=1)
+def _local_tokenizer():
+    from examples.default_model import build_tokenizer
+
+    return build_tokenizer()
