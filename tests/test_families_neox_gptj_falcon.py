@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from pipeline.models import family_for, spec_from_config, supported_model_types
-from pipeline.partition import stage_ranges
-from tests.utils import chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer, save_hf_model, stage_chain
+from tests.utils import assert_hf_parity, local_tokenizer, save_hf_model
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 2000, 7, 13], [100, 200], [31, 4000, 8, 99, 1500]]
 
@@ -51,14 +50,7 @@ def model_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_logits_and_greedy_match_hf(model_dir, stages):
-    chain = stage_chain(model_dir, stage_ranges(3, stages))
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
-        torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
-    toks, lps = chain_greedy(chain, PROMPTS, 6)
-    for prompt, t, lp in zip(PROMPTS, toks, lps):
-        ref_t, ref_lp = hf_greedy(model_dir, prompt, 6)
-        assert t == ref_t
-        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+    assert_hf_parity(model_dir, PROMPTS, stages)
 
 
 def test_variant_specs():

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from pipeline.models import family_for, supported_model_types
-from pipeline.partition import stage_ranges
-from tests.utils import chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer, save_hf_model, stage_chain
+from tests.utils import assert_hf_parity, local_tokenizer, save_hf_model, stage_chain
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 2000, 7, 13], [100, 200], [31, 4000, 8, 99, 1500]]
 
@@ -42,14 +41,7 @@ def build(tmp_path, family: str, seed: int = 0, **kw) -> str:
 
 
 def check_parity(model_dir: str, stages: int, num_layers: int = 3, model_type: str | None = None) -> None:
-    chain = stage_chain(model_dir, stage_ranges(num_layers, stages), model_type=model_type)
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
-        torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
-    toks, lps = chain_greedy(chain, PROMPTS, 6)
-    for prompt, t, lp in zip(PROMPTS, toks, lps):
-        ref_t, ref_lp = hf_greedy(model_dir, prompt, 6)
-        assert t == ref_t
-        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+    assert_hf_parity(model_dir, PROMPTS, stages, num_layers, model_type)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.utils import chain_greedy, chain_logits, hf_greedy, hf_logits, stage_chain, tiny_llama
+from tests.utils import assert_hf_parity, chain_logits, hf_logits, stage_chain, tiny_llama
 from pipeline.partition import stage_ranges
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 2000, 7, 13], [100, 200], [31, 4000, 8, 99, 1500]]
@@ -25,14 +25,7 @@ def model_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_logits_and_greedy_match_hf(model_dir, stages):
-    chain = stage_chain(model_dir, stage_ranges(3, stages))
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
-        torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
-    toks, lps = chain_greedy(chain, PROMPTS, 6)
-    for prompt, t, lp in zip(PROMPTS, toks, lps):
-        ref_t, ref_lp = hf_greedy(model_dir, prompt, 6)
-        assert t == ref_t
-        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+    assert_hf_parity(model_dir, PROMPTS, stages)
 
 
 def _save(model, tmp_path):

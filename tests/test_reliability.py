@@ -1,7 +1,6 @@
 """Reliability: every line answered, kill-and-resume, failing ranks, signals, existing outputs."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.utils import (DATA, assert_same_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun,
-                         strip_volatile, tiny_llama)
+                         tiny_llama)
 
 PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
            "a", "Passage: The office is east of the hallway. The bedroom is west of the garden. The garden is"]
