@@ -260,10 +260,12 @@ def summarize(reports) -> None:
             print(f"{r.input}: skipped, output already complete at {r.output}", file=sys.stderr)
             continue
         rate = r.generated_tokens / r.seconds if r.seconds else 0.0
+        share = r.summary.get("data_group_size", 1)
+        part = f" (data group {r.summary['data_rank']} of {share}: its share of the lines)" if share > 1 else ""
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
         print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
               f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "
-              f"({rate:.1f} tok/s) -> {r.output}", file=sys.stderr)
+              f"({rate:.1f} tok/s) -> {r.output}{part}", file=sys.stderr)
 
 
 if __name__ == "__main__":
