@@ -34,7 +34,6 @@ class Messenger:
         # NCCL moves only device tensors; gloo only CPU tensors.
         self.device, self.trace = device, trace
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
-        self.comm_seconds = 0.0  # time spent blocked in receives (for busy-fraction figures)
 
     def send(self, dst: int, header: dict, tensor: torch.Tensor | None = None) -> None:
         self._reap()
@@ -74,7 +73,6 @@ class Messenger:
                 tensor = payload.view(_DTYPES[meta[2]]).view(shape)
         except RuntimeError as e:  # gloo/NCCL: the peer's connection closed, or the timeout passed
             raise PeerLost(src, e) from None
-        self.comm_seconds += time.perf_counter() - t0
         if self.trace is not None:
             self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
         return header, tensor

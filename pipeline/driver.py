@@ -12,7 +12,6 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -42,11 +41,6 @@ def input_fingerprint(path: str) -> str:
     return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"
 
 
-@dataclass
-class RowFeed:
-    last: dict[int, dict[int, int]] = field(default_factory=dict)  # slot -> row -> token to feed
-
-
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1):
@@ -56,7 +50,7 @@ class Driver:
         self.lines: Iterator[tuple[int, bytes]] | None = None
         self.errors: list[tuple[int, dict]] = []  # (index, output line) not yet sent to the writer
         self.metas: dict[int, dict] = {}  # gid -> admission metadata for the last rank
-        self.feed = RowFeed()
+        self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
@@ -156,7 +150,7 @@ class Driver:
     def build(self, ps: Pass, release: list[int]) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
         slot = self.sched.slots[ps.slot]
-        feed = self.feed.last.setdefault(ps.slot, {})
+        feed = self.last_token.setdefault(ps.slot, {})
         decode_ids = prefill_ids = None
         header = {"op": "pass", "slot": ps.slot, "alloc": ps.alloc, "release": release, "rows": slot.rows,
                   "decode_rows": ps.decode_rows, "decode_start": ps.decode_start, "prefill": [], "forks": [],
@@ -185,7 +179,7 @@ class Driver:
         return errors
 
     def on_reply(self, sid: int, feed: dict[int, int], finished: list[int]) -> None:
-        slot_feed = self.feed.last.setdefault(sid, {})
+        slot_feed = self.last_token.setdefault(sid, {})
         for r in finished:
             slot_feed.pop(r, None)
         slot_feed.update(feed)

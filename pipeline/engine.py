@@ -91,7 +91,7 @@ class StageRunner:
 
 
 def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:
-    """[(r, 1, ...), (b, t, ...)] -> one (r + b*t, ...) tensor to send."""
+    """[(r, 1, ...), (b, t, ...)] -> one (r + b*t, ...) tensor: hidden states, or token ids on the first stage."""
     if not outs:
         return None
     return torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])
@@ -197,7 +197,7 @@ class Engine:
                     continue
                 hdr, dec, pre = d.build(ps, release)
                 release = []
-                self._forward(hdr, self.runner.run(hdr, pack_ids(dec, pre)))
+                self._forward(hdr, self.runner.run(hdr, pack([t for t in (dec, pre) if t is not None])))
                 inflight += 1
                 d.fill()
             if inflight == 0:
@@ -352,9 +352,3 @@ def _write_json(path: str, obj: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
-
-
-def pack_ids(dec: torch.Tensor | None, pre: torch.Tensor | None) -> torch.Tensor | None:
-    """First-stage inputs in the same packed layout as hidden states: (r + b*t,) token ids."""
-    parts = [t.reshape(-1) for t in (dec, pre) if t is not None]
-    return torch.cat(parts) if parts else None
