@@ -159,7 +159,8 @@ def run(opts) -> int:
     first, last = ranges[info.stage]
     t0 = time.perf_counter()
     try:
-        model, store = build_stage(model_dir, first, last, info.is_first, info.is_last, dtype, info.device, opts.model_type)
+        model, store = build_stage(model_dir, first, last, info.is_first, info.is_last, dtype, info.device, opts.model_type,
+                                   opts.batch_invariant)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     from comm.faults import maybe_fail
@@ -195,7 +196,7 @@ def run(opts) -> int:
         head = Head(model, tokenizer, eos_ids(model_dir, tokenizer), Path(model_label).name, opts.seed, None)
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
-                   "data_group_size": info.data_size}
+                   "data_group_size": info.data_size, "batch_invariant": opts.batch_invariant}
     engine = Engine(info, runner, messenger, driver, head, fingerprint, opts.overwrite,
                     show_progress=not opts.no_progress, trace=trace)
     if head is not None:

@@ -70,14 +70,16 @@ class StageRunner:
         with torch.inference_mode():
             if x_dec is not None:
                 rows = decode_layout(hdr["decode_rows"], hdr["rows"])
-                start = torch.tensor([hdr["decode_start"][r] for r in rows], device=self.device)
-                seg = Segment(torch.tensor(rows, device=self.device), start, 1, int(start.max()) + 1,
-                              all_rows=len(rows) == hdr["rows"])
+                starts = [hdr["decode_start"][r] for r in rows]
+                seg = Segment(torch.tensor(rows, device=self.device), torch.tensor(starts, device=self.device), 1,
+                              max(starts) + 1, all_rows=len(rows) == hdr["rows"], host_rows=rows,
+                              host_start=starts, lens=[1] * len(rows))
                 outs.append(self.model(x_dec.to(self.device), seg, cache))
             if x_pre is not None:
                 b, t = len(hdr["prefill"]), x_pre.shape[1]
-                rows = torch.tensor([p["row"] for p in hdr["prefill"]], device=self.device)
-                seg = Segment(rows, torch.zeros(b, dtype=torch.long, device=self.device), t, t, fresh=True)
+                rows = [p["row"] for p in hdr["prefill"]]
+                seg = Segment(torch.tensor(rows, device=self.device), torch.zeros(b, dtype=torch.long, device=self.device),
+                              t, t, fresh=True, host_rows=rows, host_start=[0] * b, lens=[p["len"] for p in hdr["prefill"]])
                 outs.append(self.model(x_pre.to(self.device), seg, cache))
             for lead, dsts, ncols in hdr["forks"]:
                 cache.fork(lead, dsts, ncols)

@@ -39,6 +39,7 @@ import torch
 
 from .models import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
 from .models.decoder import StageModel
+from .models.invariant import ROW_TILE
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +276,14 @@ def build_stage(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model_type: str | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[StageModel, TensorStore]:
     """Build a stage and fill it from the checkpoint, touching only the tensors it owns."""
     cfg = read_config(model_dir)
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)
     with torch.device("meta"):
-        model = StageModel(spec, first, last, has_embed, has_head)
+        model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
     model = model.to_empty(device=device).to(dtype)
     store = TensorStore(model_dir)
     embs = _embed_side(spec)

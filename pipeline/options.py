@@ -38,6 +38,7 @@ class RunOptions:
     max_layers: int | None = _opt(None, "Use only the first N layers of the model (trailing layers dropped).")
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
+    batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see README).")
     trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
     # distributed launch (torchrun sets these through the environment)
     world_size: int | None = _opt(None, "Legacy launch: total number of processes.")

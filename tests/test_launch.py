@@ -20,11 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO, assert_same_results, free_port, read_jsonl, run_cmd, run_single, tiny_llama
+from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, run_cmd, run_single, tiny_llama
 
 LAUNCH = REPO / "launch"
 SCRIPTS = ["local_torchrun.sh", "legacy_per_rank.sh", "drain.sh", "slurm_pipeline.sbatch", "lsf_pipeline.bsub"]
-FAST = ["--num-threads", "1", "--no-progress"]
+# --batch-invariant: shards change every request's neighbours, and the comparison with the
+# unsplit run is then exact (tests/test_batch_invariant.py)
+FAST = ["--num-threads", "1", "--no-progress", "--batch-invariant"]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
 
 # greedy or seeded: outputs do not depend on a request's position, so shards can be compared
@@ -154,7 +156,7 @@ def test_local_torchrun_two_stages_equal_single(model_dir, requests_file, refere
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--standalone --nproc-per-node 2" in p.stderr
     assert "stage 1/2" in p.stderr  # really two stages
-    assert_same_results(read_jsonl(out), reference)
+    assert_identical_results(read_jsonl(out), reference)
 
 
 def test_legacy_per_rank_equal_single(model_dir, requests_file, reference, tmp_path):
@@ -163,7 +165,7 @@ def test_legacy_per_rank_equal_single(model_dir, requests_file, reference, tmp_p
                                           "PORT": str(free_port()), "OUTPUT": str(out)}, tmp_path, FAST)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--rank 1 --cuda-id 1 --world-size 2 --pipeline-group-size 2 --dist-url tcp://127.0.0.1:" in p.stderr
-    assert_same_results(read_jsonl(out), reference)
+    assert_identical_results(read_jsonl(out), reference)
 
 
 def test_legacy_per_rank_fails_when_a_rank_fails(tmp_path):
@@ -231,7 +233,7 @@ def test_drain_then_runner_directory_then_merge(model_dir, reference, shards, tm
     assert fake.read_text() == "FAKE\n"
     assert not (qdir / "output_request_3.jsonl").exists()
     for k in (0, 2):
-        assert_same_results(read_jsonl(qdir / f"output_request_{k}.jsonl"), expected_lines(reference, manifest, k))
+        assert_identical_results(read_jsonl(qdir / f"output_request_{k}.jsonl"), expected_lines(reference, manifest, k))
 
     # the runner itself over the folder: 0 and 2 are done (skipped, untouched), 1 runs
     fake.unlink()
@@ -251,7 +253,7 @@ def test_drain_then_runner_directory_then_merge(model_dir, reference, shards, tm
         assert len(lines) == len(shard["line_numbers"])
         for n, line in zip(shard["line_numbers"], lines):
             merged[n - 1] = line
-    assert_same_results(merged, reference)
+    assert_identical_results(merged, reference)
 
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
@@ -293,7 +295,7 @@ def test_job_name_path_is_the_input(model_dir, reference, tmp_path, how):
     args = ["--job-name", job] if how == "--job-name" else []
     p = run_single(["--model-name", model_dir, *args, *FAST], env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert_same_results(read_jsonl(tmp_path / "output_request_7.jsonl"), reference[:3])
+    assert_identical_results(read_jsonl(tmp_path / "output_request_7.jsonl"), reference[:3])
 
 
 # ---------------------------------------------------------------- several nodes
@@ -316,7 +318,7 @@ def test_two_torchrun_launchers_as_two_nodes(model_dir, requests_file, reference
             assert p.returncode == 0, err[-3000:]
         logs = results[0][1] + results[1][1]
         assert "stage 0/2" in logs and "stage 1/2" in logs
-        assert_same_results(read_jsonl(out), reference)
+        assert_identical_results(read_jsonl(out), reference)
     finally:
         for p in procs:
             try:
@@ -436,7 +438,7 @@ def test_slurm_script_runs_two_nodes_end_to_end(stubs, model_dir, reference, sha
     assert _opt((log / "srun.args").read_text().splitlines(), "--rdzv-endpoint") == f"127.0.0.1:{port}"
     assert "stage 0/2" in p.stderr and "stage 1/2" in p.stderr
     _, manifest = shards
-    assert_same_results(read_jsonl(qdir / "output_request_0.jsonl"), expected_lines(reference, manifest, 0))
+    assert_identical_results(read_jsonl(qdir / "output_request_0.jsonl"), expected_lines(reference, manifest, 0))
 
 
 LSF = {"LSB_JOBID": "5678", "LSB_MCPU_HOSTS": "hostA 1 hostB 1", "GPUS_PER_NODE": "4"}

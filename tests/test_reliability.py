@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.utils import (DATA, RUNNER, _env, _kill_group, assert_same_results, free_port, read_jsonl, run_single,
+from tests.utils import (DATA, RUNNER, _env, _kill_group, assert_identical_results, free_port, read_jsonl, run_single,
                          run_torchrun, tiny_llama)
 
 
@@ -31,7 +31,7 @@ def work_file(tmp_path_factory):
 def clean_output(model_dir, work_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean") / "clean.jsonl"
     p = run_torchrun(["--model-name", model_dir, "--infer-data", str(work_file), "--output-path", str(out),
-                      "--budget", "400"], 2)
+                      "--budget", "400", "--batch-invariant"], 2)
     assert p.returncode == 0, p.stderr[-3000:]
     return read_jsonl(out)
 
@@ -40,7 +40,7 @@ def test_bad_lines_each_get_an_error_in_place(model_dir, tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_bytes((DATA / "bad_lines.jsonl").read_bytes())
     raw_lines = [l for l in src.read_text().split("\n") if l.strip()]
-    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--budget", "4096"])
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--budget", "4096", "--batch-invariant"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = read_jsonl(tmp_path / "output_bad.jsonl")
     assert len(out) == len(raw_lines)
@@ -59,10 +59,10 @@ def test_bad_lines_each_get_an_error_in_place(model_dir, tmp_path):
     clean = tmp_path / "clean.jsonl"
     clean.write_text("".join((raw_lines[i] if i in valid else '{"prompt": "placeholder", "max_tokens": 1}') + "\n"
                              for i in range(len(raw_lines))))
-    p = run_single(["--model-name", model_dir, "--infer-data", str(clean), "--budget", "4096"])
+    p = run_single(["--model-name", model_dir, "--infer-data", str(clean), "--budget", "4096", "--batch-invariant"])
     assert p.returncode == 0, p.stderr[-3000:]
     ref = read_jsonl(tmp_path / "output_clean.jsonl")
-    assert_same_results([out[i] for i in valid], [ref[i] for i in valid])
+    assert_identical_results([out[i] for i in valid], [ref[i] for i in valid])
     summary = json.loads((tmp_path / "output_bad.jsonl.summary.json").read_text())
     assert summary["requests"] == 20 and summary["errors"] == 15 and summary["answered"] == 5
 
@@ -85,7 +85,8 @@ def test_truncate_prompts_and_strict(model_dir, tmp_path):
 ])
 def test_kill_and_resume_equals_clean_run(model_dir, work_file, clean_output, tmp_path, stages, point, rank):
     out = tmp_path / "out.jsonl"
-    args = ["--model-name", model_dir, "--infer-data", str(work_file), "--output-path", str(out), "--budget", "400"]
+    args = ["--model-name", model_dir, "--infer-data", str(work_file), "--output-path", str(out), "--budget", "400",
+            "--batch-invariant"]  # a resumed run's micro-batches differ from the clean run's
     fault = {"DIST_INFER_FAULT": point, "DIST_INFER_FAULT_RANK": str(rank)}
     run = (lambda a, env=None: run_single(a, env=env)) if stages == 1 else (lambda a, env=None: run_torchrun(a, 2, env=env))
     p = run(args, env=fault)
@@ -97,7 +98,7 @@ def test_kill_and_resume_equals_clean_run(model_dir, work_file, clean_output, tm
     assert p.returncode == 0, p.stderr[-3000:]
     if point == "midgen":
         assert "resuming after" in p.stderr
-    assert_same_results(read_jsonl(out), clean_output)
+    assert_identical_results(read_jsonl(out), clean_output)
     assert not (tmp_path / "out.jsonl.partial").exists()
 
 
@@ -127,7 +128,8 @@ def test_killing_a_middle_rank_stops_every_rank_quickly(model_dir, work_file, tm
 
 def test_sigterm_stops_cleanly_and_resume_completes(model_dir, work_file, clean_output, tmp_path):
     out = tmp_path / "out.jsonl"
-    args = ["--model-name", model_dir, "--infer-data", str(work_file), "--output-path", str(out), "--budget", "400"]
+    args = ["--model-name", model_dir, "--infer-data", str(work_file), "--output-path", str(out), "--budget", "400",
+            "--batch-invariant"]  # a resumed run's micro-batches differ from the clean run's
     procs = _legacy(args, 2)
     try:
         journal = tmp_path / "out.jsonl.partial"
@@ -144,7 +146,7 @@ def test_sigterm_stops_cleanly_and_resume_completes(model_dir, work_file, clean_
     assert "SIGTERM received" in results[0][1]
     p = run_torchrun(args, 2)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert_same_results(read_jsonl(out), clean_output)
+    assert_identical_results(read_jsonl(out), clean_output)
 
 
 def test_complete_output_is_skipped_and_foreign_journal_refused(model_dir, tmp_path):

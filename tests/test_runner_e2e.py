@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.utils import (DATA, assert_same_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun,
+from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun,
                          tiny_llama)
 
 PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
@@ -64,26 +64,59 @@ def test_legacy_launch_equals_torchrun(model_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     procs = run_legacy(base + ["--output-path", str(b)], 2)
     assert all(x.returncode == 0 for x in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
-    assert_same_results(read_jsonl(a), read_jsonl(b))
+    assert_identical_results(read_jsonl(a), read_jsonl(b))  # one layout, run twice
 
 
-@pytest.mark.parametrize("name", ["babi_fewshot.jsonl", "mixed_params.jsonl"])
-def test_shared_files_complete_with_tiny_budget(model_dir, tmp_path, name):
-    src = tmp_path / name
-    src.write_text((DATA / name).read_text())
-    n_lines = sum(1 for l in src.read_text().splitlines() if l.strip())
-    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
-    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--output-path", str(big)])
+SHARED = ["babi_fewshot.jsonl", "mixed_params.jsonl", "helm_scoring.jsonl"]
+TINY = ["--budget", "1200", "--max-micro-batch-size", "3"]  # barely above the largest request: requests queue
+
+
+@pytest.fixture(scope="module")
+def shared_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shared")
+    for name in SHARED:
+        (folder / name).write_text((DATA / name).read_text())
+    return folder
+
+
+def _run_shared(model_dir, shared_files, out_dir, stages: int, *flags) -> dict[str, list[dict]]:
+    args = ["--model-name", model_dir, "--infer-data", *[str(shared_files / n) for n in SHARED],
+            "--output-path", str(out_dir), "--no-progress", *flags]
+    p = run_single(args) if stages == 1 else run_torchrun(args, stages)
     assert p.returncode == 0, p.stderr[-3000:]
-    # a budget barely above the largest single request: requests queue, every one completes
-    p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--output-path", str(small),
-                    "--budget", "1200", "--max-micro-batch-size", "3"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    a, b = read_jsonl(big), read_jsonl(small)
-    assert len(a) == len(b) == n_lines
-    assert [x["request"] for x in a] == [json.loads(l) for l in src.read_text().splitlines() if l.strip()]
-    assert all("result" in x for x in a), [x.get("error") for x in a if "error" in x]
-    assert_same_results(a, b)
+    return {n: read_jsonl(out_dir / f"output_{n}") for n in SHARED}
+
+
+@pytest.fixture(scope="module")
+def exact_reference(model_dir, shared_files, tmp_path_factory):
+    """--batch-invariant, one stage, the default budget."""
+    return _run_shared(model_dir, shared_files, tmp_path_factory.mktemp("exact_ref"), 1, "--batch-invariant")
+
+
+def test_shared_files_complete_in_order(exact_reference, shared_files):
+    for name, out in exact_reference.items():
+        src = [json.loads(l) for l in (shared_files / name).read_text().splitlines() if l.strip()]
+        assert [x["request"] for x in out] == src
+        assert all("result" in x for x in out), [x.get("error") for x in out if "error" in x]
+
+
+@pytest.mark.parametrize("stages, flags", [(1, TINY), (2, []), (3, TINY)], ids=["P1-tiny", "P2", "P3-tiny"])
+def test_batch_invariant_results_are_identical_across_budgets_and_stages(model_dir, shared_files, exact_reference,
+                                                                         tmp_path, stages, flags):
+    """Sampled, greedy and scored requests: byte-identical (ids and timing aside) to one stage at the
+    default budget, whatever the budget, micro-batch size and pipeline size."""
+    got = _run_shared(model_dir, shared_files, tmp_path, stages, "--batch-invariant", *flags)
+    for name in SHARED:
+        assert_identical_results(got[name], exact_reference[name])
+
+
+def test_default_mode_agrees_across_budgets_up_to_rounding(model_dir, shared_files, tmp_path):
+    """Default mode promises less: a row's logits move by float rounding when its micro-batch changes,
+    so a near-tie may flip; everything before it agrees (tests.utils.assert_consistent_results)."""
+    big = _run_shared(model_dir, shared_files, tmp_path / "big", 1)
+    small = _run_shared(model_dir, shared_files, tmp_path / "small", 1, *TINY)
+    for name in SHARED:
+        assert_consistent_results(big[name], small[name])
 
 
 def test_default_output_path_and_default_model(tmp_path):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
 from .spec import DecoderSpec, RopeSpec
 
 _ACTIVATIONS = {
@@ -78,6 +79,17 @@ class Segment:
     kv_len: int
     all_rows: bool = False  # rows == arange(R): read the cache without a gather
     fresh: bool = False  # every start is 0: attend to the new keys only
+    # Host copies, needed only by batch-invariant attention (one row at a time); read from the
+    # device tensors when absent. ``lens``: real new tokens per row (the rest is right padding).
+    host_rows: list[int] | None = None
+    host_start: list[int] | None = None
+    lens: list[int] | None = None
+
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(rows, starts, real new tokens) per row as Python lists."""
+        rows = self.host_rows if self.host_rows is not None else self.rows.tolist()
+        start = self.host_start if self.host_start is not None else self.start.tolist()
+        return rows, start, self.lens if self.lens is not None else [self.t] * len(rows)
 
     @property
     def positions(self) -> torch.Tensor:  # (b, t)
@@ -85,13 +97,16 @@ class Segment:
 
 
 class Norm(nn.Module):
-    def __init__(self, dim: int, kind: str, eps: float, bias: bool):
+    def __init__(self, dim: int, kind: str, eps: float, bias: bool, tile: int = 0):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.tile = kind, eps, tile
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return map_rows(self._norm, x, self.tile) if self.tile else self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
@@ -122,16 +137,19 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tile: int = 0):
         super().__init__()
-        self.spec = spec
+        self.spec, self.tile = spec, tile
         self.qkv = nn.Linear(spec.hidden_size, spec.q_dim + 2 * spec.kv_dim, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_dim, spec.hidden_size, bias=spec.o_bias)
+
+    def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return map_rows(layer, x, self.tile) if self.tile else layer(x)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         s = self.spec
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        q, k, v = self._rows(self.qkv, x).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         q = q.view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (b, h, t, d)
         k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (b, kvh, t, d)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
@@ -142,14 +160,29 @@ class Attention(nn.Module):
             cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
             cache.k[layer][seg.rows[:, None], :, cols] = k.transpose(1, 2)
             cache.v[layer][seg.rows[:, None], :, cols] = v.transpose(1, 2)
-            if not seg.fresh:
+        if self.tile:
+            out = self._attend_rows(q, k, v, seg, ctx, layer)
+        else:
+            if cache is not None and not seg.fresh:
                 sel = slice(None) if seg.all_rows else seg.rows
                 k = cache.k[layer][sel, :, : seg.kv_len]
                 v = cache.v[layer][sel, :, : seg.kv_len]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=ctx.mask, enable_gqa=s.num_heads != s.num_kv_heads
-        )
-        return self.o(out.transpose(1, 2).reshape(b, t, s.q_dim))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=ctx.mask, enable_gqa=s.num_heads != s.num_kv_heads
+            )
+        return self._rows(self.o, out.transpose(1, 2).reshape(b, t, s.q_dim))
+
+    def _attend_rows(self, q, k, v, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
+        """Batch-invariant attention: each row with exactly its own key length."""
+        rows, starts, lens = seg.host()
+        if seg.fresh or ctx.cache is None:  # keys are this segment's own: row i's first lens[i]
+            keys = [k[i : i + 1, :, : lens[i]] for i in range(len(rows))]
+            values = [v[i : i + 1, :, : lens[i]] for i in range(len(rows))]
+        else:
+            ck, cv = ctx.cache.k[layer], ctx.cache.v[layer]
+            keys = [ck[r : r + 1, :, : s0 + n] for r, s0, n in zip(rows, starts, lens)]
+            values = [cv[r : r + 1, :, : s0 + n] for r, s0, n in zip(rows, starts, lens)]
+        return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
@@ -166,30 +199,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Rope
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tile: int = 0):
         super().__init__()
-        self.gated = spec.mlp == "gated"
+        self.gated, self.tile = spec.mlp == "gated", tile
         width = 2 * spec.intermediate_size if self.gated else spec.intermediate_size
         self.up = nn.Linear(spec.hidden_size, width, bias=spec.mlp_bias)  # gated: [gate; up]
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = _ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return map_rows(self._mlp, x, self.tile) if self.tile else self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
+        act = (lambda a: fixed_elementwise(self.act, a)) if self.tile else self.act  # tile: x is (rows, w)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.down(self.act(gate) * up)
-        return self.down(self.act(h))
+            return self.down(act(gate.contiguous() if self.tile else gate) * up)
+        return self.down(act(h))
 
 
 class Block(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tile: int = 0):
         super().__init__()
         self.spec = spec
-        self.n1 = Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias)
-        self.n2 = None if spec.shared_norm else Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias)
-        self.attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.n1 = Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
+        self.n2 = None if spec.shared_norm else Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
+        self.attn = Attention(spec, tile)
+        self.mlp = MLP(spec, tile)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         s = self.spec
@@ -208,26 +245,32 @@ class StageContext:
     """What every layer of a stage shares for one segment: cache, mask, rotary tables."""
 
     cache: KVCache | None
-    mask: torch.Tensor  # bool (b, 1, t, kv) or additive float (b, h, t, kv) with ALiBi
+    mask: torch.Tensor | None  # bool (b, 1, t, kv) or additive float (b, h, t, kv) with ALiBi; None: per-row
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
 
 
 class StageModel(nn.Module):
-    """embed? + layers[first:last] + head? of one model. Layer ``i`` here is global ``first + i``."""
+    """embed? + layers[first:last] + head? of one model. Layer ``i`` here is global ``first + i``.
 
-    def __init__(self, spec: DecoderSpec, first: int, last: int, has_embed: bool, has_head: bool):
+    ``row_tile`` > 0 selects batch-invariant kernels (:mod:`.invariant`): every row-wise op runs
+    on calls of exactly that many rows and attention runs one row at a time.
+    """
+
+    def __init__(self, spec: DecoderSpec, first: int, last: int, has_embed: bool, has_head: bool,
+                 row_tile: int = 0):
         super().__init__()
         self.spec, self.first, self.last = spec, first, last
-        self.has_embed, self.has_head = has_embed, has_head
-        s = spec
+        self.has_embed, self.has_head, self.row_tile = has_embed, has_head, row_tile
+        s, tile = spec, row_tile
         self.embed = nn.Embedding(s.vocab_size, s.word_dim) if has_embed else None
         self.proj_in = nn.Linear(s.word_dim, s.hidden_size, bias=False) if has_embed and s.embed_dim else None
         learned = has_embed and s.position == "learned"
         self.pos_embed = nn.Embedding(s.max_positions + s.learned_pos_offset, s.hidden_size) if learned else None
-        self.embed_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias) if has_embed and s.embed_norm else None
-        self.layers = nn.ModuleList(Block(s) for _ in range(first, last))
-        self.final_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias) if has_head and s.final_norm else None
+        self.embed_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_embed and s.embed_norm else None
+        self.layers = nn.ModuleList(Block(s, tile) for _ in range(first, last))
+        self.final_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_head and s.final_norm else None
         self.proj_out = nn.Linear(s.hidden_size, s.word_dim, bias=False) if has_head and s.embed_dim else None
         self.lm_head = nn.Linear(s.word_dim, s.vocab_size, bias=s.lm_head_bias) if has_head else None
         self.init_buffers()
@@ -235,8 +278,11 @@ class StageModel(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables; called again after building on the meta device."""
         device = self.layers[0].n1.weight.device if len(self.layers) else next(self.parameters()).device
+        self.rope_table = None
         if self.spec.position == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(self.spec.rope).to(device), persistent=False)
+            if device.type != "meta":
+                self.rope_table = RopeTable(self.inv_freq)
         if self.spec.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(self.spec.num_heads).to(device), persistent=False)
 
@@ -244,11 +290,14 @@ class StageModel(nn.Module):
         p = next(self.parameters())
         return KVCache(len(self.layers), rows, cols, self.spec, p.dtype, p.device)
 
+    def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return map_rows(layer, x, self.row_tile) if self.row_tile else layer(x)
+
     def embed_tokens(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(b, t) token ids -> (b, t, hidden)."""
         x = self.embed(ids)
         if self.proj_in is not None:
-            x = self.proj_in(x)
+            x = self._rows(self.proj_in, x)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions + self.spec.learned_pos_offset)
         if self.embed_norm is not None:
@@ -259,6 +308,12 @@ class StageModel(nn.Module):
         """Mask and rotary tables for one segment, built once and shared by all layers."""
         pos = seg.positions  # (b, t)
         kv = seg.t if seg.fresh else seg.kv_len
+        cos = sin = mask = None
+        if self.spec.position == "rope":
+            cos, sin = self.rope_table.lookup(pos, max(kv, seg.t), dtype)  # positions < kv_len (decode), < t (fresh)
+        slopes = self.slopes if self.spec.position == "alibi" else None
+        if self.row_tile:
+            return StageContext(cache, None, cos, sin, slopes)
         keys = torch.arange(kv, device=pos.device)
         if seg.fresh:
             mask = keys[None, None, :] <= torch.arange(seg.t, device=pos.device)[None, :, None]
@@ -266,14 +321,10 @@ class StageModel(nn.Module):
         else:
             mask = keys[None, None, :] <= pos[:, :, None]
         mask = mask[:, None]  # (b, 1, t, kv)
-        cos = sin = None
-        if self.spec.position == "alibi":
-            bias = self.slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
+        if slopes is not None:
+            bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
             mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
-        elif self.spec.position == "rope":
-            freqs = pos.float()[:, None, :, None] * self.inv_freq  # (b, 1, t, rd/2)
-            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return StageContext(cache, mask, cos, sin)
+        return StageContext(cache, mask, cos, sin, slopes)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
@@ -286,8 +337,11 @@ class StageModel(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> float32 logits (..., vocab)."""
+        return map_rows(self._head, h, self.row_tile) if self.row_tile else self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:
-            h = self.final_norm(h)
+            h = self.final_norm._norm(h)  # already inside a tile when tiling
         if self.proj_out is not None:
             h = self.proj_out(h)
         return self.lm_head(h).float()

@@ -1,0 +1,136 @@
+"""Batch-invariant kernels: a row's numbers never depend on what else shares its micro-batch.
+
+By default a matmul over a micro-batch of ``m`` rows picks its blocking (and, with several
+threads, its split of the work) from ``m``; a row's logits then move by float rounding (~1e-7)
+when its neighbours, the budget or the pipeline size change, and a sampled token that sits on a
+cumulative-probability boundary (or a greedy near-tie) can flip. ``--batch-invariant`` removes
+every such dependence, at a measured cost (bench/determinism.py):
+
+- **Row-wise ops run on fixed tiles** (:func:`map_rows`): linear layers, norms and the MLP see
+  exactly ``ROW_TILE`` rows per call, zero-padded, so every call has the same shape whatever the
+  batch. Measured on the project's CPUs (tests/test_batch_invariant.py): a row's output is then
+  bit-identical at every position in the tile and for 1, 2 or 3 threads.
+- **Transcendental element-wise ops** (SiLU, GELU) run in pieces small enough that ATen computes
+  each on one thread, cut at row boundaries (:func:`fixed_elementwise`): ATen splits a large
+  element-wise op among threads at arbitrary offsets and handles each piece's tail with scalar
+  code, whose last bit can differ from the vector code.
+- **Attention runs one row at a time** (:func:`attend_rows`) with exactly that row's query and key
+  lengths, so the kernel's blocking over keys depends on the row alone, not on the longest row
+  of the micro-batch.
+- Rotary tables come from :class:`RopeTable` in both modes (fixed-shape blocks of positions).
+
+On GPUs the same structure applies (cuBLAS picks its algorithm, split-K included, from the
+shape, so fixed tiles fix it); the per-row attention loop is the costly part there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16  # rows per call in batch-invariant mode
+PIECE = 16384  # elements per element-wise call: below ATen's parallel grain (32768), so one thread
+VEC_ALIGN = 64  # elements per step of ATen's widest vector loop (2 x 32 bf16 lanes on AVX-512)
+ROPE_BLOCK = 64  # positions per rotary-table block
+
+
+def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """``fn`` over the rows of ``x`` (..., w) in calls of exactly ``tile`` rows (zero-padded)."""
+    lead, w = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, w)
+    n = flat.shape[0]
+    pad = (-n) % tile
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, w)])
+    out = torch.cat([fn(part) for part in flat.split(tile)])
+    return out[:n].reshape(*lead, out.shape[-1])
+
+
+def fixed_elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An element-wise ``fn`` over x (n, w) computed the same way for every row whatever n and the threads.
+
+    Rows whose width is a multiple of the vector step go in groups (no scalar tail anywhere);
+    other rows go one at a time (each has the same tail); rows wider than a piece are cut into
+    pieces at the same columns.
+    """
+    n, w = x.shape
+    if w % VEC_ALIGN == 0 and w <= PIECE:
+        return torch.cat([fn(part) for part in x.split(PIECE // w)])
+    if w <= PIECE:
+        return torch.cat([fn(x[i : i + 1]) for i in range(n)])
+    return torch.cat([torch.cat([fn(x[i : i + 1, c : c + PIECE]) for c in range(0, w, PIECE)], dim=1)
+                      for i in range(n)])
+
+
+def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int],
+                lens: list[int], slopes: torch.Tensor | None, gqa: bool) -> torch.Tensor:
+    """Attention of each row alone: q (b, h, t, d); keys[i]/values[i] (1, kvh, L_i, d) hold row i's
+    keys up to its last new token. Row i's first ``lens[i]`` queries sit at positions
+    ``starts[i]..``; its padded queries get zeros. Returns (b, h, t, d).
+
+    A fresh prompt without ALiBi goes through SDPA's causal kernel (it splits work by query blocks,
+    whatever the threads); everything else (one query, a mask or a bias) through plain matmuls:
+    SDPA's CPU kernel splits a single query's keys among threads, and its masked path differs with
+    the thread count too (measured, tests/test_batch_invariant.py).
+    """
+    b, h, t, d = q.shape
+    out = q.new_zeros(b, h, t, d)
+    for i in range(b):
+        n, k, v = lens[i], keys[i], values[i]
+        if slopes is None and starts[i] == 0 and n > 1:
+            out[i : i + 1, :, :n] = F.scaled_dot_product_attention(q[i : i + 1, :, :n], k, v, is_causal=True,
+                                                                    enable_gqa=gqa)
+        else:
+            out[i, :, :n] = _plain_attention(q[i, :, :n], k[0], v[0], starts[i], slopes)
+    return out
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     slopes: torch.Tensor | None) -> torch.Tensor:
+    """q (h, n, d) at positions start..start+n-1; k/v (kvh, L, d) -> (h, n, d), causal (+ ALiBi)."""
+    h, n, d = q.shape
+    kvh, big_l, _ = k.shape
+    g = h // kvh
+    qg = q.reshape(kvh, g * n, d)  # query heads grouped by their KV head (GQA without copies)
+    scores = ((qg @ k.transpose(1, 2)) * d**-0.5).float().reshape(kvh, g, n, big_l)
+    keys = torch.arange(big_l, device=q.device)
+    if slopes is not None:
+        scores = scores + (slopes[:, None] * keys.float()).reshape(kvh, g, 1, big_l)
+    if n > 1 or start + n < big_l:
+        allowed = keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]  # (n, L)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).reshape(kvh, g * n, big_l)
+    return (probs @ v).reshape(h, n, d)
+
+
+class RopeTable:
+    """cos/sin of ``position x inv_freq``, built in fixed blocks of positions as they are needed.
+
+    Each block is one (ROPE_BLOCK, rotary_dim/2) element-wise call, so a position's entry is the
+    same whichever block size the run needed first and however many threads computed it.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq  # (rd/2,) float32
+        self.cos = torch.empty(0, inv_freq.numel(), device=inv_freq.device)
+        self.sin = torch.empty_like(self.cos)
+
+    def ensure(self, positions: int) -> None:
+        """Make rows 0..positions-1 available (host-side length: no device sync)."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        blocks_c, blocks_s = [self.cos], [self.sin]
+        for base in range(have, positions, ROPE_BLOCK):
+            pos = torch.arange(base, base + ROPE_BLOCK, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            blocks_c.append(freqs.cos())
+            blocks_s.append(freqs.sin())
+        self.cos, self.sin = torch.cat(blocks_c), torch.cat(blocks_s)
+
+    def lookup(self, pos: torch.Tensor, limit: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos (b, t) with every entry < ``limit`` -> cos, sin (b, 1, t, rd/2) in ``dtype``."""
+        self.ensure(limit)
+        return self.cos[pos][:, None].to(dtype), self.sin[pos][:, None].to(dtype)
