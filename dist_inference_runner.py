@@ -11,12 +11,15 @@ The seed's per-rank launch works too:
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
@@ -24,9 +27,7 @@ if str(ROOT) not in sys.path:
 
 log = logging.getLogger("runner")
 
-
-class UsageError(ValueError):
-    """A problem with how the runner was invoked; reported without a traceback."""
+from pipeline.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
 def setup_logging(rank: int) -> None:
@@ -35,52 +36,28 @@ def setup_logging(rank: int) -> None:
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def resolve_inputs(opts) -> list[str]:
-    """--infer-data as given (files, globs, directories), or the PATH of a NAME#PATH job name."""
-    specs = opts.infer_data
-    if not specs:
-        job = opts.job_name or os.environ.get("LSB_JOBNAME") or os.environ.get("SLURM_JOB_NAME") or ""
-        if "#" in job:
-            specs = [job.split("#", 1)[1]]
-    files: list[str] = []
-    for spec in specs or []:
-        p = Path(spec)
-        if p.is_dir():
-            found = sorted(str(x) for x in p.glob("*.jsonl") if not x.name.startswith("output_"))
-        elif any(c in spec for c in "*?["):
-            found = sorted(x for x in glob.glob(spec) if not Path(x).name.startswith("output_"))
-        elif p.is_file():
-            found = [spec]
-        else:
-            raise UsageError(f"--infer-data {spec}: no such file or directory")
-        if not found:
-            raise UsageError(f"--infer-data {spec}: matches no .jsonl files")
-        files += found
-    return files
-
-
-def output_for(input_path: str, output_path: str | None, several: bool) -> str:
-    name = "output_" + Path(input_path).name
-    if output_path is None:
-        return str(Path(input_path).with_name(name))
-    return str(Path(output_path) / name) if several else output_path
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Parse and plan (a flag that cannot work exits 2 here, before any loading), then execute."""
     from pipeline.options import parse_options
+    from pipeline.plan import make_plan
 
     opts = parse_options(argv)  # exits 2 with a message on bad flags
     rank = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
     setup_logging(rank)
+    try:
+        plan = make_plan(opts)
+    except UsageError as e:
+        return usage_error(e)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
     watch_signals(rank)
     try:
-        return run(opts)
+        return execute(plan, opts)
     except UsageError as e:
-        print(f"dist_inference_runner.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
         from comm.p2p import PeerLost
-        from pipeline.engine import RunError
+        from pipeline.first_rank import RunError
 
         if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
@@ -88,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("rank %d failed: %s", rank, e)
         log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
         _hard_exit(1)
+
+
+def usage_error(e: UsageError) -> int:
+    print(f"dist_inference_runner.py: error: {e}", file=sys.stderr)
+    return 2
 
 
 def _hard_exit(code: int) -> None:
@@ -121,103 +103,124 @@ def watch_signals(rank: int) -> None:
 
 
 def run(opts) -> int:
+    """Plan (every flag checked, nothing loaded), then execute on this rank (in-process use, tests)."""
+    from pipeline.plan import make_plan
+
+    plan = make_plan(opts)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    return execute(plan, opts)
+
+
+def execute(plan, opts) -> int:
+    """Start distributed, load this stage, play this rank's role; returns the exit code."""
     import torch
 
-    from comm.dist import init_distributed, resolve_layout, shutdown
-    from pipeline.loading import CheckpointError, build_stage, read_config
-    from pipeline.models import spec_from_config
-    from pipeline.partition import stage_ranges
+    from comm.dist import init_distributed, shutdown
+    from comm.faults import LOAD, set_rank
 
-    # ---- everything that can fail without a model fails here, before any loading ----
-    try:
-        rank, world, _, local_world, pipeline, data = resolve_layout(
-            opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size)
-        if opts.model_name is None:
-            from examples.default_model import default_model_dir
+    from pipeline.first_rank import Job
+    from pipeline.plan import output_for
 
-            model_dir = default_model_dir()
-        else:
-            model_dir = opts.model_name
-        cfg = read_config(model_dir)
-        spec = spec_from_config(cfg, opts.model_type)
-        ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
-        inputs = resolve_inputs(opts) if rank % pipeline == 0 else []
-    except (ValueError, CheckpointError) as e:
-        raise UsageError(str(e)) from None
-    dummy = None
-    if rank % pipeline == 0 and not inputs:
+    set_rank(plan.rank)
+    inputs, dummy = list(plan.inputs), None
+    if plan.stage == 0 and not inputs:
         from tasks.dummy import write_dummy_requests
 
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
-    threads = opts.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
-    torch.set_num_threads(threads)
-
+    torch.set_num_threads(plan.threads)
     info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
                             opts.dist_url, opts.cuda_id, opts.timeout)
-    dtype = resolve_dtype(opts.torch_dtype_name, cfg, info.device)
-    first, last = ranges[info.stage]
+    stage = load_stage(plan, opts, info)
+    LOAD.tick()
+    last_output = None  # the profile trace goes beside the run's last output
+    try:
+        if not info.is_first:
+            last_output = serve_rank(plan, opts, info, stage)
+            return 0
+        jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
+        last_output = jobs[-1].output if jobs else None
+        reports = first_rank(plan, opts, info, stage).drive(jobs)
+        summarize(reports)
+        if dummy:
+            from tasks.dummy import print_latency
+
+            print_latency(reports[0], opts)
+            for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
+                Path(path).unlink(missing_ok=True)
+        return 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+    finally:
+        if stage.trace is not None and last_output:
+            log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))
+        shutdown()
+
+
+def load_stage(plan, opts, info):
+    """This rank's layers in the run's dtype, as a :class:`pipeline.stage.Stage`."""
+    from pipeline.loading import CheckpointError, build_stage
+    from pipeline.stage import Stage
+
+    dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device)
+    first, last = plan.layers
     t0 = time.perf_counter()
     try:
-        model, store = build_stage(model_dir, first, last, info.is_first, info.is_last, dtype, info.device, opts.model_type,
-                                   opts.batch_invariant)
+        model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
+                                   opts.model_type, opts.batch_invariant)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    from comm.faults import maybe_fail
-
-    maybe_fail("load", info.rank)
-    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads",
-             info.stage, info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, threads)
-
-    from comm.p2p import Messenger
-    from pipeline.engine import Engine, Job, StageRunner
-
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads", info.stage,
+             info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, plan.threads)
     trace = None
     if opts.profiling:
         from pipeline.trace import Trace
 
         trace = Trace(info.rank)
-    messenger = Messenger(info.device, trace) if info.world_size > 1 else None
-    runner = StageRunner(model, info.device, trace)
-    model_label = opts.model_name or "tiny-llama-default-v1"
-    driver = head = None
-    tokenizer = load_tokenizer(model_dir, opts.trust_remote_code) if (info.is_first or info.is_last) else None
-    if info.is_first:
-        from pipeline.driver import Driver
-        from pipeline.schedule import Scheduler
+    return Stage(model, info.device, trace)
 
-        slots = opts.num_micro_batches or info.pipeline_size
-        sched = Scheduler(opts.budget, slots, opts.max_micro_batch_size)
-        driver = Driver(tokenizer, spec.vocab_size, spec.max_positions, sched, opts.truncate_prompts,
-                        info.data_rank, info.data_size)
-    if info.is_last:
-        from pipeline.head import Head
 
-        head = Head(model, tokenizer, eos_ids(model_dir, tokenizer), Path(model_label).name, opts.seed, None)
-    fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
-                   "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
-                   "data_group_size": info.data_size, "batch_invariant": opts.batch_invariant}
-    engine = Engine(info, runner, messenger, driver, head, fingerprint, opts.overwrite,
-                    show_progress=not opts.no_progress, trace=trace)
-    if head is not None:
-        head.emit = lambda index, line: engine.writer.put(index, line)
-    try:
-        if info.is_first:
-            jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
-            reports = engine.drive(jobs)
-            summarize(reports)
-            if dummy:
-                from tasks.dummy import print_latency
+def make_link(info, stage):
+    from comm.p2p import Messenger
+    from pipeline.link import Link
 
-                print_latency(reports[0], opts)
-                for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
-                    Path(path).unlink(missing_ok=True)
-            failed = sum(r.errors for r in reports)
-            return 1 if (opts.strict and failed) else 0
-        engine.serve()
-        return 0
-    finally:
-        shutdown()
+    return Link(info, Messenger(info.device, stage.trace)) if info.pipeline_size > 1 else None
+
+
+def last_rank(plan, opts, info, stage):
+    """The last stage's handler: the head, and the fingerprint its journals are checked against."""
+    from pipeline.head import Head
+    from pipeline.last_rank import LastRank
+
+    tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), plan.model_name, opts.seed)
+    fingerprint = {"model": str(Path(plan.model_dir).resolve()), "seed": opts.seed,
+                   "dtype": str(next(stage.model.parameters()).dtype), "max_layers": opts.max_layers,
+                   "truncate_prompts": opts.truncate_prompts, "data_group_size": info.data_size,
+                   "batch_invariant": opts.batch_invariant}
+    return LastRank(stage, info, head, fingerprint, opts.overwrite, show_progress=not opts.no_progress)
+
+
+def first_rank(plan, opts, info, stage):
+    from pipeline.driver import Driver
+    from pipeline.first_rank import FirstRank
+    from pipeline.schedule import Scheduler
+
+    tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
+    sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size)
+    driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
+                    info.data_rank, info.data_size)
+    last = last_rank(plan, opts, info, stage) if info.is_last else None
+    return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
+
+
+def serve_rank(plan, opts, info, stage) -> str | None:
+    """Every rank but the first; returns the last output it saw opened."""
+    from pipeline.stage import serve
+
+    link = make_link(info, stage)
+    last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
+    link.flush()
+    return last_output
 
 
 def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
@@ -234,8 +237,9 @@ def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool):
-    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading)."""
-    from pipeline.loading import CheckpointError, load_tokenizer as load
+    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.tokenizer)."""
+    from pipeline.loading import CheckpointError
+    from pipeline.tokenizer import load_tokenizer as load
 
     try:
         return load(model_dir, trust_remote_code)
@@ -261,8 +265,8 @@ def summarize(reports) -> None:
             print(f"{r.input}: skipped, output already complete at {r.output}", file=sys.stderr)
             continue
         rate = r.generated_tokens / r.seconds if r.seconds else 0.0
-        share = r.summary.get("data_group_size", 1)
-        part = f" (data group {r.summary['data_rank']} of {share}: its share of the lines)" if share > 1 else ""
+        share = r.summary.data_group_size
+        part = f" (data group {r.summary.data_rank} of {share}: its share of the lines)" if share > 1 else ""
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
         print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
               f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "

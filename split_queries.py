@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 from collections import Counter
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
+from tasks.files import write_atomic
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_ENGINE = "default"
@@ -259,9 +260,7 @@ def write_manifest(out_dir: Path, args: argparse.Namespace, records, blank, shar
         for s in shards
     ]
     text = orjson.dumps(head)[:-1] + b',"shards":[\n' + b",\n".join(rows) + b"\n]}\n"
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_bytes(text)
-    os.replace(tmp, out_dir / MANIFEST)
+    write_atomic(out_dir / MANIFEST, text)
 
 
 def _non_negative_int(text: str) -> int:

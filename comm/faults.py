@@ -1,19 +1,48 @@
 """Fault injection for the reliability tests: ``DIST_INFER_FAULT=point`` (and optionally
 ``DIST_INFER_FAULT_RANK=r``, default every rank) makes this process SIGKILL itself at a named
-point, exactly like a crash or an OOM kill would. Points: ``load`` (after loading weights),
-``prefill`` (last rank, first prefill, nothing written yet), ``midgen`` (last rank, after 3 lines are
-journaled), ``drive`` (rank 0, at its 10th reply), ``finalize`` (after the journal is complete and synced, before it is published).
-Unset in normal runs; costs one dict lookup per call."""
+point, exactly like a crash or an OOM kill would. The points:
+
+- ``load``: after this rank loaded its weights;
+- ``prefill``: last rank, its first pass with a prefill, nothing written yet;
+- ``midgen``: last rank, once 3 lines are journaled;
+- ``drive``: rank 0, at its 10th reply;
+- ``finalize``: the journal is complete and synced, not yet published.
+
+Unset in normal runs, where each call costs one attribute test.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 
-_POINT = os.environ.get("DIST_INFER_FAULT")
-_RANK = os.environ.get("DIST_INFER_FAULT_RANK")
+
+class FaultPoint:
+    def __init__(self, name: str, after: int = 1):
+        self.name, self.after, self.calls = name, after, 0
+        self.armed = os.environ.get("DIST_INFER_FAULT") == name
+        self.rank = os.environ.get("DIST_INFER_FAULT_RANK")
+
+    def set_rank(self, rank: int) -> None:
+        """Disarm on every rank but ``DIST_INFER_FAULT_RANK`` (when it is set)."""
+        if self.rank is not None and int(self.rank) != rank:
+            self.armed = False
+
+    def tick(self, ready: bool = True) -> None:
+        """Count one call (when ``ready``); kill this process at the ``after``-th."""
+        if not self.armed or not ready:
+            return
+        self.calls += 1
+        if self.calls >= self.after:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_fail(point: str, rank: int | None = None) -> None:
-    if _POINT == point and (_RANK is None or rank is None or int(_RANK) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+LOAD, PREFILL, MIDGEN = FaultPoint("load"), FaultPoint("prefill"), FaultPoint("midgen")
+DRIVE, FINALIZE = FaultPoint("drive", after=10), FaultPoint("finalize")
+POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE)
+
+
+def set_rank(rank: int) -> None:
+    """Tell every point which rank this process is (once, after the layout is known)."""
+    for p in POINTS:
+        p.set_rank(rank)

@@ -1,4 +1,4 @@
-"""Point-to-point messages between pipeline ranks: a small JSON header plus an optional tensor.
+"""Point-to-point messages between pipeline ranks: a small encoded header plus an optional tensor.
 
 Each message is three transfers: a fixed int64 "meta" tensor (header length, payload bytes, dtype,
 shape), the header as bytes, and the payload as bytes. Sends are asynchronous (``isend``) and their
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import orjson
 import torch
 import torch.distributed as dist
 
@@ -35,9 +34,9 @@ class Messenger:
         self.device, self.trace = device, trace
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
 
-    def send(self, dst: int, header: dict, tensor: torch.Tensor | None = None) -> None:
+    def send(self, dst: int, header: bytes, tensor: torch.Tensor | None = None) -> None:
         self._reap()
-        hdr = torch.frombuffer(bytearray(orjson.dumps(header)), dtype=torch.uint8).to(self.device)
+        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
         meta = torch.zeros(_META, dtype=torch.int64)
         meta[0] = hdr.numel()
         parts: list[torch.Tensor] = [hdr]
@@ -56,7 +55,7 @@ class Messenger:
         except RuntimeError as e:
             raise PeerLost(dst, e) from None
 
-    def recv(self, src: int) -> tuple[dict, torch.Tensor | None]:
+    def recv(self, src: int) -> tuple[bytes, torch.Tensor | None]:
         t0 = time.perf_counter()
         try:
             meta = torch.empty(_META, dtype=torch.int64, device=self.device)
@@ -64,7 +63,7 @@ class Messenger:
             meta = meta.tolist()
             hdr = torch.empty(meta[0], dtype=torch.uint8, device=self.device)
             dist.recv(hdr, src)
-            header = orjson.loads(hdr.cpu().numpy().tobytes())
+            header = hdr.cpu().numpy().tobytes()
             tensor = None
             if meta[1]:
                 payload = torch.empty(meta[1], dtype=torch.uint8, device=self.device)

@@ -18,6 +18,7 @@ import torch
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 
+from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from .schedule import Group, Pass, Scheduler
 
 
@@ -48,8 +49,8 @@ class Driver:
         self.sched, self.truncate = scheduler, truncate_prompts
         self.data_rank, self.data_size = data_rank, data_size
         self.lines: Iterator[tuple[int, bytes]] | None = None
-        self.errors: list[tuple[int, dict]] = []  # (index, output line) not yet sent to the writer
-        self.metas: dict[int, dict] = {}  # gid -> admission metadata for the last rank
+        self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
+        self.metas: dict[int, Admission] = {}  # gid -> what the last rank needs when the group enters
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.next_gid = 0
         self.requests_read = 0
@@ -57,7 +58,9 @@ class Driver:
         self.encode_seconds = 0.0
 
     def start(self, lines: Iterator[tuple[int, bytes]]) -> None:
+        """A new file: read from ``lines``, with this file's counters from zero."""
         self.lines = lines
+        self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
 
     # -- input ------------------------------------------------------------------------------
     def fill(self) -> None:
@@ -135,10 +138,8 @@ class Driver:
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
                     f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
                     "max_tokens")
-            meta = {"gid": g.gid, "req": req.index, "prompt_i": i, "n_prompts": len(req.prompts), "prompt_ids": ids,
-                    "params": p.to_json(), "kind": req.kind, "custom_id": req.custom_id, "note": note}
-            if i == 0:
-                meta["raw"] = req.raw
+            meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
+                             note, rows=[], raw=req.raw if i == 0 else None)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -147,43 +148,39 @@ class Driver:
         return groups
 
     # -- passes -----------------------------------------------------------------------------
-    def build(self, ps: Pass, release: list[int]) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    def build(self, ps: Pass, release: list[int]) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
         slot = self.sched.slots[ps.slot]
         feed = self.last_token.setdefault(ps.slot, {})
-        decode_ids = prefill_ids = None
-        header = {"op": "pass", "slot": ps.slot, "alloc": ps.alloc, "release": release, "rows": slot.rows,
-                  "decode_rows": ps.decode_rows, "decode_start": ps.decode_start, "prefill": [], "forks": [],
-                  "admit": [], "errors": self.take_errors()}
-        if ps.decode_rows:
-            rows = decode_layout(ps.decode_rows, slot.rows)
-            decode_ids = torch.tensor([[feed.get(r, 0)] for r in rows], dtype=torch.long)
+        layout = decode_layout(ps.decode_rows, slot.rows) if ps.decode_rows else []
+        hdr = PassHeader(ps.slot, slot.rows, list(ps.alloc) if ps.alloc else None, release, ps.decode_rows, layout,
+                         [ps.decode_start[r] for r in layout], errors=self.take_errors())
+        decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
+        prefill_ids = None
         if ps.prefill:
-            prompts = [self.metas[gid]["prompt_ids"] for gid, _ in ps.prefill]
-            t = max(len(x) for x in prompts)
-            prefill_ids = torch.zeros(len(prompts), t, dtype=torch.long)
+            prompts = [self.metas[gid].prompt_ids for gid, _ in ps.prefill]
+            prefill_ids = torch.zeros(len(prompts), max(len(x) for x in prompts), dtype=torch.long)
             for i, ids in enumerate(prompts):
                 prefill_ids[i, : len(ids)] = torch.tensor(ids)
-            header["prefill"] = [{"gid": gid, "row": row, "len": len(p)} for (gid, row), p in zip(ps.prefill, prompts)]
+            hdr.prefill = [Prefill(gid, row, len(p)) for (gid, row), p in zip(ps.prefill, prompts)]
             lens = {row: len(p) for (_, row), p in zip(ps.prefill, prompts)}
-            header["forks"] = [[lead, rows, lens[lead]] for lead, rows in ps.forks]
+            hdr.forks = [Fork(lead, rows, lens[lead]) for lead, rows in ps.forks]
             for gid in ps.admitted:
                 meta = self.metas.pop(gid)
-                meta["rows"] = ps.rows_of[gid]
-                meta["prompt_ids"] = prompts[[g for g, _ in ps.prefill].index(gid)]
-                header["admit"].append(meta)
-        return header, decode_ids, prefill_ids
+                meta.rows = ps.rows_of[gid]
+                hdr.admit.append(meta)
+        return hdr, decode_ids, prefill_ids
 
-    def take_errors(self) -> list:
+    def take_errors(self) -> list[ErrorLine]:
         errors, self.errors = self.errors, []
         return errors
 
-    def on_reply(self, sid: int, feed: dict[int, int], finished: list[int]) -> None:
-        slot_feed = self.last_token.setdefault(sid, {})
-        for r in finished:
+    def on_reply(self, reply: Reply) -> None:
+        slot_feed = self.last_token.setdefault(reply.slot, {})
+        for r in reply.finished:
             slot_feed.pop(r, None)
-        slot_feed.update(feed)
-        self.sched.on_reply(sid, sorted(feed), finished)
+        slot_feed.update(dict(reply.feed))
+        self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
 
 
 def decode_layout(decode_rows: list[int], slot_rows: int) -> list[int]:

@@ -16,6 +16,7 @@ import torch
 from tasks.requests import Params
 from tasks.results import Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line, result_object
 
+from .messages import Admission, Prefill
 from .sampling import apply_penalties, logprob_info, sample, stream_key, uniform
 
 ECHO_CHUNK = 256  # prompt positions per head call when scoring
@@ -32,7 +33,7 @@ class RowState:
 
 @dataclass
 class GroupState:
-    meta: dict  # what rank 0 sent on admission
+    meta: Admission  # what rank 0 sent when the group entered
     params: Params
     rows: list[int]
     started: float
@@ -56,10 +57,10 @@ class RequestState:
 
 
 class Head:
-    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int, emit):
+    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int):
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
-        self.emit = emit  # emit(index, line_dict): the ordered writer
+        self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[int, RequestState] = {}
@@ -67,28 +68,31 @@ class Head:
         self.format_seconds = 0.0  # detokenizing and formatting results
 
     # -- admission --------------------------------------------------------------------------
-    def admit(self, slot: int, meta: dict, slot_rows: int) -> None:
-        p = Params.from_json(meta["params"])
-        idx = meta["req"]
-        if idx not in self.requests:
-            self.requests[idx] = RequestState(meta.get("raw"), meta["kind"], meta.get("custom_id"), p,
-                                              meta["n_prompts"], started=time.perf_counter())
-        req = self.requests[idx]
+    def start_file(self) -> None:
+        """A new file: its counters from zero."""
+        self.generated_tokens, self.format_seconds = 0, 0.0
+
+    def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
+        p = meta.params
+        if meta.req not in self.requests:
+            self.requests[meta.req] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
+                                                   started=time.perf_counter())
+        req = self.requests[meta.req]
         req.batch_size = max(req.batch_size, slot_rows)
-        if meta.get("note"):
-            req.notes.append(meta["note"])
-        req.prompt_tokens += len(meta["prompt_ids"])
-        g = GroupState(meta, p, meta["rows"], time.perf_counter())
-        self.groups[meta["gid"]] = g
+        if meta.note:
+            req.notes.append(meta.note)
+        req.prompt_tokens += len(meta.prompt_ids)
+        g = GroupState(meta, p, meta.rows, time.perf_counter())
+        self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
         for j, r in enumerate(g.rows):
-            key = stream_key(self.run_seed, p.seed, idx, meta["prompt_i"], j)
+            key = stream_key(self.run_seed, p.seed, meta.req, meta.prompt_i, j)
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
-            text = IncrementalText(self.detok, meta["prompt_ids"]) if p.stop else None
-            rows[r] = RowState(meta["gid"], cand, key, text)
+            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop else None
+            rows[r] = RowState(meta.gid, cand, key, text)
 
     # -- one pass ---------------------------------------------------------------------------
-    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[dict], h_prefill) -> tuple[dict, list[int]]:
+    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill) -> tuple[dict, list[int]]:
         """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
 
         h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
@@ -100,10 +104,10 @@ class Head:
             hiddens.append(h_decode)
             targets += [[r] for r in decode_rows]
         for i, item in enumerate(prefill):
-            g = self.groups[item["gid"]]
-            n = item["len"]
+            g = self.groups[item.gid]
+            n = item.len
             if g.params.echo:
-                g.echo = self._score_prompt(h_prefill[i, :n], g.meta["prompt_ids"], g.params.logprobs or 0)
+                g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0)
             if g.params.max_tokens == 0:
                 for r in g.rows:
                     states[r].cand.finish_reason = "length"
@@ -118,7 +122,7 @@ class Head:
             logits = logits[expand]
             self._step(states, rows, logits, feed, finished)
         for item in prefill:  # scoring-only groups finish without sampling
-            g = self.groups[item["gid"]]
+            g = self.groups[item.gid]
             if g.params.max_tokens == 0:
                 finished += g.rows
         for r in finished:
@@ -192,18 +196,23 @@ class Head:
         g = self.groups[st.gid]
         if st.text is not None:
             st.cand.pieces = st.text.finish()
-        req = self.requests[g.meta["req"]]
-        req.choices.setdefault(g.meta["prompt_i"], []).append(st.cand)
+        req = self.requests[g.meta.req]
+        req.choices.setdefault(g.meta.prompt_i, []).append(st.cand)
         g.done += 1
         if g.done == len(g.rows):
-            req.echoes[g.meta["prompt_i"]] = g.echo
+            req.echoes[g.meta.prompt_i] = g.echo
             del self.groups[st.gid]
             if len(req.choices) == req.n_prompts and all(
                 len(c) == req.params.best_of for c in req.choices.values()
             ):
-                self._emit(g.meta["req"], self.requests.pop(g.meta["req"]))
+                self._format(g.meta.req, self.requests.pop(g.meta.req))
 
-    def _emit(self, index: int, req: RequestState) -> None:
+    def take_results(self) -> list[tuple[int, dict]]:
+        """Requests finished since the last call: (input index, output line)."""
+        out, self.results = self.results, []
+        return out
+
+    def _format(self, index: int, req: RequestState) -> None:
         t0 = time.perf_counter()
         p = req.params
         choices, completion_tokens = [], 0
@@ -221,7 +230,7 @@ class Head:
                                time.perf_counter() - req.started, req.batch_size)
         if req.notes:
             result["warnings"] = req.notes
-        self.emit(index, output_line(req.raw, req.custom_id, result=result))
+        self.results.append((index, output_line(req.raw, req.custom_id, result=result)))
         self.format_seconds += time.perf_counter() - t0
 
 

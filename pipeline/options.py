@@ -15,6 +15,10 @@ PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+class UsageError(ValueError):
+    """A problem with how the runner was invoked; reported without a traceback (exit code 2)."""
+
+
 def _opt(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 

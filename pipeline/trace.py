@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from tasks.files import write_atomic
 
 
 class Trace:
@@ -23,8 +24,5 @@ class Trace:
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}}]
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
         return path

@@ -23,14 +23,14 @@ def write_dummy_requests(opts) -> str:
 def print_latency(report, opts) -> None:
     """Latency figures in the style of llm-foundry's hf_generate."""
     s = report.summary
-    out_tokens = s["completion_tokens"]
-    gen = max(s["wall_seconds"] - s["encode_seconds"] - s["decode_seconds"], 1e-9)
+    out_tokens = s.completion_tokens
+    gen = max(s.wall_seconds - s.encode_seconds - s.decode_seconds, 1e-9)
     print(f"dummy data: batch {opts.batch_size} x {opts.input_seq_length} prompt tokens, "
           f"{opts.generate_seq_length} new tokens each")
-    print(f"encode latency: {1000 * s['encode_seconds']:.2f} ms")
+    print(f"encode latency: {1000 * s.encode_seconds:.2f} ms")
     print(f"generation latency: {1000 * gen:.2f} ms")
-    print(f"decode latency: {1000 * s['decode_seconds']:.2f} ms")
-    print(f"total latency: {1000 * s['wall_seconds']:.2f} ms")
+    print(f"decode latency: {1000 * s.decode_seconds:.2f} ms")
+    print(f"total latency: {1000 * s.wall_seconds:.2f} ms")
     print(f"latency per output token: {1000 * gen / max(1, out_tokens / opts.batch_size):.2f} ms "
           f"(batch of {opts.batch_size})")
     print(f"output tokens/s: {out_tokens / gen:.1f}")

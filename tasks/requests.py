@@ -45,13 +45,9 @@ class Params:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
-        d = dict(self.__dict__)
-        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
-        return d
-
     @classmethod
     def from_json(cls, d: dict) -> "Params":
+        """From its JSON form (logit_bias keys are strings there)."""
         d = dict(d)
         d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
         return cls(**d)

@@ -17,11 +17,19 @@ from pathlib import Path
 
 import orjson
 
-from comm.faults import maybe_fail
+from comm.faults import FINALIZE
+
+from .files import atomic_path
 
 
 class JournalMismatch(RuntimeError):
     pass
+
+
+def journal_path(output: str | os.PathLike, share: int = 0, shares: int = 1) -> Path:
+    """Where a share's lines go until the output is complete: ``<output>.partial[-d-of-D]``."""
+    output = Path(output)
+    return output.with_name(output.name + (".partial" if shares == 1 else f".partial-{share}-of-{shares}"))
 
 
 def _count_and_trim(path: Path) -> int:
@@ -37,8 +45,7 @@ def _count_and_trim(path: Path) -> int:
 class OrderedWriter:
     def __init__(self, output: str | os.PathLike, fingerprint: dict, share: int = 0, shares: int = 1):
         self.output = Path(output)
-        suffix = ".partial" if shares == 1 else f".partial-{share}-of-{shares}"
-        self.journal = self.output.with_name(self.output.name + suffix)
+        self.journal = journal_path(self.output, share, shares)
         self.meta = self.journal.with_name(self.journal.name + ".json")
         self.fingerprint = fingerprint
         self.share, self.shares = share, shares
@@ -96,7 +103,7 @@ class OrderedWriter:
         self._file.close()
         if self.written != expected:
             return False
-        maybe_fail("finalize")
+        FINALIZE.tick()
         if self.shares == 1:
             os.replace(self.journal, self.output)
             self.meta.unlink(missing_ok=True)
@@ -108,22 +115,18 @@ class OrderedWriter:
 def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
     """Interleave data-parallel journals (line i from share i % shares) into the output, atomically."""
     output = Path(output)
-    journals = [output.with_name(f"{output.name}.partial-{d}-of-{shares}") for d in range(shares)]
-    tmp = output.with_name(output.name + ".merging")
+    journals = [journal_path(output, d, shares) for d in range(shares)]
     files = [open(j, "rb") for j in journals]
     try:
-        with open(tmp, "wb") as out:
+        with atomic_path(output, fsync=True) as tmp, open(tmp, "wb") as out:
             for i in range(total_lines):
                 line = files[i % shares].readline()
                 if not line.endswith(b"\n"):
                     raise RuntimeError(f"{journals[i % shares]} ends early (line {i} missing)")
                 out.write(line)
-            out.flush()
-            os.fsync(out.fileno())
     finally:
         for f in files:
             f.close()
-    os.replace(tmp, output)
     for j in journals:
         j.unlink(missing_ok=True)
         j.with_name(j.name + ".json").unlink(missing_ok=True)
@@ -140,7 +143,7 @@ def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -
     process merges. Returns True if this call produced the output.
     """
     output = Path(output)
-    journals = [output.with_name(f"{output.name}.partial-{d}-of-{shares}") for d in range(shares)]
+    journals = [journal_path(output, d, shares) for d in range(shares)]
     if not all(j.with_name(j.name + ".done").exists() for j in journals):
         return False
     lock = output.with_name(output.name + ".merge-lock")

@@ -16,8 +16,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "throughput.py"
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 FIGURES = {"generated_tokens", "scored_prompt_tokens", "gen_tokens_per_s", "scored_tokens_per_s", "gen_seconds",
            "score_seconds", "wall_seconds", "startup_and_load_seconds", "peak_rss_mb", "peak_rss_mb_per_process",
@@ -63,9 +61,7 @@ def test_unknown_system_is_rejected():
     ],
 )
 def test_finish_generation_matches_runner_semantics(ids_text, max_tokens, stops, want):
-    if str(REPO / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO / "bench"))
-    from throughput import finish_generation
+    finish_generation = _bench_module().finish_generation
 
     tok = _local_tokenizer()
     ids = [tok.convert_tokens_to_ids(c) for c in ids_text]  # one token per character
@@ -74,6 +70,17 @@ def test_finish_generation_matches_runner_semantics(ids_text, max_tokens, stops,
     # EOS ends the sequence and counts as a computed token
     got = finish_generation(tok, ids[:1] + [tok.eos_token_id] + ids[1:], 16, [], eos=tok.eos_token_id)
     assert (got["text"], got["generated"], got["finish"]) == (ids_text[0], 2, "stop")
+
+
+@functools.lru_cache(maxsize=1)
+def _bench_module():
+    """bench/throughput.py, imported by path (bench/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)

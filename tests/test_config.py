@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pipeline.options import parse_options
-from tests.utils import read_jsonl, run_single, tiny_llama
+from tests.utils import read_jsonl, run_single
 
 
 def config(tmp_path, text: str) -> str:
@@ -91,8 +91,8 @@ def test_wrongly_typed_yaml_values_are_rejected(tmp_path, capsys, text, message)
     assert message in parse_error(capsys, ["--config", config(tmp_path, text)])
 
 
-def test_run_configured_by_yaml(tmp_path):
-    model = tiny_llama(tmp_path / "model", num_hidden_layers=2)
+def test_run_configured_by_yaml(tmp_path, llama_2l):
+    model = llama_2l
     data = tmp_path / "requests.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4, "temperature": 0}) + "\n"
                             for p in ("hello", "Once upon a time", "The kitchen is north of")))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, run_cmd, run_single, tiny_llama
+from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, run_cmd, run_single
 
 LAUNCH = REPO / "launch"
 SCRIPTS = ["local_torchrun.sh", "legacy_per_rank.sh", "drain.sh", "slurm_pipeline.sbatch", "lsf_pipeline.bsub"]
@@ -49,8 +49,8 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("launch_model"), num_hidden_layers=2)
+def model_dir(llama_2l):
+    return llama_2l
 
 
 @pytest.fixture(scope="module")

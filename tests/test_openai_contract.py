@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_logits, local_tokenizer, read_jsonl, run_inprocess,
-                         run_torchrun, tiny_llama, write_jsonl)
+                         run_torchrun, write_jsonl)
 
 openai_types = pytest.importorskip("openai.types")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("contract"), num_hidden_layers=2, num_key_value_heads=2,
-                      max_position_embeddings=1024)
+def model_dir(make_llama):
+    return make_llama(num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def run(model_dir, tmp_path, requests, *flags, name="r.jsonl") -> list[dict]:

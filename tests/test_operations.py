@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from tests.utils import assert_identical_results, read_jsonl, run_single, run_torchrun, tiny_llama, write_jsonl
+from tests.utils import assert_identical_results, read_jsonl, run_single, run_torchrun, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("ops"), num_hidden_layers=2)
+def model_dir(llama_2l):
+    return llama_2l
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import time
 import pytest
 
 from tests.utils import (DATA, RUNNER, _env, _kill_group, assert_identical_results, free_port, read_jsonl, run_single,
-                         run_torchrun, tiny_llama)
+                         run_torchrun)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("rel"), num_hidden_layers=3, max_position_embeddings=256)
+def model_dir(make_llama):
+    return make_llama(num_hidden_layers=3, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

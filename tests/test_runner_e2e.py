@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun,
-                         tiny_llama)
+from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun)
 
 PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
            "a", "Passage: The office is east of the hallway. The bedroom is west of the garden. The garden is"]
@@ -14,9 +13,8 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=3, num_key_value_heads=2,
-                      max_position_embeddings=2048)
+def model_dir(make_llama):
+    return make_llama(num_hidden_layers=3, num_key_value_heads=2, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,7 @@ def shared_files(tmp_path_factory):
 def _run_shared(model_dir, shared_files, out_dir, stages: int, *flags) -> dict[str, list[dict]]:
     args = ["--model-name", model_dir, "--infer-data", *[str(shared_files / n) for n in SHARED],
             "--output-path", str(out_dir), "--no-progress", *flags]
-    p = run_single(args) if stages == 1 else run_torchrun(args, stages)
+    p = run_single(args, timeout=900) if stages == 1 else run_torchrun(args, stages, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return {n: read_jsonl(out_dir / f"output_{n}") for n in SHARED}
 
@@ -137,11 +135,23 @@ def test_default_output_path_and_default_model(tmp_path):
     (["--model-name", "/nonexistent/model"], "no such folder"),
     (["--infer-data", "/nonexistent.jsonl"], "no such file"),
 ])
-def test_bad_flags_fail_fast_with_a_fix(model_dir, flags, message):
+def test_bad_flags_fail_fast_with_a_fix(model_dir, flags, message, capsys):
+    """In-process: every flag problem is found before anything loads (no process group needed)."""
+    import dist_inference_runner
+
     args = (["--model-name", model_dir] if "--model-name" not in flags else []) + flags
     if "--infer-data" not in flags:
         args += ["--infer-data", str(DATA / "bad_lines.jsonl")]
-    p = run_single(args, timeout=120)
-    assert p.returncode == 2
-    assert message in p.stderr
-    assert "Traceback" not in p.stderr
+    try:
+        code = dist_inference_runner.main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_flag_exit_code_of_the_process(model_dir):
+    p = run_single(["--model-name", model_dir, "--infer-data", "/nonexistent.jsonl"], timeout=120)
+    assert p.returncode == 2 and "no such file" in p.stderr and "Traceback" not in p.stderr

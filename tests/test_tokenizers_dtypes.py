@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_inference_runner import UsageError, resolve_dtype
-from pipeline.loading import load_tokenizer
+from pipeline.tokenizer import load_tokenizer
 from tests.utils import REPO, hf_greedy, read_jsonl, run_single, tiny_llama
 
 TEXT = "The cat sat on the mat.\nTwo  spaces, café ✓"

@@ -20,8 +20,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "dist_inference_runner.py"
 DATA = REPO / "tests" / "data"  # copies of ../shared/data, so the tests run from any checkout
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,78 @@
+"""The last stage's answers: what it does with each message after its layers ran.
+
+:class:`OpenFile` opens the output (tasks.output_file) and answers :class:`Opened`; a
+:class:`PassHeader` admits the groups that enter, samples with the :class:`~pipeline.head.Head`
+and answers a :class:`Reply` with the tokens rank 0 feeds next; :class:`CloseFile` publishes
+the output and answers :class:`Closed` with the file's summary. Error lines carried by any
+message are written in their input position.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from comm.dist import DistInfo
+from comm.faults import PREFILL
+from tasks.output_file import FileStats, OutputFile
+
+from .head import Head
+from .messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from .stage import Stage, unpack
+
+
+class LastRank:
+    def __init__(self, stage: Stage, info: DistInfo, head: Head, fingerprint: dict, overwrite: bool = False,
+                 show_progress: bool = True):
+        self.stage, self.info, self.head = stage, info, head
+        self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
+        self.file: OutputFile | None = None
+
+    def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
+        """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
+        for index, line in getattr(msg, "errors", []):
+            self.file.put(index, line, error=True)
+        if isinstance(msg, PassHeader):
+            return self._pass(msg, x)
+        if isinstance(msg, OpenFile):
+            return self._open(msg)
+        if isinstance(msg, CloseFile):
+            return self._close(msg)
+        assert isinstance(msg, Stop), msg
+        return None
+
+    def _open(self, msg: OpenFile) -> Opened:
+        self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
+                               self.info.data_size)
+        self.head.start_file()
+        try:
+            return Opened(self.file.open(msg.total, self.overwrite, self.show_progress))
+        except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
+            return Opened(None, error=str(e))
+
+    def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
+        t0 = time.perf_counter()
+        for meta in hdr.admit:
+            self.head.admit(hdr.slot, meta, hdr.rows)
+            self.file.prompt_tokens += len(meta.prompt_ids)
+        h_dec, h_pre = unpack(hdr, h)
+        h_live = None
+        if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
+            h_live = h_dec[hdr.decode_rows, -1] if hdr.dense else h_dec[:, -1]
+        with torch.inference_mode():
+            feed, finished = self.head.on_pass(hdr.slot, hdr.decode_rows, h_live, hdr.prefill, h_pre)
+        for index, line in self.head.take_results():
+            self.file.put(index, line)
+        PREFILL.tick(ready=bool(hdr.prefill))
+        self.file.flush(self.head.generated_tokens)
+        self.stage.clock("sample+write", t0, slot=hdr.slot)
+        return Reply(hdr.slot, sorted(feed.items()), finished)
+
+    def _close(self, msg: CloseFile) -> Closed:
+        if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
+            msg.busy.append(self.stage.busy)
+        stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
+        complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
+                                            self.head.format_seconds, self.info.pipeline_size)
+        return Closed(complete, summary)

@@ -1,0 +1,184 @@
+"""Every message that crosses ranks, as a dataclass, and its one wire encoding.
+
+Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where it has any:
+
+- :class:`OpenFile`   a request file starts; the last rank opens its writer and answers :class:`Opened`.
+- :class:`PassHeader` one micro-batch's trip: which slot, which rows decode (the layout computed
+  once, here), which groups prefill, cache forks and releases, and the :class:`Admission` of every
+  group that enters (parameters, prompt ids, the original request), which the middle ranks forward
+  unread. Error lines ride along to reach the writer in their input position.
+- :class:`CloseFile`  the file's last pass has returned; each stage appends its compute seconds
+  to ``busy`` on the way; the last rank publishes the output and answers :class:`Closed`.
+- :class:`Stop`       the run ends.
+
+Back from the last rank to rank 0: :class:`Reply` (the tokens to feed next, finished rows) after
+each pass, and :class:`Opened` / :class:`Closed`.
+
+On the wire a message is ``orjson.dumps([kind, message])`` (orjson serializes dataclasses
+natively). :func:`decode` rebuilds the dataclasses and fails on a missing or unknown field, naming
+it, so a mistake shows where the message is read, not as a wrong value further on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+from tasks.output_file import FileSummary
+from tasks.requests import Params
+
+ErrorLine = tuple[int, dict]  # (input index, the output line with its error object)
+
+
+@dataclass
+class Admission:
+    """A prompt of a request entering a slot (rank 0 -> last rank, unread in between)."""
+
+    _NESTED: ClassVar[dict] = {"params": Params}
+
+    gid: int  # group id: one prompt of one request, best_of rows
+    req: int  # the request's input index
+    prompt_i: int
+    n_prompts: int
+    prompt_ids: list[int]
+    params: Params
+    kind: str  # "completion" | "chat"
+    custom_id: str | None
+    note: str | None  # e.g. a truncation warning
+    rows: list[int]  # the slot rows of its best_of candidates
+    raw: Any = None  # the original request object (sent with the first prompt only)
+
+
+@dataclass
+class Prefill:
+    gid: int
+    row: int  # the group's lead row; its cache is forked to the others
+    len: int  # prompt tokens
+
+
+@dataclass
+class Fork:
+    lead: int
+    rows: list[int]
+    cols: int  # cache columns to copy (the prompt)
+
+
+@dataclass
+class PassHeader:
+    """One micro-batch's trip down the pipeline. The payload packs the decode segment (one token per
+    ``decode_layout`` row) then the prefill segment (``len(prefill)`` rows x ``prefill_len``)."""
+
+    KIND: ClassVar[str] = "pass"
+    _NESTED: ClassVar[dict] = {"prefill": Prefill, "forks": Fork, "admit": Admission}
+    slot: int
+    rows: int  # the slot's rows
+    alloc: list[int] | None  # [rows, cols]: (re)allocate the slot's cache before the pass
+    release: list[int]  # slots whose caches can be freed
+    decode_rows: list[int]  # live rows fed a token this pass
+    decode_layout: list[int]  # rows the decode segment computes: every slot row, or only the live ones
+    decode_start: list[int]  # cache column of each decode_layout row's token
+    prefill: list[Prefill] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    admit: list[Admission] = field(default_factory=list)
+    errors: list[ErrorLine] = field(default_factory=list)
+
+    @property
+    def prefill_len(self) -> int:
+        return max((p.len for p in self.prefill), default=0)
+
+    @property
+    def dense(self) -> bool:
+        """The decode segment covers every slot row (no cache gather)."""
+        return len(self.decode_layout) == self.rows
+
+
+@dataclass
+class Reply:
+    KIND: ClassVar[str] = "reply"
+    slot: int
+    feed: list[tuple[int, int]]  # (row, token to feed next)
+    finished: list[int]  # rows whose sequence ended
+
+
+@dataclass
+class OpenFile:
+    KIND: ClassVar[str] = "open"
+    input: str
+    output: str
+    total: int  # non-blank lines in the input
+    input_id: str  # size + hash of the input's start: a journal resumes only against the same input
+    errors: list[ErrorLine] = field(default_factory=list)
+
+
+@dataclass
+class Opened:
+    KIND: ClassVar[str] = "opened"
+    skip: int | None  # this share's lines already journaled; None: the output is complete
+    error: str | None = None
+
+
+@dataclass
+class CloseFile:
+    KIND: ClassVar[str] = "close"
+    total: int
+    requests: int  # lines this data group read
+    error_kinds: dict[str, int]
+    encode_seconds: float
+    padding_waste: float
+    release: list[int] = field(default_factory=list)
+    errors: list[ErrorLine] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)  # compute seconds of stage 0, 1, ... (appended en route)
+
+
+@dataclass
+class Closed:
+    KIND: ClassVar[str] = "closed"
+    _NESTED: ClassVar[dict] = {"summary": FileSummary}
+    complete: bool
+    summary: FileSummary
+
+
+@dataclass
+class Stop:
+    KIND: ClassVar[str] = "stop"
+    errors: list[ErrorLine] = field(default_factory=list)
+
+
+Message = PassHeader | Reply | OpenFile | Opened | CloseFile | Closed | Stop
+_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Reply, OpenFile, Opened, CloseFile, Closed, Stop)}
+
+
+class MessageError(ValueError):
+    """A message that does not match its dataclass (a bug on the sending side)."""
+
+
+def encode(msg: Message) -> bytes:
+    return orjson.dumps([msg.KIND, msg], option=orjson.OPT_NON_STR_KEYS)  # logit_bias has int keys
+
+
+def decode(data: bytes) -> Message:
+    kind, body = orjson.loads(data)
+    if kind not in _KINDS:
+        raise MessageError(f"unknown message kind {kind!r}")
+    return build(_KINDS[kind], body)
+
+
+def build(cls: type, body: dict):
+    """``cls(**body)`` with nested dataclasses rebuilt; a missing or unknown field is named."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown, missing = set(body) - names, required - set(body)
+    if unknown or missing:
+        what = [f"unknown field(s) {sorted(unknown)}"] * bool(unknown) + [f"missing field(s) {sorted(missing)}"] * bool(missing)
+        raise MessageError(f"{cls.__name__}: {'; '.join(what)}")
+    kwargs = dict(body)
+    for name, sub in getattr(cls, "_NESTED", {}).items():
+        if name in kwargs:
+            make = getattr(sub, "from_json", None) or (lambda x, sub=sub: build(sub, x))
+            value = kwargs[name]
+            kwargs[name] = [make(x) for x in value] if isinstance(value, list) else make(value)
+    return cls(**kwargs)

@@ -1,0 +1,111 @@
+"""The stage step: receive a pass, run this stage's layers over it, send it on.
+
+A pass (:class:`~pipeline.messages.PassHeader`) carries up to two segments of one micro-batch:
+a decode segment (one token for each ``decode_layout`` row) and a prefill segment (the new
+prompts, right-padded to ``prefill_len``). :func:`pack` puts both into one tensor, token ids on
+the first stage and hidden states after it; :func:`unpack` takes them apart from the header.
+Every rank but the first runs :func:`serve`: receive, step, pass it on (the last rank hands it to
+its :class:`~pipeline.last_rank.LastRank`, whose reply rings back to rank 0).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .messages import CloseFile, OpenFile, PassHeader, Stop
+from .models.decoder import KVCache, Segment, StageModel
+
+
+class Stage:
+    """This rank's layers, its micro-batch caches and its compute clock."""
+
+    def __init__(self, model: StageModel, device: torch.device, trace=None):
+        self.model, self.device, self.trace = model, device, trace
+        self.caches: dict[int, KVCache] = {}
+        self.busy = 0.0  # compute seconds since the current file opened
+
+    def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output."""
+        t0 = time.perf_counter()
+        self.release(hdr.release)
+        if hdr.alloc:
+            self.caches[hdr.slot] = self.model.new_cache(*hdr.alloc)
+        cache = self.caches[hdr.slot]
+        x_dec, x_pre = unpack(hdr, x)
+        outs = []
+        with torch.inference_mode():
+            if x_dec is not None:
+                outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
+            if x_pre is not None:
+                outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
+            for f in hdr.forks:
+                cache.fork(f.lead, f.rows, f.cols)
+        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
+        return pack(outs)
+
+    def release(self, slots: list[int]) -> None:
+        for sid in slots:
+            self.caches.pop(sid, None)
+
+    def clock(self, what: str, t0: float, **args) -> None:
+        """Count the time since ``t0`` as compute (and trace it)."""
+        t1 = time.perf_counter()
+        self.busy += t1 - t0
+        if self.trace is not None:
+            self.trace.add(what, t0, t1, args=args)
+
+
+def serve(link, stage: Stage, last=None) -> str | None:
+    """Every rank but the first: receive until :class:`Stop`; the last rank answers through ``last``.
+    Returns the output path of the last file opened (the profile trace goes beside it)."""
+    output = None
+    while True:
+        msg, x = link.recv_prev()
+        if isinstance(msg, PassHeader):
+            x = stage.step(msg, x)
+        elif isinstance(msg, OpenFile):
+            stage.busy, output = 0.0, msg.output  # busy fractions are per file
+        elif isinstance(msg, CloseFile):
+            stage.release(msg.release)
+            if last is None:
+                msg.busy.append(stage.busy)
+        if last is None:
+            link.send_next(msg, x)
+        else:
+            reply = last.handle(msg, x)
+            if reply is not None:
+                link.send_first(reply)
+        if isinstance(msg, Stop):
+            return output
+
+
+def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    rows, starts = hdr.decode_layout, hdr.decode_start
+    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), 1, max(starts) + 1,
+                   all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows))
+
+
+def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    rows, b, t = [p.row for p in hdr.prefill], len(hdr.prefill), hdr.prefill_len
+    return Segment(torch.tensor(rows, device=device), torch.zeros(b, dtype=torch.long, device=device), t, t,
+                   fresh=True, host_rows=rows, host_start=[0] * b, lens=[p.len for p in hdr.prefill])
+
+
+def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:
+    """[(r, 1, ...), (b, t, ...)] -> one (r + b*t, ...) tensor: hidden states, or token ids on the first stage."""
+    if not outs:
+        return None
+    return torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])
+
+
+def unpack(hdr: PassHeader, x: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Inverse of :func:`pack`: (decode (r, 1, ...), prefill (b, t, ...)), shapes from the header."""
+    if x is None:
+        return None, None
+    r = len(hdr.decode_layout)
+    b, t = len(hdr.prefill), hdr.prefill_len
+    x_dec = x[:r].reshape(r, 1, *x.shape[1:]) if r else None
+    x_pre = x[r:].reshape(b, t, *x.shape[1:]) if b else None
+    return x_dec, x_pre
