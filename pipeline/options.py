@@ -35,7 +35,7 @@ class RunOptions:
     budget: int = _opt(8192, "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait.")
     max_micro_batch_size: int = _opt(32, "Most sequences (rows) in one micro-batch.")
     num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size (the fewest that keep every stage busy).")
-    pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule.", choices=PP_MODES)
+    pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")

@@ -1,0 +1,53 @@
+"""The run's plan, computed without processes or weights: layout, stage ranges, inputs, threads, warnings."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.options import UsageError, parse_options
+from pipeline.plan import make_plan, output_for
+from tests.utils import DATA
+
+
+def plan(model, *flags, world=1, rank=0, local_world=None, cpus=8):
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world or world)}
+    return make_plan(parse_options(["--model-name", model, *flags]), env=env, cpu_count=cpus)
+
+
+@pytest.mark.parametrize("world, rank, flags, stage, layers, threads, has_inputs", [
+    (1, 0, [], 0, (0, 2), 8, True),
+    (2, 0, [], 0, (0, 1), 4, True),
+    (2, 1, [], 1, (1, 2), 4, False),
+    (4, 2, ["--data-group-size", "2"], 0, (0, 1), 2, True),  # rank 2 leads the second pipeline
+    (4, 3, ["--data-group-size", "2", "--num-threads", "3"], 1, (1, 2), 3, False),
+    (2, 1, ["--max-layers", "1", "--pipeline-group-size", "1", "--data-group-size", "2"], 0, (0, 1), 4, True),
+])
+def test_layout(llama_2l, world, rank, flags, stage, layers, threads, has_inputs):
+    p = plan(llama_2l, "--infer-data", str(DATA / "mixed_params.jsonl"), *flags, world=world, rank=rank)
+    assert (p.stage, p.layers, p.threads, bool(p.inputs)) == (stage, layers, threads, has_inputs)
+    assert p.slots == p.pipeline and p.model_name == Path(llama_2l).name
+
+
+def test_inputs_from_a_folder_and_the_job_name(llama_2l, tmp_path):
+    for name in ("b.jsonl", "a.jsonl", "output_a.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("{}\n")
+    assert plan(llama_2l, "--infer-data", str(tmp_path)).inputs == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert plan(llama_2l, "--job-name", f"x#{tmp_path / 'b.jsonl'}").inputs == [str(tmp_path / "b.jsonl")]
+    assert output_for("/q/a.jsonl", None, False) == "/q/output_a.jsonl"
+    assert output_for("/q/a.jsonl", "/o", True) == "/o/output_a.jsonl"
+
+
+def test_too_few_micro_batches_is_a_warning(llama_2l):
+    p = plan(llama_2l, "--num-micro-batches", "1", world=2)
+    assert p.slots == 1 and "fewer than the 2 stages" in p.warnings[0]
+    assert plan(llama_2l, world=2).warnings == []
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--data-group-size", "3"], 2, "not a multiple of --data-group-size 3"),
+    (["--num-layers", "1"], 1, "--num-layers 1 x 1 stages"),
+    (["--infer-data", "/nonexistent.jsonl"], 1, "no such file"),
+])
+def test_mistakes_fail_before_anything_loads(llama_2l, flags, world, message):
+    with pytest.raises(UsageError, match=message.replace("-", "\\-")):
+        plan(llama_2l, *flags, world=world)
