@@ -57,9 +57,9 @@ def workload(model_dir: Path, n: int, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def run(model_dir: Path, data: Path, out: Path, flags: list[str]) -> dict:
+def run(model_dir: Path, data: Path, out: Path, flags: list[str], threads: int) -> dict:
     cmd = [sys.executable, str(REPO / "dist_inference_runner.py"), "--model-name", str(model_dir), "--infer-data",
-           str(data), "--output-path", str(out), "--no-progress", "--num-threads", "2", *flags]
+           str(data), "--output-path", str(out), "--no-progress", "--num-threads", str(threads), *flags]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         sys.exit(f"runner failed ({' '.join(flags)}):\n{p.stderr[-2000:]}")
@@ -71,6 +71,7 @@ def run(model_dir: Path, data: Path, out: Path, flags: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of the runner process")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     from examples.default_model import cache_root
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {}
     for mode, extra in (("default", []), ("batch-invariant", ["--batch-invariant"])):
         for name, flags in LAYOUTS.items():
-            runs[mode, name] = run(model, data, work / f"{mode}-{name}.jsonl", flags + extra)
+            runs[mode, name] = run(model, data, work / f"{mode}-{name}.jsonl", flags + extra, args.threads)
     report = {"requests": len(reqs), "sampled": len(sampled), "greedy": len(greedy)}
     for mode in ("default", "batch-invariant"):
         a, b = runs[mode, "A"]["texts"], runs[mode, "B"]["texts"]

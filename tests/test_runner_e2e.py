@@ -79,7 +79,7 @@ def shared_files(tmp_path_factory):
 
 def _run_shared(model_dir, shared_files, out_dir, stages: int, *flags) -> dict[str, list[dict]]:
     args = ["--model-name", model_dir, "--infer-data", *[str(shared_files / n) for n in SHARED],
-            "--output-path", str(out_dir), "--no-progress", *flags]
+            "--output-path", str(out_dir), "--no-progress", "--num-threads", "1", *flags]  # thread counts: test_batch_invariant
     p = run_single(args, timeout=900) if stages == 1 else run_torchrun(args, stages, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return {n: read_jsonl(out_dir / f"output_{n}") for n in SHARED}
