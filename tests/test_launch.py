@@ -454,7 +454,8 @@ def test_lsf_array_and_hosts_command_line(stubs, shards, tmp_path):
     args = (log / "blaunch.args").read_text().splitlines()
     assert args[:3] == ["-z", "hostA hostB", "-no-shell"]
     assert _opt(args, "--nnodes") == "2" and _opt(args, "--nproc-per-node") == "4"
-    assert _opt(args, "--rdzv-endpoint") == "hostA:30178" and _opt(args, "--rdzv-id") == "5678"
+    # array elements share LSB_JOBID: id and port include the element index, so they never meet
+    assert _opt(args, "--rdzv-endpoint") == "hostA:30181" and _opt(args, "--rdzv-id") == "5678-3"
     assert _opt(args, "--rdzv-backend") == "c10d"
     assert _opt(args, "--infer-data") == f"{qdir}/request_2.jsonl"
     assert args[-4:] == ["--budget", "99", "--seed", "3"]
@@ -463,7 +464,8 @@ def test_lsf_array_and_hosts_command_line(stubs, shards, tmp_path):
                                          "LSB_JOBINDEX": "1"}, tmp_path, timeout=30)
     args = (log / "blaunch.args").read_text().splitlines()
     assert p.returncode == 0 and args[1] == "h1 h2 h3" and _opt(args, "--nnodes") == "3"
-    assert _opt(args, "--rdzv-endpoint").startswith("h1:") and _opt(args, "--infer-data") == f"{qdir}/request_0.jsonl"
+    assert _opt(args, "--rdzv-endpoint") == "h1:30179" and _opt(args, "--infer-data") == f"{qdir}/request_0.jsonl"
+    assert _opt(args, "--rdzv-id") == "5678-1"
     (log / "blaunch.args").unlink()
     p = run_script("lsf_pipeline.bsub", {**base, "LSB_JOBINDEX": "50"}, tmp_path, timeout=30)
     assert p.returncode == 0 and "no shard" in p.stderr and not (log / "blaunch.args").exists()
