@@ -178,7 +178,7 @@ def run(opts) -> int:
         trace = Trace(info.rank)
     messenger = Messenger(info.device, trace) if info.world_size > 1 else None
     runner = StageRunner(model, info.device, trace)
-    model_label = opts.model_name or "tiny-llama-default-v1"
+    model_label = opts.model_name or "tiny-llama-default-v2"
     driver = head = None
     tokenizer = load_tokenizer(model_dir, opts.trust_remote_code) if (info.is_first or info.is_last) else None
     if info.is_first:
