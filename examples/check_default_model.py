@@ -1,6 +1,7 @@
 """Measure the default model on held-out synthetic questions, through the runner.
 
     python examples/check_default_model.py [--seed 12345] [--n 100] [--pipeline 1 2]
+    python examples/check_default_model.py --score examples/output_multiple_choice.jsonl
 
 Writes a request file of fresh questions (``examples/default_tasks.py`` with a seed the training
 never used), runs ``dist_inference_runner.py`` on it (plain ``python`` for P = 1, ``torchrun`` on
@@ -128,7 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--n", type=int, default=100, help="questions per task")
     ap.add_argument("--pipeline", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--score", type=Path, help="only score this output file (e.g. of multiple_choice.jsonl)")
     args = ap.parse_args(argv)
+    if args.score:
+        for task, (hit, total) in score(read_jsonl(args.score)).items():
+            print(f"{task:15s} {hit:4d}/{total:<4d} {100 * hit / total:5.1f}%")
+        return
     from examples.default_model import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
