@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--n", type=int, default=100, help="questions per task")
     ap.add_argument("--pipeline", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--score", type=Path, help="only score this output file (e.g. of multiple_choice.jsonl)")
+    ap.add_argument("--score", type=Path,
+                    help="only score this output file (e.g. of multiple_choice.jsonl)")
     args = ap.parse_args(argv)
     if args.score:
         for task, (hit, total) in score(read_jsonl(args.score)).items():

@@ -1,8 +1,8 @@
 """The embedded default model: a tiny trained Llama that ships in ``examples/tiny-llama-default/``.
 
 When the runner is started without ``--model-name`` it uses this folder, so a newcomer can run the
-examples with no download and no training. The model (``LlamaForCausalLM``, 4 layers, hidden 128,
-about 0.93M parameters, float32 safetensors) was trained by ``examples/train_default_model.py``
+examples with no download and no training. The model (``LlamaForCausalLM``, 6 layers, hidden 128,
+1.41M parameters, float32 safetensors) was trained by ``examples/train_default_model.py``
 on synthetic tasks from ``examples/default_tasks.py``: bAbI-style path questions (zero- and
 few-shot), small sums and differences, copying and reversing short lists, "who has what" questions
 (also scored as multiple choice by echo logprobs) and short stories.

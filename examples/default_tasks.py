@@ -32,7 +32,8 @@ PLACES = ["forest", "village", "small house", "big garden", "farm", "castle", "m
 FEELINGS = ["happy", "sad", "brave", "sleepy", "curious", "kind", "shy", "hungry"]
 FINDS = ["a shiny stone", "an old map", "a red apple", "a little key", "a lost bird", "a golden coin",
          "a magic hat", "a tiny boat"]
-FRIENDS = ["a wise owl", "a little bird", "an old turtle", "a friendly dog", "a small mouse", "a kind bear"]
+FRIENDS = ["a wise owl", "a little bird", "an old turtle", "a friendly dog", "a small mouse",
+           "a kind bear"]
 
 TASKS = ("path", "arith", "copy", "reverse", "owner")
 SEPARATOR = {"path": "\n\n", "owner": "\n\n", "arith": "\n", "copy": "\n", "reverse": "\n"}

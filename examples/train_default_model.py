@@ -1,23 +1,28 @@
 """Train the embedded default model (``examples/tiny-llama-default/``) from scratch, on CPU.
 
-    python examples/train_default_model.py [--out examples/tiny-llama-default] [--steps 3000]
+    python examples/train_default_model.py [--out examples/tiny-llama-default] [--steps 3600]
 
 Deterministic: fixed seeds, one thread, ``torch.use_deterministic_algorithms``; the same command on
-the same torch/tokenizers versions writes the same files. Time: about 13 minutes on one core of an
-AMD EPYC (the project's CI machine class; 3000 steps of 4 rows, about 6k tokens/s); every 25th
-step is logged with its loss.
+the same torch/tokenizers versions writes the same files. Time: 19 minutes on one core of an AMD
+EPYC (the project's CI machine class; 3600 steps of 4 rows, about 4k tokens/s); every 25th step is
+logged with its loss.
 
 What it does:
 
 1. trains a byte-level BPE (vocab 1024; ``<s> </s> <pad>`` are ids 0, 1, 2; BOS prepended) on
    ``examples/corpus.txt`` plus synthetic text from ``examples/default_tasks.py``;
-2. trains ``LlamaForCausalLM`` (4 layers, hidden 128, GQA 4 query / 2 KV heads, tied embeddings,
-   about 0.93M parameters) with AdamW and a cosine schedule on rows of synthetic tasks: every row
+2. trains ``LlamaForCausalLM`` (6 layers, hidden 128, 4 heads, tied embeddings, 1.41M parameters)
+   with AdamW and a cosine schedule on rows of synthetic tasks (the first 300 steps mostly copying,
+   which gets the model past its plateau, then ``MIX``): every row
    starts at ``<s>`` and packs blocks of one task (so the first is zero-shot, the later ones are
    few-shot), or is story text. The loss is next-token cross entropy, weight 1 on answers (and
    the separator that ends them) and on story text, 0.1 on the (random) task prompts;
 3. reports greedy exact-match per task on held-out blocks (seed 1) and saves with
-   ``save_pretrained`` (float32 safetensors, about 3.7 MB).
+   ``save_pretrained`` (float32 safetensors, 5.6 MB).
+
+Status: 3600 steps are not enough. Held-out greedy accuracy through the runner (seed 12345, 100
+per task) is path 35% zero-shot / 41% few-shot, copy 93%, reverse 53%, sums 21-23%, "who has
+what" 8% (39% as multiple choice); the curves were still rising when the schedule ended.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ from examples.default_model import (  # noqa: E402
 
 SEED = 0
 VOCAB_SIZE = 1024
-ROW_TOKENS = 384  # rows are packed up to this many tokens
+ROW_TOKENS = 320  # rows are packed up to this many tokens
 CTX_WEIGHT = 0.1  # loss weight of task prompt tokens (answers and story text weigh 1)
 # Share of rows per task; path questions are the headline demo, so they get the most.
-MIX = {"path": 0.50, "arith": 0.08, "copy": 0.08, "reverse": 0.06, "owner": 0.14, "story": 0.11,
-       "corpus": 0.03}
+MIX = {"path": 0.62, "arith": 0.07, "copy": 0.04, "reverse": 0.04, "owner": 0.12, "story": 0.09,
+       "corpus": 0.02}
+# The first steps copy from context: a tiny model otherwise sits on a long plateau before it learns
+# to look tokens up in its context (measured: still no copying after 2000 steps of MIX alone).
+WARMUP_MIX = {"copy": 0.5, "reverse": 0.2, "owner": 0.2, "path": 0.1}
+WARMUP_STEPS = 300
 
 
 def tokenizer_texts(rng: random.Random) -> list[str]:
@@ -76,14 +85,15 @@ class Rows:
     def __init__(self, tokenizer, seed: int) -> None:
         self.tok, self.rng = tokenizer, random.Random(seed)
         self.corpus = CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
-        self.tasks, self.weights = list(MIX), list(MIX.values())
+        self.step = 0  # batches drawn so far: selects the mix
 
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def row(self) -> tuple[list[int], list[float]]:
         """``ids[0]`` is ``<s>``; ``weights[i]`` is the weight of predicting ``ids[i + 1]``."""
-        task = self.rng.choices(self.tasks, self.weights)[0]
+        mix = WARMUP_MIX if self.step < WARMUP_STEPS else MIX
+        task = self.rng.choices(list(mix), list(mix.values()))[0]
         ids, w = [self.tok.bos_token_id], []
         if task in ("story", "corpus"):
             while len(ids) < ROW_TOKENS:
@@ -107,12 +117,14 @@ class Rows:
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(inputs, targets, weights), each (size, T); padding has weight 0 (right pad, causal)."""
         rows = [self.row() for _ in range(size)]
+        self.step += 1
         t = max(len(i) for i, _ in rows) - 1
         x = torch.full((size, t), self.tok.pad_token_id, dtype=torch.long)
         y, wt = x.clone(), torch.zeros(size, t)
         for r, (ids, w) in enumerate(rows):
             n = len(ids) - 1
-            x[r, :n], y[r, :n], wt[r, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:]), torch.tensor(w)
+            x[r, :n], y[r, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
+            wt[r, :n] = torch.tensor(w)
         return x, y, wt
 
 
@@ -120,8 +132,8 @@ def build_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2,  # GQA: 2 query heads per KV head
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4,  # full MHA: GQA would save only 16k params a layer
         max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
         initializer_range=0.1,  # 0.02 (HF's default) leaves a tiny model on a long plateau: it
         # took >1000 steps to start copying from context; 0.1 starts within 200 (measured)
@@ -197,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: train the tokenizer and the model, report held-out accuracy, save to ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(SHIPPED_DIR), help="folder to save_pretrained into")
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--batch", type=int, default=4, help="rows of up to 384 tokens per step")
+    ap.add_argument("--steps", type=int, default=3600)
+    ap.add_argument("--batch", type=int, default=4, help="rows of up to 320 tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=0, help="report held-out accuracy every N steps")
