@@ -108,7 +108,7 @@ def test_chat_template(tokenizer) -> None:
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
 
 
-def test_hf_greedy_matches_the_runner_on_the_readme_question(model_dir: str, tokenizer) -> None:
+def test_hf_greedy_on_the_readme_question(model_dir: str, tokenizer) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     prompt = ("Passage: The kitchen is north of the hallway.\nThe garden is west of the kitchen.\n"
               "Question: How do you go from the hallway to the garden?\nAnswer:")
