@@ -73,15 +73,16 @@ SCORE_SHARE, STOP_SHARE, MIN_PROMPT = 0.2, 0.3, 8
 # ------------------------------------------------------------------------------------------------
 def build_model(cache: Path, prof: dict) -> Path:
     """The random Llama for ``prof``, built once into ``cache`` (build in a temp sibling, rename)."""
-    name = f"bench-llama-h{prof['hidden']}-l{prof['layers']}-i{prof['intermediate']}-v1"
+    from examples.default_model import build_tokenizer
+
+    vocab = len(build_tokenizer())  # the name says which tokenizer the cached model was built with
+    name = f"bench-llama-h{prof['hidden']}-l{prof['layers']}-i{prof['intermediate']}-vocab{vocab}"
     target = cache / name
     if (target / ".complete").is_file():
         return target
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from examples.default_model import build_tokenizer
 
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache))

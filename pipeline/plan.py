@@ -19,8 +19,6 @@ from .models import DecoderSpec, spec_from_config
 from .options import RunOptions, UsageError
 from .partition import stage_ranges
 
-DEFAULT_LABEL = "tiny-llama-default-v1"
-
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -67,7 +65,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if slots < pipeline:
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: some stage is always "
                         f"idle; use at least {pipeline}")
-    name = Path(opts.model_name).name if opts.model_name else DEFAULT_LABEL
+    name = Path(opts.model_name).name if opts.model_name else _default_model_name()
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
                    slots, warnings)
 
@@ -76,6 +74,12 @@ def _default_model_dir() -> str:
     from examples.default_model import default_model_dir
 
     return default_model_dir()
+
+
+def _default_model_name() -> str:
+    from examples.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
 
 
 def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
