@@ -78,6 +78,8 @@ class Head:
             self.requests[meta.req] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
                                                    started=time.perf_counter())
         req = self.requests[meta.req]
+        if meta.raw is not None:  # only the first prompt's admission carries the request, in any order
+            req.raw = meta.raw
         req.batch_size = max(req.batch_size, slot_rows)
         if meta.note:
             req.notes.append(meta.note)
