@@ -36,21 +36,27 @@ def setup_logging(rank: int) -> None:
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse and plan (a flag that cannot work exits 2 here, before any loading), then execute."""
+def main(argv: list[str] | None = None, signals: bool = True) -> int:
+    """Parse and plan (a flag that cannot work exits 2 here, before any loading), then execute.
+
+    ``signals=False`` leaves signal handling to an in-process caller (tests); otherwise SIGTERM and
+    SIGINT are masked before anything (torch's import included) can start a thread.
+    """
     from pipeline.options import parse_options
-    from pipeline.plan import make_plan
 
     opts = parse_options(argv)  # exits 2 with a message on bad flags
     rank = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
     setup_logging(rank)
+    if signals:
+        watch_signals(rank)
+    from pipeline.plan import make_plan
+
     try:
         plan = make_plan(opts)
     except UsageError as e:
         return usage_error(e)
     for warning in plan.warnings:
         log.warning("%s", warning)
-    watch_signals(rank)
     try:
         return execute(plan, opts)
     except UsageError as e:

@@ -143,7 +143,7 @@ def test_bad_flags_fail_fast_with_a_fix(model_dir, flags, message, capsys):
     if "--infer-data" not in flags:
         args += ["--infer-data", str(DATA / "bad_lines.jsonl")]
     try:
-        code = dist_inference_runner.main(args)
+        code = dist_inference_runner.main(args, signals=False)
     except SystemExit as e:  # argparse's own errors
         code = e.code
     err = capsys.readouterr().err
