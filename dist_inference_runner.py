@@ -192,12 +192,12 @@ def make_link(info, stage):
     return Link(info, Messenger(info.device, stage.trace)) if info.pipeline_size > 1 else None
 
 
-def last_rank(plan, opts, info, stage):
+def last_rank(plan, opts, info, stage, tokenizer=None):
     """The last stage's handler: the head, and the fingerprint its journals are checked against."""
     from pipeline.head import Head
     from pipeline.last_rank import LastRank
 
-    tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
+    tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), plan.model_name, opts.seed)
     fingerprint = {"model": str(Path(plan.model_dir).resolve()), "seed": opts.seed,
                    "dtype": str(next(stage.model.parameters()).dtype), "max_layers": opts.max_layers,
@@ -215,7 +215,7 @@ def first_rank(plan, opts, info, stage):
     sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size)
-    last = last_rank(plan, opts, info, stage) if info.is_last else None
+    last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
 

@@ -34,11 +34,17 @@ class RowState:
 @dataclass
 class GroupState:
     meta: Admission  # what rank 0 sent when the group entered
-    params: Params
-    rows: list[int]
     started: float
     echo: dict | None = None
     done: int = 0
+
+    @property
+    def params(self) -> Params:
+        return self.meta.params
+
+    @property
+    def rows(self) -> list[int]:
+        return self.meta.rows
 
 
 @dataclass
@@ -84,7 +90,7 @@ class Head:
         if meta.note:
             req.notes.append(meta.note)
         req.prompt_tokens += len(meta.prompt_ids)
-        g = GroupState(meta, p, meta.rows, time.perf_counter())
+        g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
         for j, r in enumerate(g.rows):

@@ -310,7 +310,7 @@ class StageModel(nn.Module):
         kv = seg.t if seg.fresh else seg.kv_len
         cos = sin = mask = None
         if self.spec.position == "rope":
-            cos, sin = self.rope_table.lookup(pos, max(kv, seg.t), dtype)  # positions < kv_len (decode), < t (fresh)
+            cos, sin = self.rope_table.lookup(pos, kv, dtype)  # positions < kv_len (decode), < t (fresh)
         slopes = self.slopes if self.spec.position == "alibi" else None
         if self.row_tile:
             return StageContext(cache, None, cos, sin, slopes)
