@@ -220,9 +220,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: DecoderSpec, tile: int = 0):
+    """Decoder layer ``index`` (global, counted over the whole model)."""
+
+    def __init__(self, spec: DecoderSpec, index: int, tile: int = 0):
         super().__init__()
-        self.spec = spec
+        self.spec, self.index = spec, index
         self.n1 = Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
         self.n2 = None if spec.shared_norm else Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
         self.attn = Attention(spec, tile)
@@ -269,7 +271,7 @@ class StageModel(nn.Module):
         learned = has_embed and s.position == "learned"
         self.pos_embed = nn.Embedding(s.max_positions + s.learned_pos_offset, s.hidden_size) if learned else None
         self.embed_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_embed and s.embed_norm else None
-        self.layers = nn.ModuleList(Block(s, tile) for _ in range(first, last))
+        self.layers = nn.ModuleList(Block(s, i, tile) for i in range(first, last))
         self.final_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_head and s.final_norm else None
         self.proj_out = nn.Linear(s.hidden_size, s.word_dim, bias=False) if has_head and s.embed_dim else None
         self.lm_head = nn.Linear(s.word_dim, s.vocab_size, bias=s.lm_head_bias) if has_head else None
