@@ -31,11 +31,18 @@ _ACTIVATIONS = {
 }
 
 
-def rope_inv_freq(rope: RopeSpec) -> torch.Tensor:
-    """inv_freq for the rotary dims, with linear or llama3 scaling as HF computes it (float32)."""
+def rope_inv_freq(rope: RopeSpec, long: bool = False) -> torch.Tensor:
+    """inv_freq for the rotary dims, with linear, llama3 or longrope scaling as HF computes it (float32).
+    ``long``: longrope's table for rows longer than ``original_max_position``."""
     rd = rope.rotary_dim
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
-    if rope.scaling_type == "linear":
+    if rope.scaling_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"longrope needs {inv_freq.numel()} {'long' if long else 'short'} factors "
+                             f"(rotary dims / 2), the config has {factors.numel()}")
+        inv_freq = inv_freq / factors
+    elif rope.scaling_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.scaling_type == "llama3":
         low_wavelen = rope.original_max_position / rope.low_freq_factor
@@ -97,9 +104,14 @@ class Segment:
 
 
 class Norm(nn.Module):
-    def __init__(self, dim: int, kind: str, eps: float, bias: bool, tile: int = 0):
+    """LayerNorm, or RMSNorm scaled by ``offset + weight`` (Gemma: 1 + weight); ``scale_fp32``
+    multiplies by the weight before casting back (Gemma, OLMo 2) rather than after (Llama)."""
+
+    def __init__(self, dim: int, kind: str, eps: float, bias: bool, tile: int = 0, offset: float = 0.0,
+                 scale_fp32: bool = False):
         super().__init__()
         self.kind, self.eps, self.tile = kind, eps, tile
+        self.offset, self.scale_fp32 = offset, scale_fp32 or bool(offset)
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
@@ -110,7 +122,15 @@ class Norm(nn.Module):
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+        normed = x.float() * torch.rsqrt(var + self.eps)
+        if self.scale_fp32:
+            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(spec: DecoderSpec, dim: int, tile: int = 0) -> Norm:
+    """A norm of the spec's kind over ``dim`` features."""
+    return Norm(dim, spec.norm, spec.norm_eps, spec.norm_bias, tile, spec.norm_offset, spec.norm_scale_fp32)
 
 
 class KVCache:
@@ -120,6 +140,8 @@ class KVCache:
         shape = (layers, rows, spec.num_kv_heads, cols, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # longrope: which rows use the long factors (decided once, when the row's prompt is prefilled)
+        self.long_rope = torch.zeros(rows, dtype=torch.bool, device=device)
 
     @property
     def rows(self) -> int:
@@ -134,14 +156,24 @@ class KVCache:
         idx = torch.tensor(dsts, device=self.k.device)
         self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
         self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
+        self.long_rope[idx] = self.long_rope[src]
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, tile: int = 0):
+    def __init__(self, spec: DecoderSpec, index: int, tile: int = 0):
         super().__init__()
         self.spec, self.tile = spec, tile
+        self.window = spec.sliding_window if spec.is_sliding(index) else 0
+        local = spec.layer_kinds and spec.layer_kinds[index] == "sliding" and spec.local_rope is not None
+        self.rope_key = "local" if local else "global"
+        self.scale = spec.attn_scale or spec.head_dim**-0.5
         self.qkv = nn.Linear(spec.hidden_size, spec.q_dim + 2 * spec.kv_dim, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_dim, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            head = spec.qk_norm == "head"
+            self.q_norm = make_norm(spec, spec.head_dim if head else spec.q_dim, tile)
+            self.k_norm = make_norm(spec, spec.head_dim if head else spec.kv_dim, tile)
 
     def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return map_rows(layer, x, self.tile) if self.tile else layer(x)
@@ -150,11 +182,18 @@ class Attention(nn.Module):
         s = self.spec
         b, t, _ = x.shape
         q, k, v = self._rows(self.qkv, x).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
-        q = q.view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (b, h, t, d)
-        k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (b, kvh, t, d)
-        v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if ctx.cos is not None:
-            q, k = apply_rope(q, ctx.cos, ctx.sin, s.rope), apply_rope(k, ctx.cos, ctx.sin, s.rope)
+        if s.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, s.num_heads, s.head_dim)
+        k = k.reshape(b, t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, t, d), (b, kvh, t, d)
+        v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        if self.rope_key in ctx.rope:
+            cos, sin = ctx.rope[self.rope_key]
+            rope = s.local_rope if self.rope_key == "local" else s.rope
+            q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
         cache = ctx.cache
         if cache is not None:
             cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
@@ -167,22 +206,40 @@ class Attention(nn.Module):
                 sel = slice(None) if seg.all_rows else seg.rows
                 k = cache.k[layer][sel, :, : seg.kv_len]
                 v = cache.v[layer][sel, :, : seg.kv_len]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=ctx.mask, enable_gqa=s.num_heads != s.num_kv_heads
-            )
+            mask = ctx.masks[self.window]
+            gqa = s.num_heads != s.num_kv_heads
+            if s.attn_softcap:
+                out = softcapped_attention(q, k, v, mask, self.scale, s.attn_softcap)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return self._rows(self.o, out.transpose(1, 2).reshape(b, t, s.q_dim))
 
     def _attend_rows(self, q, k, v, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
-        """Batch-invariant attention: each row with exactly its own key length."""
+        """Batch-invariant attention: each row with exactly its own keys (a sliding layer: its window)."""
         rows, starts, lens = seg.host()
+        w = self.window
         if seg.fresh or ctx.cache is None:  # keys are this segment's own: row i's first lens[i]
+            firsts = [0] * len(rows)
             keys = [k[i : i + 1, :, : lens[i]] for i in range(len(rows))]
             values = [v[i : i + 1, :, : lens[i]] for i in range(len(rows))]
-        else:
+        else:  # a sliding row reads only the columns its first query can see
+            firsts = [max(0, s0 - w + 1) if w else 0 for s0 in starts]
             ck, cv = ctx.cache.k[layer], ctx.cache.v[layer]
-            keys = [ck[r : r + 1, :, : s0 + n] for r, s0, n in zip(rows, starts, lens)]
-            values = [cv[r : r + 1, :, : s0 + n] for r, s0, n in zip(rows, starts, lens)]
-        return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads)
+            keys = [ck[r : r + 1, :, f : s0 + n] for r, f, s0, n in zip(rows, firsts, starts, lens)]
+            values = [cv[r : r + 1, :, f : s0 + n] for r, f, s0, n in zip(rows, firsts, starts, lens)]
+        return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
+                           scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
+
+
+def softcapped_attention(q, k, v, mask: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's tanh soft-capping of the scores (SDPA has no such option).
+    q (b, h, t, d); k/v (b, kvh, kv, d); mask bool (b, 1, t, kv) or additive."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
@@ -225,9 +282,12 @@ class Block(nn.Module):
     def __init__(self, spec: DecoderSpec, index: int, tile: int = 0):
         super().__init__()
         self.spec, self.index = spec, index
-        self.n1 = Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
-        self.n2 = None if spec.shared_norm else Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
-        self.attn = Attention(spec, tile)
+        input_norms = spec.pre_norm or not spec.post_branch_norm  # OLMo 2 has only output norms
+        self.n1 = make_norm(spec, spec.hidden_size, tile) if input_norms else None
+        self.n2 = make_norm(spec, spec.hidden_size, tile) if input_norms and not spec.shared_norm else None
+        self.post_attn_norm = make_norm(spec, spec.hidden_size, tile) if spec.post_branch_norm else None
+        self.post_mlp_norm = make_norm(spec, spec.hidden_size, tile) if spec.post_branch_norm else None
+        self.attn = Attention(spec, index, tile)
         self.mlp = MLP(spec, tile)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
@@ -235,22 +295,45 @@ class Block(nn.Module):
         if s.parallel_residual:
             h = self.n1(x)
             return x + self.attn(h, seg, ctx, layer) + self.mlp(h if s.shared_norm else self.n2(x))
-        if s.pre_norm:
-            x = x + self.attn(self.n1(x), seg, ctx, layer)
-            return x + self.mlp(self.n2(x))
-        x = self.n1(x + self.attn(x, seg, ctx, layer))  # post-norm (OPT-350m)
-        return self.n2(x + self.mlp(x))
+        if not s.pre_norm and not s.post_branch_norm:  # post-norm (OPT-350m)
+            x = self.n1(x + self.attn(x, seg, ctx, layer))
+            return self.n2(x + self.mlp(x))
+        h = self.attn(self.n1(x) if self.n1 is not None else x, seg, ctx, layer)
+        x = x + (self.post_attn_norm(h) if self.post_attn_norm is not None else h)
+        h = self.mlp(self.n2(x) if self.n2 is not None else x)
+        return x + (self.post_mlp_norm(h) if self.post_mlp_norm is not None else h)
 
 
 @dataclass
 class StageContext:
-    """What every layer of a stage shares for one segment: cache, mask, rotary tables."""
+    """What every layer of a stage shares for one segment: cache, masks, rotary tables."""
 
     cache: KVCache | None
-    mask: torch.Tensor | None  # bool (b, 1, t, kv) or additive float (b, h, t, kv) with ALiBi; None: per-row
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
+    # attention window (0: full) -> bool (b, 1, t, kv) mask, or additive float (b, h, t, kv) with
+    # ALiBi; empty with per-row attention, which builds its own
+    masks: dict[int, torch.Tensor]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "global" / "local" -> cos, sin (b, 1, t, rd/2)
     slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
+
+
+class Rotary:
+    """Rotary tables of one :class:`RopeSpec`; longrope keeps a second table for long rows."""
+
+    def __init__(self, rope: RopeSpec, device: torch.device):
+        self.rope = rope
+        self.short = RopeTable(rope_inv_freq(rope).to(device), rope.attention_factor)
+        self.long = None
+        if rope.scaling_type == "longrope":
+            self.long = RopeTable(rope_inv_freq(rope, long=True).to(device), rope.attention_factor)
+
+    def lookup(self, pos: torch.Tensor, limit: int, dtype: torch.dtype,
+               long_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.short.lookup(pos, limit, dtype)
+        if self.long is not None and long_rows is not None:
+            lcos, lsin = self.long.lookup(pos, limit, dtype)
+            pick = long_rows[:, None, None, None]
+            cos, sin = torch.where(pick, lcos, cos), torch.where(pick, lsin, sin)
+        return cos, sin
 
 
 class StageModel(nn.Module):
@@ -270,21 +353,21 @@ class StageModel(nn.Module):
         self.proj_in = nn.Linear(s.word_dim, s.hidden_size, bias=False) if has_embed and s.embed_dim else None
         learned = has_embed and s.position == "learned"
         self.pos_embed = nn.Embedding(s.max_positions + s.learned_pos_offset, s.hidden_size) if learned else None
-        self.embed_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_embed and s.embed_norm else None
+        self.embed_norm = make_norm(s, s.hidden_size, tile) if has_embed and s.embed_norm else None
         self.layers = nn.ModuleList(Block(s, i, tile) for i in range(first, last))
-        self.final_norm = Norm(s.hidden_size, s.norm, s.norm_eps, s.norm_bias, tile) if has_head and s.final_norm else None
+        self.final_norm = make_norm(s, s.hidden_size, tile) if has_head and s.final_norm else None
         self.proj_out = nn.Linear(s.hidden_size, s.word_dim, bias=False) if has_head and s.embed_dim else None
         self.lm_head = nn.Linear(s.word_dim, s.vocab_size, bias=s.lm_head_bias) if has_head else None
+        self.windows = sorted({layer.attn.window for layer in self.layers} | {0})
         self.init_buffers()
 
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables; called again after building on the meta device."""
-        device = self.layers[0].n1.weight.device if len(self.layers) else next(self.parameters()).device
-        self.rope_table = None
-        if self.spec.position == "rope":
-            self.register_buffer("inv_freq", rope_inv_freq(self.spec.rope).to(device), persistent=False)
-            if device.type != "meta":
-                self.rope_table = RopeTable(self.inv_freq)
+        device = self.layers[0].attn.o.weight.device if len(self.layers) else next(self.parameters()).device
+        self.rotary: dict[str, Rotary] = {}
+        if self.spec.position == "rope" and device.type != "meta":
+            for key in sorted({layer.attn.rope_key for layer in self.layers}):
+                self.rotary[key] = Rotary(self.spec.local_rope if key == "local" else self.spec.rope, device)
         if self.spec.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(self.spec.num_heads).to(device), persistent=False)
 
@@ -298,6 +381,8 @@ class StageModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(b, t) token ids -> (b, t, hidden)."""
         x = self.embed(ids)
+        if self.spec.embed_scale:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.proj_in is not None:
             x = self._rows(self.proj_in, x)
         if self.pos_embed is not None:
@@ -306,27 +391,41 @@ class StageModel(nn.Module):
             x = self.embed_norm(x)
         return x
 
+    def _long_rows(self, seg: Segment, cache: KVCache | None) -> torch.Tensor | None:
+        """longrope: per row, whether it uses the long factors. A row's prompt decides when it is
+        prefilled (longer than the original context: long) and the cache keeps it for decoding."""
+        rope = self.spec.rope
+        if rope is None or rope.scaling_type != "longrope":
+            return None
+        if seg.fresh or cache is None:
+            lens = torch.tensor(seg.host()[2], device=seg.start.device) + seg.start
+            flags = lens > rope.original_max_position
+            if cache is not None:
+                cache.long_rope[seg.rows] = flags
+            return flags
+        return cache.long_rope[seg.rows]
+
     def context(self, seg: Segment, cache: KVCache | None, dtype: torch.dtype) -> StageContext:
-        """Mask and rotary tables for one segment, built once and shared by all layers."""
+        """Masks and rotary tables for one segment, built once and shared by all layers."""
         pos = seg.positions  # (b, t)
         kv = seg.t if seg.fresh else seg.kv_len
-        cos = sin = mask = None
-        if self.spec.position == "rope":
-            cos, sin = self.rope_table.lookup(pos, kv, dtype)  # positions < kv_len (decode), < t (fresh)
+        long_rows = self._long_rows(seg, cache) if self.rotary else None
+        rope = {key: r.lookup(pos, kv, dtype, long_rows) for key, r in self.rotary.items()}
         slopes = self.slopes if self.spec.position == "alibi" else None
         if self.row_tile:
-            return StageContext(cache, None, cos, sin, slopes)
+            return StageContext(cache, {}, rope, slopes)
         keys = torch.arange(kv, device=pos.device)
-        if seg.fresh:
-            mask = keys[None, None, :] <= torch.arange(seg.t, device=pos.device)[None, :, None]
-            mask = mask.expand(pos.shape[0], -1, -1)  # (b, t, kv)
-        else:
-            mask = keys[None, None, :] <= pos[:, :, None]
-        mask = mask[:, None]  # (b, 1, t, kv)
-        if slopes is not None:
-            bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
-            mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
-        return StageContext(cache, mask, cos, sin, slopes)
+        masks = {}
+        for window in self.windows:
+            mask = keys[None, None, :] <= pos[:, :, None]  # (b, t, kv): fresh rows start at 0
+            if window:
+                mask = mask & (keys[None, None, :] > pos[:, :, None] - window)
+            mask = mask[:, None]  # (b, 1, t, kv)
+            if slopes is not None:
+                bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
+                mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
+            masks[window] = mask
+        return StageContext(cache, masks, rope, slopes)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
@@ -346,4 +445,6 @@ class StageModel(nn.Module):
             h = self.final_norm._norm(h)  # already inside a tile when tiling
         if self.proj_out is not None:
             h = self.proj_out(h)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        cap = self.spec.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -65,41 +65,53 @@ def fixed_elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 
 
 def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int],
-                lens: list[int], slopes: torch.Tensor | None, gqa: bool) -> torch.Tensor:
+                lens: list[int], slopes: torch.Tensor | None, gqa: bool, scale: float | None = None,
+                softcap: float = 0.0, window: int = 0, key_starts: list[int] | None = None) -> torch.Tensor:
     """Attention of each row alone: q (b, h, t, d); keys[i]/values[i] (1, kvh, L_i, d) hold row i's
-    keys up to its last new token. Row i's first ``lens[i]`` queries sit at positions
-    ``starts[i]..``; its padded queries get zeros. Returns (b, h, t, d).
+    keys from position ``key_starts[i]`` (default 0) up to its last new token. Row i's first
+    ``lens[i]`` queries sit at positions ``starts[i]..``; its padded queries get zeros. ``window``:
+    a query sees only the last ``window`` positions (itself included). Returns (b, h, t, d).
 
-    A fresh prompt without ALiBi goes through SDPA's causal kernel (it splits work by query blocks,
-    whatever the threads); everything else (one query, a mask or a bias) through plain matmuls:
-    SDPA's CPU kernel splits a single query's keys among threads, and its masked path differs with
-    the thread count too (measured, tests/test_batch_invariant.py).
+    A fresh prompt without ALiBi, soft-capping or a window shorter than it goes through SDPA's
+    causal kernel (it splits work by query blocks, whatever the threads); everything else (one
+    query, a mask or a bias) through plain matmuls: SDPA's CPU kernel splits a single query's keys
+    among threads, and its masked path differs with the thread count too (measured,
+    tests/test_batch_invariant.py).
     """
     b, h, t, d = q.shape
+    scale = d**-0.5 if scale is None else scale
     out = q.new_zeros(b, h, t, d)
     for i in range(b):
         n, k, v = lens[i], keys[i], values[i]
-        if slopes is None and starts[i] == 0 and n > 1:
+        first = key_starts[i] if key_starts else 0
+        if slopes is None and not softcap and starts[i] == 0 and n > 1 and (not window or n <= window):
             out[i : i + 1, :, :n] = F.scaled_dot_product_attention(q[i : i + 1, :, :n], k, v, is_causal=True,
-                                                                    enable_gqa=gqa)
+                                                                    scale=scale, enable_gqa=gqa)
         else:
-            out[i, :, :n] = _plain_attention(q[i, :, :n], k[0], v[0], starts[i], slopes)
+            out[i, :, :n] = _plain_attention(q[i, :, :n], k[0], v[0], starts[i], slopes, scale, softcap, window,
+                                             first)
     return out
 
 
-def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                     slopes: torch.Tensor | None) -> torch.Tensor:
-    """q (h, n, d) at positions start..start+n-1; k/v (kvh, L, d) -> (h, n, d), causal (+ ALiBi)."""
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, slopes: torch.Tensor | None,
+                     scale: float, softcap: float = 0.0, window: int = 0, first: int = 0) -> torch.Tensor:
+    """q (h, n, d) at positions start..start+n-1; k/v (kvh, L, d) at positions first..first+L-1
+    -> (h, n, d), causal (+ sliding window, ALiBi, soft-capping)."""
     h, n, d = q.shape
     kvh, big_l, _ = k.shape
     g = h // kvh
     qg = q.reshape(kvh, g * n, d)  # query heads grouped by their KV head (GQA without copies)
-    scores = ((qg @ k.transpose(1, 2)) * d**-0.5).float().reshape(kvh, g, n, big_l)
-    keys = torch.arange(big_l, device=q.device)
+    scores = ((qg @ k.transpose(1, 2)) * scale).float().reshape(kvh, g, n, big_l)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = torch.arange(first, first + big_l, device=q.device)
     if slopes is not None:
         scores = scores + (slopes[:, None] * keys.float()).reshape(kvh, g, 1, big_l)
-    if n > 1 or start + n < big_l:
-        allowed = keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]  # (n, L)
+    queries = torch.arange(start, start + n, device=q.device)[:, None]
+    if n > 1 or start + n < first + big_l or window:
+        allowed = keys[None, :] <= queries  # (n, L)
+        if window:
+            allowed = allowed & (keys[None, :] > queries - window)
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).reshape(kvh, g * n, big_l)
     return (probs @ v).reshape(h, n, d)
@@ -112,8 +124,8 @@ class RopeTable:
     same whichever block size the run needed first and however many threads computed it.
     """
 
-    def __init__(self, inv_freq: torch.Tensor):
-        self.inv_freq = inv_freq  # (rd/2,) float32
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
+        self.inv_freq, self.scale = inv_freq, scale  # (rd/2,) float32; cos/sin multiplier (longrope)
         self.cos = torch.empty(0, inv_freq.numel(), device=inv_freq.device)
         self.sin = torch.empty_like(self.cos)
 
@@ -126,8 +138,11 @@ class RopeTable:
         for base in range(have, positions, ROPE_BLOCK):
             pos = torch.arange(base, base + ROPE_BLOCK, device=self.inv_freq.device, dtype=torch.float32)
             freqs = pos[:, None] * self.inv_freq[None, :]
-            blocks_c.append(freqs.cos())
-            blocks_s.append(freqs.sin())
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.scale != 1.0:
+                cos, sin = cos * self.scale, sin * self.scale
+            blocks_c.append(cos)
+            blocks_s.append(sin)
         self.cos, self.sin = torch.cat(blocks_c), torch.cat(blocks_s)
 
     def lookup(self, pos: torch.Tensor, limit: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

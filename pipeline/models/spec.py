@@ -1,8 +1,9 @@
 """The config-driven description of a decoder-only transformer.
 
-Every supported family (Llama/Mistral/Qwen2, OPT, BLOOM, GPT-2, GPT-NeoX, GPT-J, Falcon) is the
-same decoder block with a few switches: the norm kind, how positions enter (learned table, rotary,
-ALiBi), whether attention and MLP run in parallel, the MLP kind, grouped-query attention, biases.
+Every native family (Llama/Mistral/Qwen2/Qwen3, Gemma 1-3, Phi-3/4, OLMo 2, OPT, BLOOM, GPT-2,
+GPT-NeoX, GPT-J, Falcon) is the same decoder block with a few switches: the norm kind and where the
+norms sit, how positions enter (learned table, rotary, ALiBi), whether attention and MLP run in
+parallel, the MLP kind, grouped-query attention, q/k norms, soft-capping, sliding-window layers, biases.
 A family module turns a HuggingFace ``config.json`` (read as a plain dict, so we do not depend on
 transformers' config classes) into a :class:`DecoderSpec` and tells which HF tensors fill which
 of our parameters.
@@ -20,8 +21,13 @@ class RopeSpec:
     theta: float = 10000.0
     rotary_dim: int = 0  # number of leading head dims that rotate (even); head_dim for full rotary
     interleaved: bool = False  # GPT-J rotates (x0,x1),(x2,x3)...; NeoX/Llama rotate halves
-    scaling_type: str = "default"  # default | linear | llama3
+    scaling_type: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
+    # longrope (Phi-3.5/4): per-dim divisors for rows no longer than original_max_position (short)
+    # and longer (long); cos/sin are multiplied by attention_factor
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
@@ -40,6 +46,8 @@ class DecoderSpec:
     max_positions: int
     norm: str = "rms"  # rms | layer
     norm_eps: float = 1e-5
+    norm_offset: float = 0.0  # Gemma: rms norms scale by (1 + weight)
+    norm_scale_fp32: bool = False  # rms: multiply by the weight in float32, then cast (Gemma, OLMo 2)
     position: str = "rope"  # rope | learned | alibi
     rope: RopeSpec | None = None
     learned_pos_offset: int = 0  # OPT's learned positions start at index 2
@@ -49,7 +57,16 @@ class DecoderSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False  # layer norms with bias (LayerNorm); rms norms have none
-    pre_norm: bool = True  # False: OPT-350m style post-norm residual blocks
+    pre_norm: bool = True  # norms on the branch inputs; False without post_branch_norm: OPT-350m post-norm
+    post_branch_norm: bool = False  # norms on the attention / MLP outputs before the residual add (Gemma 2/3, OLMo 2)
+    qk_norm: str = ""  # "" | head (per head over head_dim: Qwen3, Gemma 3) | full (over the projection: OLMo 2)
+    attn_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: off
+    final_softcap: float = 0.0  # Gemma 2: logits -> cap * tanh(logits / cap); 0: off
+    embed_scale: float = 0.0  # Gemma: embeddings times sqrt(hidden_size) (in the weights' dtype); 0: off
+    sliding_window: int = 0  # keys a sliding layer's query sees (itself included)
+    layer_kinds: tuple[str, ...] = ()  # per global layer: "full" or "sliding"; empty: all full
+    local_rope: RopeSpec | None = None  # rotary of the sliding layers when it differs (Gemma 3)
     parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x))
     shared_norm: bool = False  # parallel residual with one norm for both branches (GPT-J, Falcon-7b)
     embed_norm: bool = False  # BLOOM: layer norm right after the word embedding
@@ -67,6 +84,9 @@ class DecoderSpec:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and bool(self.layer_kinds) and self.layer_kinds[layer] == "sliding"
+
     @property
     def word_dim(self) -> int:
         """Width of the word embedding table (differs from hidden_size only with a projection)."""
@@ -76,3 +96,6 @@ class DecoderSpec:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert self.position in ("rope", "learned", "alibi"), self.position
         assert self.position != "rope" or self.rope is not None
+        assert self.qk_norm in ("", "head", "full"), self.qk_norm
+        assert not self.layer_kinds or len(self.layer_kinds) == self.num_layers, "one layer kind per layer"
+        assert set(self.layer_kinds) <= {"full", "sliding"}, self.layer_kinds
