@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.models import family_for, spec_from_config, supported_model_types
-from tests.utils import assert_hf_parity, local_tokenizer, save_hf_model
+from tests.utils import assert_hf_parity, random_hf_model
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900]]  # ids < 1024 (the local vocab)
 
@@ -25,27 +25,10 @@ VARIANTS = {
 }
 
 
-def tiny_model(out_dir, model_type: str, seed: int = 0, **overrides) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tok = local_tokenizer()
-    layers = "n_layer" if model_type == "gptj" else "num_hidden_layers"
-    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=256, **{layers: 3},
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # HF zero-inits biases and sets norms to 1: randomize them so the maps are checked
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "ln" in name or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return save_hf_model(model, out_dir)
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def model_dir(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
-    return tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    return random_hf_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])

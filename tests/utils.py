@@ -51,6 +51,26 @@ def tiny_llama(out_dir, seed: int = 0, **overrides) -> str:
     return save_hf_model(model, out_dir)
 
 
+def random_hf_model(out_dir, model_type: str, seed: int = 0, layers: int = 3, **overrides) -> str:
+    """A random tiny HF model of ``model_type`` (vocab of the local tokenizer), saved with its tokenizer.
+    Biases and norm weights are randomized too (HF zero-inits biases and sets norms to 1), so the
+    weight maps are really checked."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = local_tokenizer()
+    key = "n_layer" if model_type == "gptj" else "num_hidden_layers"
+    overrides = {"max_position_embeddings": 256, key: layers, **overrides}
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return save_hf_model(model, out_dir)
+
+
 def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float32, model_type=None,
                 batch_invariant: bool = False):
     """Our StageModels for the given layer ranges, loaded from model_dir (in this process)."""
@@ -74,7 +94,8 @@ def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None
     ids = torch.zeros(b, t, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True)
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
+                  lens=[len(p) for p in prompts])
     x = ids
     for st in stages:
         x = st(x, seg, st.new_cache(b, cache_cols or t))
@@ -93,7 +114,8 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int) -> tuple[list[lis
     ids = torch.zeros(b, t, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True)
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
+                  lens=[len(p) for p in prompts])
     x = ids
     for st, c in zip(stages, caches):
         x = st(x, seg, c)

@@ -10,6 +10,7 @@ parameters and asks the family where each one comes from, so a stage reads only 
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +19,7 @@ import torch
 from .spec import DecoderSpec, RopeSpec
 
 # family module name -> imported lazily so a broken family cannot break the others
-_FAMILY_MODULES = ["llama", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon"]
+_FAMILY_MODULES = ["llama", "gemma", "phi3", "olmo2", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon"]
 
 
 @dataclass
@@ -52,22 +53,59 @@ def activation_name(hf_act: str) -> str:
     return table[hf_act]
 
 
-def rope_from_config(cfg: dict, head_dim: int, rotary_dim: int | None = None, interleaved: bool = False) -> RopeSpec:
-    """Read rope settings from either transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
+def rope_from_config(cfg: dict, head_dim: int, rotary_dim: int | None = None, interleaved: bool = False,
+                     params: dict | None = None) -> RopeSpec:
+    """Read rope settings from transformers 5 ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``
+    (``params``: one layer type's entry of a per-layer-type ``rope_parameters``, as Gemma 3 has)."""
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(cfg.get("rope_parameters") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's early name
+    if kind not in ("default", "linear", "llama3", "longrope"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, longrope); "
+                         "--backend transformers runs it through transformers' own rotary code")
     if rotary_dim is None:
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    fallback = cfg.get("max_position_embeddings", 2048) if kind == "longrope" else 8192  # llama3's default
+    original = int(params.get("original_max_position_embeddings",
+                              cfg.get("original_max_position_embeddings") or fallback))
+    factor = params.get("factor")
+    attention_factor = 1.0
+    if kind == "longrope":  # HF: factor defaults to the context extension, attention factor from it
+        if factor is None:
+            factor = cfg.get("max_position_embeddings", original) / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeSpec(
         theta=float(theta), rotary_dim=rotary_dim, interleaved=interleaved, scaling_type=kind,
-        factor=float(params.get("factor", 1.0)), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        factor=float(1.0 if factor is None else factor), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)), original_max_position=original,
+        short_factor=tuple(params.get("short_factor") or ()), long_factor=tuple(params.get("long_factor") or ()),
+        attention_factor=float(attention_factor),
     )
+
+
+def layer_kinds(cfg: dict, num_layers: int, default: Callable[[int], bool] | None = None) -> tuple[tuple[str, ...], int]:
+    """(per-layer "full" / "sliding", sliding window) from a config's ``layer_types`` (transformers 5
+    writes it) or, for configs without it, ``default(i)`` telling whether layer ``i`` slides."""
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"config has {len(types)} layer_types for {num_layers} layers")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported natively "
+                             "(supported: full_attention, sliding_attention); try --backend transformers")
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    else:
+        kinds = tuple("sliding" if default is not None and default(i) else "full" for i in range(num_layers))
+    if not window or "sliding" not in kinds:
+        return (), 0
+    return kinds, window
 
 
 def _families() -> dict[str, object]:
@@ -119,4 +157,5 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
 
 
 __all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "config_value", "rope_from_config",
+           "layer_kinds",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]
