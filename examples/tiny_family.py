@@ -4,8 +4,8 @@
     python dist_inference_runner.py --model-name /tmp/tiny-opt --infer-data examples/requests.jsonl
 
 Useful to try a family's code path (or a launch recipe) without downloading a checkpoint; the
-weights are random, so the text is meaningless. Families: llama, mistral, qwen2, opt, opt-350m,
-bloom, gpt2, gpt_neox, gptj, falcon.
+weights are random, so the text is meaningless. Families: llama, mistral, qwen2, qwen3, gemma,
+gemma2, gemma3, phi3, olmo2, opt, opt-350m, bloom, gpt2, gpt_neox, gptj, falcon.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", dict(COMMON, intermediate_size=128, num_key_value_heads=2)),
     "mistral": ("mistral", dict(COMMON, intermediate_size=128, num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(COMMON, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=32)),
+    "gemma": ("gemma", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16)),
+    "gemma2": ("gemma2", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=16)),
+    "gemma3": ("gemma3_text", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                                   sliding_window=16, sliding_window_pattern=2)),
+    "phi3": ("phi3", dict(COMMON, intermediate_size=128, num_key_value_heads=2)),
+    "olmo2": ("olmo2", dict(COMMON, intermediate_size=128, num_key_value_heads=2)),
     "opt": ("opt", dict(COMMON, ffn_dim=128, word_embed_proj_dim=64)),
     "opt-350m": ("opt", dict(COMMON, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=False)),
     "bloom": ("bloom", dict(hidden_size=64, n_layer=4, n_head=4)),

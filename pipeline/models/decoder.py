@@ -156,7 +156,7 @@ class KVCache:
         idx = torch.tensor(dsts, device=self.k.device)
         self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
         self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
-        self.long_rope[idx] = self.long_rope[src]
+        self.long_rope[idx] = self.long_rope[src].clone()
 
 
 class Attention(nn.Module):
