@@ -142,6 +142,7 @@ class TensorStore:
         self.loaded: list[str] = []  # accounting: HF names this stage actually read
         self.opened_files: list[Path] = []  # accounting: weight files this stage opened, in order
         self.listing: Path | None = None  # the file that lists every tensor (index or single file)
+        self.stored_as: dict[str, str] = {}  # HF name -> the name it is stored under, once read
         self.pre_split = False
         self._handles: dict[Path, object] = {}
         self._index()
@@ -197,12 +198,13 @@ class TensorStore:
     def _resolve(self, name: str) -> str:
         """The stored name of HF tensor ``name``. Older or hub-exported checkpoints often lack the
         base-model prefix that transformers' save_pretrained writes (``h.0.attn...`` for
-        ``transformer.h.0.attn...``, ``decoder.layers...`` for ``model.decoder.layers...``)."""
-        if name in self.file_of:
-            return name
+        ``transformer.h.0.attn...``, ``decoder.layers...`` for ``model.decoder.layers...``), and a
+        vision-language checkpoint keeps its text decoder under ``language_model.`` (Gemma 3 4B+:
+        ``language_model.model.layers...``; ``model.language_model.layers...`` in newer exports)."""
         bare = name.split(".", 1)[1] if "." in name else name
-        if bare in self.file_of:
-            return bare
+        for key in (self.stored_as.get(name), name, bare, "language_model." + name, "model.language_model." + bare):
+            if key in self.file_of:
+                return key
         raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
 
     def get(self, name: str, part: Part | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -227,6 +229,8 @@ class TensorStore:
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
         self.file_of[name] = path
+        if not self.pre_split:
+            self.stored_as[name] = key
         self.loaded.append(name)
         return tensor
 

@@ -122,3 +122,33 @@ def test_runner_p2_echo_scoring_and_greedy_match_hf(tmp_path):
     for prompt, line in zip(PROMPTS, lines[len(PROMPTS):]):
         toks, _ = hf_greedy(path, prompt, 5)
         assert line["result"]["choices"][0]["text"] == tok.decode(toks)
+
+
+def test_gemma3_image_text_checkpoint_runs_its_text_decoder(tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the text decoder's logits equal HF's
+    (text-only input), and no vision tensor is read."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from pipeline.loading import build_stage
+
+    tok = local_tokenizer()
+    text = dict(GQA, vocab_size=len(tok), num_hidden_layers=3, head_dim=16, sliding_window=4,
+                sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = Gemma3Config(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                            num_attention_heads=2, image_size=28, patch_size=14),
+                       mm_tokens_per_image=4, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = str(tmp_path / "g3")
+    model.save_pretrained(path)
+    chain = stage_chain(path, [(0, 2), (2, 3)])
+    with torch.inference_mode():
+        for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+            ref = model(input_ids=torch.tensor([prompt])).logits[0].float()
+            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    _, store = build_stage(path, 0, 3, True, True)
+    assert store.loaded and not any("vision" in n or "multi_modal" in n for n in store.loaded)

@@ -7,6 +7,8 @@ sqrt(hidden_size), GeGLU (tanh GELU), tied head.
 - Gemma 3 (``gemma3_text``, what ``Gemma3ForCausalLM`` saves) drops the soft-capping, adds an RMSNorm
   over each head's queries and keys, and gives its local (sliding) and global layers their own
   rotary bases (``rope_parameters`` per layer type, or 4.x ``rope_local_base_freq``).
+- Gemma 3 4B and larger ship as image-text checkpoints (``gemma3``): their ``text_config`` and the
+  ``language_model.`` tensors run as text-only Gemma 3; the vision tower is never read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from .llama import top_source  # noqa: F401 (same embedding / norm / head names)
 from . import DecoderSpec, Source, activation_name, cat0, layer_kinds, rope_from_config
 
-MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 ALIASES = ()
 
 
@@ -32,7 +34,18 @@ def _ropes(cfg: dict, head_dim: int):
     return rope_from_config(cfg, head_dim, params=full), rope_from_config(cfg, head_dim, params=local)
 
 
+def _text_config(cfg: dict) -> dict:
+    """The full text config of an image-text Gemma 3: hub configs list only what differs from
+    transformers' defaults (heads, head_dim, vocab... are left out), so fill them in from there."""
+    from transformers import Gemma3TextConfig
+
+    text = {k: v for k, v in (cfg.get("text_config") or {}).items() if k != "model_type"}
+    return {**Gemma3TextConfig(**text).to_dict(), "model_type": "gemma3_text"}
+
+
 def to_spec(cfg: dict) -> DecoderSpec:
+    if cfg["model_type"] == "gemma3":  # image-text checkpoint: its text decoder
+        cfg = _text_config(cfg)
     kind = cfg["model_type"]
     hidden, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or hidden // heads
