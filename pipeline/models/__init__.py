@@ -15,22 +15,41 @@ from typing import Callable
 
 import torch
 
-from .spec import DecoderSpec, RopeSpec
+from .spec import DecoderSpec, MoESpec, RopeSpec
 
 # family module name -> imported lazily so a broken family cannot break the others
-_FAMILY_MODULES = ["llama", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon"]
+_FAMILY_MODULES = ["llama", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon", "moe_families"]
 
 
 @dataclass
 class Source:
-    """HF tensor names that make one of our parameters, and how to combine them."""
+    """HF tensor names that make one of our parameters, and how to combine them.
+
+    ``fallback`` is another checkpoint layout of the same parameter, used when this one's tensors
+    are not all stored (e.g. MoE experts saved one tensor per expert or fused into one 3-D tensor).
+    """
 
     names: list[str]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=lambda ts: ts[0])
+    fallback: Source | None = None
+
+    def layouts(self) -> list[Source]:
+        """This source and its fallbacks, in the order to try them."""
+        return [self] + (self.fallback.layouts() if self.fallback else [])
 
 
 def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0)
+
+
+def stack0(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert tensors -> one (experts, ...) tensor."""
+    return torch.stack(ts)
+
+
+def stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:
+    """[gate_0, up_0, gate_1, up_1, ...] (I, H) each -> (experts, 2I, H), each expert's gate rows first."""
+    return torch.stack([torch.cat(ts[j : j + 2]) for j in range(0, len(ts), 2)])
 
 
 def config_value(cfg: dict, *keys: str, default=None):
@@ -118,5 +137,5 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
     return out
 
 
-__all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "config_value", "rope_from_config",
+__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "stack0", "stack_pairs", "activation_name", "config_value", "rope_from_config",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

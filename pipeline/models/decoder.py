@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
+from .moe import SparseMoE
 from .spec import DecoderSpec, RopeSpec
 
 _ACTIVATIONS = {
@@ -142,6 +143,9 @@ class Attention(nn.Module):
         self.spec, self.tile = spec, tile
         self.qkv = nn.Linear(spec.hidden_size, spec.q_dim + 2 * spec.kv_dim, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_dim, spec.hidden_size, bias=spec.o_bias)
+        qk = spec.qk_norm
+        self.q_norm = Norm(spec.head_dim, "rms", spec.norm_eps, False, tile) if qk else None
+        self.k_norm = Norm(spec.head_dim, "rms", spec.norm_eps, False, tile) if qk else None
 
     def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return map_rows(layer, x, self.tile) if self.tile else layer(x)
@@ -150,8 +154,11 @@ class Attention(nn.Module):
         s = self.spec
         b, t, _ = x.shape
         q, k, v = self._rows(self.qkv, x).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
-        q = q.view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (b, h, t, d)
-        k = k.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (b, kvh, t, d)
+        q = q.view(b, t, s.num_heads, s.head_dim)
+        k = k.view(b, t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, t, d), (b, kvh, t, d)
         v = v.view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         if ctx.cos is not None:
             q, k = apply_rope(q, ctx.cos, ctx.sin, s.rope), apply_rope(k, ctx.cos, ctx.sin, s.rope)
@@ -228,7 +235,7 @@ class Block(nn.Module):
         self.n1 = Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
         self.n2 = None if spec.shared_norm else Norm(spec.hidden_size, spec.norm, spec.norm_eps, spec.norm_bias, tile)
         self.attn = Attention(spec, tile)
-        self.mlp = MLP(spec, tile)
+        self.mlp = SparseMoE(spec, tile) if spec.moe and spec.moe.sparse(index) else MLP(spec, tile)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         s = self.spec
