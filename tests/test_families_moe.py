@@ -12,7 +12,7 @@ from pipeline.loading import CheckpointError, build_stage
 from pipeline.models import spec_from_config
 from pipeline.models.moe import SparseMoE
 from pipeline.partition import stage_ranges
-from tests.test_batch_invariant import OTHERS, TARGET, _prefill_and_decode
+from tests.test_batch_invariant import OTHERS, TARGET, _prefill_and_decode, threads  # noqa: F401 (fixture)
 from tests.utils import (assert_hf_parity, chain_logits, hf_logits, local_tokenizer, read_jsonl, run_torchrun,
                          save_hf_model, stage_chain)
 
@@ -78,6 +78,9 @@ def test_variant_specs_and_layer_kinds():
     legacy = spec_from_config(dict(vocab_size=64, num_hidden_layers=2, model_type="qwen3_moe", num_local_experts=4,
                                    **{k: v for k, v in VARIANTS["qwen3_moe"][1].items() if k != "num_experts"}))
     assert legacy.moe.num_experts == 4
+    dense = spec_from_config(dict(vocab_size=64, num_hidden_layers=2, model_type="qwen2_moe", **COMMON,
+                                  intermediate_size=32, num_experts=0))
+    assert dense.moe is None and dense.qkv_bias
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         spec_from_config(dict(vocab_size=64, num_hidden_layers=2, model_type="mixtral", **COMMON,
                               intermediate_size=32, num_local_experts=2, num_experts_per_tok=3))
@@ -177,19 +180,21 @@ def test_missing_experts_name_both_layouts(tmp_path):
         build_stage(d, 1, 2, False, False)
 
 
-def test_moe_batch_invariant_and_matches_hf(tmp_path):
+def test_moe_batch_invariant_and_matches_hf(tmp_path, threads):
     """--batch-invariant: a row's logits are bit-identical whoever shares its micro-batch (and so
-    whichever other tokens its experts process), at P = 1 and 2."""
+    whichever other tokens its experts process), at P = 1 and 2, with 1 and 2 threads."""
     d = tiny_moe(tmp_path / "q2", "qwen2_moe")
     alone = None
-    for stages in (1, 2):
+    layouts = [([TARGET], [0]), ([TARGET] + OTHERS, [0, 1, 2, 3, 4]), ([TARGET] + OTHERS, [3, 1, 4, 0, 2])]
+    for stages, th in ((1, 1), (2, 2)):
+        torch.set_num_threads(th)
         chain = stage_chain(d, stage_ranges(3, stages), batch_invariant=True)
-        for prompts, order in (([TARGET], [0]), ([TARGET] + OTHERS, [0, 1, 2, 3, 4]), ([TARGET] + OTHERS, [3, 1, 4, 0, 2])):
+        for prompts, order in layouts:
             got = _prefill_and_decode(chain, prompts, order)[0]
             if alone is None:
                 alone = got
                 torch.testing.assert_close(got[0], hf_logits(d, TARGET)[-1], atol=1e-4, rtol=1e-4)
-            assert all(torch.equal(a, b) for a, b in zip(got, alone)), (stages, order)
+            assert all(torch.equal(a, b) for a, b in zip(got, alone)), (stages, th, order)
 
 
 def test_echo_scoring_and_generation_through_the_cli(tmp_path):

@@ -49,7 +49,13 @@ def stack0(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:
     """[gate_0, up_0, gate_1, up_1, ...] (I, H) each -> (experts, 2I, H), each expert's gate rows first."""
-    return torch.stack([torch.cat(ts[j : j + 2]) for j in range(0, len(ts), 2)])
+    shape = ts[0].shape
+    if any(t.shape != shape for t in ts):
+        raise RuntimeError(f"expert tensors of different shapes: {sorted({tuple(t.shape) for t in ts})}")
+    out = ts[0].new_empty(len(ts) // 2, 2 * shape[0], *shape[1:])
+    for j, t in enumerate(ts):  # straight into place: no per-expert temporaries
+        out[j // 2, (j % 2) * shape[0] : (j % 2 + 1) * shape[0]] = t
+    return out
 
 
 def config_value(cfg: dict, *keys: str, default=None):

@@ -21,36 +21,41 @@ from . import DecoderSpec, MoESpec, Source, cat0, config_value, llama, stack0, s
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ALIASES = ()
+_DEFAULT_EXPERTS = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128}  # transformers' config defaults
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
     kind = cfg["model_type"]
-    base = llama.to_spec({**cfg, "model_type": "llama"})
-    experts = config_value(cfg, "num_local_experts", "num_experts")
+    spec = replace(llama.to_spec({**cfg, "model_type": "llama"}), family=kind)
+    if kind == "qwen2_moe":
+        spec = replace(spec, qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False)
+    elif kind == "qwen3_moe":
+        bias = bool(cfg.get("attention_bias", False))
+        spec = replace(spec, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    experts = config_value(cfg, "num_local_experts", "num_experts", default=_DEFAULT_EXPERTS[kind])
+    if not experts:  # Qwen MoE configs with num_experts 0: every layer is dense
+        return spec
     if kind == "mixtral":
         moe = MoESpec(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 2),
                       expert_size=cfg["intermediate_size"], norm_topk_prob=True, fp32_weights=True)
-        return replace(base, family=kind, moe=moe)
-    moe = MoESpec(
-        num_experts=experts,
-        top_k=config_value(cfg, "num_experts_per_tok"),
-        expert_size=config_value(cfg, "moe_intermediate_size"),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0,
-        sparse_step=cfg.get("decoder_sparse_step") or 1,
-        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-    )
-    if kind == "qwen2_moe":
-        return replace(base, family=kind, qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False, moe=moe)
-    bias = bool(cfg.get("attention_bias", False))
-    return replace(base, family=kind, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe)
+    else:
+        moe = MoESpec(
+            num_experts=experts,
+            top_k=config_value(cfg, "num_experts_per_tok"),
+            expert_size=config_value(cfg, "moe_intermediate_size"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0,
+            sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    return replace(spec, moe=moe)
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"model.layers.{i}."
     if name in ("attn.q_norm.weight", "attn.k_norm.weight"):
         return Source([p + f"self_attn.{name[5]}_norm.weight"])
-    if not name.startswith("mlp.") or not spec.moe.sparse(i):
+    if spec.moe is None or not name.startswith("mlp.") or not spec.moe.sparse(i):
         return llama.layer_source(spec, i, name)  # attention, norms and dense MLP layers
     e = range(spec.moe.num_experts)
     fused = {"mlp.router.weight": Source([p + "mlp.gate.weight"]),
