@@ -180,7 +180,8 @@ def test_missing_experts_name_both_layouts(tmp_path):
         build_stage(d, 1, 2, False, False)
 
 
-def test_moe_batch_invariant_and_matches_hf(tmp_path, threads):
+@pytest.mark.usefixtures("threads")
+def test_moe_batch_invariant_and_matches_hf(tmp_path):
     """--batch-invariant: a row's logits are bit-identical whoever shares its micro-batch (and so
     whichever other tokens its experts process), at P = 1 and 2, with 1 and 2 threads."""
     d = tiny_moe(tmp_path / "q2", "qwen2_moe")

@@ -20,6 +20,7 @@ depends only on its own hidden state, never on how many other tokens chose the s
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,7 @@ class SparseMoE(nn.Module):
                 continue
             rows = token[begin : begin + n]
             h = flat.index_select(0, rows)  # (n, H)
-            y = map_rows(lambda p: self._expert(e, p), h, self.tile) if self.tile else self._expert(e, h)
+            y = map_rows(partial(self._expert, e), h, self.tile) if self.tile else self._expert(e, h)
             out.index_add_(0, rows, (y * scale[begin : begin + n]).to(out.dtype))
             begin += n
         return out
