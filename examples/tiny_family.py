@@ -5,7 +5,8 @@
 
 Useful to try a family's code path (or a launch recipe) without downloading a checkpoint; the
 weights are random, so the text is meaningless. Families: llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3, phi3, olmo2, opt, opt-350m, bloom, gpt2, gpt_neox, gptj, falcon.
+gemma2, gemma3, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, opt, opt-350m, bloom, gpt2, gpt_neox,
+gptj, falcon.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gptj": ("gptj", dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8, n_positions=2048)),
     "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
                               new_decoder_architecture=True, max_position_embeddings=2048)),
+    "mixtral": ("mixtral", dict(COMMON, intermediate_size=96, num_key_value_heads=2, num_local_experts=8)),
+    "qwen2_moe": ("qwen2_moe", dict(COMMON, intermediate_size=128, num_key_value_heads=2, num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)),
+    "qwen3_moe": ("qwen3_moe", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 

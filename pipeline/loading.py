@@ -207,6 +207,34 @@ class TensorStore:
                 return key
         raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
 
+    def has(self, name: str, part: Part | None = None) -> bool:
+        """Whether tensor ``name`` is stored (pre-split: in ``part``'s file, which this opens; a missing
+        or unreadable file is an error of its own, not an absent tensor)."""
+        if self.pre_split and part is not None:
+            self._open(self.dir / f"pytorch_{part}.pt", name)
+        try:
+            if self.pre_split:
+                self._locate_pre_split(name, part)
+            else:
+                self._resolve(name)
+        except CheckpointError:
+            return False
+        return True
+
+    def layout(self, source: Source, part: Part | None = None) -> Source:
+        """The first of ``source``'s layouts (itself, then its fallbacks) whose tensors are all stored;
+        a source without fallbacks as is (reading it names a missing tensor)."""
+        if source.fallback is None:
+            return source
+        layouts = source.layouts()
+        for s in layouts:
+            if all(self.has(n, part) for n in s.names):
+                return s
+        missing = [next(n for n in s.names if not self.has(n, part)) for s in layouts]
+        where = self.listing or self.dir / f"pytorch_{part}.pt"
+        raise CheckpointError(f"{where}: none of the checkpoint layouts of this tensor is complete: "
+                              f"missing {' / '.join(repr(n) for n in missing)}")
+
     def get(self, name: str, part: Part | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Tensor ``name``; ``part`` (layer index, EMBS or HEAD) picks the file of a pre-split layout.
 
@@ -296,6 +324,7 @@ def build_stage(
     try:
         for name, source in parameter_sources(family, spec, model).items():
             part = _part_of(name, first, embs)
+            source = store.layout(source, part)
             param = params[name]
             if len(source.names) == 1 and source.combine is _AS_IS:
                 with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
@@ -347,7 +376,8 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     for part, shape in layout:
         with torch.device("meta"):
             model = StageModel(spec, *shape)
-        names = dict.fromkeys(n for s in parameter_sources(family, spec, model).values() for n in s.names)
+        sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
+        names = dict.fromkeys(n for s in sources for n in s.names)
         tensors = {n: store.get(n, part).contiguous().clone() for n in names}  # own, compact storage
         path = out / f"pytorch_{part}.pt"
         with atomic_path(path) as tmp:

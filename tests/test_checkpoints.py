@@ -97,6 +97,43 @@ def test_middle_layers_read_only_their_tensors(formats, fmt, first_last):
         assert {p.name for p in store.opened_files} == {index[n] for n in expected}
 
 
+@pytest.fixture(scope="module")
+def moe_formats(tmp_path_factory):
+    """A random 3-layer Qwen2-MoE (8 experts per routed layer, a shared expert, layer 1 dense) as
+    save_pretrained writes it (one tensor per expert), sharded, and pre-split."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_families_moe import tiny_moe
+
+    root = tmp_path_factory.mktemp("moe")
+    base = Path(tiny_moe(root / "safetensors", "qwen2_moe"))
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).save_pretrained(
+        root / "safetensors-sharded", max_shard_size="200KB")
+    split_checkpoint(base, root / "pre-split")
+    return {name: root / name for name in ("safetensors", "safetensors-sharded", "pre-split")}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "safetensors-sharded", "pre-split"])
+@pytest.mark.parametrize("first,last", [(0, 1), (1, 2), (2, 3)])
+def test_moe_stage_reads_only_its_layers_experts(moe_formats, fmt, first, last):
+    """Every tensor of its own layers (all 8 experts of a routed layer, or the dense MLP) and nothing else."""
+    from safetensors import safe_open
+
+    with safe_open(moe_formats["safetensors"] / "model.safetensors", "pt") as f:
+        stored = list(f.keys())
+    _, store = build_stage(moe_formats[fmt], first, last, False, False)
+    expected = {n for n in stored if n.startswith(f"model.layers.{first}.")}
+    assert sorted(store.loaded) == sorted(expected)
+    experts = {n for n in expected if ".mlp.experts." in n}
+    assert len(experts) == (0 if first == 1 else 8 * 3)  # layer 1 is in mlp_only_layers
+    if fmt == "pre-split":
+        assert [p.name for p in store.opened_files] == [f"pytorch_{first}.pt"]
+    elif fmt == "safetensors-sharded":
+        index = json.loads((moe_formats[fmt] / "model.safetensors.index.json").read_text())["weight_map"]
+        assert len(set(index.values())) >= 3
+        assert {p.name for p in store.opened_files} == {index[n] for n in expected}
+
+
 def test_pre_split_tied_embeddings_last_stage_needs_no_embs_file(tmp_path):
     d = tiny_llama(tmp_path / "tied", tie_word_embeddings=True, num_hidden_layers=2)
     split_checkpoint(d, tmp_path / "split")

@@ -16,22 +16,48 @@ from typing import Callable
 
 import torch
 
-from .spec import DecoderSpec, RopeSpec
+from .spec import DecoderSpec, MoESpec, RopeSpec
 
 # family module name -> imported lazily so a broken family cannot break the others
-_FAMILY_MODULES = ["llama", "gemma", "phi3", "olmo2", "opt", "bloom", "gpt2", "gpt_neox", "gptj", "falcon"]
+_FAMILY_MODULES = ["llama", "gemma", "phi3", "olmo2", "moe_families", "opt", "bloom", "gpt2", "gpt_neox", "gptj",
+                  "falcon"]
 
 
 @dataclass
 class Source:
-    """HF tensor names that make one of our parameters, and how to combine them."""
+    """HF tensor names that make one of our parameters, and how to combine them.
+
+    ``fallback`` is another checkpoint layout of the same parameter, used when this one's tensors
+    are not all stored (e.g. MoE experts saved one tensor per expert or fused into one 3-D tensor).
+    """
 
     names: list[str]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=lambda ts: ts[0])
+    fallback: Source | None = None
+
+    def layouts(self) -> list[Source]:
+        """This source and its fallbacks, in the order to try them."""
+        return [self] + (self.fallback.layouts() if self.fallback else [])
 
 
 def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0)
+
+
+def stack0(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert tensors -> one (experts, ...) tensor."""
+    return torch.stack(ts)
+
+
+def stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:
+    """[gate_0, up_0, gate_1, up_1, ...] (I, H) each -> (experts, 2I, H), each expert's gate rows first."""
+    shape = ts[0].shape
+    if any(t.shape != shape for t in ts):
+        raise RuntimeError(f"expert tensors of different shapes: {sorted({tuple(t.shape) for t in ts})}")
+    out = ts[0].new_empty(len(ts) // 2, 2 * shape[0], *shape[1:])
+    for j, t in enumerate(ts):  # straight into place: no per-expert temporaries
+        out[j // 2, (j % 2) * shape[0] : (j % 2 + 1) * shape[0]] = t
+    return out
 
 
 def config_value(cfg: dict, *keys: str, default=None):
@@ -156,6 +182,6 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
     return out
 
 
-__all__ = ["DecoderSpec", "RopeSpec", "Source", "cat0", "activation_name", "config_value", "rope_from_config",
-           "layer_kinds",
+__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "stack0", "stack_pairs", "activation_name",
+           "config_value", "rope_from_config", "layer_kinds",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
+from .moe import SparseMoE
 from .spec import DecoderSpec, RopeSpec
 
 _ACTIVATIONS = {
@@ -288,7 +289,7 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(spec, spec.hidden_size, tile) if spec.post_branch_norm else None
         self.post_mlp_norm = make_norm(spec, spec.hidden_size, tile) if spec.post_branch_norm else None
         self.attn = Attention(spec, index, tile)
-        self.mlp = MLP(spec, tile)
+        self.mlp = SparseMoE(spec, tile) if spec.moe and spec.moe.sparse(index) else MLP(spec, tile)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         s = self.spec

@@ -34,6 +34,32 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """Mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` gated (SwiGLU) experts per token.
+
+    Layer ``i`` is sparse when ``i not in mlp_only_layers and (i + 1) % sparse_step == 0``
+    (Qwen2/3-MoE's ``decoder_sparse_step``); other layers keep the dense MLP of ``intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # intermediate width of one expert
+    norm_topk_prob: bool = True  # renormalize the chosen probabilities to sum to 1 (Mixtral always)
+    fp32_weights: bool = False  # Mixtral keeps routing weights in float32; Qwen casts them to the hidden dtype
+    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert scaled by sigmoid(shared_expert_gate(x))
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether global layer ``layer`` routes through experts (else it has the dense MLP)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..num_experts={self.num_experts}")
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     family: str
     vocab_size: int
@@ -74,6 +100,7 @@ class DecoderSpec:
     embed_dim: int = 0  # OPT-350m: embeddings of size embed_dim, projected in/out of hidden_size
     lm_head_bias: bool = False  # GPT-J
     tie_embeddings: bool = False
+    moe: MoESpec | None = None  # mixture-of-experts MLP on the layers moe.sparse(i) selects
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
