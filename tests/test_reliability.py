@@ -171,6 +171,7 @@ def test_complete_output_is_skipped_and_foreign_journal_refused(model_dir, make_
         assert "Traceback" not in p.stderr and out.read_bytes() == done
     # an output nobody recorded (by hand, or an older version): refused too
     out.write_text("already done\n")
+    (tmp_path / "output_r.jsonl.summary.json").unlink()
     p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
     assert p.returncode == 2 and "does not record which model and settings wrote it" in p.stderr
     p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--overwrite"])
