@@ -20,7 +20,7 @@ from comm.dist import resolve_layout
 from tasks.files import input_fingerprint
 from tasks.writer import output_problem
 
-from .loading import CheckpointError, read_config
+from .loading import CheckpointError, check_weights_present, read_config
 from .models import DecoderSpec, spec_from_config
 from .options import RunOptions, UsageError
 from .partition import stage_ranges
@@ -68,6 +68,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         model_dir = opts.model_name or _default_model_dir()
         config = read_config(model_dir)
+        check_weights_present(model_dir)
         spec = spec_from_config(config, opts.model_type)
         ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
         all_inputs = resolve_inputs(opts, env)

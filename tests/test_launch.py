@@ -176,7 +176,10 @@ def test_legacy_per_rank_fails_when_a_rank_fails(tmp_path):
     assert "rank 0" in p.stderr and "exited with status 2" in p.stderr
 
 
-def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path, sig):
+    """Ctrl-C (SIGINT to the foreground group) or a SIGTERM to the script (a scheduler stopping the
+    job): every rank stops, and the script exits 128 + the signal's number (130, 143)."""
     data = write_jsonl(tmp_path / "long.jsonl",
                        [{"prompt": f"Once upon a time {i}", "max_tokens": 300, "temperature": 0} for i in range(64)])
     marker = f"sigint_marker_{os.getpid()}_{time.monotonic_ns()}"
@@ -196,8 +199,11 @@ def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None and len(alive(marker)) == 2  # both ranks are generating
         t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
-        assert proc.wait(timeout=15) == 130, log.read_text()[-3000:]
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+        else:
+            proc.send_signal(signal.SIGTERM)  # the script alone: its trap stops the ranks
+        assert proc.wait(timeout=15) == 128 + sig, log.read_text()[-3000:]
         while alive(marker) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
         assert alive(marker) == [], "ranks survived SIGINT"
