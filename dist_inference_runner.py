@@ -30,6 +30,13 @@ log = logging.getLogger("runner")
 from pipeline.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
+def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
+    """The run's dtype (pipeline.plan.resolve_dtype, kept here for callers of the runner module)."""
+    from pipeline.plan import resolve_dtype as resolve
+
+    return resolve(name, cfg, device)
+
+
 def setup_logging(rank: int) -> None:
     level = os.environ.get("DIST_INFER_LOG", "INFO").upper()
     logging.basicConfig(level=level, stream=sys.stderr,
@@ -37,15 +44,19 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None, signals: bool = True) -> int:
-    """Parse and plan (a flag that cannot work exits 2 here, before any loading), then execute.
+    """Parse and plan (a flag that cannot work exits 2 here, before any process group or loading),
+    then execute.
 
-    ``signals=False`` leaves signal handling to an in-process caller (tests); otherwise SIGTERM and
-    SIGINT are masked before anything (torch's import included) can start a thread.
+    A problem found before the ranks meet is the same on every rank: rank 0 prints it (and, under
+    torchrun, leaves it in the agent's error file so its failure report shows it), the other ranks
+    exit with the same code quietly. ``signals=False`` leaves signal handling to an in-process
+    caller (tests); otherwise SIGTERM and SIGINT are masked before anything (torch's import
+    included) can start a thread.
     """
     from pipeline.options import parse_options
 
-    opts = parse_options(argv)  # exits 2 with a message on bad flags
-    rank = opts.rank if opts.rank is not None else int(os.environ.get("RANK", 0))
+    rank = launch_rank(sys.argv[1:] if argv is None else argv)
+    opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
     if signals:
         watch_signals(rank)
@@ -54,9 +65,19 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     try:
         plan = make_plan(opts)
     except UsageError as e:
-        return usage_error(e)
-    for warning in plan.warnings:
-        log.warning("%s", warning)
+        return usage_error(e, quiet=rank != 0)
+    if rank == 0:
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+    if plan.nothing_to_do:  # every output is complete and this run's: start nothing, load nothing
+        if rank == 0:
+            from pipeline.plan import output_for
+
+            for path in plan.all_inputs:
+                output = output_for(path, opts.output_path, len(plan.all_inputs) > 1)
+                print(f"{path}: skipped, output already complete at {output} (--overwrite recomputes)",
+                      file=sys.stderr)
+        return 0
     try:
         return execute(plan, opts)
     except UsageError as e:
@@ -73,8 +94,31 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         _hard_exit(1)
 
 
-def usage_error(e: UsageError) -> int:
-    print(f"dist_inference_runner.py: error: {e}", file=sys.stderr)
+def launch_rank(argv: list[str]) -> int:
+    """This process's rank before the flags are checked: ``--rank N`` (the seed's launch), else torchrun's RANK."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--rank=") else argv[i + 1] if arg == "--rank" and i + 1 < len(argv) else None
+        if value is not None:
+            return int(value) if value.isdigit() else 0
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def usage_error(e: UsageError, quiet: bool = False) -> int:
+    """Exit code 2; the message on stderr and, under torchrun, in the agent's error file."""
+    if quiet:
+        return 2
+    message = f"dist_inference_runner.py: error: {e}"
+    print(message, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # torchrun shows it in its failure report
+    if error_file:
+        import json
+
+        try:
+            Path(error_file).write_text(json.dumps({"message": {"message": f"UsageError: {e}", "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}))
+        except OSError:
+            pass
     return 2
 
 
@@ -115,7 +159,7 @@ def run(opts) -> int:
     plan = make_plan(opts)
     for warning in plan.warnings:
         log.warning("%s", warning)
-    return execute(plan, opts)
+    return 0 if plan.nothing_to_do else execute(plan, opts)
 
 
 def execute(plan, opts) -> int:
@@ -199,11 +243,7 @@ def last_rank(plan, opts, info, stage, tokenizer=None):
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), plan.model_name, opts.seed)
-    fingerprint = {"model": str(Path(plan.model_dir).resolve()), "seed": opts.seed,
-                   "dtype": str(next(stage.model.parameters()).dtype), "max_layers": opts.max_layers,
-                   "truncate_prompts": opts.truncate_prompts, "data_group_size": info.data_size,
-                   "batch_invariant": opts.batch_invariant}
-    return LastRank(stage, info, head, fingerprint, opts.overwrite, show_progress=not opts.no_progress)
+    return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 
 def first_rank(plan, opts, info, stage):
@@ -227,19 +267,6 @@ def serve_rank(plan, opts, info, stage) -> str | None:
     last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
     link.flush()
     return last_output
-
-
-def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
-    import torch
-
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
-        if name not in table:
-            raise UsageError(f"the checkpoint's dtype {name!r} is not supported; pass --dtype float16, bfloat16 or float32")
-    return table[name]
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool):

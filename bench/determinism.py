@@ -59,7 +59,7 @@ def workload(model_dir: Path, n: int, out: Path, seed: int = 0) -> Path:
 
 def run(model_dir: Path, data: Path, out: Path, flags: list[str], threads: int) -> dict:
     cmd = [sys.executable, str(REPO / "dist_inference_runner.py"), "--model-name", str(model_dir), "--infer-data",
-           str(data), "--output-path", str(out), "--no-progress", "--num-threads", str(threads), *flags]
+           str(data), "--output-path", str(out), "--no-progress", "--overwrite", "--num-threads", str(threads), *flags]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         sys.exit(f"runner failed ({' '.join(flags)}):\n{p.stderr[-2000:]}")

@@ -635,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (hidden 64, 2 layers) and 12 requests (smoke test)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)} (default: all)")
     ap.add_argument("--cores", type=int, default=2, help="cores every system gets (threads; P=2 gets cores/2 per process)")
-    ap.add_argument("--json", default=str(REPO / "bench" / "results" / "throughput.json"), help="where to write all figures")
+    ap.add_argument("--json", default=None,
+                    help="where to write all figures (default: bench/results/throughput.json for the full run, "
+                         "throughput-<profile>.json for --quick / --tiny, so a quick run keeps the full run's figures)")
     ap.add_argument("--work-dir", default=None, help="workload and outputs (default: bench/results/<profile>)")
     ap.add_argument("--cache-dir", default=None, help="model cache (default: $DIST_INFER_CACHE/bench)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per system")
@@ -660,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     prof = PROFILES[profile]
+    if args.json is None:
+        name = "throughput.json" if profile == "full" else f"throughput-{profile}.json"
+        args.json = str(REPO / "bench" / "results" / name)
     from examples.default_model import cache_root
 
     cache = Path(args.cache_dir) if args.cache_dir else cache_root() / "bench"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Drain a folder of shards: for k = MIN_INDEX .. MAX_INDEX run QUERY_DIR/request_k.jsonl, one launch
-# per shard, skipping shards that are missing or whose output_request_k.jsonl already exists (the
-# runner publishes an output only when it is complete, so an existing output means done; an
-# interrupted shard left a journal and resumes where it stopped). Rerun the same command after a
-# crash or preemption to finish the rest.
+# per shard, skipping missing shards. The runner publishes an output only when it is complete and
+# checks an existing one before it loads anything: written with the same model and settings, the
+# shard is skipped (counted as skipped); written by another run, the shard fails with a message
+# naming the difference (--overwrite recomputes, OUTPUT_DIR writes elsewhere). An interrupted shard
+# left a journal and resumes where it stopped. Rerun the same command after a crash or preemption.
 #
 # Usage:
 #   [MODEL=DIR] [QUERY_DIR=DIR] [MAX_INDEX=K] [NPROC=N] launch/drain.sh [runner flags...]
@@ -48,7 +49,8 @@ else
     launch=("$PYTHON" "$REPO/dist_inference_runner.py")
 fi
 
-trap 'echo "drain: interrupted" >&2; exit 130' SIGINT SIGTERM
+trap 'echo "drain: interrupted" >&2; exit 130' SIGINT
+trap 'echo "drain: terminated" >&2; exit 143' SIGTERM
 ran=0 skipped=0 missing=0 failed=0
 for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     input="$QUERY_DIR/request_$k.jsonl"
@@ -57,12 +59,13 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
         missing=$((missing + 1))
         continue
     fi
-    if [[ -e $output ]]; then
-        echo "drain: skip $input: $output exists" >&2
-        skipped=$((skipped + 1))
-        continue
+    existed=0
+    [[ -e $output && " $* " != *" --overwrite "* ]] && existed=1
+    if ((existed)); then
+        echo "drain: check $input: $output exists" >&2
+    else
+        echo "drain: run $input -> $output" >&2
     fi
-    echo "drain: run $input -> $output" >&2
     rc=0
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
     if ((rc == 130 || rc == 143)); then
@@ -72,9 +75,12 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
         echo "drain: $input failed with status $rc" >&2
         failed=$((failed + 1))
         ((KEEP_GOING == 1)) || break
+    elif ((existed)); then
+        echo "drain: skip $input: $output is complete (same model and settings)" >&2
+        skipped=$((skipped + 1))
     else
         ran=$((ran + 1))
     fi
 done
-echo "drain: shards $MIN_INDEX..$MAX_INDEX of $QUERY_DIR: $ran ran, $skipped skipped (output exists), $missing missing, $failed failed" >&2
+echo "drain: shards $MIN_INDEX..$MAX_INDEX of $QUERY_DIR: $ran ran, $skipped skipped (output complete), $missing missing, $failed failed" >&2
 ((failed == 0))

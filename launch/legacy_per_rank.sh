@@ -49,6 +49,7 @@ args=(--infer-data "$DATA")
 pids=()
 # shellcheck disable=SC2329 # invoked by the trap below
 stop_ranks() {
+    local code=$1  # 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM
     # The seed trapped with `kill 0`; that also kills whoever started this script when it runs
     # without job control (another script, a batch job), so only our own ranks are signalled.
     trap '' SIGINT SIGTERM
@@ -61,9 +62,10 @@ stop_ranks() {
     done
     kill -KILL "${pids[@]}" 2> /dev/null || true
     wait 2> /dev/null || true
-    exit 130
+    exit "$code"
 }
-trap stop_ranks SIGINT SIGTERM
+trap 'stop_ranks 130' SIGINT
+trap 'stop_ranks 143' SIGTERM
 
 for ((i = 0; i < NPROC; i++)); do
     rank=$((NODE_RANK * NPROC + i))

@@ -8,13 +8,12 @@ passed along to the writer in their input position.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
+from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 
@@ -32,14 +31,6 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
             if index >= skip:
                 yield index, line
             index += 1
-
-
-def input_fingerprint(path: str) -> str:
-    """Size and a hash of the first MiB: a journal is only resumed against the same input."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"
 
 
 class Driver:
@@ -82,8 +73,7 @@ class Driver:
                 raw = req.raw if req is not None else e.raw
                 custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
                 self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
-                key = e.param or "line"
-                self.error_kinds[key] = self.error_kinds.get(key, 0) + 1
+                self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
                 continue
             for g in groups:
                 self.sched.submit(g)
@@ -129,7 +119,7 @@ class Driver:
                     raise RequestError(
                         f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} = {len(ids) + p.max_tokens} "
                         f"tokens exceeds the model's context window of {self.max_positions} tokens; shorten the "
-                        "prompt, lower max_tokens, or run with --truncate-prompts", "prompt")
+                        "prompt, lower max_tokens, or run with --truncate-prompts", "prompt", reason="context_window")
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
             g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of)
@@ -137,7 +127,7 @@ class Driver:
                 raise RequestError(
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
                     f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
-                    "max_tokens")
+                    "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None)
             groups.append(g)

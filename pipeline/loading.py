@@ -58,6 +58,20 @@ class CheckpointError(ValueError):
     """The model folder cannot give a stage the tensors it needs."""
 
 
+WEIGHT_LISTINGS = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "model.safetensors",
+                   "pytorch_model.bin", "pytorch_embs.pt")
+
+
+def check_weights_present(model_dir: str | os.PathLike) -> None:
+    """Fail (before any process starts, from the plan) when the folder holds no weights at all."""
+    if not any((Path(model_dir) / name).is_file() for name in WEIGHT_LISTINGS):
+        raise CheckpointError(
+            f"{model_dir}: no weights found (expected model.safetensors, a sharded "
+            "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
+            "or the pre-split pytorch_embs.pt + pytorch_{i}.pt + pytorch_lm_head.pt)"
+        )
+
+
 def read_config(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -167,11 +181,7 @@ class TensorStore:
         if (self.dir / "pytorch_embs.pt").is_file():
             self.pre_split = True
             return
-        raise CheckpointError(
-            f"{self.dir}: no weights found (expected model.safetensors, a sharded "
-            "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json "
-            "or the pre-split pytorch_embs.pt + pytorch_{i}.pt + pytorch_lm_head.pt)"
-        )
+        check_weights_present(self.dir)
 
     def _open(self, path: Path, wanted: str | None):
         """The open file (SafetensorsFile or an mmap'd state dict); ``wanted`` names the tensor for errors."""

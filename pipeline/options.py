@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ class RunOptions:
     model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or an HF model_type). Omitted: read from config.json.")
     infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
     output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
-    job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME is read too).")
+    job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
     budget: int = _opt(8192, "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait.")
     max_micro_batch_size: int = _opt(32, "Most sequences (rows) in one micro-batch.")
@@ -70,8 +71,17 @@ class RunOptions:
         return "float16" if self.fp16 else self.dtype
 
 
+class _Parser(argparse.ArgumentParser):
+    quiet = False  # exit 2 without printing (every rank but rank 0: the message is printed once)
+
+    def error(self, message: str):
+        if self.quiet:
+            sys.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dist_inference_runner.py",
         description="Pipeline-parallel batch inference over OpenAI-style completion request files.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -132,9 +142,11 @@ def _type_word(annotation: str) -> str:
         annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
 
 
-def parse_options(argv: list[str] | None = None) -> RunOptions:
-    """Parse flags (after merging --config), check what can be checked without a model."""
+def parse_options(argv: list[str] | None = None, quiet: bool = False) -> RunOptions:
+    """Parse flags (after merging --config), check what can be checked without a model.
+    A problem exits 2 with the message (``quiet``: without it, for every rank but rank 0)."""
     parser = build_parser()
+    parser.quiet = quiet
     first = parser.parse_args(argv)
     if first.config:
         parser.set_defaults(**_load_yaml(first.config, parser))

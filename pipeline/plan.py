@@ -1,8 +1,10 @@
 """The run's plan, computed once before anything is loaded: who is where, which layers, which inputs.
 
-:func:`make_plan` is pure apart from reading ``config.json`` and listing input files: it starts no
-process and loads no weights, so every mistake in the flags fails here, on every rank alike, with
-a message that says what to change (tests/test_plan.py).
+:func:`make_plan` is pure apart from reading ``config.json``, listing input files and looking at
+their outputs: it starts no process and loads no weights, so every mistake in the flags fails here,
+on every rank alike, with a message that says what to change (tests/test_plan.py). That includes
+an output or journal written by another model or other settings (tasks/writer.py): a finished
+output counts as this run's, and is skipped, only when its record matches this run's fingerprint.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from comm.dist import resolve_layout
+import torch
 
-from .loading import CheckpointError, read_config
+from comm.dist import resolve_layout
+from tasks.files import input_fingerprint
+from tasks.writer import output_problem
+
+from .loading import CheckpointError, check_weights_present, read_config
 from .models import DecoderSpec, spec_from_config
 from .options import RunOptions, UsageError
 from .partition import stage_ranges
@@ -36,6 +42,14 @@ class RunPlan:
     threads: int  # CPU threads of this process
     slots: int  # micro-batches in flight
     warnings: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict)  # what results depend on; journals and outputs record it
+    complete: list[str] = field(default_factory=list)  # inputs whose output is complete and this run's
+    all_inputs: list[str] = field(default_factory=list)  # the request files (every rank)
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Every input's output is finished already: no rank needs to start or load anything."""
+        return bool(self.all_inputs) and len(self.complete) == len(self.all_inputs)
 
     @property
     def stage(self) -> int:
@@ -54,11 +68,18 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         model_dir = opts.model_name or _default_model_dir()
         config = read_config(model_dir)
+        check_weights_present(model_dir)
         spec = spec_from_config(config, opts.model_type)
         ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
-        inputs = resolve_inputs(opts, env) if rank % pipeline == 0 else []
+        all_inputs = resolve_inputs(opts, env)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(opts.torch_dtype_name, config, device)
     except (ValueError, CheckpointError) as e:
         raise UsageError(str(e)) from None
+    fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
+                   "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
+                   "data_group_size": data, "batch_invariant": opts.batch_invariant}
+    complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     threads = opts.num_threads or max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world))
     slots = opts.num_micro_batches or pipeline
     warnings = []
@@ -66,8 +87,42 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: some stage is always "
                         f"idle; use at least {pipeline}")
     name = Path(opts.model_name).name if opts.model_name else _default_model_name()
+    if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
+        layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
+                           for i, (a, b) in enumerate(ranges))
+        even = stage_ranges(spec.num_layers, pipeline, None, opts.max_layers)
+        warnings.append(f"--num-layers {opts.num_layers} x {pipeline} stages is more than the {ranges[-1][1]} layers: "
+                        f"the last stage holds only {ranges[-1][1] - ranges[-1][0]} ({layout}); omit --num-layers "
+                        f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
+    inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
-                   slots, warnings)
+                   slots, warnings, fingerprint, complete, all_inputs)
+
+
+def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dict, shares: int) -> list[str]:
+    """Inputs whose output is complete and was written by a run with this fingerprint. Raises
+    UsageError when an output or journal was written by another model or other settings."""
+    done = []
+    for path in inputs:
+        output = output_for(path, output_path, len(inputs) > 1)
+        complete, problem = output_problem(output, dict(fingerprint, input=input_fingerprint(path)), shares)
+        if problem:
+            raise UsageError(problem)
+        if complete:
+            done.append(path)
+    return done
+
+
+def resolve_dtype(name: str, cfg: dict, device: torch.device) -> torch.dtype:
+    """The run's dtype: ``auto`` = the checkpoint's on GPU, float32 on CPU."""
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
+        if name not in table:
+            raise UsageError(f"the checkpoint's dtype {name!r} is not supported; pass --dtype float16, bfloat16 or float32")
+    return table[name]
 
 
 def _default_model_dir() -> str:

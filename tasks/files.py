@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,3 +29,11 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` to ``path`` atomically (text as UTF-8)."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def input_fingerprint(path: str | os.PathLike) -> str:
+    """Size and a hash of the first MiB: a journal or output is only taken for this input's."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"

@@ -2,8 +2,13 @@
 
 :meth:`OutputFile.open` resumes or starts the journal (or reports the output complete), results
 go in with :meth:`put` in any order, :meth:`flush` writes what is contiguous after each pass, and
-:meth:`close` publishes the output and writes ``<output>.summary.json`` (with data parallelism,
-``<output>.summary-<d>-of-<D>.json``, and the last share to finish merges the journals).
+:meth:`close` writes ``<output>.summary.json``, then publishes the output. The summary records the
+run that wrote the file (``"run"``, its fingerprint), so a later run can tell its own finished
+output from another model's. With data parallelism each share writes
+``<output>.summary-<d>-of-<D>.json``; the last share to finish merges the journals and the share
+summaries into one ``<output>.summary.json`` (the shares' figures under ``"data_groups"``).
+After a resume the figures count the requests this run answered; ``resumed_lines`` says how many
+lines an earlier run had already written.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from comm.faults import MIDGEN
 
 from .files import write_atomic
-from .writer import OrderedWriter, try_merge_shares
+from .writer import OrderedWriter, record_path, try_merge_shares
 
 
 @dataclass
@@ -50,6 +56,7 @@ class FileSummary:
     data_group_size: int
     data_rank: int
     last_rank_peak_rss_mb: float
+    resumed_lines: int = 0  # lines an earlier, interrupted run had journaled (not counted above)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -64,11 +71,13 @@ class OutputFile:
         self.errors = 0  # error lines written
         self.prompt_tokens = 0
         self.progress = None
+        self.resumed_lines = 0
         self.t0 = time.perf_counter()
 
     def open(self, total: int, overwrite: bool, show_progress: bool) -> int | None:
         """This share's lines already journaled, or None when the output is complete (skip the file)."""
         skip = self.writer.open(overwrite)
+        self.resumed_lines = skip or 0
         if skip is not None and show_progress:
             from .progress import Progress
 
@@ -99,13 +108,39 @@ class OutputFile:
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
-            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1))
+            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines)
         if complete:
-            text = json.dumps(dataclasses.asdict(summary), indent=1)
-            write_atomic(summary_path(self.writer.output, self.data_rank, self.data_size), text)
+            record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
+            # the record exists before the output does: a finished output always says who wrote it
+            write_atomic(summary_path(self.writer.output, self.data_rank, self.data_size), json.dumps(record, indent=1))
+            self.writer.publish()
             if self.data_size > 1:
-                try_merge_shares(self.writer.output, self.data_size, total)
+                output = self.writer.output
+                if try_merge_shares(output, self.data_size, total, lambda: merge_summaries(output, self.data_size)):
+                    for d in range(self.data_size):
+                        Path(summary_path(output, d, self.data_size)).unlink(missing_ok=True)
         return complete, summary
+
+
+def merge_summaries(output, shares: int) -> None:
+    """The data groups' summaries -> one ``<output>.summary.json`` (called before the merged output appears)."""
+    parts = [json.loads(Path(summary_path(output, d, shares)).read_text()) for d in range(shares)]
+    run = parts[0].pop("run")
+    for part in parts[1:]:
+        part.pop("run", None)
+    total = {key: sum(part[key] for part in parts)
+             for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines")}
+    kinds: dict[str, int] = {}
+    for part in parts:
+        for kind, n in part["error_kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    wall = max(part["wall_seconds"] for part in parts)  # the pipelines ran side by side
+    merged = {"output": str(output), **total, "error_kinds": kinds, "wall_seconds": wall,
+              "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
+              "pipeline_size": parts[0]["pipeline_size"], "data_group_size": shares,
+              "last_rank_peak_rss_mb": max(part["last_rank_peak_rss_mb"] for part in parts),
+              "data_groups": parts, "run": run}
+    write_atomic(record_path(output), json.dumps(merged, indent=1))
 
 
 def peak_rss_mb() -> float:

@@ -19,11 +19,17 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 class RequestError(ValueError):
-    """A request that cannot run; becomes {"error": {"message", "type", "param"}}."""
+    """A request that cannot run; becomes {"error": {"message", "type", "param"}}.
 
-    def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    ``reason`` is the kind counted in the run summary (default: the param, else "line"), for errors
+    whose OpenAI param does not say what went wrong (a request larger than ``--budget``: "budget").
+    """
+
+    def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 reason: str | None = None):
         super().__init__(message)
         self.message, self.param, self.kind = message, param, kind
+        self.reason = reason or param or "line"
 
     def to_dict(self) -> dict:
         return {"message": self.message, "type": self.kind, "param": self.param}

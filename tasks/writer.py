@@ -6,13 +6,16 @@ is always a prefix of the final file. A restarted run with the same settings rea
 lines the journal holds and resumes after them (a torn last line is cut off). When every line is
 in, the journal is renamed to the output path in one step: the output appears only complete.
 A sidecar ``<output>.partial.json`` holds the run's fingerprint, so a journal written by another
-model or other settings is refused instead of mixed in.
+model or other settings is refused instead of mixed in. A complete output is judged the same way:
+its ``<output>.summary.json`` records the fingerprint of the run that wrote it (``"run"``), and the
+output counts as this run's (skipped) only when that record matches.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -24,6 +27,69 @@ from .files import atomic_path
 
 class JournalMismatch(RuntimeError):
     pass
+
+
+# how the lines were shared among pipelines changes the journals' layout, not the finished lines
+NOT_IN_RESULTS = ("data_group_size",)
+HOW_TO_REPLACE = "pass --overwrite to recompute it, or --output-path to write this run's results elsewhere"
+
+
+def record_path(output: str | os.PathLike) -> Path:
+    """``<output>.summary.json``: the file's summary, with the fingerprint of the run that wrote it."""
+    output = Path(output)
+    return output.with_name(output.name + ".summary.json")
+
+
+def differences(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> str:
+    """``key: old -> new`` for each setting that differs (an empty string when none does)."""
+    keys = sorted(k for k in set(old) | set(new) if k not in ignore and old.get(k) != new.get(k))
+    words = {"input": "the request file changed"}
+    return ", ".join(words.get(k) or f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in keys)
+
+
+def complete_output_problem(output: str | os.PathLike, fingerprint: dict) -> str | None:
+    """None when the existing ``output`` was written by a run with this fingerprint (skip it);
+    otherwise why it cannot be taken for this run's results, and the way out."""
+    record = record_path(output)
+    try:
+        old = json.loads(record.read_text())["run"]
+        assert isinstance(old, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return (f"{output} exists, but {record.name} does not record which model and settings wrote it "
+                f"(written by hand or by an older version); {HOW_TO_REPLACE}")
+    changed = differences(old, fingerprint, NOT_IN_RESULTS)
+    if not changed:
+        return None
+    return f"{output} is complete but was written by another run ({changed}); {HOW_TO_REPLACE}"
+
+
+def journal_problem(journal: Path, fingerprint: dict) -> str | None:
+    """None when ``journal`` (if any) can be resumed by a run with this fingerprint."""
+    if not journal.exists():
+        return None
+    meta = journal.with_name(journal.name + ".json")
+    try:
+        old = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        old = None
+    if old == fingerprint:
+        return None
+    changed = differences(old, fingerprint) if isinstance(old, dict) else "no fingerprint"
+    return (f"{journal} was written by a run with different settings ({changed}); "
+            "rerun with the same settings to resume it, or pass --overwrite to start over")
+
+
+def output_problem(output: str | os.PathLike, fingerprint: dict, shares: int = 1) -> tuple[bool, str | None]:
+    """(complete, problem) for ``output`` before a run with this fingerprint opens it: complete and
+    this run's (skip), or a complete output or a journal of another run (the problem says why)."""
+    if Path(output).exists():
+        problem = complete_output_problem(output, fingerprint)
+        return problem is None, problem
+    for d in range(shares):
+        problem = journal_problem(journal_path(output, d, shares), fingerprint)
+        if problem:
+            return False, problem
+    return False, None
 
 
 def journal_path(output: str | os.PathLike, share: int = 0, shares: int = 1) -> Path:
@@ -57,19 +123,18 @@ class OrderedWriter:
         """Prepare the journal; returns how many of this share's lines are already done, or None
         when the output is already complete (and not --overwrite)."""
         if self.output.exists() and not overwrite:
+            problem = complete_output_problem(self.output, self.fingerprint)
+            if problem:
+                raise JournalMismatch(problem)
             return None
         self.output.parent.mkdir(parents=True, exist_ok=True)
         if overwrite:
             for p in (self.journal, self.meta):
                 p.unlink(missing_ok=True)
         if self.journal.exists():
-            old = json.loads(self.meta.read_text()) if self.meta.exists() else None
-            if old != self.fingerprint:
-                changed = sorted(k for k in set(old or {}) | set(self.fingerprint) if (old or {}).get(k) != self.fingerprint.get(k))
-                raise JournalMismatch(
-                    f"{self.journal} was written by a run with different settings ({', '.join(changed) or 'no fingerprint'}); "
-                    "rerun with the same settings to resume it, or pass --overwrite to start over"
-                )
+            problem = journal_problem(self.journal, self.fingerprint)
+            if problem:
+                raise JournalMismatch(problem)
             self.written = _count_and_trim(self.journal)
         else:
             self.meta.write_text(json.dumps(self.fingerprint, sort_keys=True))
@@ -95,21 +160,23 @@ class OrderedWriter:
         return len(out)
 
     def close(self, total_lines: int) -> bool:
-        """Finish the journal; with every line of the share present, publish it. True if complete."""
+        """Finish the journal (flushed and synced); True when every line of the share is in it.
+        The caller writes the file's summary (the record of this run), then :meth:`publish`."""
         self.flush()
         expected = len(range(self.share, total_lines, self.shares))
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        if self.written != expected:
-            return False
+        return self.written == expected
+
+    def publish(self) -> None:
+        """The complete journal becomes the output (one share: a rename; several: marked done)."""
         FINALIZE.tick()
         if self.shares == 1:
             os.replace(self.journal, self.output)
             self.meta.unlink(missing_ok=True)
         else:
             mark_share_done(self.journal)
-        return True
 
 
 def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
@@ -136,11 +203,13 @@ def mark_share_done(journal: Path) -> None:
     journal.with_name(journal.name + ".done").touch()
 
 
-def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> bool:
+def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
+                     before: Callable[[], None] | None = None) -> bool:
     """Called by each data-parallel writer once its share is complete: the last one to finish merges.
 
     A share marks itself done with ``<journal>.done``; an O_EXCL lock file makes sure only one
-    process merges. Returns True if this call produced the output.
+    process merges; ``before`` runs first (it writes the merged summary, the record of the run).
+    Returns True if this call produced the output.
     """
     output = Path(output)
     journals = [journal_path(output, d, shares) for d in range(shares)]
@@ -152,6 +221,8 @@ def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -
     except FileExistsError:
         return False
     try:
+        if before is not None:
+            before()
         merge_shares(output, shares, total_lines)
         for j in journals:
             j.with_name(j.name + ".done").unlink(missing_ok=True)

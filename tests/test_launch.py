@@ -176,7 +176,10 @@ def test_legacy_per_rank_fails_when_a_rank_fails(tmp_path):
     assert "rank 0" in p.stderr and "exited with status 2" in p.stderr
 
 
-def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path, sig):
+    """Ctrl-C (SIGINT to the foreground group) or a SIGTERM to the script (a scheduler stopping the
+    job): every rank stops, and the script exits 128 + the signal's number (130, 143)."""
     data = write_jsonl(tmp_path / "long.jsonl",
                        [{"prompt": f"Once upon a time {i}", "max_tokens": 300, "temperature": 0} for i in range(64)])
     marker = f"sigint_marker_{os.getpid()}_{time.monotonic_ns()}"
@@ -196,8 +199,11 @@ def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None and len(alive(marker)) == 2  # both ranks are generating
         t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
-        assert proc.wait(timeout=15) == 130, log.read_text()[-3000:]
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+        else:
+            proc.send_signal(signal.SIGTERM)  # the script alone: its trap stops the ranks
+        assert proc.wait(timeout=15) == 128 + sig, log.read_text()[-3000:]
         while alive(marker) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
         assert alive(marker) == [], "ranks survived SIGINT"
@@ -216,20 +222,21 @@ def test_legacy_per_rank_sigint_stops_every_rank(model_dir, tmp_path):
 
 
 def test_drain_then_runner_directory_then_merge(model_dir, reference, shards, tmp_path):
-    """launch/drain.sh skips a done shard and stops at MAX_INDEX; the runner's own directory draining
-    skips the shards drain.sh finished and runs the rest; the shard outputs mapped back through
+    """launch/drain.sh refuses an output that does not say which run wrote it and stops at MAX_INDEX;
+    the runner's own directory draining skips the shards drain.sh finished and runs the rest; drain.sh
+    again skips them all (same model and settings); the shard outputs mapped back through
     manifest.json equal the unsplit run."""
     _, manifest = shards
     qdir = shard_copy(shards, tmp_path / "q")
     fake = qdir / "output_request_1.jsonl"
-    fake.write_text("FAKE\n")  # shard 1 is "done"
+    fake.write_text("FAKE\n")  # shard 1 "done" by someone else: not taken for this run's
     shutil.copy(qdir / "request_0.jsonl", qdir / "request_3.jsonl")  # beyond MAX_INDEX
-    p = run_script("drain.sh", {"MODEL": model_dir, "QUERY_DIR": str(qdir), "MAX_INDEX": "2", "NPROC": "1"},
-                   tmp_path, FAST, timeout=150)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"drain: skip {qdir}/request_1.jsonl" in p.stderr
+    env = {"MODEL": model_dir, "QUERY_DIR": str(qdir), "MAX_INDEX": "2", "NPROC": "1"}
+    p = run_script("drain.sh", env, tmp_path, FAST, timeout=150)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"drain: check {qdir}/request_1.jsonl" in p.stderr and "does not record which model" in p.stderr
     assert f"drain: run {qdir}/request_0.jsonl" in p.stderr and f"drain: run {qdir}/request_2.jsonl" in p.stderr
-    assert "2 ran, 1 skipped" in p.stderr
+    assert "2 ran, 0 skipped (output complete), 0 missing, 1 failed" in p.stderr
     assert fake.read_text() == "FAKE\n"
     assert not (qdir / "output_request_3.jsonl").exists()
     for k in (0, 2):
@@ -244,6 +251,9 @@ def test_drain_then_runner_directory_then_merge(model_dir, reference, shards, tm
     for k in (0, 2):
         assert f"{qdir}/request_{k}.jsonl: skipped, output already complete" in p.stderr
         assert (qdir / f"output_request_{k}.jsonl").read_bytes() == done[k]
+    p = run_script("drain.sh", env, tmp_path, FAST, timeout=150)
+    assert p.returncode == 0 and "0 ran, 3 skipped (output complete)" in p.stderr, p.stderr[-3000:]
+    assert "stage 0/1" not in p.stderr  # decided before any weights load
 
     # split round trip: every shard's output back in input order == the unsplit run
     assert any(s["line_numbers"] != sorted(s["line_numbers"]) for s in manifest["shards"])  # order really mapped
@@ -412,10 +422,9 @@ def test_slurm_missing_shard_done_shard_and_job_name(stubs, shards, tmp_path):
     base = {**env, **SLURM, "QUERY_DIR": str(qdir), "STUB_DRY_RUN": "1"}
     p = run_script("slurm_pipeline.sbatch", {**base, "SLURM_ARRAY_TASK_ID": "9"}, tmp_path, timeout=30)
     assert p.returncode == 0 and "no shard" in p.stderr and not (log / "srun.args").exists()
+    # an existing output is the runner's to judge (same run: skip; another: refuse), so the job starts
     (qdir / "output_request_1.jsonl").write_text("done\n")
     p = run_script("slurm_pipeline.sbatch", {**base, "SLURM_ARRAY_TASK_ID": "1"}, tmp_path, timeout=30)
-    assert p.returncode == 0 and "output exists" in p.stderr and not (log / "srun.args").exists()
-    p = run_script("slurm_pipeline.sbatch", {**base, "SLURM_ARRAY_TASK_ID": "1"}, tmp_path, ["--overwrite"], 30)
     assert p.returncode == 0 and (log / "srun.args").exists()
     job = f"helm#{qdir}/request_0.jsonl"
     p = run_script("slurm_pipeline.sbatch", {**base, "SLURM_JOB_NAME": job}, tmp_path, timeout=30)
@@ -439,6 +448,15 @@ def test_slurm_script_runs_two_nodes_end_to_end(stubs, model_dir, reference, sha
     assert "stage 0/2" in p.stderr and "stage 1/2" in p.stderr
     _, manifest = shards
     assert_identical_results(read_jsonl(qdir / "output_request_0.jsonl"), expected_lines(reference, manifest, 0))
+    # the same task again with another seed: the finished output is not taken for this run's; the
+    # message comes once (rank 0), before any weights load; the shell sees torchrun's 1
+    p = run_script("slurm_pipeline.sbatch",
+                   {**env, **SLURM, "STUB_HOSTS": "127.0.0.1 127.0.0.1", "GPUS_PER_NODE": "1",
+                    "RDZV_PORT": str(free_port()), "SLURM_ARRAY_TASK_ID": "0", "QUERY_DIR": str(qdir),
+                    "MODEL": model_dir}, tmp_path, [*FAST, "--seed", "5"], timeout=150)
+    message = "written by another run (seed: 42 there, 5 now)"
+    assert p.returncode == 1 and p.stderr.count(f"dist_inference_runner.py: error: {qdir}") == 2, p.stderr[-3000:]
+    assert message in p.stderr and "stage 0/2" not in p.stderr
 
 
 LSF = {"LSB_JOBID": "5678", "LSB_MCPU_HOSTS": "hostA 1 hostB 1", "GPUS_PER_NODE": "4"}
@@ -483,10 +501,8 @@ def test_lsf_job_name_convention(stubs, shards, tmp_path):
     args = (log / "blaunch.args").read_text().splitlines()
     assert _opt(args, "--job-name") == job and "--infer-data" not in args and args[-2:] == ["--seed", "5"]
     (log / "blaunch.args").unlink()
-    (qdir / "output_request_1.jsonl").write_text("done\n")
+    (qdir / "output_request_1.jsonl").write_text("done\n")  # the runner judges it: the job starts
     p = run_script("lsf_pipeline.bsub", base, tmp_path, timeout=30)
-    assert p.returncode == 0 and "output exists" in p.stderr and not (log / "blaunch.args").exists()
-    p = run_script("lsf_pipeline.bsub", {**base, "RUNNER_ARGS": "--overwrite"}, tmp_path, timeout=30)
     assert p.returncode == 0 and (log / "blaunch.args").exists()
     p = run_script("lsf_pipeline.bsub", {**env, "LSB_JOBID": ""}, tmp_path, timeout=30)
     assert p.returncode != 0 and "run this through bsub" in p.stderr

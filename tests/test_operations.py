@@ -29,10 +29,19 @@ def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, requests
                       "--data-group-size", "2", exact], 2)
     assert p.returncode == 0, p.stderr[-3000:]
     assert_identical_results(read_jsonl(one), read_jsonl(two))
-    leftovers = [f.name for f in tmp_path.iterdir() if ".partial" in f.name or "merge" in f.name]
+    leftovers = [f.name for f in tmp_path.iterdir() if ".partial" in f.name or "merge" in f.name or "-of-" in f.name]
     assert leftovers == []
-    shares = [json.loads((tmp_path / f"two.jsonl.summary-{d}-of-2.json").read_text()) for d in range(2)]
-    assert sum(s["requests"] for s in shares) == 12 and sum(s["errors"] for s in shares) == 1
+    # one summary, like the output: the totals, and each data group's figures
+    merged, single = (json.loads((tmp_path / f"{n}.jsonl.summary.json").read_text()) for n in ("two", "one"))
+    for key in ("requests", "errors", "answered", "error_kinds", "prompt_tokens", "completion_tokens"):
+        assert merged[key] == single[key], key
+    assert merged["requests"] == 12 and merged["errors"] == 1 and merged["data_group_size"] == 2
+    assert [g["data_rank"] for g in merged["data_groups"]] == [0, 1]
+    assert sum(g["requests"] for g in merged["data_groups"]) == 12
+    assert merged["run"] == dict(single["run"], data_group_size=2)
+    # the merged output counts as this run's for a rerun with or without data parallelism
+    p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(two), exact])
+    assert p.returncode == 0 and "skipped, output already complete" in p.stderr, p.stderr[-3000:]
 
 
 def test_progress_lines_summary_and_no_progress(model_dir, requests, tmp_path):
@@ -42,6 +51,10 @@ def test_progress_lines_summary_and_no_progress(model_dir, requests, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "/12 requests" in p.stderr and "generated tok/s" in p.stderr and "ETA" in p.stderr
     assert "12 requests, 11 answered, 1 errors (max_tokens: 1)" in p.stderr
+    # a request larger than the budget is counted as such, not under its OpenAI param (max_tokens)
+    p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(tmp_path / "b.jsonl"),
+                    "--budget", "5", "--no-progress"])
+    assert p.returncode == 0 and "errors (budget: 11, max_tokens: 1)" in p.stderr, p.stderr[-3000:]
     summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text())
     for key in ("requests", "errors", "prompt_tokens", "completion_tokens", "wall_seconds",
                 "completion_tokens_per_second", "stage_busy", "padding_waste"):

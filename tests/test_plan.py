@@ -1,5 +1,6 @@
 """The run's plan, computed without processes or weights: layout, stage ranges, inputs, threads, warnings."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def test_layout(llama_2l, world, rank, flags, stage, layers, threads, has_inputs
 
 
 def test_inputs_from_a_folder_and_the_job_name(llama_2l, tmp_path):
-    for name in ("b.jsonl", "a.jsonl", "output_a.jsonl", "notes.txt"):
+    for name in ("b.jsonl", "a.jsonl", "output_c.jsonl", "notes.txt"):
         (tmp_path / name).write_text("{}\n")
     assert plan(llama_2l, "--infer-data", str(tmp_path)).inputs == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     assert plan(llama_2l, "--job-name", f"x#{tmp_path / 'b.jsonl'}").inputs == [str(tmp_path / "b.jsonl")]
@@ -51,3 +52,33 @@ def test_too_few_micro_batches_is_a_warning(llama_2l):
 def test_mistakes_fail_before_anything_loads(llama_2l, flags, world, message):
     with pytest.raises(UsageError, match=message.replace("-", "\\-")):
         plan(llama_2l, *flags, world=world)
+
+
+def test_num_layers_that_clip_the_last_stage_warn_with_the_layout(make_llama):
+    model = make_llama(num_hidden_layers=4)
+    p = plan(model, "--num-layers", "3", world=2)
+    assert p.ranges == [(0, 3), (3, 4)]
+    assert p.warnings == ["--num-layers 3 x 2 stages is more than the 4 layers: the last stage holds only 1 "
+                          "(stage 0: layers 0-2, stage 1: layer 3); omit --num-layers for an even split (2, 2 layers)"]
+    assert plan(model, "--num-layers", "2", world=2).warnings == []
+    with pytest.raises(UsageError, match="leaves the last of 2 stages without layers"):
+        plan(model, "--num-layers", "4", world=2)
+
+
+def test_a_finished_output_of_another_run_is_refused_in_the_plan(llama_2l, make_llama, tmp_path):
+    """What produced a complete output is in its summary's "run"; only a match is skipped (tested with
+    real runs in test_reliability.py)."""
+    src = tmp_path / "a.jsonl"
+    src.write_text("{}\n")
+    first = plan(llama_2l, "--infer-data", str(src))
+    assert first.complete == [] and not first.nothing_to_do
+    from tasks.files import input_fingerprint
+
+    (tmp_path / "output_a.jsonl").write_text("{}\n")
+    record = {"run": dict(first.fingerprint, input=input_fingerprint(src))}
+    (tmp_path / "output_a.jsonl.summary.json").write_text(json.dumps(record))
+    assert plan(llama_2l, "--infer-data", str(src)).nothing_to_do
+    assert plan(llama_2l, "--infer-data", str(src), world=2, rank=1).nothing_to_do  # every rank knows
+    assert not plan(llama_2l, "--infer-data", str(src), "--overwrite").nothing_to_do
+    with pytest.raises(UsageError, match="batch_invariant: False there, True now"):
+        plan(llama_2l, "--infer-data", str(src), "--batch-invariant")

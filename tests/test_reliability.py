@@ -149,21 +149,55 @@ def test_sigterm_stops_cleanly_and_resume_completes(model_dir, work_file, clean_
     assert_identical_results(read_jsonl(out), clean_output)
 
 
-def test_complete_output_is_skipped_and_foreign_journal_refused(model_dir, tmp_path):
+def test_complete_output_is_skipped_and_foreign_journal_refused(model_dir, make_llama, tmp_path):
     src = tmp_path / "r.jsonl"
     src.write_text('{"prompt": "x", "max_tokens": 1}\n')
     out = tmp_path / "output_r.jsonl"
-    out.write_text("already done\n")
     p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
-    assert p.returncode == 0 and "skipping" in p.stderr and out.read_text() == "already done\n"
+    assert p.returncode == 0, p.stderr[-3000:]
+    done = out.read_bytes()
+    # the same model and settings: skipped before anything loads
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
+    assert p.returncode == 0 and "skipped, output already complete" in p.stderr and out.read_bytes() == done
+    assert "stage 0/1" not in p.stderr
+    # another model or other settings: refused with the difference and the way out, exit 2, nothing loads
+    other = make_llama(num_hidden_layers=2)
+    for flags, difference in ((["--model-name", other], f"model: '{model_dir}' there, '{other}' now"),
+                              (["--model-name", model_dir, "--seed", "7"], "seed: 42 there, 7 now")):
+        p = run_single([*flags, "--infer-data", str(src)])
+        assert p.returncode == 2, p.stderr[-3000:]
+        assert f"error: {out} is complete but was written by another run ({difference})" in p.stderr
+        assert "--overwrite" in p.stderr and "--output-path" in p.stderr and "stage 0/1" not in p.stderr
+        assert "Traceback" not in p.stderr and out.read_bytes() == done
+    # an output nobody recorded (by hand, or an older version): refused too
+    out.write_text("already done\n")
+    (tmp_path / "output_r.jsonl.summary.json").unlink()
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
+    assert p.returncode == 2 and "does not record which model and settings wrote it" in p.stderr
     p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--overwrite"])
     assert p.returncode == 0 and len(read_jsonl(out)) == 1
     out.unlink()
     (tmp_path / "output_r.jsonl.partial").write_text("")
     (tmp_path / "output_r.jsonl.partial.json").write_text(json.dumps({"model": "/some/other/model"}))
     p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
-    assert p.returncode != 0 and "different settings" in p.stderr and "--overwrite" in p.stderr
-    assert "Traceback" not in p.stderr
+    assert p.returncode == 2 and "different settings" in p.stderr and "--overwrite" in p.stderr
+    assert "model: '/some/other/model' there" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_refused_output_under_torchrun_is_reported_once(model_dir, tmp_path):
+    """What a user sees for a flag problem under torchrun: the message once (rank 0), before the ranks
+    meet, and again in the agent's failure report; the shell sees torchrun's 1."""
+    src = tmp_path / "r.jsonl"
+    src.write_text('{"prompt": "x", "max_tokens": 1}\n')
+    p = run_single(["--model-name", model_dir, "--infer-data", str(src)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", str(src), "--seed", "7"], 2)
+    message = "error: " + str(tmp_path / "output_r.jsonl") + " is complete but was written by another run"
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert p.stderr.count(message) == 2  # rank 0's line, and the report's root cause
+    assert "Root Cause" in p.stderr and "exitcode  : 2" in p.stderr and "process group up" not in p.stderr
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", str(src), "--budget", "0"], 2)
+    assert p.returncode == 1 and p.stderr.count("--budget must be a positive number") == 1, p.stderr[-3000:]
 
 
 def test_large_file_driver_memory_is_bounded(model_dir, tmp_path):
