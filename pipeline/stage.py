@@ -16,14 +16,16 @@ import torch
 
 from .messages import CloseFile, OpenFile, PassHeader, Stop
 from .models.decoder import KVCache, Segment, StageModel
+from .prefix import PrefixStore
 
 
 class Stage:
-    """This rank's layers, its micro-batch caches and its compute clock."""
+    """This rank's layers, its micro-batch caches, its prefix pool and its compute clock."""
 
-    def __init__(self, model: StageModel, device: torch.device, trace=None):
+    def __init__(self, model: StageModel, device: torch.device, trace=None, prefix_block: int = 0):
         self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
+        self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
         self.busy = 0.0  # compute seconds since the current file opened
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
@@ -36,10 +38,18 @@ class Stage:
         x_dec, x_pre = unpack(hdr, x)
         outs = []
         with torch.inference_mode():
+            if hdr.prefix_grow is not None:
+                self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
+            for p in hdr.prefill:
+                if p.cached:
+                    self.prefix.load(cache, p.row, p.load, p.cached)
             if x_dec is not None:
                 outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
             if x_pre is not None:
                 outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
+                for i, p in enumerate(hdr.prefill):
+                    if p.save:
+                        self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
@@ -88,9 +98,13 @@ def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
 
 
 def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
-    rows, b, t = [p.row for p in hdr.prefill], len(hdr.prefill), hdr.prefill_len
-    return Segment(torch.tensor(rows, device=device), torch.zeros(b, dtype=torch.long, device=device), t, t,
-                   fresh=True, host_rows=rows, host_start=[0] * b, lens=[p.len for p in hdr.prefill])
+    """The new prompts; a prompt with cached tokens computes from there on, attending to them."""
+    rows, t = [p.row for p in hdr.prefill], hdr.prefill_len
+    starts, lens = [p.cached for p in hdr.prefill], [p.len - p.cached for p in hdr.prefill]
+    fresh = not any(starts)
+    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), t,
+                   t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
+                   lens=lens)
 
 
 def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:

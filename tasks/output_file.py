@@ -50,6 +50,8 @@ class FileSummary:
     data_group_size: int
     data_rank: int
     last_rank_peak_rss_mb: float
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -63,6 +65,7 @@ class OutputFile:
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.progress = None
         self.t0 = time.perf_counter()
 
@@ -99,7 +102,8 @@ class OutputFile:
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
-            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1))
+            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.cached_tokens,
+            round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0)
         if complete:
             text = json.dumps(dataclasses.asdict(summary), indent=1)
             write_atomic(summary_path(self.writer.output, self.data_rank, self.data_size), text)
