@@ -170,10 +170,11 @@ class Driver:
             hdr.prefill = [Prefill(gid, row, len(p)) for (gid, row), p in zip(ps.prefill, prompts)]
             if self.prefix is not None:
                 pinned: set[int] = set()
+                saving: set[int] = set()
                 for item, ids in zip(hdr.prefill, prompts):
                     room = self.sched.budget - self.sched.used
                     item.cached, item.load, item.save = self.prefix.plan(ids, self.digests.pop(item.gid, []), room,
-                                                                         pinned)
+                                                                         pinned, saving)
                 hdr.prefix_grow = self.prefix.take_grow()
             prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
             for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):

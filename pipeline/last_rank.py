@@ -78,5 +78,6 @@ class LastRank:
             msg.busy.append(self.stage.busy)
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
-                                            self.head.format_seconds, self.info.pipeline_size)
+                                            self.head.format_seconds, self.info.pipeline_size,
+                                            self.stage.peak_cells)
         return Closed(complete, summary)

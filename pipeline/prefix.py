@@ -74,21 +74,25 @@ class PrefixCache:
         self.blocks.clear()
         self.free, self.capacity, self.grow_to = [], 0, 0
 
-    def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int]) -> tuple[int, list[int], list[list[int]]]:
+    def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int],
+             saving: set[int] | None = None) -> tuple[int, list[int], list[list[int]]]:
         """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save).
 
         At least the last prompt token is always computed (its hidden state samples the first
         token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
-        ids the pass being built loads, which must not be reused within it.
+        ids the pass being built loads or writes, which must not be reused within it; ``saving``
+        (updated): the ones it writes, which its own groups cannot load yet (stages load before
+        the prefill and write after it).
         """
+        saving = set() if saving is None else saving
         self.pending.subtract(digests)
         for d in digests:
             if self.pending[d] <= 0:
                 del self.pending[d]
         hits = []
         for d in digests:
-            if d not in self.blocks:
-                break
+            if d not in self.blocks or self.blocks[d] in saving:
+                break  # not resident, or written by this very pass (after its loads)
             self.blocks.move_to_end(d)
             hits.append(self.blocks[d])
         pinned.update(hits)
@@ -103,6 +107,7 @@ class PrefixCache:
                 break
             self.blocks[d] = bid
             pinned.add(bid)
+            saving.add(bid)
             saves.append([b, bid])
         for d in digests:
             self.recent[d] = None

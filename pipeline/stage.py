@@ -27,6 +27,7 @@ class Stage:
         self.caches: dict[int, KVCache] = {}
         self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
         self.busy = 0.0  # compute seconds since the current file opened
+        self.peak_cells = 0  # most KV cells (micro-batch caches + prefix pool) held since the file opened
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output."""
@@ -35,16 +36,18 @@ class Stage:
         if hdr.alloc:
             self.caches[hdr.slot] = self.model.new_cache(*hdr.alloc)
         cache = self.caches[hdr.slot]
+        if hdr.prefix_grow is not None:
+            self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
+        if hdr.alloc or hdr.prefix_grow:
+            self.peak_cells = max(self.peak_cells, self.kv_cells)
         x_dec, x_pre = unpack(hdr, x)
         outs = []
         with torch.inference_mode():
-            if hdr.prefix_grow is not None:
-                self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
+            if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
+                outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
             for p in hdr.prefill:
                 if p.cached:
                     self.prefix.load(cache, p.row, p.load, p.cached)
-            if x_dec is not None:
-                outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
             if x_pre is not None:
                 outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
                 for i, p in enumerate(hdr.prefill):
@@ -54,6 +57,12 @@ class Stage:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
         return pack(outs)
+
+    @property
+    def kv_cells(self) -> int:
+        """Token positions of keys/values held: every micro-batch's rows x columns plus the prefix pool."""
+        pool = self.prefix.capacity * self.prefix.block_size if self.prefix is not None else 0
+        return sum(c.rows * c.cols for c in self.caches.values()) + pool
 
     def release(self, slots: list[int]) -> None:
         for sid in slots:
@@ -76,7 +85,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)
         elif isinstance(msg, OpenFile):
-            stage.busy, output = 0.0, msg.output  # busy fractions are per file
+            stage.busy, stage.peak_cells, output = 0.0, stage.kv_cells, msg.output  # per-file figures
         elif isinstance(msg, CloseFile):
             stage.release(msg.release)
             if last is None:

@@ -52,6 +52,7 @@ class FileSummary:
     last_rank_peak_rss_mb: float
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
+    kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -91,7 +92,7 @@ class OutputFile:
             self.progress.update(done, generated_tokens)
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
-              format_seconds: float, pipeline_size: int) -> tuple[bool, FileSummary]:
+              format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0) -> tuple[bool, FileSummary]:
         """Publish the output if every line of this share is in; (complete, summary)."""
         if self.progress is not None:
             self.progress.close()
@@ -103,7 +104,7 @@ class OutputFile:
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
             pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.cached_tokens,
-            round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0)
+            round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0, kv_cells_peak)
         if complete:
             text = json.dumps(dataclasses.asdict(summary), indent=1)
             write_atomic(summary_path(self.writer.output, self.data_rank, self.data_size), text)
