@@ -143,8 +143,10 @@ class PrefixCache:
 
 
 class PrefixStore:
-    """One stage's pool: keys/values (layers, blocks, kv_heads, block, head_dim); the last stage
-    also keeps the blocks' final hidden states (blocks, block, hidden) for echo scoring."""
+    """One stage's pool: keys/values (layers, kv_heads, blocks x block, head_dim), block ``i`` at
+    positions ``i*block .. (i+1)*block - 1``, so a run of consecutive blocks (a prefix saved in one
+    go) copies in one slice; the last stage also keeps the final hidden states (blocks x block,
+    hidden) for echo scoring."""
 
     def __init__(self, block_size: int, keep_hidden: bool):
         self.block_size, self.keep_hidden = block_size, keep_hidden
@@ -152,47 +154,54 @@ class PrefixStore:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
+        return 0 if self.k is None else self.k.shape[2] // self.block_size
 
     def resize(self, blocks: int, like_k: torch.Tensor, hidden: int) -> None:
         """Grow to ``blocks`` keeping the content, or drop everything for 0 (the cache tensor
-        ``like_k`` gives layers, heads, dtype and device)."""
+        ``like_k`` (layers, rows, kv_heads, cols, head_dim) gives shapes, dtype and device)."""
         if blocks == 0:
             self.k = self.v = self.h = None
             return
         layers, _, kvh, _, d = like_k.shape
-        k = like_k.new_zeros(layers, blocks, kvh, self.block_size, d)
+        k = like_k.new_zeros(layers, kvh, blocks * self.block_size, d)
         v = torch.zeros_like(k)
-        h = like_k.new_zeros(blocks, self.block_size, hidden) if self.keep_hidden else None
-        n = self.capacity
+        h = like_k.new_zeros(blocks * self.block_size, hidden) if self.keep_hidden else None
+        n = self.capacity * self.block_size
         if n:
-            k[:, :n], v[:, :n] = self.k, self.v
+            k[:, :, :n], v[:, :, :n] = self.k, self.v
             if h is not None:
                 h[:n] = self.h
         self.k, self.v, self.h = k, v, h
 
+    def _runs(self, blocks: list[int], tokens: int):
+        """(first token in the row, first pool position, length) per run of consecutive blocks,
+        covering the row's first ``tokens`` positions."""
+        bs, start = self.block_size, 0
+        i = 0
+        while i < len(blocks) and start < tokens:
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            n = min((j - i) * bs, tokens - start)
+            yield start, blocks[i] * bs, n
+            start, i = start + n, j
+
     def load(self, cache, row: int, blocks: list[int], cached: int) -> None:
         """Copy the first ``cached`` tokens of ``blocks`` into columns 0.. of cache row ``row``."""
-        if not cached:
-            return
-        bs = self.block_size
-        idx = torch.tensor(blocks, device=self.k.device)
-        k = self.k[:, idx].transpose(1, 2).reshape(self.k.shape[0], self.k.shape[2], -1, self.k.shape[4])
-        v = self.v[:, idx].transpose(1, 2).reshape(k.shape)
-        cache.k[:, row, :, :cached] = k[:, :, :cached]
-        cache.v[:, row, :, :cached] = v[:, :, :cached]
-        assert len(blocks) * bs >= cached
+        for at, pos, n in self._runs(blocks, cached):
+            cache.k[:, row, :, at : at + n] = self.k[:, :, pos : pos + n]
+            cache.v[:, row, :, at : at + n] = self.v[:, :, pos : pos + n]
 
     def save(self, cache, row: int, saves: list[list[int]], h: torch.Tensor | None, offset: int) -> None:
         """Keep block ``b`` of cache row ``row`` in pool block ``bid`` for each [b, bid]; ``h``: the
         row's final hidden states from prompt position ``offset`` on (last stage)."""
         bs = self.block_size
         for b, bid in saves:
-            self.k[:, bid] = cache.k[:, row, :, b * bs : (b + 1) * bs]
-            self.v[:, bid] = cache.v[:, row, :, b * bs : (b + 1) * bs]
+            self.k[:, :, bid * bs : (bid + 1) * bs] = cache.k[:, row, :, b * bs : (b + 1) * bs]
+            self.v[:, :, bid * bs : (bid + 1) * bs] = cache.v[:, row, :, b * bs : (b + 1) * bs]
             if self.h is not None and h is not None:
-                self.h[bid] = h[b * bs - offset : (b + 1) * bs - offset]
+                self.h[bid * bs : (bid + 1) * bs] = h[b * bs - offset : (b + 1) * bs - offset]
 
     def hidden(self, blocks: list[int], cached: int) -> torch.Tensor:
         """Final hidden states of the first ``cached`` prompt tokens held in ``blocks``."""
-        return self.h[torch.tensor(blocks, device=self.h.device)].reshape(-1, self.h.shape[-1])[:cached]
+        return torch.cat([self.h[pos : pos + n] for _, pos, n in self._runs(blocks, cached)])
