@@ -226,7 +226,17 @@ def load_stage(plan, opts, info):
         from pipeline.trace import Trace
 
         trace = Trace(info.rank)
-    return Stage(model, info.device, trace)
+    return Stage(model, info.device, trace, prefix_block(plan, opts))
+
+
+def prefix_block(plan, opts) -> int:
+    """The prefix cache's block size, 0 when it is off. Every rank derives the same answer. Off with
+    --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it) and
+    for longrope models (a prefix's keys depend on the length of the prompt that computed them)."""
+    rope = plan.spec.rope
+    if opts.prefix_cache != "on" or opts.batch_invariant or (rope is not None and rope.scaling_type == "longrope"):
+        return 0
+    return opts.prefix_block_size
 
 
 def make_link(info, stage):
@@ -252,7 +262,11 @@ def first_rank(plan, opts, info, stage):
     from pipeline.schedule import Scheduler
 
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size)
+    from pipeline.prefix import PrefixCache
+
+    block = prefix_block(plan, opts)
+    sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
+                      prefix=PrefixCache(block, opts.budget) if block else None)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size)
     last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer

@@ -407,9 +407,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: float, runner_args: list[str]) -> dict:
+def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: float, runner_args: list[str],
+               label: str | None = None) -> dict:
+    """Run one system on ``wdir``'s gen.jsonl and score.jsonl; outputs go to ``wdir / (label or name)``."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    sysdir = wdir / name
+    sysdir = wdir / (label or name)
     shutil.rmtree(sysdir, ignore_errors=True)
     sysdir.mkdir(parents=True)
     log = sysdir / "log.txt"

@@ -18,6 +18,7 @@ from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 
 from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
+from .prefix import block_digests
 from .schedule import Group, Pass, Scheduler
 
 
@@ -38,6 +39,8 @@ class Driver:
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
+        self.prefix = scheduler.prefix  # PrefixCache or None
+        self.digests: dict[int, list[bytes]] = {}  # gid -> its prompt's block digests (prefix cache on)
         self.data_rank, self.data_size = data_rank, data_size
         self.lines: Iterator[tuple[int, bytes]] | None = None
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
@@ -122,7 +125,8 @@ class Driver:
                         "prompt, lower max_tokens, or run with --truncate-prompts", "prompt", reason="context_window")
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of)
+            digests = block_digests(ids, self.prefix.block_size) if self.prefix is not None else []
+            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, digests[0] if digests else None)
             if not self.sched.fits(g):
                 raise RequestError(
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
@@ -132,9 +136,13 @@ class Driver:
                              note, rows=[], raw=req.raw if i == 0 else None)
             groups.append(g)
             metas.append(meta)
+            if digests:
+                self.digests[g.gid] = digests
         self.next_gid += len(req.prompts)
         for g, m in zip(groups, metas):
             self.metas[g.gid] = m
+            if self.prefix is not None:
+                self.prefix.queued(self.digests.get(g.gid, []))
         return groups
 
     # -- passes -----------------------------------------------------------------------------
@@ -149,10 +157,18 @@ class Driver:
         prefill_ids = None
         if ps.prefill:
             prompts = [self.metas[gid].prompt_ids for gid, _ in ps.prefill]
-            prefill_ids = torch.zeros(len(prompts), max(len(x) for x in prompts), dtype=torch.long)
-            for i, ids in enumerate(prompts):
-                prefill_ids[i, : len(ids)] = torch.tensor(ids)
             hdr.prefill = [Prefill(gid, row, len(p)) for (gid, row), p in zip(ps.prefill, prompts)]
+            if self.prefix is not None:
+                pinned: set[int] = set()
+                saving: set[int] = set()
+                for item, ids in zip(hdr.prefill, prompts):
+                    room = self.sched.budget - self.sched.used
+                    item.cached, item.load, item.save = self.prefix.plan(ids, self.digests.pop(item.gid, []), room,
+                                                                         pinned, saving)
+                hdr.prefix_grow = self.prefix.take_grow()
+            prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
+            for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):
+                prefill_ids[i, : item.len - item.cached] = torch.tensor(ids[item.cached :])
             lens = {row: len(p) for (_, row), p in zip(ps.prefill, prompts)}
             hdr.forks = [Fork(lead, rows, lens[lead]) for lead, rows in ps.forks]
             for gid in ps.admitted:

@@ -63,7 +63,7 @@ class FirstRank:
         reports = []
         for job in jobs:
             total = sum(1 for _ in read_lines(job.input))
-            self.stage.busy = 0.0
+            self.stage.busy, self.stage.peak_cells = 0.0, self.stage.kv_cells
             self._down(OpenFile(job.input, job.output, total, input_fingerprint(job.input)))
             opened = self._reply()
             assert isinstance(opened, Opened)

@@ -57,6 +57,7 @@ class RequestState:
     choices: dict[int, list[Candidate]] = field(default_factory=dict)  # prompt_i -> candidates
     echoes: dict[int, dict | None] = field(default_factory=dict)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
     started: float = 0.0
     batch_size: int = 0
     notes: list[str] = field(default_factory=list)
@@ -100,11 +101,13 @@ class Head:
             rows[r] = RowState(meta.gid, cand, key, text)
 
     # -- one pass ---------------------------------------------------------------------------
-    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill) -> tuple[dict, list[int]]:
+    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
+                cached_h: dict | None = None) -> tuple[dict, list[int]]:
         """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
 
         h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
-        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``.
+        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``, from each one's first
+        uncached token; cached_h: prefill index -> (cached, hidden) from the prefix pool, for echo.
         """
         states = self.slots[slot]
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
@@ -113,9 +116,11 @@ class Head:
             targets += [[r] for r in decode_rows]
         for i, item in enumerate(prefill):
             g = self.groups[item.gid]
-            n = item.len
+            n = item.len - item.cached
+            self.requests[g.meta.req].cached_tokens += item.cached
             if g.params.echo:
-                g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0)
+                h = h_prefill[i, :n] if not item.cached else torch.cat([cached_h[i], h_prefill[i, :n]])
+                g.echo = self._score_prompt(h, g.meta.prompt_ids, g.params.logprobs or 0)
             if g.params.max_tokens == 0:
                 for r in g.rows:
                     states[r].cand.finish_reason = "length"
@@ -235,7 +240,7 @@ class Head:
                 else:
                     choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i)))
         result = result_object(req.kind, self.model_name, choices, req.prompt_tokens, completion_tokens,
-                               time.perf_counter() - req.started, req.batch_size)
+                               time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:
             result["warnings"] = req.notes
         self.results.append((index, output_line(req.raw, req.custom_id, result=result)))

@@ -60,8 +60,12 @@ class LastRank:
         h_live = None
         if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
             h_live = h_dec[hdr.decode_rows, -1] if hdr.dense else h_dec[:, -1]
+        cached_h = {i: self.stage.prefix.hidden(p.load, p.cached) for i, p in enumerate(hdr.prefill)
+                    if p.cached and self.head.groups[p.gid].params.echo}
+        for p in hdr.prefill:
+            self.file.cached_tokens += p.cached
         with torch.inference_mode():
-            feed, finished = self.head.on_pass(hdr.slot, hdr.decode_rows, h_live, hdr.prefill, h_pre)
+            feed, finished = self.head.on_pass(hdr.slot, hdr.decode_rows, h_live, hdr.prefill, h_pre, cached_h)
         for index, line in self.head.take_results():
             self.file.put(index, line)
         PREFILL.tick(ready=bool(hdr.prefill))
@@ -74,5 +78,6 @@ class LastRank:
             msg.busy.append(self.stage.busy)
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
-                                            self.head.format_seconds, self.info.pipeline_size)
+                                            self.head.format_seconds, self.info.pipeline_size,
+                                            self.stage.peak_cells)
         return Closed(complete, summary)

@@ -57,6 +57,9 @@ class Prefill:
     gid: int
     row: int  # the group's lead row; its cache is forked to the others
     len: int  # prompt tokens
+    cached: int = 0  # leading prompt tokens copied from the prefix pool (the segment computes the rest)
+    load: list[int] = field(default_factory=list)  # pool blocks holding them, in order
+    save: list[list[int]] = field(default_factory=list)  # [block index in the prompt, pool block] to keep
 
 
 @dataclass
@@ -84,10 +87,12 @@ class PassHeader:
     forks: list[Fork] = field(default_factory=list)
     admit: list[Admission] = field(default_factory=list)
     errors: list[ErrorLine] = field(default_factory=list)
+    prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
 
     @property
     def prefill_len(self) -> int:
-        return max((p.len for p in self.prefill), default=0)
+        """Columns of the prefill segment: the longest part of a prompt not served by the prefix pool."""
+        return max((p.len - p.cached for p in self.prefill), default=0)
 
     @property
     def dense(self) -> bool:

@@ -22,6 +22,7 @@ class Group:
     prompt_len: int
     max_tokens: int
     width: int = 1  # rows: best_of candidates
+    key: bytes | None = None  # digest of the prompt's first prefix-cache block (None: cache off or short)
 
     @property
     def need(self) -> int:
@@ -62,8 +63,14 @@ class Pass:
 
 
 class Scheduler:
-    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None):
-        self.budget, self.max_rows = budget, max_rows
+    """``prefix`` (a :class:`~pipeline.prefix.PrefixCache`): its pool counts against the budget, a
+    slot gets one spare column (a prefill that resumes after cached tokens pads its shorter rows
+    past their length: those writes land there), and two groups whose first block is not resident
+    yet do not enter the same pass: the second waits a pass and then finds the block computed."""
+
+    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None):
+        self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
+        self.spare = 1 if prefix is not None else 0
         self.slots = [Slot(i) for i in range(num_slots)]
         self.queue: deque[Group] = deque()
         self.window = window or max(64, 4 * max_rows)
@@ -74,7 +81,7 @@ class Scheduler:
     # -- input side -------------------------------------------------------------------------
     def fits(self, g: Group) -> bool:
         """A group can ever run (a group wider than max_rows gets a micro-batch of its own)."""
-        return g.need * g.width <= self.budget
+        return (g.need + self.spare) * g.width <= self.budget
 
     def submit(self, g: Group) -> None:
         assert self.fits(g), "caller must reject groups larger than the budget"
@@ -82,7 +89,15 @@ class Scheduler:
 
     @property
     def used(self) -> int:
-        return sum(s.rows * s.cols for s in self.slots)
+        return sum(s.rows * s.cols for s in self.slots) + (self.prefix.cells if self.prefix is not None else 0)
+
+    def _cells(self, g: Group) -> int:
+        return (g.need + self.spare) * g.width
+
+    def _same_new_prefix(self, g: Group, chosen: list[Group]) -> bool:
+        """``g`` starts with a block that a group already chosen for this pass will compute."""
+        return (g.key is not None and not self.prefix.resident(g.key)
+                and any(c.key == g.key for c in chosen))
 
     def idle(self) -> bool:
         return not self.queue and not any(s.allocated for s in self.slots)
@@ -91,14 +106,16 @@ class Scheduler:
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group plus the most similar ones that fit."""
         seed = self.queue[0]
-        target = max(self.budget // len(self.slots), seed.need * seed.width)
+        target = max(self.budget // len(self.slots), self._cells(seed))
         cap = min(available, target)
-        if seed.need * seed.width > cap:
+        if self._cells(seed) > cap:
             return []
         window = list(self.queue)[: self.window]
-        chosen, rows, cols = [seed], seed.width, seed.need
+        chosen, rows, cols = [seed], seed.width, seed.need + self.spare
         for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
-            new_cols = max(cols, g.need)
+            new_cols = max(cols, g.need + self.spare)
+            if self._same_new_prefix(g, chosen):
+                continue
             if rows + g.width <= self.max_rows and (rows + g.width) * new_cols <= cap:
                 chosen.append(g)
                 rows, cols = rows + g.width, new_cols
@@ -110,7 +127,7 @@ class Scheduler:
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
-            if g.width <= free and g.need <= slot.cols:
+            if g.width <= free and g.need + self.spare <= slot.cols and not self._same_new_prefix(g, chosen):
                 chosen.append(g)
                 free -= g.width
         return chosen
@@ -124,9 +141,9 @@ class Scheduler:
         if not self.queue:
             return False
         head = self.queue[0]
-        if head.need * head.width <= self.budget - self.used:
+        if self._cells(head) <= self.budget - self.used:
             return False
-        return not any(s.allocated and head.need <= s.cols and head.width <= s.rows for s in self.slots)
+        return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def next_pass(self, sid: int) -> Pass | None:
         """The next pass for an idle slot, or None when it has nothing to do now."""
@@ -134,14 +151,18 @@ class Scheduler:
         assert not slot.inflight
         alloc = None
         if not slot.allocated and self.queue:
+            head = self._cells(self.queue[0])
+            if self.prefix is not None and self.prefix.cells and head > self.budget - self.used:
+                if head <= self.budget - self.used + self.prefix.cells and not any(s.allocated for s in self.slots):
+                    self.prefix.reset()  # the pool stands between the oldest request and the budget
             new = self._pack(self.budget - self.used)
             if new:
-                rows, cols = sum(g.width for g in new), max(g.need for g in new)
+                rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
                 slot.rows, slot.cols = rows, cols
                 slot.row_group, slot.row_len = [None] * rows, [0] * rows
                 alloc = (rows, cols)
                 self.allocated_cells += rows * cols
-                self.padding_waste += rows * cols - sum(g.need * g.width for g in new)
+                self.padding_waste += rows * cols - sum(g.need * g.width for g in new)  # spare columns count
         elif slot.allocated and not self._head_blocked():
             new = self._refill(slot)
         else:

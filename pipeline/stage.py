@@ -16,15 +16,18 @@ import torch
 
 from .messages import CloseFile, OpenFile, PassHeader, Stop
 from .models.decoder import KVCache, Segment, StageModel
+from .prefix import PrefixStore
 
 
 class Stage:
-    """This rank's layers, its micro-batch caches and its compute clock."""
+    """This rank's layers, its micro-batch caches, its prefix pool and its compute clock."""
 
-    def __init__(self, model: StageModel, device: torch.device, trace=None):
+    def __init__(self, model: StageModel, device: torch.device, trace=None, prefix_block: int = 0):
         self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
+        self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
         self.busy = 0.0  # compute seconds since the current file opened
+        self.peak_cells = 0  # most KV cells (micro-batch caches + prefix pool) held since the file opened
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output."""
@@ -33,17 +36,33 @@ class Stage:
         if hdr.alloc:
             self.caches[hdr.slot] = self.model.new_cache(*hdr.alloc)
         cache = self.caches[hdr.slot]
+        if hdr.prefix_grow is not None:
+            self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
+        if hdr.alloc or hdr.prefix_grow:
+            self.peak_cells = max(self.peak_cells, self.kv_cells)
         x_dec, x_pre = unpack(hdr, x)
         outs = []
         with torch.inference_mode():
-            if x_dec is not None:
+            if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
                 outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
+            for p in hdr.prefill:
+                if p.cached:
+                    self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
                 outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
+                for i, p in enumerate(hdr.prefill):
+                    if p.save:
+                        self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
         return pack(outs)
+
+    @property
+    def kv_cells(self) -> int:
+        """Token positions of keys/values held: every micro-batch's rows x columns plus the prefix pool."""
+        pool = self.prefix.capacity * self.prefix.block_size if self.prefix is not None else 0
+        return sum(c.rows * c.cols for c in self.caches.values()) + pool
 
     def release(self, slots: list[int]) -> None:
         for sid in slots:
@@ -66,7 +85,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)
         elif isinstance(msg, OpenFile):
-            stage.busy, output = 0.0, msg.output  # busy fractions are per file
+            stage.busy, stage.peak_cells, output = 0.0, stage.kv_cells, msg.output  # per-file figures
         elif isinstance(msg, CloseFile):
             stage.release(msg.release)
             if last is None:
@@ -88,9 +107,13 @@ def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
 
 
 def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
-    rows, b, t = [p.row for p in hdr.prefill], len(hdr.prefill), hdr.prefill_len
-    return Segment(torch.tensor(rows, device=device), torch.zeros(b, dtype=torch.long, device=device), t, t,
-                   fresh=True, host_rows=rows, host_start=[0] * b, lens=[p.len for p in hdr.prefill])
+    """The new prompts; a prompt with cached tokens computes from there on, attending to them."""
+    rows, t = [p.row for p in hdr.prefill], hdr.prefill_len
+    starts, lens = [p.cached for p in hdr.prefill], [p.len - p.cached for p in hdr.prefill]
+    fresh = not any(starts)
+    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), t,
+                   t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
+                   lens=lens)
 
 
 def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:

@@ -57,6 +57,9 @@ class FileSummary:
     data_rank: int
     last_rank_peak_rss_mb: float
     resumed_lines: int = 0  # lines an earlier, interrupted run had journaled (not counted above)
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
+    kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -70,6 +73,7 @@ class OutputFile:
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.progress = None
         self.resumed_lines = 0
         self.t0 = time.perf_counter()
@@ -97,7 +101,7 @@ class OutputFile:
             self.progress.update(done, generated_tokens)
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
-              format_seconds: float, pipeline_size: int) -> tuple[bool, FileSummary]:
+              format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0) -> tuple[bool, FileSummary]:
         """Publish the output if every line of this share is in; (complete, summary)."""
         if self.progress is not None:
             self.progress.close()
@@ -108,7 +112,9 @@ class OutputFile:
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
-            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines)
+            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
+            self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
+            kv_cells_peak)
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it
@@ -129,7 +135,8 @@ def merge_summaries(output, shares: int) -> None:
     for part in parts[1:]:
         part.pop("run", None)
     total = {key: sum(part[key] for part in parts)
-             for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines")}
+             for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines",
+                         "cached_prompt_tokens")}
     kinds: dict[str, int] = {}
     for part in parts:
         for kind, n in part["error_kinds"].items():
@@ -139,6 +146,9 @@ def merge_summaries(output, shares: int) -> None:
               "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
               "pipeline_size": parts[0]["pipeline_size"], "data_group_size": shares,
               "last_rank_peak_rss_mb": max(part["last_rank_peak_rss_mb"] for part in parts),
+              "prefix_hit_rate": round(total["cached_prompt_tokens"] / total["prompt_tokens"], 4)
+              if total["prompt_tokens"] else 0.0,
+              "kv_cells_peak": max(part["kv_cells_peak"] for part in parts),
               "data_groups": parts, "run": run}
     write_atomic(record_path(output), json.dumps(merged, indent=1))
 

@@ -160,7 +160,7 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
 
 
 def result_object(kind: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                  batch_time: float, batch_size: int) -> dict:
+                  batch_time: float, batch_size: int, cached_tokens: int = 0) -> dict:
     chat = kind == "chat"
     return {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -169,7 +169,8 @@ def result_object(kind: str, model: str, choices: list[dict], prompt_tokens: int
         "model": model,
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         "request_time": {"batch_time": round(batch_time, 6), "batch_size": batch_size},
     }
 

@@ -87,6 +87,7 @@ class Segment:
     kv_len: int
     all_rows: bool = False  # rows == arange(R): read the cache without a gather
     fresh: bool = False  # every start is 0: attend to the new keys only
+    prefill: bool = False  # new prompts (fresh, or resuming after tokens copied from the prefix pool)
     # Host copies, needed only by batch-invariant attention (one row at a time); read from the
     # device tensors when absent. ``lens``: real new tokens per row (the rest is right padding).
     host_rows: list[int] | None = None
@@ -398,7 +399,7 @@ class StageModel(nn.Module):
         rope = self.spec.rope
         if rope is None or rope.scaling_type != "longrope":
             return None
-        if seg.fresh or cache is None:
+        if seg.fresh or seg.prefill or cache is None:
             lens = torch.tensor(seg.host()[2], device=seg.start.device) + seg.start
             flags = lens > rope.original_max_position
             if cache is not None:
@@ -409,9 +410,11 @@ class StageModel(nn.Module):
     def context(self, seg: Segment, cache: KVCache | None, dtype: torch.dtype) -> StageContext:
         """Masks and rotary tables for one segment, built once and shared by all layers."""
         pos = seg.positions  # (b, t)
-        kv = seg.t if seg.fresh else seg.kv_len
+        limit = seg.t if seg.fresh else seg.kv_len  # above every position (padding included)
+        # keys read: a prefill resuming after cached tokens pads short rows past the cache's end
+        kv = limit if cache is None or seg.fresh else min(limit, cache.cols)
         long_rows = self._long_rows(seg, cache) if self.rotary else None
-        rope = {key: r.lookup(pos, kv, dtype, long_rows) for key, r in self.rotary.items()}
+        rope = {key: r.lookup(pos, limit, dtype, long_rows) for key, r in self.rotary.items()}
         slopes = self.slopes if self.spec.position == "alibi" else None
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes)

@@ -1,0 +1,148 @@
+"""Prefix cache on versus off (and HF) on two workloads that share prefixes, built locally.
+
+    python bench/prefix_cache.py               # hidden 512 x 8 layers Llama, ~5 min on 2 cores
+    python bench/prefix_cache.py --quick       # the throughput benchmark's 5M Llama, ~1 min
+
+- **few-shot generation** (``gen.jsonl``): one few-shot prefix of about 1k tokens (bAbI-style
+  passages with answers) before each of N short questions, greedy, ``max_tokens`` 8;
+- **multiple-choice scoring** (``score.jsonl``): contexts of ~150 tokens with 4 continuations each,
+  every continuation its own echo-scoring request (``echo: true, max_tokens: 0, logprobs: 1``, as
+  lm-eval sends them), interleaved (continuation j of every context, then j + 1).
+
+Systems (each in its own process, one after the other, through bench/throughput.py's runner):
+``hf`` (generate in batches of 32 / a plain forward), the runner at P = 1 and P = 2 with
+``--prefix-cache off`` and ``on``. Figures: generated tokens/s on the few-shot file, scored prompt
+tokens/s on the multiple-choice file (the runner's own per-file summary lines; HF times its loops),
+the ratio cache on / off, and whether the answers agree (greedy text equal, logprobs within 1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.throughput import build_model, run_system  # noqa: E402
+
+PROFILES = {
+    "full": dict(hidden=512, layers=8, heads=8, intermediate=1376, questions=48, contexts=24),
+    "quick": dict(hidden=256, layers=4, heads=8, intermediate=688, questions=32, contexts=16),
+}
+ROOMS = ["kitchen", "garden", "office", "hallway", "bedroom", "bathroom", "cellar", "attic"]
+DIRS = ["north", "south", "east", "west"]
+
+
+def passage(rng: random.Random) -> str:
+    a, b, c = rng.sample(ROOMS, 3)
+    d1, d2 = rng.choice(DIRS), rng.choice(DIRS)
+    return (f"Passage: The {a} is {d1} of the {b}.\nThe {b} is {d2} of the {c}.\n"
+            f"Question: How do you go from the {c} to the {a}?\nAnswer: {d1} {d2}\n\n")
+
+
+def build_workload(wdir: Path, prof: dict, tok) -> dict:
+    rng = random.Random(7)
+    shots = ""
+    while len(tok(shots)["input_ids"]) < 1000:
+        shots += passage(rng)
+    gen = []
+    for _ in range(prof["questions"]):
+        a, b = rng.sample(ROOMS, 2)
+        gen.append({"prompt": shots + f"Passage: The {a} is {rng.choice(DIRS)} of the {b}.\n"
+                              f"Question: How do you go from the {b} to the {a}?\nAnswer:",
+                    "max_tokens": 8, "temperature": 0})
+    contexts = []
+    for _ in range(prof["contexts"]):
+        ctx = ""
+        while len(tok(ctx)["input_ids"]) < 150:
+            ctx += passage(rng)
+        contexts.append(ctx + "Question: Which way is the garden from the office?\nAnswer:")
+    score = [{"prompt": ctx + f" {d} of the {ROOMS[j]}", "max_tokens": 0, "echo": True, "logprobs": 1}
+             for j, d in enumerate(DIRS) for ctx in contexts]
+    wdir.mkdir(parents=True, exist_ok=True)
+    for name, lines in (("gen", gen), ("score", score)):
+        (wdir / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return {"prefix_tokens": len(tok(shots)["input_ids"]), "questions": len(gen), "scoring_requests": len(score)}
+
+
+def rates(m: dict) -> dict:
+    s = m.get("summary_lines") or {}
+    gen = s.get("gen", {}).get("generated_tokens") if s else sum(r["generated"] for r in m.get("gen", []) if r)
+    scored = sum(r["tokens"] for r in m.get("score", []) if r)
+    if s:
+        gen = s["gen"]["generated_tokens"]
+    return {"gen_tok_s": round(gen / m["gen_s"], 2) if m.get("gen_s") else None,
+            "score_tok_s": round(scored / m["score_s"], 2) if m.get("score_s") else None,
+            "gen_s": round(m["gen_s"], 2), "score_s": round(m["score_s"], 2)}
+
+
+def agree(a: dict, b: dict) -> dict:
+    texts = sum(x is not None and y is not None and x.get("text") == y.get("text") for x, y in zip(a["gen"], b["gen"]))
+    close = sum(x is not None and y is not None and len(x["logprobs"]) == len(y["logprobs"]) and
+                all(abs(u - v) < 1e-3 for u, v in zip(x["logprobs"], y["logprobs"]))
+                for x, y in zip(a["score"], b["score"]))
+    return {"gen_text_equal": f"{texts}/{len(b['gen'])}", "score_logprobs_close": f"{close}/{len(b['score'])}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the 5M Llama and fewer requests")
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--systems", default="hf,runner1,runner2")
+    ap.add_argument("--json", default=None, help="write all figures here")
+    ap.add_argument("--timeout", type=float, default=3600)
+    args = ap.parse_args(argv)
+    from examples.default_model import build_tokenizer, cache_root
+
+    profile = "quick" if args.quick else "full"
+    prof = PROFILES[profile]
+    model_dir = build_model(cache_root() / "bench", dict(prof))
+    wdir = REPO / "bench" / "results" / f"prefix-{profile}"
+    info = build_workload(wdir, prof, build_tokenizer())
+    print(f"[bench] model {model_dir}; workload {info}", file=sys.stderr)
+    results = {}
+    for system in args.systems.split(","):
+        for mode in (("off", "on") if system.startswith("runner") else (None,)):
+            label = system if mode is None else f"{system}-{mode}"
+            extra = [] if mode is None else ["--prefix-cache", mode]
+            t0 = time.perf_counter()
+            m = run_system(system, model_dir, wdir, args.cores, args.timeout, extra, label=label)
+            if m.get("error"):
+                print(f"[bench] {label} failed: {m['error']}\n{m.get('log_tail', '')}", file=sys.stderr)
+                return 1
+            results[label] = m
+            print(f"[bench] {label}: {rates(m)} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    rows = {k: rates(m) for k, m in results.items()}
+    print(f"\nprefix cache, {profile} profile: hidden {prof['hidden']} x {prof['layers']} layers; few-shot prefix "
+          f"{info['prefix_tokens']} tokens x {info['questions']} questions; {info['scoring_requests']} "
+          f"multiple-choice scoring requests; {args.cores} cores\n")
+    print(f"{'system':<14}{'gen tok/s':>11}{'scored tok/s':>14}")
+    for k, r in rows.items():
+        print(f"{k:<14}{r['gen_tok_s'] or 0:>11.1f}{r['score_tok_s'] or 0:>14.1f}")
+    summary = {}
+    for p in ("runner1", "runner2"):
+        if f"{p}-on" in rows:
+            on, off = rows[f"{p}-on"], rows[f"{p}-off"]
+            summary[p] = {"few-shot gen on/off": round(on["gen_tok_s"] / off["gen_tok_s"], 2),
+                          "mc scoring on/off": round(on["score_tok_s"] / off["score_tok_s"], 2),
+                          **agree(results[f"{p}-on"], results[f"{p}-off"])}
+            if "hf" in rows:
+                summary[p]["few-shot gen on/hf"] = round(on["gen_tok_s"] / rows["hf"]["gen_tok_s"], 2)
+                summary[p]["mc scoring on/hf"] = round(on["score_tok_s"] / rows["hf"]["score_tok_s"], 2)
+    print()
+    for p, s in summary.items():
+        print(f"{p}: " + ", ".join(f"{k} {v}" for k, v in s.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": profile, "workload": info, "rates": rows,
+                                               "ratios": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

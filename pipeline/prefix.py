@@ -1,0 +1,207 @@
+"""Shared-prefix KV cache: a prompt prefix computed once serves every later request that starts with it.
+
+Prompts are cut into blocks of ``block_size`` tokens; block ``b`` is named by a digest chained over
+blocks ``0..b`` (so equal digests mean equal prefixes). Two halves:
+
+- :class:`PrefixCache`, on rank 0, pure bookkeeping: which digests are resident, in which block of
+  the stages' pools, least recently used first. When a group prefills, :meth:`PrefixCache.plan`
+  says which resident blocks its row copies in (its leading *hits*), how many prompt tokens that
+  covers, and which of its freshly computed blocks the stages keep (only blocks another queued or
+  recent prompt shares: a file without shared prefixes keeps nothing and pays nothing).
+- :class:`PrefixStore`, on every stage, the pool: keys and values of its own layers per block (and,
+  on the last stage, the final hidden states, so echo scoring still gets every prompt token's
+  logprob), filled and read as the pass headers say.
+
+Copy, not paging: a row's cache stays contiguous (the decoder's layout); an admitted row copies its
+hit blocks into its first columns before its prefill runs and then never reads the pool again. A
+block is therefore in use only within the pass that loads it, and every stage applies passes in the
+order rank 0 built them, so rank 0 may evict and reuse a block id in any later pass: the stages see
+the load first. Blocks loaded by the pass being built are pinned until it is built.
+
+Memory: the pool grows in steps that rank 0 announces (``PassHeader.prefix_grow``) and counts
+against ``--budget`` (the scheduler's ``used``), at most half of it; it never shrinks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+
+import torch
+
+MAX_SHARE = 2  # the pool takes at most budget / MAX_SHARE cells
+RECENT = 4096  # digests of recently admitted prompts remembered as evidence of sharing
+
+
+def block_digests(ids: list[int], block_size: int) -> list[bytes]:
+    """Chained digest of each full block of ``ids``."""
+    out, prev = [], b""
+    for b in range(len(ids) // block_size):
+        block = ids[b * block_size : (b + 1) * block_size]
+        prev = hashlib.blake2b(prev + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class PrefixCache:
+    """Rank 0's view of the pools: digest -> block id, LRU order, and the pool's capacity."""
+
+    def __init__(self, block_size: int, budget: int):
+        self.block_size = block_size
+        self.max_blocks = budget // MAX_SHARE // block_size
+        self.blocks: OrderedDict[bytes, int] = OrderedDict()  # resident, least recently used first
+        self.free: list[int] = []  # ids below capacity not holding a block
+        self.capacity = 0  # blocks allocated on every stage
+        self.pending: Counter[bytes] = Counter()  # digests of queued (not yet admitted) prompts
+        self.recent: OrderedDict[bytes, None] = OrderedDict()  # digests of admitted prompts
+        self.grow_to: int | None = None  # a capacity to announce in the next header
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+
+    @property
+    def cells(self) -> int:
+        """KV cells the pools hold on each stage (counted against --budget)."""
+        return self.capacity * self.block_size
+
+    def queued(self, digests: list[bytes]) -> None:
+        self.pending.update(digests)
+
+    def resident(self, digest: bytes | None) -> bool:
+        return digest is not None and digest in self.blocks
+
+    def reset(self) -> None:
+        """Drop every block and the pools themselves (announced as a capacity of 0)."""
+        self.blocks.clear()
+        self.free, self.capacity, self.grow_to = [], 0, 0
+
+    def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int],
+             saving: set[int] | None = None) -> tuple[int, list[int], list[list[int]]]:
+        """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save).
+
+        At least the last prompt token is always computed (its hidden state samples the first
+        token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
+        ids the pass being built loads or writes, which must not be reused within it; ``saving``
+        (updated): the ones it writes, which its own groups cannot load yet (stages load before
+        the prefill and write after it).
+        """
+        saving = set() if saving is None else saving
+        self.pending.subtract(digests)
+        for d in digests:
+            if self.pending[d] <= 0:
+                del self.pending[d]
+        hits = []
+        for d in digests:
+            if d not in self.blocks or self.blocks[d] in saving:
+                break  # not resident, or written by this very pass (after its loads)
+            self.blocks.move_to_end(d)
+            hits.append(self.blocks[d])
+        pinned.update(hits)
+        cached = min(len(hits) * self.block_size, len(ids) - 1)
+        saves = []
+        for b in range(len(hits), len(digests)):
+            d = digests[b]
+            if not (self.pending[d] > 0 or d in self.recent):
+                break  # nobody else has shown this block (nor, by the chain, any later one)
+            bid = self._allocate(room, pinned)
+            if bid is None:
+                break
+            self.blocks[d] = bid
+            pinned.add(bid)
+            saving.add(bid)
+            saves.append([b, bid])
+        for d in digests:
+            self.recent[d] = None
+            self.recent.move_to_end(d)
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+        self.hit_tokens += cached
+        self.prompt_tokens += len(ids)
+        return cached, hits, saves
+
+    def _allocate(self, room: int, pinned: set[int]) -> int | None:
+        if self.free:
+            return self.free.pop()
+        if self.capacity < self.max_blocks and room >= self.block_size:
+            step = min(self.max_blocks - self.capacity, max(16, self.capacity // 2), room // self.block_size)
+            self.free = list(range(self.capacity + step - 1, self.capacity - 1, -1))
+            self.capacity += step
+            self.grow_to = self.capacity
+            return self.free.pop()
+        for d, bid in self.blocks.items():  # evict the least recently used block not used by this pass
+            if bid not in pinned:
+                del self.blocks[d]
+                return bid
+        return None
+
+    def take_grow(self) -> int | None:
+        grow, self.grow_to = self.grow_to, None
+        return grow
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixStore:
+    """One stage's pool: keys/values (layers, kv_heads, blocks x block, head_dim), block ``i`` at
+    positions ``i*block .. (i+1)*block - 1``, so a run of consecutive blocks (a prefix saved in one
+    go) copies in one slice; the last stage also keeps the final hidden states (blocks x block,
+    hidden) for echo scoring."""
+
+    def __init__(self, block_size: int, keep_hidden: bool):
+        self.block_size, self.keep_hidden = block_size, keep_hidden
+        self.k = self.v = self.h = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[2] // self.block_size
+
+    def resize(self, blocks: int, like_k: torch.Tensor, hidden: int) -> None:
+        """Grow to ``blocks`` keeping the content, or drop everything for 0 (the cache tensor
+        ``like_k`` (layers, rows, kv_heads, cols, head_dim) gives shapes, dtype and device)."""
+        if blocks == 0:
+            self.k = self.v = self.h = None
+            return
+        layers, _, kvh, _, d = like_k.shape
+        k = like_k.new_zeros(layers, kvh, blocks * self.block_size, d)
+        v = torch.zeros_like(k)
+        h = like_k.new_zeros(blocks * self.block_size, hidden) if self.keep_hidden else None
+        n = self.capacity * self.block_size
+        if n:
+            k[:, :, :n], v[:, :, :n] = self.k, self.v
+            if h is not None:
+                h[:n] = self.h
+        self.k, self.v, self.h = k, v, h
+
+    def _runs(self, blocks: list[int], tokens: int):
+        """(first token in the row, first pool position, length) per run of consecutive blocks,
+        covering the row's first ``tokens`` positions."""
+        bs, start = self.block_size, 0
+        i = 0
+        while i < len(blocks) and start < tokens:
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            n = min((j - i) * bs, tokens - start)
+            yield start, blocks[i] * bs, n
+            start, i = start + n, j
+
+    def load(self, cache, row: int, blocks: list[int], cached: int) -> None:
+        """Copy the first ``cached`` tokens of ``blocks`` into columns 0.. of cache row ``row``."""
+        for at, pos, n in self._runs(blocks, cached):
+            cache.k[:, row, :, at : at + n] = self.k[:, :, pos : pos + n]
+            cache.v[:, row, :, at : at + n] = self.v[:, :, pos : pos + n]
+
+    def save(self, cache, row: int, saves: list[list[int]], h: torch.Tensor | None, offset: int) -> None:
+        """Keep block ``b`` of cache row ``row`` in pool block ``bid`` for each [b, bid]; ``h``: the
+        row's final hidden states from prompt position ``offset`` on (last stage)."""
+        bs = self.block_size
+        for b, bid in saves:
+            self.k[:, :, bid * bs : (bid + 1) * bs] = cache.k[:, row, :, b * bs : (b + 1) * bs]
+            self.v[:, :, bid * bs : (bid + 1) * bs] = cache.v[:, row, :, b * bs : (b + 1) * bs]
+            if self.h is not None and h is not None:
+                self.h[bid * bs : (bid + 1) * bs] = h[b * bs - offset : (b + 1) * bs - offset]
+
+    def hidden(self, blocks: list[int], cached: int) -> torch.Tensor:
+        """Final hidden states of the first ``cached`` prompt tokens held in ``blocks``."""
+        return torch.cat([self.h[pos : pos + n] for _, pos, n in self._runs(blocks, cached)])

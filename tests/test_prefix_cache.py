@@ -1,0 +1,175 @@
+"""Shared-prefix KV cache: answers equal the cache-off answers (generation, echo scoring, seeded
+sampling) at P = 1, 2, 3, with evictions under a tiny budget and after kill + resume; the cache's
+memory stays within --budget; bookkeeping units."""
+
+import json
+
+import pytest
+
+from pipeline.prefix import PrefixCache, block_digests
+from pipeline.schedule import Group, Scheduler
+from tests.utils import (assert_consistent_results, local_tokenizer, read_jsonl, run_inprocess, run_single,
+                         run_torchrun, write_jsonl)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_llama):
+    return make_llama(num_hidden_layers=3, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """A few-shot file (one ~250-token prefix, greedy / echo / seeded sampling / best_of), lm-eval-style
+    multiple choice (token-id contexts with 4 continuations each, interleaved) and unshared prompts."""
+    tok = local_tokenizer()
+    shots = "".join(f"Passage: The room {i} is north of the hall {i + 1}.\nQuestion: Where is room {i}?\n"
+                    f"Answer: north\n\n" for i in range(6))
+    lines = []
+    for i in range(10):
+        q = f"Passage: The garden is {'west' if i % 2 else 'east'} of the office {i}.\nQuestion: Where is the garden?\nAnswer:"
+        lines.append({"prompt": shots + q, "max_tokens": 3, "temperature": 0, "logprobs": 2})
+        if i % 3 == 0:
+            lines.append({"prompt": shots + q + " west", "max_tokens": 0, "echo": True, "logprobs": 3})
+        if i % 4 == 1:
+            lines.append({"prompt": shots + q, "max_tokens": 4, "temperature": 0.8, "seed": i, "n": 2})
+        if i == 5:
+            lines.append({"prompt": shots + q, "max_tokens": 3, "temperature": 0.7, "best_of": 2, "seed": 3})
+    contexts = [tok(f"Context {c}: the kitchen is south of the bedroom and the bathroom is east of the "
+                    f"kitchen, so the bedroom is")["input_ids"] for c in range(4)]
+    for j in range(4):  # interleaved: context 0..3 with continuation j, then j + 1
+        for ctx in contexts:
+            cont = tok(f" {['north', 'south', 'west', 'east'][j]} of the bathroom", add_special_tokens=False)["input_ids"]
+            lines.append({"prompt": ctx + cont, "max_tokens": 0, "echo": True, "logprobs": 1})
+    lines += [{"prompt": f"Unshared prompt {i} about the office.", "max_tokens": 3, "temperature": 0} for i in range(4)]
+    return write_jsonl(tmp_path_factory.mktemp("prefix") / "work.jsonl", lines)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, workload, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "off.jsonl"
+    assert run_inprocess(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out),
+                          "--prefix-cache", "off", "--no-progress"]) == 0
+    lines = read_jsonl(out)
+    assert all(x["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for x in lines)
+    return lines
+
+
+def assert_same_answers(ours: list[dict], ref: list[dict]) -> None:
+    """Greedy and scoring answers equal (text, tokens, logprobs within 1e-4, the same top logprobs);
+    seeded samples consistent (identical tokens up to a rounding-level divergence)."""
+    assert len(ours) == len(ref)
+    sampled_a, sampled_b = [], []
+    for a, b in zip(ours, ref):
+        if b["request"].get("temperature", 1) > 0 and b["request"].get("max_tokens", 16) > 0:
+            sampled_a.append(a)
+            sampled_b.append(b)
+            continue
+        for ca, cb in zip(a["result"]["choices"], b["result"]["choices"], strict=True):
+            assert ca["text"] == cb["text"]
+            la, lb = ca["logprobs"], cb["logprobs"]
+            if lb is None:
+                continue
+            assert la["tokens"] == lb["tokens"]
+            for x, y in zip(la["token_logprobs"], lb["token_logprobs"], strict=True):
+                assert (x is None and y is None) or abs(x - y) < 1e-4
+            assert (la["top_logprobs"] is None) == (lb["top_logprobs"] is None)
+            for ta, tb in zip(la["top_logprobs"] or [], lb["top_logprobs"] or [], strict=True):
+                if tb is None:
+                    assert ta is None
+                    continue
+                assert set(ta) == set(tb)
+                assert all(abs(ta[k] - tb[k]) < 1e-4 for k in tb)
+    strip = lambda x: {**x, "result": {**x["result"], "usage": {k: v for k, v in x["result"]["usage"].items()
+                                                                 if k != "prompt_tokens_details"}}}
+    assert_consistent_results([strip(x) for x in sampled_a], [strip(x) for x in sampled_b])
+
+
+def cached(lines: list[dict]) -> list[int]:
+    return [x["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in lines]
+
+
+def test_p1_answers_equal_cache_off_and_prefixes_hit(model_dir, workload, reference, tmp_path):
+    out = tmp_path / "on.jsonl"
+    assert run_inprocess(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out),
+                          "--no-progress"]) == 0
+    lines = read_jsonl(out)
+    assert_same_answers(lines, reference)
+    hits = cached(lines)
+    fewshot = [h for x, h in zip(lines, hits) if "Passage: The room 0" in str(x["request"]["prompt"])]
+    assert sum(h > 0 for h in fewshot) >= len(fewshot) - 1  # every few-shot request but the first hits
+    mc = [h for x, h in zip(lines, hits) if isinstance(x["request"]["prompt"], list)]
+    assert sum(h > 0 for h in mc) >= 12  # 3 of each context's 4 continuations reuse its blocks
+    assert all(h == 0 for x, h in zip(lines, hits) if "Unshared" in str(x["request"]["prompt"]))
+    summary = json.loads((tmp_path / "on.jsonl.summary.json").read_text())
+    assert summary["cached_prompt_tokens"] == sum(hits) and summary["prefix_hit_rate"] > 0.5
+
+
+@pytest.mark.parametrize("stages, extra", [(2, []), (3, ["--budget", "300", "--max-micro-batch-size", "3"])])
+def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages, extra):
+    """P = 2, and P = 3 with a budget so small that blocks are evicted and recomputed mid-file; the
+    stages never hold more KV cells (micro-batches + pool) than --budget."""
+    out = tmp_path / "on.jsonl"
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out), *extra], stages)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = read_jsonl(out)
+    assert_same_answers(lines, reference)
+    summary = json.loads((tmp_path / "on.jsonl.summary.json").read_text())
+    budget = int(extra[1]) if extra else 8192
+    assert 0 < summary["kv_cells_peak"] <= budget
+    assert summary["cached_prompt_tokens"] > 0
+
+
+def test_kill_and_resume_with_the_cache_equals_cache_off(model_dir, workload, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = ["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out), "--budget", "900"]
+    assert run_single(args, env={"DIST_INFER_FAULT": "midgen", "DIST_INFER_FAULT_RANK": "0"}).returncode != 0
+    p = run_single(args)
+    assert p.returncode == 0 and "resuming after" in p.stderr, p.stderr[-3000:]
+    assert_same_answers(read_jsonl(out), reference)
+
+
+# -- bookkeeping --------------------------------------------------------------------------------
+
+def test_digests_chain_over_the_whole_prefix():
+    a = block_digests(list(range(40)), 16)
+    b = block_digests(list(range(32)) + [7] * 8, 16)
+    c = block_digests([99] + list(range(1, 40)), 16)
+    assert len(a) == 2 and a == b  # the partial third block has no digest
+    assert c[0] != a[0] and c[1] != a[1]  # a different first block changes every later digest
+
+
+def test_plan_hits_saves_only_shared_blocks_and_evicts_lru():
+    pc = PrefixCache(4, budget=64)  # at most 8 blocks of 4
+    shared = list(range(12))
+    d1, d2 = block_digests(shared + [50, 51], 4), block_digests(shared + [60], 4)
+    pc.queued(d1), pc.queued(d2)
+    pinned: set[int] = set()
+    assert pc.plan(shared + [50, 51], d1, room=64, pinned=pinned)[0:2] == (0, [])
+    cached, load, save = pc.plan(shared + [60], d2, room=64, pinned=set())
+    assert cached == 12 and len(load) == 3 and save == []
+    lone = list(range(100, 120))
+    assert pc.plan(lone, block_digests(lone, 4), room=64, pinned=set())[2] == []  # nobody shares it
+    # a whole prompt in the pool still computes its last token
+    again = block_digests(shared, 4)
+    assert pc.plan(shared, again, room=64, pinned=set())[0] == 11
+    # fill the pool with other shared prompts: the oldest blocks go first, never pinned ones
+    for k in range(3):
+        other = [200 + 10 * k + i for i in range(8)]
+        dg = block_digests(other, 4)
+        pc.queued(dg), pc.queued(dg)
+        pc.plan(other, dg, room=0, pinned=set())
+    assert pc.capacity <= pc.max_blocks == 8
+    assert len(pc.blocks) <= 8
+
+
+def test_scheduler_holds_a_second_prompt_of_a_new_prefix_for_one_pass():
+    pc = PrefixCache(4, budget=1000)
+    s = Scheduler(1000, 1, 8, prefix=pc)
+    for gid, key in enumerate([b"A", b"A", b"B", None]):
+        s.submit(Group(gid, 10, 2, key=key))
+    first = s.next_pass(0)
+    assert [gid for gid, _ in first.prefill] == [0, 2, 3]  # group 1 waits for block A
+    assert first.alloc == (3, 13)  # one spare column
+    s.on_reply(0, [1, 2], [0])  # group 0 finished: its row is free
+    pc.blocks[b"A"] = 0  # what the driver's plan did for group 0
+    assert s.next_pass(0).prefill == [(1, 0)]
