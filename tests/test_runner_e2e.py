@@ -39,7 +39,8 @@ def _check_against_hf(model_dir, out_path):
         assert len(got) == STEPS
         assert max(abs(a - b) for a, b in zip(got, ref_lps)) < 1e-4
         assert line["result"]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": STEPS,
-                                           "total_tokens": len(ids) + STEPS}
+                                           "total_tokens": len(ids) + STEPS,
+                                           "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
