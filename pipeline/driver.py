@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
+from tasks.shards import share_of
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 
@@ -65,7 +66,7 @@ class Driver:
                 self.lines = None
                 return
             index, line = item
-            if index % self.data_size != self.data_rank:
+            if share_of(index, self.data_size) != self.data_rank:
                 continue  # another data-parallel pipeline answers this line
             self.requests_read += 1
             req = None

@@ -17,6 +17,7 @@ import torch
 
 from comm.faults import DRIVE
 from tasks.output_file import FileSummary
+from tasks.shards import index_of
 
 from .driver import Driver, input_fingerprint, read_lines
 from .link import Link
@@ -82,8 +83,8 @@ class FirstRank:
     def _run_file(self, job: Job, done: int, total: int) -> FileReport:
         t0 = time.perf_counter()
         d, sched = self.driver, self.driver.sched
-        # `done` counts this share's finished lines; its next line is input index data_rank + done * D.
-        d.start(read_lines(job.input, skip=self.data_rank + done * self.data_size))
+        # `done` counts this share's finished lines; read from its next one on (tasks/shards.py)
+        d.start(read_lines(job.input, skip=index_of(self.data_rank, done, self.data_size)))
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
         inflight, release = 0, []

@@ -22,6 +22,7 @@ from pathlib import Path
 from comm.faults import MIDGEN
 
 from .files import write_atomic
+from .shards import share_size
 from .writer import OrderedWriter, record_path, try_merge_shares
 
 
@@ -85,7 +86,7 @@ class OutputFile:
         if skip is not None and show_progress:
             from .progress import Progress
 
-            share_total = len(range(self.data_rank, total, self.data_size))
+            share_total = share_size(self.data_rank, total, self.data_size)
             self.progress = Progress(str(self.writer.output), share_total, skip)
         return skip
 

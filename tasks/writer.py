@@ -23,6 +23,7 @@ import orjson
 from comm.faults import FINALIZE
 
 from .files import atomic_path
+from .shards import index_of, share_of, share_size
 
 
 class JournalMismatch(RuntimeError):
@@ -143,7 +144,7 @@ class OrderedWriter:
 
     def _index_of(self, k: int) -> int:
         """Input index of this share's k-th line."""
-        return self.share + k * self.shares
+        return index_of(self.share, k, self.shares)
 
     def put(self, index: int, line: dict) -> None:
         self.pending[index] = orjson.dumps(line) + b"\n"
@@ -163,7 +164,7 @@ class OrderedWriter:
         """Finish the journal (flushed and synced); True when every line of the share is in it.
         The caller writes the file's summary (the record of this run), then :meth:`publish`."""
         self.flush()
-        expected = len(range(self.share, total_lines, self.shares))
+        expected = share_size(self.share, total_lines, self.shares)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -180,16 +181,17 @@ class OrderedWriter:
 
 
 def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
-    """Interleave data-parallel journals (line i from share i % shares) into the output, atomically."""
+    """Interleave data-parallel journals (line i from share ``share_of(i)``) into the output, atomically."""
     output = Path(output)
     journals = [journal_path(output, d, shares) for d in range(shares)]
     files = [open(j, "rb") for j in journals]
     try:
         with atomic_path(output, fsync=True) as tmp, open(tmp, "wb") as out:
             for i in range(total_lines):
-                line = files[i % shares].readline()
+                share = share_of(i, shares)
+                line = files[share].readline()
                 if not line.endswith(b"\n"):
-                    raise RuntimeError(f"{journals[i % shares]} ends early (line {i} missing)")
+                    raise RuntimeError(f"{journals[share]} ends early (line {i} missing)")
                 out.write(line)
     finally:
         for f in files:

@@ -20,7 +20,17 @@ def requests(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("ops_req") / "req.jsonl", reqs)
 
 
-def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, requests, tmp_path):
+@pytest.fixture(scope="module")
+def dp_requests(tmp_path_factory):
+    """More than two runs of 64 lines (tasks/shards.py): both pipelines answer, interleaved."""
+    reqs = [{"prompt": f"Line {i} says", "max_tokens": 1 + i % 3, "temperature": 0.8, "logprobs": 1}
+            for i in range(139)]
+    reqs.insert(4, {"prompt": "bad", "max_tokens": -1})
+    return write_jsonl(tmp_path_factory.mktemp("dp_req") / "req.jsonl", reqs)
+
+
+def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, dp_requests, tmp_path):
+    requests = dp_requests
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     exact = "--batch-invariant"  # each pipeline's micro-batches hold other neighbours than the single run's
     p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(one), exact])
@@ -35,9 +45,9 @@ def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, requests
     merged, single = (json.loads((tmp_path / f"{n}.jsonl.summary.json").read_text()) for n in ("two", "one"))
     for key in ("requests", "errors", "answered", "error_kinds", "prompt_tokens", "completion_tokens"):
         assert merged[key] == single[key], key
-    assert merged["requests"] == 12 and merged["errors"] == 1 and merged["data_group_size"] == 2
+    assert merged["requests"] == 140 and merged["errors"] == 1 and merged["data_group_size"] == 2
     assert [g["data_rank"] for g in merged["data_groups"]] == [0, 1]
-    assert sum(g["requests"] for g in merged["data_groups"]) == 12
+    assert [g["requests"] for g in merged["data_groups"]] == [64 + 12, 64]  # runs 0 and 2; run 1
     assert merged["run"] == dict(single["run"], data_group_size=2)
     # the merged output counts as this run's for a rerun with or without data parallelism
     p = run_single(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(two), exact])
@@ -88,3 +98,19 @@ def test_dummy_data_mode_prints_latency_figures(model_dir):
                    "output tokens/s"):
         assert figure in p.stdout
     assert "batch 3 x 8 prompt tokens, 4 new tokens each" in p.stdout
+
+
+def test_shards_deal_runs_of_lines_and_cover_every_line_once():
+    from tasks.shards import CHUNK, index_of, share_of, share_size
+
+    for shares in (1, 2, 3):
+        for total in (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 7):
+            seen = []
+            for d in range(shares):
+                n = share_size(d, total, shares)
+                mine = [index_of(d, k, shares) for k in range(n)]
+                assert all(share_of(i, shares) == d for i in mine) and mine == sorted(mine)
+                assert index_of(d, n, shares) >= total  # where a resumed share would read on: past the end
+                seen += mine
+            assert sorted(seen) == list(range(total))
+    assert [share_of(i, 2) for i in (0, CHUNK - 1, CHUNK, 2 * CHUNK)] == [0, 0, 1, 0]  # neighbours stay together
