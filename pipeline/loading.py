@@ -39,6 +39,8 @@ import torch
 from tasks.files import atomic_path
 
 from .models import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
+from .models.backends import choose_backend
+from .models.hf_stage import UnsupportedModel
 from .models.decoder import StageModel
 from .models.invariant import ROW_TILE
 
@@ -278,9 +280,18 @@ def build_stage(
     device: str | torch.device = "cpu",
     model_type: str | None = None,
     batch_invariant: bool = False,
+    backend: str = "auto",
 ) -> tuple[StageModel, TensorStore]:
-    """Build a stage and fill it from the checkpoint, touching only the tensors it owns."""
+    """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
+
+    ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
+    stage built from transformers' own layers."""
     cfg = read_config(model_dir)
+    if choose_backend(cfg, model_type, backend) == "transformers":
+        if batch_invariant:
+            raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
+                                   "stage does not have its fixed-shape kernels (drop --batch-invariant)")
+        return _build_hf_stage(model_dir, cfg, first, last, has_embed, has_head, dtype, device, model_type)
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)
     with torch.device("meta"):
@@ -319,6 +330,45 @@ def build_stage(
     model.init_buffers()
     model.eval().requires_grad_(False)
     log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
+    return model, store
+
+
+def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
+                    model_type: str | None):
+    """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
+    from .models.hf_stage import HFStageModel, hf_config
+
+    model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
+    model = model.to_empty(device=device).to(dtype)
+    store = TensorStore(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(model.named_buffers())
+    try:
+        for name, (candidates, kind) in model.checkpoint_names().items():
+            param = params[name]
+            part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
+            with torch.no_grad():
+                for hf_name in candidates:  # e.g. lm_head.weight, else the tied embedding table
+                    try:
+                        value = store.get(hf_name, part, out=param.data)
+                        break
+                    except CheckpointError:
+                        if hf_name == candidates[-1]:
+                            raise
+                if value is None:
+                    continue
+                if tuple(value.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{store.file_of[hf_name]}: tensor {hf_name!r} has shape "
+                                          f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
+                                          f"{tuple(param.shape)}")
+                param.copy_(value)
+    finally:
+        store.close()
+    model.tie()
+    model.init_buffers()
+    model.eval().requires_grad_(False)
+    log.info("generic stage: loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
              len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
 

@@ -1,0 +1,383 @@
+"""The generic stage: any decoder-only HF ``*ForCausalLM`` run with transformers' own decoder layers.
+
+For a model with no native code (:mod:`pipeline.models`), a stage instantiates the HF CausalLM class
+on the meta device (no memory), keeps its own modules (embedding on the first stage, decoder layers
+``first..last-1`` with their global ``layer_idx``, final norm and ``lm_head`` on the last) and lets
+the loader fill just those from the checkpoint under their HF names. The runner's contract is the
+same as :class:`~pipeline.models.decoder.StageModel`'s:
+
+- **KV cache**: :class:`HFKVCache` is the runner's preallocated (layers, rows, kv_heads, cols,
+  head_dim) tensor pair; for one forward it is wrapped in a ``SegmentCache`` (:func:`segment_cache_class`), a transformers
+  ``Cache`` whose ``update(k, v, layer_idx)`` writes the new keys at the segment's rows/columns and
+  returns what attention reads (a fresh prefill: the new keys; otherwise the rows' cached columns).
+- **Positions**: per row (``seg.positions``, (b, t)) through the model's own rotary module.
+- **Masks**: 4-D boolean (b, 1, t, kv) from those positions, causal, with the sliding window for
+  layers that have one (``config.layer_types`` / ``config.sliding_window``); transformers' SDPA
+  attention takes them as they are.
+- **Multipliers**: what the HF forwards do outside the layers is read from their source at build
+  time (:func:`forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
+  final logit soft-capping. Anything else they do there is refused, so a model either matches HF
+  or does not load.
+
+Models that cannot run this way (encoder-decoder, bidirectional attention, multimodal inputs, no
+``layers`` stack, no rotary module) raise :class:`UnsupportedModel` saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .decoder import Segment
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot run through the generic transformers stage; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model (a :class:`DecoderSpec` has the same fields)."""
+
+    family: str
+    vocab_size: int
+    num_layers: int
+    max_positions: int
+
+
+def hf_config(cfg: dict, model_type: str | None = None):
+    """transformers' config object for a config.json dict; UnsupportedModel if it cannot be a generic stage."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import transformers
+
+    kind = model_type or cfg.get("model_type")
+    values = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(kind, **values)
+    except ValueError as e:
+        raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type {kind!r} "
+                               f"(architectures: {cfg.get('architectures')}): {e}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{kind} is an encoder-decoder model; this runner runs decoder-only causal LMs")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(f"{kind} has no *ForCausalLM class in transformers {transformers.__version__}; "
+                               "this runner runs decoder-only causal LMs")
+    if config.get_text_config() is not config or getattr(config, "sub_configs", None):
+        raise UnsupportedModel(f"{kind} is a multimodal model (its config has sub-configs "
+                               f"{sorted(getattr(config, 'sub_configs', {}) or {})}); only token inputs are supported")
+    return config
+
+
+def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
+    config = hf_config(cfg, model_type)
+    return ModelShape(config.model_type, config.vocab_size, config.num_hidden_layers,
+                      getattr(config, "max_position_embeddings", None) or 2048)
+
+
+class HFKVCache:
+    """Preallocated keys/values of one micro-batch on one stage: (layers, rows, kv_heads, cols, head_dim)."""
+
+    def __init__(self, layers: int, rows: int, cols: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (layers, rows, kv_heads, cols, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def cols(self) -> int:
+        return self.k.shape[3]
+
+    def fork(self, src: int, dsts: list[int], ncols: int) -> None:
+        """Copy row ``src``'s first ``ncols`` columns to ``dsts`` (best_of shares one prefill)."""
+        idx = torch.tensor(dsts, device=self.k.device)
+        self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
+        self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
+
+
+class _SegmentCacheMixin:
+    """The transformers ``Cache`` attention sees for one segment: reads and writes the runner's cache."""
+
+    def __init__(self, cache: HFKVCache, seg: Segment, first: int):
+        super().__init__(layers=[])
+        self.cache, self.seg, self.first = cache, seg, first
+        self.cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """k, v (b, kv_heads, t, d) of global layer ``layer_idx`` -> the keys/values to attend to."""
+        seg, layer = self.seg, layer_idx - self.first
+        k_all, v_all = self.cache.k[layer], self.cache.v[layer]
+        k_all[seg.rows[:, None], :, self.cols] = key_states.transpose(1, 2)
+        v_all[seg.rows[:, None], :, self.cols] = value_states.transpose(1, 2)
+        if seg.fresh:
+            return key_states, value_states
+        sel = slice(None) if seg.all_rows else seg.rows
+        return k_all[sel, :, : seg.kv_len], v_all[sel, :, : seg.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seg.kv_len
+
+
+@functools.cache
+def segment_cache_class() -> type:
+    """SegmentCache: a subclass of transformers' ``Cache`` (imported on first use, not at planning)."""
+    from transformers.cache_utils import Cache
+
+    return type("SegmentCache", (_SegmentCacheMixin, Cache), {"__doc__": _SegmentCacheMixin.__doc__})
+
+
+@dataclass(frozen=True)
+class ForwardExtras:
+    """What the HF forwards do outside the decoder layers."""
+
+    embed_scale: float | None = None  # inputs_embeds * scale (Granite's embedding_multiplier)
+    logits_divide: float | None = None  # logits / x (Granite's logits_scaling)
+    logits_multiply: float | None = None  # logits * x (Cohere's logit_scale)
+    softcap: float | None = None  # tanh soft-capping of the logits (final_logit_softcapping)
+
+
+_EMBED_SCALE = re.compile(r"^inputs_embeds = inputs_embeds \* self\.(\w+)$")
+_LOGITS = re.compile(r"^logits = logits (\*|/) self\.(config\.)?(\w+)$")
+_HARMLESS = re.compile(r"^(hidden_states|inputs_embeds) = (\w+\.)*(\w*dropout\w*)\(")
+
+
+def _statements(fn) -> list[str]:
+    """The code lines of a function, comments dropped, continuation lines joined (roughly)."""
+    src = inspect.getsource(fn)
+    out, depth = [], 0
+    for raw in src.splitlines():
+        line = raw.split("  #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if depth > 0:
+            out[-1] += " " + line
+        else:
+            out.append(line)
+        depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
+    return out
+
+
+def forward_extras(full: nn.Module, base: nn.Module, config) -> ForwardExtras:
+    """Read the base model's and the CausalLM's forward for what they do besides embed -> layers ->
+    norm -> lm_head; UnsupportedModel for anything not reproduced here."""
+    kind = config.model_type
+    embed_scale = logits_divide = logits_multiply = softcap = None
+    before_layers = True
+    for line in _statements(type(base).forward):
+        if re.match(r"^for \w+ in self\.layers\b", line) or re.match(r"^for .* in enumerate\(self\.layers", line):
+            before_layers = False
+            continue
+        if not re.match(r"^(hidden_states|inputs_embeds) =", line):
+            continue
+        if (m := _EMBED_SCALE.match(line)) and before_layers:
+            embed_scale = float(getattr(base, m.group(1)))
+        elif _HARMLESS.match(line) or line in ("hidden_states = inputs_embeds",
+                                               "inputs_embeds = self.embed_tokens(input_ids)",
+                                               "hidden_states = self.norm(hidden_states)"):
+            continue
+        elif not before_layers and line.startswith("hidden_states = decoder_layer("):
+            continue
+        else:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does `{line[:100]}` outside its decoder "
+                                   "layers, which the generic stage does not reproduce")
+    if before_layers:
+        raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does not loop over self.layers")
+    for line in _statements(type(full).forward):
+        if not line.startswith("logits ="):
+            continue
+        if (m := _LOGITS.match(line)):
+            value = float(getattr(config if m.group(2) else full, m.group(3)))
+            if m.group(1) == "/" and "softcap" in m.group(3):
+                softcap = value
+            elif m.group(1) == "/":
+                logits_divide = value
+            elif "softcap" not in m.group(3):
+                logits_multiply = value
+        elif line.startswith("logits = self.lm_head(") or line == "logits = torch.tanh(logits)":
+            continue
+        else:
+            raise UnsupportedModel(f"{kind}: {type(full).__name__}.forward does `{line[:100]}` to the logits, "
+                                   "which the generic stage does not reproduce")
+    return ForwardExtras(embed_scale, logits_divide, logits_multiply, softcap)
+
+
+def _layer_kinds(config) -> list[str]:
+    """'full' or 'sliding' per global layer, as transformers' masks would make them."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        return ["sliding" if sliding else "full"] * n
+    table = {"full_attention": "full", "sliding_attention": "sliding"}
+    unknown = sorted({t for t in types if t not in table})
+    if unknown:
+        raise UnsupportedModel(f"{config.model_type}: layer types {unknown} are not supported by the generic stage "
+                               "(supported: full_attention, sliding_attention)")
+    return [table[t] for t in types[:n]]
+
+
+class HFStageModel(nn.Module):
+    """embed? + layers[first:last] + (norm + lm_head)? of an HF causal LM, as transformers builds them.
+
+    Same interface as :class:`~pipeline.models.decoder.StageModel`: ``model(x, seg, cache)``,
+    :meth:`head`, :meth:`new_cache`; :meth:`checkpoint_names` tells the loader where each
+    parameter comes from.
+    """
+
+    row_tile = 0  # --batch-invariant is refused for the generic stage
+
+    def __init__(self, config, first: int, last: int, has_embed: bool, has_head: bool):
+        super().__init__()
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        self.config, self.first, self.last = config, first, last
+        self.has_embed, self.has_head = has_embed, has_head
+        kind = config.model_type
+        causal_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        with torch.device("meta"):  # the whole model, but no memory: only our modules get real storage
+            full = causal_cls._from_config(config, attn_implementation="sdpa")
+        base = getattr(full, full.base_model_prefix, None)
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers:
+            raise UnsupportedModel(f"{kind}: {causal_cls.__name__} is not a plain decoder stack "
+                                   f"({full.base_model_prefix}.layers with one module per layer)")
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is None:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has no rotary_emb module (learned or ALiBi "
+                                   "positions are only supported by the native families)")
+        attn = [m for m in layers.modules() if getattr(m, "is_causal", None) is not None]
+        if any(m.is_causal is False for m in attn):
+            raise UnsupportedModel(f"{kind}: its attention is bidirectional (is_causal=False); this runner runs "
+                                   "causal LMs")
+        self.extras = forward_extras(full, base, config)
+        self.kinds = _layer_kinds(config)
+        self.window = getattr(config, "sliding_window", None)
+        self._names = {id(m): n for n, m in full.named_modules(remove_duplicate=False)}
+        self.embed = base.get_input_embeddings() if has_embed else None
+        self.layers = nn.ModuleList(layers[first:last])
+        self.norm = getattr(base, "norm", None) if has_head else None
+        self.lm_head = full.get_output_embeddings() if has_head else None
+        if has_head and (self.norm is None or self.lm_head is None):
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has no final `norm` or no output embeddings")
+        others = [n for n, m in base.named_children() if n not in ("embed_tokens", "layers", "norm", "rotary_emb")
+                  and m is not base.get_input_embeddings() and any(True for _ in m.parameters())]
+        if others:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules outside its decoder layers that "
+                                   f"the generic stage does not run: {others}")
+        self.tied = has_head and self.lm_head.weight is base.get_input_embeddings().weight
+        self._embed_name = self._names[id(base.get_input_embeddings())] + ".weight"
+        self._rotary_cls = type(rotary)
+        self._rotary_per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._rotary_types = sorted(set(getattr(config, "layer_types", None) or [])) if self._rotary_per_type else []
+        self.rotary = None  # built on the real device by init_buffers
+        probe = layers[0].self_attn if hasattr(layers[0], "self_attn") else None
+        self.head_dim = getattr(probe, "head_dim", None) or getattr(config, "head_dim", None) \
+            or config.hidden_size // config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        del full
+
+    def checkpoint_names(self) -> dict[str, tuple[list[str], str]]:
+        """Our parameter or persistent buffer name -> (HF names to try in order, part: 'layer'/'embs'/'head')."""
+        out = {}
+        for prefix, module, part in self._owned():
+            hf = self._names[id(module)]
+            for n, _ in module.named_parameters():
+                out[f"{prefix}.{n}"] = ([f"{hf}.{n}"], part)
+            for n, b in module.named_buffers():
+                if n.split(".")[-1] not in module.get_submodule(".".join(n.split(".")[:-1]))._non_persistent_buffers_set:
+                    out[f"{prefix}.{n}"] = ([f"{hf}.{n}"], part)
+        if self.tied and self.embed is not None:
+            del out["lm_head.weight"]  # shares the embedding table (:meth:`tie`)
+        elif self.tied and "lm_head.weight" in out:
+            out["lm_head.weight"] = (["lm_head.weight", self._embed_name], "head")
+        return out
+
+    def _owned(self):
+        if self.embed is not None:
+            yield "embed", self.embed, "embs"
+        for i, layer in enumerate(self.layers):
+            yield f"layers.{i}", layer, "layer"
+        if self.has_head:
+            yield "norm", self.norm, "head"
+            yield "lm_head", self.lm_head, "head"
+
+    def init_buffers(self) -> None:
+        """The rotary tables on the real device (the meta model's are placeholders)."""
+        device = next(self.parameters()).device
+        with torch.device(device):
+            self.rotary = self._rotary_cls(config=self.config)
+        for _, module, _ in self._owned():
+            for n, b in module.named_buffers():
+                owner = module.get_submodule(".".join(n.split(".")[:-1]))
+                if n.split(".")[-1] in owner._non_persistent_buffers_set:
+                    raise UnsupportedModel(f"{self.config.model_type}: buffer {n} is computed at init; the "
+                                           "generic stage cannot rebuild it")
+
+    def tie(self) -> None:
+        """Share the embedding table with lm_head when one stage holds both (after loading)."""
+        if self.tied and self.embed is not None:
+            self.lm_head.weight = self.embed.weight
+
+    def new_cache(self, rows: int, cols: int) -> HFKVCache:
+        p = next(self.parameters())
+        return HFKVCache(len(self.layers), rows, cols, self.kv_heads, self.head_dim, p.dtype, p.device)
+
+    def masks(self, seg: Segment) -> dict[str, torch.Tensor]:
+        """Boolean (b, 1, t, kv) masks per layer kind: key column j is visible to a query at position p
+        when j <= p (and p - j < sliding_window for sliding layers); a row's positions are its columns."""
+        pos = seg.positions  # (b, t)
+        kv = seg.t if seg.fresh else seg.kv_len
+        keys = torch.arange(kv, device=pos.device)[None, None, :]
+        causal = keys <= pos[:, :, None]
+        out = {"full": causal[:, None]}
+        if "sliding" in self.kinds[self.first : self.last]:
+            out["sliding"] = (causal & (keys > pos[:, :, None] - self.window))[:, None]
+        return out
+
+    def forward(self, x: torch.Tensor, seg: Segment, cache: HFKVCache | None) -> torch.Tensor:
+        """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
+        if self.embed is not None:
+            x = self.embed(x)
+            if self.extras.embed_scale is not None:
+                x = x * self.extras.embed_scale
+        pos = seg.positions
+        if self._rotary_per_type:
+            rope = {t: self.rotary(x, pos, layer_type=t) for t in self._rotary_types}
+        else:
+            rope = self.rotary(x, pos)
+        masks = self.masks(seg)
+        past = segment_cache_class()(cache, seg, self.first) if cache is not None else None
+        types = getattr(self.config, "layer_types", None)
+        for i, layer in enumerate(self.layers):
+            g = self.first + i
+            out = layer(x, attention_mask=masks[self.kinds[g]], position_ids=pos, past_key_values=past,
+                        use_cache=past is not None,
+                        position_embeddings=rope[types[g]] if self._rotary_per_type else rope)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden (..., hidden) -> float32 logits (..., vocab), scaled as the HF model's forward does."""
+        e = self.extras
+        logits = self.lm_head(self.norm(h))
+        if e.logits_divide is not None:
+            logits = logits / e.logits_divide
+        if e.logits_multiply is not None:
+            logits = logits * e.logits_multiply
+        if e.softcap is not None:
+            logits = torch.tanh(logits / e.softcap) * e.softcap
+        return logits.float()
+
+
+__all__ = ["HFKVCache", "HFStageModel", "ModelShape", "segment_cache_class", "UnsupportedModel", "forward_extras",
+           "hf_config", "model_shape"]
