@@ -165,6 +165,7 @@ def execute(plan, opts) -> int:
 def load_stage(plan, opts, info):
     """This rank's layers in the run's dtype, as a :class:`pipeline.stage.Stage`."""
     from pipeline.loading import CheckpointError, build_stage
+    from pipeline.models.hf_stage import UnsupportedModel
     from pipeline.stage import Stage
 
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device)
@@ -172,8 +173,8 @@ def load_stage(plan, opts, info):
     t0 = time.perf_counter()
     try:
         model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
-                                   opts.model_type, opts.batch_invariant)
-    except CheckpointError as e:
+                                   opts.model_type, opts.batch_invariant, opts.backend)
+    except (CheckpointError, UnsupportedModel) as e:
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, plan.threads)

@@ -5,7 +5,8 @@
 
 Useful to try a family's code path (or a launch recipe) without downloading a checkpoint; the
 weights are random, so the text is meaningless. Families: llama, mistral, qwen2, opt, opt-350m,
-bloom, gpt2, gpt_neox, gptj, falcon.
+bloom, gpt2, gpt_neox, gptj, falcon; and, run by the generic transformers stage (no native code),
+starcoder2 (sliding window) and granite (embedding/residual/attention multipliers, logits scaling).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gptj": ("gptj", dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8, n_positions=2048)),
     "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
                               new_decoder_architecture=True, max_position_embeddings=2048)),
+    "starcoder2": ("starcoder2", dict(COMMON, intermediate_size=128, num_key_value_heads=2, sliding_window=16)),
+    "granite": ("granite", dict(COMMON, intermediate_size=128, num_key_value_heads=2, embedding_multiplier=12.0,
+                                residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)),
 }
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from comm.dist import resolve_layout
 
 from .loading import CheckpointError, read_config
-from .models import DecoderSpec, spec_from_config
+from .models import DecoderSpec
+from .models.backends import ModelShape, stage_shape
 from .options import RunOptions, UsageError
 from .partition import stage_ranges
 
@@ -30,7 +31,7 @@ class RunPlan:
     model_dir: str
     model_name: str  # the "model" of every result
     config: dict
-    spec: DecoderSpec
+    spec: DecoderSpec | ModelShape  # num_layers, vocab_size, max_positions of either backend
     ranges: list[tuple[int, int]]  # layers of each stage
     inputs: list[str]  # request files (rank 0 of each pipeline only)
     threads: int  # CPU threads of this process
@@ -54,7 +55,10 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         model_dir = opts.model_name or _default_model_dir()
         config = read_config(model_dir)
-        spec = spec_from_config(config, opts.model_type)
+        spec = stage_shape(config, opts.model_type, opts.backend)
+        if opts.batch_invariant and not isinstance(spec, DecoderSpec):
+            raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
+                             "layers (--backend auto/transformers): drop --batch-invariant")
         ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
         inputs = resolve_inputs(opts, env) if rank % pipeline == 0 else []
     except (ValueError, CheckpointError) as e:

@@ -166,7 +166,7 @@ def _statements(fn) -> list[str]:
     return out
 
 
-def forward_extras(full: nn.Module, base: nn.Module, config) -> ForwardExtras:
+def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm") -> ForwardExtras:
     """Read the base model's and the CausalLM's forward for what they do besides embed -> layers ->
     norm -> lm_head; UnsupportedModel for anything not reproduced here."""
     kind = config.model_type
@@ -182,7 +182,7 @@ def forward_extras(full: nn.Module, base: nn.Module, config) -> ForwardExtras:
             embed_scale = float(getattr(base, m.group(1)))
         elif _HARMLESS.match(line) or line in ("hidden_states = inputs_embeds",
                                                "inputs_embeds = self.embed_tokens(input_ids)",
-                                               "hidden_states = self.norm(hidden_states)"):
+                                               f"hidden_states = self.{norm}(hidden_states)"):
             continue
         elif not before_layers and line.startswith("hidden_states = decoder_layer("):
             continue
@@ -259,23 +259,25 @@ class HFStageModel(nn.Module):
         if any(m.is_causal is False for m in attn):
             raise UnsupportedModel(f"{kind}: its attention is bidirectional (is_causal=False); this runner runs "
                                    "causal LMs")
-        self.extras = forward_extras(full, base, config)
+        embed_module = base.get_input_embeddings()
+        others = [n for n, m in base.named_children() if n not in ("layers", "rotary_emb") and m is not embed_module
+                  and any(True for _ in m.parameters())]
+        if len(others) != 1:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules {others} besides its embedding and "
+                                   "decoder layers; the generic stage runs one final norm there")
+        norm_name = others[0]
+        self.extras = forward_extras(full, base, config, norm_name)
         self.kinds = _layer_kinds(config)
         self.window = getattr(config, "sliding_window", None)
         self._names = {id(m): n for n, m in full.named_modules(remove_duplicate=False)}
         self.embed = base.get_input_embeddings() if has_embed else None
         self.layers = nn.ModuleList(layers[first:last])
-        self.norm = getattr(base, "norm", None) if has_head else None
+        self.norm = getattr(base, norm_name) if has_head else None
         self.lm_head = full.get_output_embeddings() if has_head else None
-        if has_head and (self.norm is None or self.lm_head is None):
-            raise UnsupportedModel(f"{kind}: {type(base).__name__} has no final `norm` or no output embeddings")
-        others = [n for n, m in base.named_children() if n not in ("embed_tokens", "layers", "norm", "rotary_emb")
-                  and m is not base.get_input_embeddings() and any(True for _ in m.parameters())]
-        if others:
-            raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules outside its decoder layers that "
-                                   f"the generic stage does not run: {others}")
-        self.tied = has_head and self.lm_head.weight is base.get_input_embeddings().weight
-        self._embed_name = self._names[id(base.get_input_embeddings())] + ".weight"
+        if has_head and self.lm_head is None:
+            raise UnsupportedModel(f"{kind}: {causal_cls.__name__} has no output embeddings (lm_head)")
+        self.tied = has_head and self.lm_head.weight is embed_module.weight
+        self._embed_name = self._names[id(embed_module)] + ".weight"
         self._rotary_cls = type(rotary)
         self._rotary_per_type = "layer_type" in inspect.signature(rotary.forward).parameters
         self._rotary_types = sorted(set(getattr(config, "layer_types", None) or [])) if self._rotary_per_type else []
