@@ -301,7 +301,7 @@ class HFStageModel(nn.Module):
         if self.tied and self.embed is not None:
             del out["lm_head.weight"]  # shares the embedding table (:meth:`tie`)
         elif self.tied and "lm_head.weight" in out:
-            out["lm_head.weight"] = (["lm_head.weight", self._embed_name], "head")
+            out["lm_head.weight"] = ([self._embed_name, "lm_head.weight"], "head")  # tied: the table is saved once
         return out
 
     def _owned(self):
