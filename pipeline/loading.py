@@ -340,7 +340,7 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
     from .models.hf_stage import HFStageModel, hf_config
 
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.materialize(device, dtype)
     store = TensorStore(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers())

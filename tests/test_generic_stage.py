@@ -70,6 +70,28 @@ def test_generic_stage_matches_hf(models, family, stages):
     assert_hf_parity(models(family), PROMPTS, stages, steps=6)
 
 
+# More families, each for a code path of its own: GLM-4 / SmolLM3 / OLMo-2 / Qwen3 (norm placements,
+# NoPE layers, q/k norms), Gemma 2 (eager attention with soft-capping: additive masks; embedding scale
+# buffer), Gemma 3 (per-layer-type rotary, sliding and full layers), Phi (final_layernorm, partial
+# rotary, lm_head bias), Persimmon (no grouped KV in its config).
+SWEEP = {
+    "glm4": {}, "smollm3": {}, "olmo2": {}, "qwen3": {},
+    "gemma2": dict(sliding_window=WINDOW, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "phi": {}, "persimmon": {},
+}
+
+
+@pytest.mark.parametrize("family", sorted(SWEEP))
+def test_more_families_match_hf_at_p2(family, tmp_path):
+    over = dict(COMMON, num_hidden_layers=2, head_dim=16, **SWEEP[family])
+    d = tiny_model(tmp_path / family, family, **over)
+    chain = stage_chain(d, [(0, 1), (1, 2)])
+    assert all(isinstance(s, HFStageModel) for s in chain)
+    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+        torch.testing.assert_close(ours, hf_logits(d, prompt), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_llama_forced_through_transformers_matches_hf_and_native(llama, stages):
     assert_hf_parity(llama, PROMPTS, stages, backend="transformers")

@@ -6,14 +6,16 @@ on the meta device (no memory), keeps its own modules (embedding on the first st
 the loader fill just those from the checkpoint under their HF names. The runner's contract is the
 same as :class:`~pipeline.models.decoder.StageModel`'s:
 
-- **KV cache**: :class:`HFKVCache` is the runner's preallocated (layers, rows, kv_heads, cols,
-  head_dim) tensor pair; for one forward it is wrapped in a ``SegmentCache`` (:func:`segment_cache_class`), a transformers
-  ``Cache`` whose ``update(k, v, layer_idx)`` writes the new keys at the segment's rows/columns and
-  returns what attention reads (a fresh prefill: the new keys; otherwise the rows' cached columns).
+- **KV cache**: :class:`HFKVCache` holds the runner's preallocated keys/values, per layer (rows,
+  kv_heads, cols, head_dim); for one forward it is wrapped in a ``SegmentCache``
+  (:func:`segment_cache_class`), a transformers ``Cache`` whose ``update(k, v, layer_idx)`` writes
+  the new keys at the segment's rows/columns and returns what attention reads (a fresh prefill: the
+  new keys; otherwise the rows' cached columns).
 - **Positions**: per row (``seg.positions``, (b, t)) through the model's own rotary module.
-- **Masks**: 4-D boolean (b, 1, t, kv) from those positions, causal, with the sliding window for
-  layers that have one (``config.layer_types`` / ``config.sliding_window``); transformers' SDPA
-  attention takes them as they are.
+- **Masks**: 4-D (b, 1, t, kv) from those positions, causal, with the sliding window for layers
+  that have one (``config.layer_types`` / ``config.sliding_window``): boolean for transformers' SDPA
+  attention, additive for its eager attention (models whose attention SDPA cannot do, e.g. Gemma 2's
+  logit soft-capping).
 - **Multipliers**: what the HF forwards do outside the layers is read from their source at build
   time (:func:`forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
   final logit soft-capping. Anything else they do there is refused, so a model either matches HF
@@ -25,6 +27,7 @@ Models that cannot run this way (encoder-decoder, bidirectional attention, multi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -81,27 +84,50 @@ def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
                       getattr(config, "max_position_embeddings", None) or 2048)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with their parameters on the meta device but buffers real (on the CPU): buffers
+    such as an embedding scale are computed at construction and not saved in checkpoints."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 class HFKVCache:
-    """Preallocated keys/values of one micro-batch on one stage: (layers, rows, kv_heads, cols, head_dim)."""
+    """Preallocated keys/values of one micro-batch on one stage: per layer (rows, kv_heads, cols, head_dim).
 
-    def __init__(self, layers: int, rows: int, cols: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (layers, rows, kv_heads, cols, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    A layer's pair is allocated at its first update, from the shapes of the keys it gets (heads and
+    head size are whatever the HF attention produces)."""
 
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
+    def __init__(self, layers: int, rows: int, cols: int, dtype, device):
+        self.rows, self.cols, self.dtype, self.device = rows, cols, dtype, device
+        self.k: list[torch.Tensor | None] = [None] * layers
+        self.v: list[torch.Tensor | None] = [None] * layers
 
-    @property
-    def cols(self) -> int:
-        return self.k.shape[3]
+    def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values; ``like`` (b, kv_heads, t, head_dim) gives their shape."""
+        if self.k[i] is None:
+            shape = (self.rows, like.shape[1], self.cols, like.shape[3])
+            self.k[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            self.v[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+        return self.k[i], self.v[i]
 
     def fork(self, src: int, dsts: list[int], ncols: int) -> None:
         """Copy row ``src``'s first ``ncols`` columns to ``dsts`` (best_of shares one prefill)."""
-        idx = torch.tensor(dsts, device=self.k.device)
-        self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
-        self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
+        idx = torch.tensor(dsts, device=self.device)
+        for k, v in zip(self.k, self.v):
+            if k is not None:
+                k[idx, :, :ncols] = k[src : src + 1, :, :ncols]
+                v[idx, :, :ncols] = v[src : src + 1, :, :ncols]
 
 
 class _SegmentCacheMixin:
@@ -115,7 +141,7 @@ class _SegmentCacheMixin:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """k, v (b, kv_heads, t, d) of global layer ``layer_idx`` -> the keys/values to attend to."""
         seg, layer = self.seg, layer_idx - self.first
-        k_all, v_all = self.cache.k[layer], self.cache.v[layer]
+        k_all, v_all = self.cache.layer(layer, key_states)
         k_all[seg.rows[:, None], :, self.cols] = key_states.transpose(1, 2)
         v_all[seg.rows[:, None], :, self.cols] = value_states.transpose(1, 2)
         if seg.fresh:
@@ -195,7 +221,10 @@ def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm")
         if not line.startswith("logits ="):
             continue
         if (m := _LOGITS.match(line)):
-            value = float(getattr(config if m.group(2) else full, m.group(3)))
+            raw = getattr(config if m.group(2) else full, m.group(3))
+            if raw is None:  # under an `if ... is not None` (soft-capping switched off)
+                continue
+            value = float(raw)
             if m.group(1) == "/" and "softcap" in m.group(3):
                 softcap = value
             elif m.group(1) == "/":
@@ -244,8 +273,13 @@ class HFStageModel(nn.Module):
         self.has_embed, self.has_head = has_embed, has_head
         kind = config.model_type
         causal_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        with torch.device("meta"):  # the whole model, but no memory: only our modules get real storage
-            full = causal_cls._from_config(config, attn_implementation="sdpa")
+        with _parameters_on_meta():  # the whole model, but no memory: only our modules get real storage
+            try:
+                full = causal_cls._from_config(config, attn_implementation="sdpa")
+            except ValueError:  # e.g. attention logit soft-capping: transformers' eager attention
+                full = causal_cls._from_config(config, attn_implementation="eager")
+        self.config = config = full.config
+        self.additive_mask = config._attn_implementation == "eager"  # eager adds the mask to the scores
         base = getattr(full, full.base_model_prefix, None)
         layers = getattr(base, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers:
@@ -261,7 +295,7 @@ class HFStageModel(nn.Module):
                                    "causal LMs")
         embed_module = base.get_input_embeddings()
         others = [n for n, m in base.named_children() if n not in ("layers", "rotary_emb") and m is not embed_module
-                  and any(True for _ in m.parameters())]
+                  and not isinstance(m, nn.Dropout)]
         if len(others) != 1:
             raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules {others} besides its embedding and "
                                    "decoder layers; the generic stage runs one final norm there")
@@ -282,10 +316,6 @@ class HFStageModel(nn.Module):
         self._rotary_per_type = "layer_type" in inspect.signature(rotary.forward).parameters
         self._rotary_types = sorted(set(getattr(config, "layer_types", None) or [])) if self._rotary_per_type else []
         self.rotary = None  # built on the real device by init_buffers
-        probe = layers[0].self_attn if hasattr(layers[0], "self_attn") else None
-        self.head_dim = getattr(probe, "head_dim", None) or getattr(config, "head_dim", None) \
-            or config.hidden_size // config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         del full
 
     def checkpoint_names(self) -> dict[str, tuple[list[str], str]]:
@@ -313,17 +343,25 @@ class HFStageModel(nn.Module):
             yield "norm", self.norm, "head"
             yield "lm_head", self.lm_head, "head"
 
+    def materialize(self, device, dtype: torch.dtype) -> "HFStageModel":
+        """Give our parameters (on meta so far) storage on ``device`` in ``dtype``, unfilled; buffers
+        (computed at construction, on the CPU) move there too, floating ones in ``dtype``."""
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype
+                                                                        if p.is_floating_point() else p.dtype),
+                                                            requires_grad=False)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = b.to(device, dtype if b.is_floating_point() else b.dtype)
+        return self
+
     def init_buffers(self) -> None:
-        """The rotary tables on the real device (the meta model's are placeholders)."""
+        """The rotary module on the real device, its tables in float32 as transformers keeps them."""
         device = next(self.parameters()).device
         with torch.device(device):
             self.rotary = self._rotary_cls(config=self.config)
-        for _, module, _ in self._owned():
-            for n, b in module.named_buffers():
-                owner = module.get_submodule(".".join(n.split(".")[:-1]))
-                if n.split(".")[-1] in owner._non_persistent_buffers_set:
-                    raise UnsupportedModel(f"{self.config.model_type}: buffer {n} is computed at init; the "
-                                           "generic stage cannot rebuild it")
 
     def tie(self) -> None:
         """Share the embedding table with lm_head when one stage holds both (after loading)."""
@@ -332,10 +370,10 @@ class HFStageModel(nn.Module):
 
     def new_cache(self, rows: int, cols: int) -> HFKVCache:
         p = next(self.parameters())
-        return HFKVCache(len(self.layers), rows, cols, self.kv_heads, self.head_dim, p.dtype, p.device)
+        return HFKVCache(len(self.layers), rows, cols, p.dtype, p.device)
 
-    def masks(self, seg: Segment) -> dict[str, torch.Tensor]:
-        """Boolean (b, 1, t, kv) masks per layer kind: key column j is visible to a query at position p
+    def masks(self, seg: Segment, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Boolean (b, 1, t, kv) masks per layer kind (additive in ``dtype`` for eager attention): key column j is visible to a query at position p
         when j <= p (and p - j < sliding_window for sliding layers); a row's positions are its columns."""
         pos = seg.positions  # (b, t)
         kv = seg.t if seg.fresh else seg.kv_len
@@ -344,6 +382,9 @@ class HFStageModel(nn.Module):
         out = {"full": causal[:, None]}
         if "sliding" in self.kinds[self.first : self.last]:
             out["sliding"] = (causal & (keys > pos[:, :, None] - self.window))[:, None]
+        if self.additive_mask:  # 0 where visible, the dtype's minimum elsewhere (as transformers makes them)
+            low = torch.finfo(dtype).min
+            out = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, low) for k, m in out.items()}
         return out
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: HFKVCache | None) -> torch.Tensor:
@@ -357,7 +398,7 @@ class HFStageModel(nn.Module):
             rope = {t: self.rotary(x, pos, layer_type=t) for t in self._rotary_types}
         else:
             rope = self.rotary(x, pos)
-        masks = self.masks(seg)
+        masks = self.masks(seg, x.dtype)
         past = segment_cache_class()(cache, seg, self.first) if cache is not None else None
         types = getattr(self.config, "layer_types", None)
         for i, layer in enumerate(self.layers):
