@@ -334,6 +334,17 @@ def build_stage(
     return model, store
 
 
+def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.Tensor | None = None):
+    """(name, tensor) of the first of ``names`` the checkpoint has (e.g. the tied embedding table,
+    else lm_head.weight); the last one's error if none."""
+    for name in names:
+        try:
+            return name, store.get(name, part, out=out)
+        except CheckpointError:
+            if name == names[-1]:
+                raise
+
+
 def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
                     model_type: str | None):
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
@@ -349,13 +360,7 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
             param = params[name]
             part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
             with torch.no_grad():
-                for hf_name in candidates:  # e.g. lm_head.weight, else the tied embedding table
-                    try:
-                        value = store.get(hf_name, part, out=param.data)
-                        break
-                    except CheckpointError:
-                        if hf_name == candidates[-1]:
-                            raise
+                hf_name, value = _first_present(store, candidates, part, out=param.data)
                 if value is None:
                     continue
                 if tuple(value.shape) != tuple(param.shape):
@@ -382,19 +387,35 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     Returns the written weight files.
     """
     cfg = read_config(model_dir)
-    family = family_for(cfg, model_type)
-    spec = family.to_spec(cfg)
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     store = TensorStore(src)
-    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(spec.num_layers)],
+    if choose_backend(cfg, model_type) == "native":
+        family = family_for(cfg, model_type)
+        spec = family.to_spec(cfg)
+        num_layers = spec.num_layers
+
+        def part_names(shape) -> list[list[str]]:
+            with torch.device("meta"):
+                model = StageModel(spec, *shape)
+            return [[n] for s in parameter_sources(family, spec, model).values() for n in s.names]
+    else:  # the generic stage: HF names straight from transformers' modules
+        from .models.hf_stage import HFStageModel, hf_config
+
+        config = hf_config(cfg, model_type)
+        num_layers = config.num_hidden_layers
+
+        def part_names(shape) -> list[list[str]]:
+            return [names for names, _ in HFStageModel(config, *shape).checkpoint_names().values()]
+
+    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(num_layers)],
               (HEAD, (0, 0, False, True))]
     written = []
     for part, shape in layout:
-        with torch.device("meta"):
-            model = StageModel(spec, *shape)
-        names = dict.fromkeys(n for s in parameter_sources(family, spec, model).values() for n in s.names)
-        tensors = {n: store.get(n, part).contiguous().clone() for n in names}  # own, compact storage
+        tensors = {}
+        for candidates in part_names(shape):
+            name, tensor = _first_present(store, candidates, part)
+            tensors[name] = tensor.contiguous().clone()  # own, compact storage
         path = out / f"pytorch_{part}.pt"
         with atomic_path(path) as tmp:
             torch.save(tensors, tmp)

@@ -150,6 +150,20 @@ def test_generic_stage_reads_only_its_tensors(tmp_path, first_last):
         assert f.get_tensor("model.layers.1.self_attn.q_proj.weight").shape == (64, 64)
 
 
+def test_pre_split_layout_of_a_generic_model(models, tmp_path):
+    """split_checkpoint writes the pre-split layout of a model without native code; a stage opens only
+    its parts' files (the tied head needs no pytorch_embs.pt) and computes the same logits."""
+    from pipeline.loading import split_checkpoint
+
+    d = models("granite")
+    split_checkpoint(d, tmp_path / "split")
+    _, store = build_stage(tmp_path / "split", 2, 3, False, True)
+    assert sorted(p.name for p in store.opened_files) == ["pytorch_2.pt", "pytorch_lm_head.pt"]
+    for a, b in zip(chain_logits(stage_chain(str(tmp_path / "split"), [(0, 2), (2, 3)]), PROMPTS),
+                    chain_logits(stage_chain(d, [(0, 3)]), PROMPTS)):
+        assert torch.equal(a, b)
+
+
 def test_generic_stage_refuses_batch_invariant_and_what_it_cannot_run(models, tmp_path):
     with pytest.raises(UnsupportedModel, match="--batch-invariant"):
         build_stage(models("granite"), 0, 3, True, True, batch_invariant=True)
