@@ -192,7 +192,8 @@ def _statements(fn) -> list[str]:
     return out
 
 
-def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm") -> ForwardExtras:
+def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm",
+                   embed: str = "embed_tokens") -> ForwardExtras:
     """Read the base model's and the CausalLM's forward for what they do besides embed -> layers ->
     norm -> lm_head; UnsupportedModel for anything not reproduced here."""
     kind = config.model_type
@@ -207,7 +208,7 @@ def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm")
         if (m := _EMBED_SCALE.match(line)) and before_layers:
             embed_scale = float(getattr(base, m.group(1)))
         elif _HARMLESS.match(line) or line in ("hidden_states = inputs_embeds",
-                                               "inputs_embeds = self.embed_tokens(input_ids)",
+                                               f"inputs_embeds = self.{embed}(input_ids)",
                                                f"hidden_states = self.{norm}(hidden_states)"):
             continue
         elif not before_layers and line.startswith("hidden_states = decoder_layer("):
@@ -300,7 +301,8 @@ class HFStageModel(nn.Module):
             raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules {others} besides its embedding and "
                                    "decoder layers; the generic stage runs one final norm there")
         norm_name = others[0]
-        self.extras = forward_extras(full, base, config, norm_name)
+        embed_name = next((n for n, m in base.named_children() if m is embed_module), "embed_tokens")
+        self.extras = forward_extras(full, base, config, norm_name, embed_name)
         self.kinds = _layer_kinds(config)
         self.window = getattr(config, "sliding_window", None)
         self._names = {id(m): n for n, m in full.named_modules(remove_duplicate=False)}
