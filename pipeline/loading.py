@@ -40,7 +40,7 @@ from tasks.files import atomic_path
 
 from .models import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
 from .models.backends import choose_backend
-from .models.hf_stage import UnsupportedModel
+from .models.hf_stage import HFStageModel, UnsupportedModel
 from .models.decoder import StageModel
 from .models.invariant import ROW_TILE
 
@@ -281,7 +281,7 @@ def build_stage(
     model_type: str | None = None,
     batch_invariant: bool = False,
     backend: str = "auto",
-) -> tuple[StageModel, TensorStore]:
+) -> tuple[StageModel | HFStageModel, TensorStore]:
     """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
 
     ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
@@ -348,7 +348,7 @@ def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.
 def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
                     model_type: str | None):
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
-    from .models.hf_stage import HFStageModel, hf_config
+    from .models.hf_stage import hf_config
 
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
@@ -400,7 +400,7 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                 model = StageModel(spec, *shape)
             return [[n] for s in parameter_sources(family, spec, model).values() for n in s.names]
     else:  # the generic stage: HF names straight from transformers' modules
-        from .models.hf_stage import HFStageModel, hf_config
+        from .models.hf_stage import hf_config
 
         config = hf_config(cfg, model_type)
         num_layers = config.num_hidden_layers

@@ -13,7 +13,7 @@ from pathlib import Path
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-BACKENDS = ("auto", "native", "transformers")  # pipeline.models.backends
+BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 
 
 class UsageError(ValueError):

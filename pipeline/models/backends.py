@@ -11,10 +11,9 @@ Everything but the stage model (scheduler, sampling, logprobs, resume...) is the
 
 from __future__ import annotations
 
+from ..options import BACKENDS
 from .hf_stage import ModelShape, UnsupportedModel, model_shape
 from .spec import DecoderSpec
-
-BACKENDS = ("auto", "native", "transformers")
 
 
 def native_family(cfg: dict, model_type: str | None = None):
