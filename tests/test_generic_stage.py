@@ -127,6 +127,19 @@ def test_auto_backend_picks_native_where_it_exists(llama, models):
         build_stage(models("starcoder2"), 0, 1, True, False, backend="native")
 
 
+def test_auto_falls_back_for_a_variant_native_code_lacks(tmp_path):
+    """A Llama with YaRN rope scaling: no native support, so auto runs the generic stage (equal to HF)
+    and --backend native says why."""
+    from tests.utils import tiny_llama
+
+    d = tiny_llama(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 64})
+    with pytest.raises(ValueError, match="yarn"):
+        build_stage(d, 0, 3, True, True, backend="native")
+    assert isinstance(build_stage(d, 0, 1, True, False)[0], HFStageModel)
+    assert_hf_parity(d, PROMPTS, 2, steps=3)
+
+
 @pytest.mark.parametrize("first_last", [(False, False), (True, False), (False, True), (True, True)])
 def test_generic_stage_reads_only_its_tensors(tmp_path, first_last):
     """Sharded safetensors: a stage of layer 1 reads exactly its HF tensors and opens only their shards;

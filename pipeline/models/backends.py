@@ -1,7 +1,8 @@
 """``--backend``: native code for a model family, or transformers' own layers (the generic stage).
 
-- ``auto``: the native family when there is one (:func:`pipeline.models.family_for`), else the
-  generic stage (:mod:`pipeline.models.hf_stage`).
+- ``auto``: the native family when there is one (:func:`pipeline.models.family_for`) and it reads
+  the config (a variant it lacks, e.g. a rope scaling, falls back too), else the generic stage
+  (:mod:`pipeline.models.hf_stage`).
 - ``native``: native code only; a model without it fails at planning, listing the native families.
 - ``transformers``: the generic stage even when native code exists (to compare, or to work around
   a native bug).
@@ -36,8 +37,15 @@ def choose_backend(cfg: dict, model_type: str | None = None, backend: str = "aut
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "transformers":
         return "transformers"
-    if native_family(cfg, model_type) is not None:
-        return "native"
+    family = native_family(cfg, model_type)
+    if family is not None:
+        try:
+            family.to_spec(cfg)
+            return "native"
+        except ValueError:  # a variant the native code lacks (e.g. a rope scaling): transformers has it
+            if backend == "native":
+                raise
+            return "transformers"
     if backend == "native":
         wanted = model_type or cfg.get("model_type")
         raise ValueError(f"--backend native: model type {wanted!r} has no native code (native: "
