@@ -42,8 +42,8 @@ def build_model(out: Path, hidden: int, layers: int, intermediate: int, vocab: i
 
     tok = build_tokenizer()
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=1024,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                      max_position_embeddings=1024, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).eval().save_pretrained(out, max_shard_size="100MB")
     tok.save_pretrained(out)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", default="1", help="comma-separated pipeline sizes")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads in all (split among ranks)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per backend (alternating); the best counts")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per backend (alternating); the best counts")
     ap.add_argument("--work-dir", help="keep the model and outputs here (default: a temporary folder, removed)")
     ap.add_argument("--json", help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
