@@ -182,7 +182,8 @@ def test_generic_stage_refuses_batch_invariant_and_what_it_cannot_run(models, tm
         build_stage(models("granite"), 0, 3, True, True, batch_invariant=True)
     with pytest.raises(UsageError, match="--batch-invariant"):
         make_plan(RunOptions(model_name=models("granite"), batch_invariant=True), env={})
-    for kind, why in (("t5", "encoder-decoder"), ("gemma3", "multimodal"), ("not_a_model", "does not know")):
+    for kind, why in (("t5", "encoder-decoder"), ("gemma3", "multimodal"), ("not_a_model", "does not know"),
+                      ("mixtral", "converts")):
         (tmp_path / kind).mkdir()
         (tmp_path / kind / "config.json").write_text(json.dumps({"model_type": kind, "vocab_size": 64}))
         with pytest.raises(UsageError, match=why):

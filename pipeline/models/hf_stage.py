@@ -75,7 +75,19 @@ def hf_config(cfg: dict, model_type: str | None = None):
     if config.get_text_config() is not config or getattr(config, "sub_configs", None):
         raise UnsupportedModel(f"{kind} is a multimodal model (its config has sub-configs "
                                f"{sorted(getattr(config, 'sub_configs', {}) or {})}); only token inputs are supported")
+    if _converted_at_load(config.model_type):
+        raise UnsupportedModel(f"transformers converts {kind}'s checkpoint tensors as it loads them (renamed, or "
+                               "experts fused); the generic stage reads tensors under their module names, so it "
+                               "cannot load this model")
     return config
+
+
+def _converted_at_load(model_type: str) -> bool:
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers without load-time conversions
+        return False
+    return bool(get_checkpoint_conversion_mapping(model_type))
 
 
 def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
