@@ -75,19 +75,22 @@ def hf_config(cfg: dict, model_type: str | None = None):
     if config.get_text_config() is not config or getattr(config, "sub_configs", None):
         raise UnsupportedModel(f"{kind} is a multimodal model (its config has sub-configs "
                                f"{sorted(getattr(config, 'sub_configs', {}) or {})}); only token inputs are supported")
-    if _converted_at_load(config.model_type):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if _converted_at_load(config.model_type, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__):
         raise UnsupportedModel(f"transformers converts {kind}'s checkpoint tensors as it loads them (renamed, or "
                                "experts fused); the generic stage reads tensors under their module names, so it "
                                "cannot load this model")
     return config
 
 
-def _converted_at_load(model_type: str) -> bool:
+def _converted_at_load(*keys: str) -> bool:
+    """Whether transformers renames or reshapes this model's tensors at load (keyed by model_type or class)."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # transformers without load-time conversions
         return False
-    return bool(get_checkpoint_conversion_mapping(model_type))
+    return any(get_checkpoint_conversion_mapping(k) for k in keys)
 
 
 def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
@@ -210,10 +213,11 @@ def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm",
     norm -> lm_head; UnsupportedModel for anything not reproduced here."""
     kind = config.model_type
     embed_scale = logits_divide = logits_multiply = softcap = None
-    before_layers = True
+    before_layers, layer_var = True, "decoder_layer"
     for line in _statements(type(base).forward):
-        if re.match(r"^for \w+ in self\.layers\b", line) or re.match(r"^for .* in enumerate\(self\.layers", line):
-            before_layers = False
+        if m := (re.match(r"^for (\w+) in self\.layers\b", line)
+                 or re.match(r"^for \w+, (\w+) in enumerate\(self\.layers", line)):
+            before_layers, layer_var = False, m.group(1)
             continue
         if not re.match(r"^(hidden_states|inputs_embeds) =", line):
             continue
@@ -223,7 +227,7 @@ def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm",
                                                f"inputs_embeds = self.{embed}(input_ids)",
                                                f"hidden_states = self.{norm}(hidden_states)"):
             continue
-        elif not before_layers and line.startswith("hidden_states = decoder_layer("):
+        elif not before_layers and line.startswith(f"hidden_states = {layer_var}("):
             continue
         else:
             raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does `{line[:100]}` outside its decoder "
@@ -345,7 +349,7 @@ class HFStageModel(nn.Module):
         if self.tied and self.embed is not None:
             del out["lm_head.weight"]  # shares the embedding table (:meth:`tie`)
         elif self.tied and "lm_head.weight" in out:
-            out["lm_head.weight"] = ([self._embed_name, "lm_head.weight"], "head")  # tied: the table is saved once
+            out["lm_head.weight"] = ([self._embed_name, *out["lm_head.weight"][0]], "head")  # tied: saved once
         return out
 
     def _owned(self):
