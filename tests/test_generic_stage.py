@@ -256,3 +256,20 @@ def test_cli_p2_llama_transformers_backend_equals_native(llama, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_consistent_results(read_jsonl(native), read_jsonl(generic))
     _check_against_hf(llama, read_jsonl(generic))
+
+
+def test_mixed_params_file_same_on_both_backends(llama, tmp_path):
+    """Part of the shared mixed-parameter file (best_of forks of the cache, n, stops, penalties, sampling)
+    gives the same results through the generic stage as through native code, up to float rounding."""
+    from tests.utils import DATA
+
+    lines = (DATA / "mixed_params.jsonl").read_text().splitlines()
+    picked = [x for x in lines if "best_of" in x][:6] + [x for x in lines if "best_of" not in x][:6]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(picked) + "\n")
+    outs = {}
+    for backend in ("native", "transformers"):
+        outs[backend] = tmp_path / f"{backend}.jsonl"
+        assert run_inprocess(["--model-name", llama, "--infer-data", str(src), "--output-path", str(outs[backend]),
+                              "--no-progress", "--backend", backend, "--budget", "600"]) == 0
+    assert_consistent_results(read_jsonl(outs["native"]), read_jsonl(outs["transformers"]))
