@@ -209,6 +209,7 @@ def execute(plan, opts) -> int:
 def load_stage(plan, opts, info):
     """This rank's layers in the run's dtype, as a :class:`pipeline.stage.Stage`."""
     from pipeline.loading import CheckpointError, build_stage
+    from pipeline.models.hf_stage import UnsupportedModel
     from pipeline.stage import Stage
 
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device)
@@ -216,8 +217,8 @@ def load_stage(plan, opts, info):
     t0 = time.perf_counter()
     try:
         model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
-                                   opts.model_type, opts.batch_invariant)
-    except CheckpointError as e:
+                                   opts.model_type, opts.batch_invariant, opts.backend)
+    except (CheckpointError, UnsupportedModel) as e:
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, plan.threads)
@@ -231,10 +232,14 @@ def load_stage(plan, opts, info):
 
 def prefix_block(plan, opts) -> int:
     """The prefix cache's block size, 0 when it is off. Every rank derives the same answer. Off with
-    --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it) and
-    for longrope models (a prefix's keys depend on the length of the prompt that computed them)."""
-    rope = plan.spec.rope
-    if opts.prefix_cache != "on" or opts.batch_invariant or (rope is not None and rope.scaling_type == "longrope"):
+    --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
+    longrope models (a prefix's keys depend on the length of the prompt that computed them) and on
+    the generic transformers stage."""
+    from pipeline.models import DecoderSpec
+
+    if opts.prefix_cache != "on" or opts.batch_invariant or not isinstance(plan.spec, DecoderSpec):
+        return 0  # the generic stage keeps its cache its own way: no prefix pool there (yet)
+    if plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope":
         return 0
     return opts.prefix_block_size
 

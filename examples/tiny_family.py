@@ -6,7 +6,8 @@
 Useful to try a family's code path (or a launch recipe) without downloading a checkpoint; the
 weights are random, so the text is meaningless. Families: llama, mistral, qwen2, qwen3, gemma,
 gemma2, gemma3, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, opt, opt-350m, bloom, gpt2, gpt_neox,
-gptj, falcon.
+gptj, falcon; and, run by the generic transformers stage (no native code), starcoder2 (sliding
+window) and granite (embedding/residual/attention multipliers, logits scaling).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                     num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)),
     "qwen3_moe": ("qwen3_moe", dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16, num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    "starcoder2": ("starcoder2", dict(COMMON, intermediate_size=128, num_key_value_heads=2, sliding_window=16)),
+    "granite": ("granite", dict(COMMON, intermediate_size=128, num_key_value_heads=2, embedding_multiplier=12.0,
+                                residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)),
 }
 
 

@@ -39,6 +39,8 @@ import torch
 from tasks.files import atomic_path
 
 from .models import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
+from .models.backends import choose_backend
+from .models.hf_stage import HFStageModel, UnsupportedModel
 from .models.decoder import StageModel
 from .models.invariant import ROW_TILE
 
@@ -320,9 +322,18 @@ def build_stage(
     device: str | torch.device = "cpu",
     model_type: str | None = None,
     batch_invariant: bool = False,
-) -> tuple[StageModel, TensorStore]:
-    """Build a stage and fill it from the checkpoint, touching only the tensors it owns."""
+    backend: str = "auto",
+) -> tuple[StageModel | HFStageModel, TensorStore]:
+    """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
+
+    ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
+    stage built from transformers' own layers."""
     cfg = read_config(model_dir)
+    if choose_backend(cfg, model_type, backend) == "transformers":
+        if batch_invariant:
+            raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
+                                   "stage does not have its fixed-shape kernels (drop --batch-invariant)")
+        return _build_hf_stage(model_dir, cfg, first, last, has_embed, has_head, dtype, device, model_type)
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)
     with torch.device("meta"):
@@ -366,6 +377,50 @@ def build_stage(
     return model, store
 
 
+def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.Tensor | None = None):
+    """(name, tensor) of the first of ``names`` the checkpoint has (e.g. the tied embedding table,
+    else lm_head.weight); the last one's error if none."""
+    for name in names:
+        try:
+            return name, store.get(name, part, out=out)
+        except CheckpointError:
+            if name == names[-1]:
+                raise
+
+
+def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
+                    model_type: str | None):
+    """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
+    from .models.hf_stage import hf_config
+
+    model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
+    model = model.materialize(device, dtype)
+    store = TensorStore(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(model.named_buffers())
+    try:
+        for name, (candidates, kind) in model.checkpoint_names().items():
+            param = params[name]
+            part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
+            with torch.no_grad():
+                hf_name, value = _first_present(store, candidates, part, out=param.data)
+                if value is None:
+                    continue
+                if tuple(value.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{store.file_of[hf_name]}: tensor {hf_name!r} has shape "
+                                          f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
+                                          f"{tuple(param.shape)}")
+                param.copy_(value)
+    finally:
+        store.close()
+    model.tie()
+    model.init_buffers()
+    model.eval().requires_grad_(False)
+    log.info("generic stage: loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
+    return model, store
+
+
 def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                      model_type: str | None = None) -> list[Path]:
     """Write ``model_dir``'s weights in the pre-split layout into ``out_dir`` (one part in memory at a time).
@@ -375,20 +430,36 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     Returns the written weight files.
     """
     cfg = read_config(model_dir)
-    family = family_for(cfg, model_type)
-    spec = family.to_spec(cfg)
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     store = TensorStore(src)
-    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(spec.num_layers)],
+    if choose_backend(cfg, model_type) == "native":
+        family = family_for(cfg, model_type)
+        spec = family.to_spec(cfg)
+        num_layers = spec.num_layers
+
+        def part_names(shape, part) -> list[list[str]]:
+            with torch.device("meta"):
+                model = StageModel(spec, *shape)
+            sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
+            return [[n] for n in dict.fromkeys(n for s in sources for n in s.names)]
+    else:  # the generic stage: HF names straight from transformers' modules
+        from .models.hf_stage import hf_config
+
+        config = hf_config(cfg, model_type)
+        num_layers = config.num_hidden_layers
+
+        def part_names(shape, part) -> list[list[str]]:
+            return [names for names, _ in HFStageModel(config, *shape).checkpoint_names().values()]
+
+    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(num_layers)],
               (HEAD, (0, 0, False, True))]
     written = []
     for part, shape in layout:
-        with torch.device("meta"):
-            model = StageModel(spec, *shape)
-        sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
-        names = dict.fromkeys(n for s in sources for n in s.names)
-        tensors = {n: store.get(n, part).contiguous().clone() for n in names}  # own, compact storage
+        tensors = {}
+        for candidates in part_names(shape, part):
+            name, tensor = _first_present(store, candidates, part)
+            tensors[name] = tensor.contiguous().clone()  # own, compact storage
         path = out / f"pytorch_{part}.pt"
         with atomic_path(path) as tmp:
             torch.save(tensors, tmp)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 
 
 class UsageError(ValueError):
@@ -28,7 +29,8 @@ def _opt(default, help: str, **argparse_kwargs):
 class RunOptions:
     # what to run
     model_name: str | None = _opt(None, "HuggingFace model folder (config.json + weights + tokenizer). Omitted: the embedded default tiny Llama, built locally on first use.")
-    model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or an HF model_type). Omitted: read from config.json.")
+    model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or any HF model_type, see --backend). Omitted: read from config.json.")
+    backend: str = _opt("auto", "Stage code: auto = the native family if there is one, else transformers' own decoder layers (any decoder-only *ForCausalLM); native = native code only; transformers = force the generic stage.", choices=BACKENDS)
     infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
     output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")

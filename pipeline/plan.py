@@ -21,7 +21,8 @@ from tasks.files import input_fingerprint
 from tasks.writer import output_problem
 
 from .loading import CheckpointError, check_weights_present, read_config
-from .models import DecoderSpec, spec_from_config
+from .models import DecoderSpec
+from .models.backends import ModelShape, stage_shape
 from .options import RunOptions, UsageError
 from .partition import stage_ranges
 
@@ -36,7 +37,7 @@ class RunPlan:
     model_dir: str
     model_name: str  # the "model" of every result
     config: dict
-    spec: DecoderSpec
+    spec: DecoderSpec | ModelShape  # num_layers, vocab_size, max_positions of either backend
     ranges: list[tuple[int, int]]  # layers of each stage
     inputs: list[str]  # request files (rank 0 of each pipeline only)
     threads: int  # CPU threads of this process
@@ -69,7 +70,10 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         model_dir = opts.model_name or _default_model_dir()
         config = read_config(model_dir)
         check_weights_present(model_dir)
-        spec = spec_from_config(config, opts.model_type)
+        spec = stage_shape(config, opts.model_type, opts.backend)
+        if opts.batch_invariant and not isinstance(spec, DecoderSpec):
+            raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
+                             "layers (--backend auto/transformers): drop --batch-invariant")
         ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
         all_inputs = resolve_inputs(opts, env)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,7 +82,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         raise UsageError(str(e)) from None
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
-                   "data_group_size": data, "batch_invariant": opts.batch_invariant}
+                   "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     threads = opts.num_threads or max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world))
     slots = opts.num_micro_batches or pipeline

@@ -88,3 +88,16 @@ def _local_tokenizer():
     from examples.default_model import build_tokenizer
 
     return build_tokenizer()
+
+
+def test_native_vs_generic_bench_runs_and_agrees(tmp_path):
+    """bench/native_vs_generic.py on a tiny Llama: both backends answer, ratios computed, outputs agree."""
+    out = tmp_path / "nvg.json"
+    cmd = [sys.executable, str(REPO / "bench" / "native_vs_generic.py"), "--hidden", "64", "--layers", "2",
+           "--intermediate", "128", "--vocab", "1024", "--requests", "2", "--repeats", "1", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert set(row["ratios"]) == {"gen_tok_s", "score_tok_s", "peak_rss_mb"} and all(v > 0 for v in row["ratios"].values())
+    assert row["agreement"]["greedy_equal"] == 2 and row["agreement"]["max_logprob_diff"] < 1e-4
+    assert "generic/native" in p.stdout

@@ -77,11 +77,12 @@ def test_every_format_gives_identical_stage_outputs(formats, fmt):
         torch.testing.assert_close(ref[0], hf_logits(str(formats[fmt]), PROMPTS[0]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["auto", "transformers"])  # native code, and the generic stage
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("first_last", [(False, False), (True, False), (False, True)])
-def test_middle_layers_read_only_their_tensors(formats, fmt, first_last):
+def test_middle_layers_read_only_their_tensors(formats, fmt, first_last, backend):
     has_embed, has_head = first_last
-    _, store = build_stage(formats[fmt], 1, 2, has_embed, has_head)
+    _, store = build_stage(formats[fmt], 1, 2, has_embed, has_head, backend=backend)
     expected = {f"model.layers.1.{n}" for n in (
         "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
         "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -134,13 +135,14 @@ def test_moe_stage_reads_only_its_layers_experts(moe_formats, fmt, first, last):
         assert {p.name for p in store.opened_files} == {index[n] for n in expected}
 
 
-def test_pre_split_tied_embeddings_last_stage_needs_no_embs_file(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "transformers"])
+def test_pre_split_tied_embeddings_last_stage_needs_no_embs_file(tmp_path, backend):
     d = tiny_llama(tmp_path / "tied", tie_word_embeddings=True, num_hidden_layers=2)
     split_checkpoint(d, tmp_path / "split")
-    _, store = build_stage(tmp_path / "split", 1, 2, False, True)
+    _, store = build_stage(tmp_path / "split", 1, 2, False, True, backend=backend)
     assert sorted(p.name for p in store.opened_files) == ["pytorch_1.pt", "pytorch_lm_head.pt"]
-    for a, b in zip(chain_logits(stage_chain(str(tmp_path / "split"), [(0, 1), (1, 2)]), PROMPTS),
-                    chain_logits(stage_chain(d, [(0, 2)]), PROMPTS)):
+    for a, b in zip(chain_logits(stage_chain(str(tmp_path / "split"), [(0, 1), (1, 2)], backend=backend), PROMPTS),
+                    chain_logits(stage_chain(d, [(0, 2)], backend=backend), PROMPTS)):
         assert torch.equal(a, b)
 
 

@@ -72,12 +72,12 @@ def random_hf_model(out_dir, model_type: str, seed: int = 0, layers: int = 3, **
 
 
 def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float32, model_type=None,
-                batch_invariant: bool = False):
-    """Our StageModels for the given layer ranges, loaded from model_dir (in this process)."""
+                batch_invariant: bool = False, backend: str = "auto"):
+    """Our stage models for the given layer ranges, loaded from model_dir (in this process)."""
     from pipeline.loading import build_stage
 
     n = len(ranges)
-    return [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type, batch_invariant)[0]
+    return [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type, batch_invariant, backend)[0]
             for i, (a, b) in enumerate(ranges)]
 
 
@@ -165,12 +165,12 @@ def hf_logits(model_dir: str, prompt: list[int]) -> torch.Tensor:
 
 
 def assert_hf_parity(model_dir: str, prompts: list[list[int]], stages: int, num_layers: int = 3,
-                     model_type: str | None = None, steps: int = 6) -> None:
+                     model_type: str | None = None, steps: int = 6, backend: str = "auto") -> None:
     """Our stage chain vs HF: logits of a mixed-length micro-batch within 1e-4 of HF on each prompt
     alone, and ``steps`` greedy tokens equal with logprobs within 1e-4."""
     from pipeline.partition import stage_ranges
 
-    chain = stage_chain(model_dir, stage_ranges(num_layers, stages), model_type=model_type)
+    chain = stage_chain(model_dir, stage_ranges(num_layers, stages), model_type=model_type, backend=backend)
     for prompt, ours in zip(prompts, chain_logits(chain, prompts)):
         torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
     toks, lps = chain_greedy(chain, prompts, steps)

@@ -1,0 +1,66 @@
+"""``--backend``: native code for a model family, or transformers' own layers (the generic stage).
+
+- ``auto``: the native family when there is one (:func:`pipeline.models.family_for`) and it reads
+  the config (a variant it lacks, e.g. a rope scaling, falls back too), else the generic stage
+  (:mod:`pipeline.models.hf_stage`).
+- ``native``: native code only; a model without it fails at planning, listing the native families.
+- ``transformers``: the generic stage even when native code exists (to compare, or to work around
+  a native bug).
+
+Everything but the stage model (scheduler, sampling, logprobs, resume...) is the same for both.
+"""
+
+from __future__ import annotations
+
+from ..options import BACKENDS
+from .hf_stage import ModelShape, UnsupportedModel, model_shape
+from .spec import DecoderSpec
+
+
+def native_family(cfg: dict, model_type: str | None = None):
+    """The native family module for a config, or None."""
+    from . import family_for
+
+    try:
+        return family_for(cfg, model_type)
+    except ValueError as e:
+        if "unsupported model type" in str(e):
+            return None
+        raise
+
+
+def choose_backend(cfg: dict, model_type: str | None = None, backend: str = "auto") -> str:
+    """'native' or 'transformers' for this model; ValueError (a usage error) when ``backend`` cannot run it."""
+    from . import supported_model_types
+
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "transformers":
+        return "transformers"
+    family = native_family(cfg, model_type)
+    if family is not None:
+        try:
+            family.to_spec(cfg)
+            return "native"
+        except ValueError:  # a variant the native code lacks (e.g. a rope scaling): transformers has it
+            if backend == "native":
+                raise
+            return "transformers"
+    if backend == "native":
+        wanted = model_type or cfg.get("model_type")
+        raise ValueError(f"--backend native: model type {wanted!r} has no native code (native: "
+                         f"{', '.join(supported_model_types())}); use --backend auto to run it with "
+                         "transformers' own layers")
+    return "transformers"
+
+
+def stage_shape(cfg: dict, model_type: str | None = None, backend: str = "auto") -> DecoderSpec | ModelShape:
+    """Layers, vocabulary and context length of the model, from whichever backend runs it.
+
+    Raises ValueError (UnsupportedModel included) for a model the backend cannot run."""
+    if choose_backend(cfg, model_type, backend) == "native":
+        return native_family(cfg, model_type).to_spec(cfg)
+    return model_shape(cfg, model_type)
+
+
+__all__ = ["BACKENDS", "ModelShape", "UnsupportedModel", "choose_backend", "native_family", "stage_shape"]

@@ -1,0 +1,444 @@
+"""The generic stage: any decoder-only HF ``*ForCausalLM`` run with transformers' own decoder layers.
+
+For a model with no native code (:mod:`pipeline.models`), a stage instantiates the HF CausalLM class
+on the meta device (no memory), keeps its own modules (embedding on the first stage, decoder layers
+``first..last-1`` with their global ``layer_idx``, final norm and ``lm_head`` on the last) and lets
+the loader fill just those from the checkpoint under their HF names. The runner's contract is the
+same as :class:`~pipeline.models.decoder.StageModel`'s:
+
+- **KV cache**: :class:`HFKVCache` holds the runner's preallocated keys/values, per layer (rows,
+  kv_heads, cols, head_dim); for one forward it is wrapped in a ``SegmentCache``
+  (:func:`segment_cache_class`), a transformers ``Cache`` whose ``update(k, v, layer_idx)`` writes
+  the new keys at the segment's rows/columns and returns what attention reads (a fresh prefill: the
+  new keys; otherwise the rows' cached columns).
+- **Positions**: per row (``seg.positions``, (b, t)) through the model's own rotary module.
+- **Masks**: 4-D (b, 1, t, kv) from those positions, causal, with the sliding window for layers
+  that have one (``config.layer_types`` / ``config.sliding_window``): boolean for transformers' SDPA
+  attention, additive for its eager attention (models whose attention SDPA cannot do, e.g. Gemma 2's
+  logit soft-capping).
+- **Multipliers**: what the HF forwards do outside the layers is read from their source at build
+  time (:func:`forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
+  final logit soft-capping. Anything else they do there is refused, so a model either matches HF
+  or does not load.
+
+Models that cannot run this way (encoder-decoder, bidirectional attention, multimodal inputs, no
+``layers`` stack, no rotary module) raise :class:`UnsupportedModel` saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .decoder import Segment
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot run through the generic transformers stage; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model (a :class:`DecoderSpec` has the same fields)."""
+
+    family: str
+    vocab_size: int
+    num_layers: int
+    max_positions: int
+
+
+def hf_config(cfg: dict, model_type: str | None = None):
+    """transformers' config object for a config.json dict; UnsupportedModel if it cannot be a generic stage."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import transformers
+
+    kind = model_type or cfg.get("model_type")
+    values = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(kind, **values)
+    except ValueError as e:
+        raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type {kind!r} "
+                               f"(architectures: {cfg.get('architectures')}): {e}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{kind} is an encoder-decoder model; this runner runs decoder-only causal LMs")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(f"{kind} has no *ForCausalLM class in transformers {transformers.__version__}; "
+                               "this runner runs decoder-only causal LMs")
+    if config.get_text_config() is not config or getattr(config, "sub_configs", None):
+        raise UnsupportedModel(f"{kind} is a multimodal model (its config has sub-configs "
+                               f"{sorted(getattr(config, 'sub_configs', {}) or {})}); only token inputs are supported")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if _converted_at_load(config.model_type, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__):
+        raise UnsupportedModel(f"transformers converts {kind}'s checkpoint tensors as it loads them (renamed, or "
+                               "experts fused); the generic stage reads tensors under their module names, so it "
+                               "cannot load this model")
+    return config
+
+
+def _converted_at_load(*keys: str) -> bool:
+    """Whether transformers renames or reshapes this model's tensors at load (keyed by model_type or class)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers without load-time conversions
+        return False
+    return any(get_checkpoint_conversion_mapping(k) for k in keys)
+
+
+def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
+    config = hf_config(cfg, model_type)
+    return ModelShape(config.model_type, config.vocab_size, config.num_hidden_layers,
+                      getattr(config, "max_position_embeddings", None) or 2048)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with their parameters on the meta device but buffers real (on the CPU): buffers
+    such as an embedding scale are computed at construction and not saved in checkpoints."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class HFKVCache:
+    """Preallocated keys/values of one micro-batch on one stage: per layer (rows, kv_heads, cols, head_dim).
+
+    A layer's pair is allocated at its first update, from the shapes of the keys it gets (heads and
+    head size are whatever the HF attention produces)."""
+
+    def __init__(self, layers: int, rows: int, cols: int, dtype, device):
+        self.rows, self.cols, self.dtype, self.device = rows, cols, dtype, device
+        self.k: list[torch.Tensor | None] = [None] * layers
+        self.v: list[torch.Tensor | None] = [None] * layers
+
+    def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values; ``like`` (b, kv_heads, t, head_dim) gives their shape."""
+        if self.k[i] is None:
+            shape = (self.rows, like.shape[1], self.cols, like.shape[3])
+            self.k[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            self.v[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+        return self.k[i], self.v[i]
+
+    def fork(self, src: int, dsts: list[int], ncols: int) -> None:
+        """Copy row ``src``'s first ``ncols`` columns to ``dsts`` (best_of shares one prefill)."""
+        idx = torch.tensor(dsts, device=self.device)
+        for k, v in zip(self.k, self.v):
+            if k is not None:
+                k[idx, :, :ncols] = k[src : src + 1, :, :ncols]
+                v[idx, :, :ncols] = v[src : src + 1, :, :ncols]
+
+
+class _SegmentCacheMixin:
+    """The transformers ``Cache`` attention sees for one segment: reads and writes the runner's cache."""
+
+    def __init__(self, cache: HFKVCache, seg: Segment, first: int):
+        super().__init__(layers=[])
+        self.cache, self.seg, self.first = cache, seg, first
+        self.cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """k, v (b, kv_heads, t, d) of global layer ``layer_idx`` -> the keys/values to attend to."""
+        seg, layer = self.seg, layer_idx - self.first
+        k_all, v_all = self.cache.layer(layer, key_states)
+        k_all[seg.rows[:, None], :, self.cols] = key_states.transpose(1, 2)
+        v_all[seg.rows[:, None], :, self.cols] = value_states.transpose(1, 2)
+        if seg.fresh:
+            return key_states, value_states
+        sel = slice(None) if seg.all_rows else seg.rows
+        return k_all[sel, :, : seg.kv_len], v_all[sel, :, : seg.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seg.kv_len
+
+
+@functools.cache
+def segment_cache_class() -> type:
+    """SegmentCache: a subclass of transformers' ``Cache`` (imported on first use, not at planning)."""
+    from transformers.cache_utils import Cache
+
+    return type("SegmentCache", (_SegmentCacheMixin, Cache), {"__doc__": _SegmentCacheMixin.__doc__})
+
+
+@dataclass(frozen=True)
+class ForwardExtras:
+    """What the HF forwards do outside the decoder layers."""
+
+    embed_scale: float | None = None  # inputs_embeds * scale (Granite's embedding_multiplier)
+    logits_divide: float | None = None  # logits / x (Granite's logits_scaling)
+    logits_multiply: float | None = None  # logits * x (Cohere's logit_scale)
+    softcap: float | None = None  # tanh soft-capping of the logits (final_logit_softcapping)
+
+
+_EMBED_SCALE = re.compile(r"^inputs_embeds = inputs_embeds \* self\.(\w+)$")
+_LOGITS = re.compile(r"^logits = logits (\*|/) self\.(config\.)?(\w+)$")
+_HARMLESS = re.compile(r"^(hidden_states|inputs_embeds) = (\w+\.)*(\w*dropout\w*)\(")
+
+
+def _statements(fn) -> list[str]:
+    """The code lines of a function, comments dropped, continuation lines joined (roughly)."""
+    src = inspect.getsource(fn)
+    out, depth = [], 0
+    for raw in src.splitlines():
+        line = raw.split("  #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if depth > 0:
+            out[-1] += " " + line
+        else:
+            out.append(line)
+        depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
+    return out
+
+
+def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm",
+                   embed: str = "embed_tokens") -> ForwardExtras:
+    """Read the base model's and the CausalLM's forward for what they do besides embed -> layers ->
+    norm -> lm_head; UnsupportedModel for anything not reproduced here."""
+    kind = config.model_type
+    embed_scale = logits_divide = logits_multiply = softcap = None
+    before_layers, layer_var = True, "decoder_layer"
+    for line in _statements(type(base).forward):
+        if m := (re.match(r"^for (\w+) in self\.layers\b", line)
+                 or re.match(r"^for \w+, (\w+) in enumerate\(self\.layers", line)):
+            before_layers, layer_var = False, m.group(1)
+            continue
+        if not re.match(r"^(hidden_states|inputs_embeds) =", line):
+            continue
+        if (m := _EMBED_SCALE.match(line)) and before_layers:
+            embed_scale = float(getattr(base, m.group(1)))
+        elif _HARMLESS.match(line) or line in ("hidden_states = inputs_embeds",
+                                               f"inputs_embeds = self.{embed}(input_ids)",
+                                               f"hidden_states = self.{norm}(hidden_states)"):
+            continue
+        elif not before_layers and line.startswith(f"hidden_states = {layer_var}("):
+            continue
+        else:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does `{line[:100]}` outside its decoder "
+                                   "layers, which the generic stage does not reproduce")
+    if before_layers:
+        raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does not loop over self.layers")
+    for line in _statements(type(full).forward):
+        if not line.startswith("logits ="):
+            continue
+        if (m := _LOGITS.match(line)):
+            raw = getattr(config if m.group(2) else full, m.group(3))
+            if raw is None:  # under an `if ... is not None` (soft-capping switched off)
+                continue
+            value = float(raw)
+            if m.group(1) == "/" and "softcap" in m.group(3):
+                softcap = value
+            elif m.group(1) == "/":
+                logits_divide = value
+            elif "softcap" not in m.group(3):
+                logits_multiply = value
+        elif line.startswith("logits = self.lm_head(") or line == "logits = torch.tanh(logits)":
+            continue
+        else:
+            raise UnsupportedModel(f"{kind}: {type(full).__name__}.forward does `{line[:100]}` to the logits, "
+                                   "which the generic stage does not reproduce")
+    return ForwardExtras(embed_scale, logits_divide, logits_multiply, softcap)
+
+
+def _layer_kinds(config) -> list[str]:
+    """'full' or 'sliding' per global layer, as transformers' masks would make them."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        return ["sliding" if sliding else "full"] * n
+    table = {"full_attention": "full", "sliding_attention": "sliding"}
+    unknown = sorted({t for t in types if t not in table})
+    if unknown:
+        raise UnsupportedModel(f"{config.model_type}: layer types {unknown} are not supported by the generic stage "
+                               "(supported: full_attention, sliding_attention)")
+    return [table[t] for t in types[:n]]
+
+
+class HFStageModel(nn.Module):
+    """embed? + layers[first:last] + (norm + lm_head)? of an HF causal LM, as transformers builds them.
+
+    Same interface as :class:`~pipeline.models.decoder.StageModel`: ``model(x, seg, cache)``,
+    :meth:`head`, :meth:`new_cache`; :meth:`checkpoint_names` tells the loader where each
+    parameter comes from.
+    """
+
+    row_tile = 0  # --batch-invariant is refused for the generic stage
+
+    def __init__(self, config, first: int, last: int, has_embed: bool, has_head: bool):
+        super().__init__()
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        self.config, self.first, self.last = config, first, last
+        self.has_embed, self.has_head = has_embed, has_head
+        kind = config.model_type
+        causal_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        with _parameters_on_meta():  # the whole model, but no memory: only our modules get real storage
+            try:
+                full = causal_cls._from_config(config, attn_implementation="sdpa")
+            except ValueError:  # e.g. attention logit soft-capping: transformers' eager attention
+                full = causal_cls._from_config(config, attn_implementation="eager")
+        self.config = config = full.config
+        self.additive_mask = config._attn_implementation == "eager"  # eager adds the mask to the scores
+        base = getattr(full, full.base_model_prefix, None)
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers:
+            raise UnsupportedModel(f"{kind}: {causal_cls.__name__} is not a plain decoder stack "
+                                   f"({full.base_model_prefix}.layers with one module per layer)")
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is None:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has no rotary_emb module (learned or ALiBi "
+                                   "positions are only supported by the native families)")
+        attn = [m for m in layers.modules() if getattr(m, "is_causal", None) is not None]
+        if any(m.is_causal is False for m in attn):
+            raise UnsupportedModel(f"{kind}: its attention is bidirectional (is_causal=False); this runner runs "
+                                   "causal LMs")
+        embed_module = base.get_input_embeddings()
+        others = [n for n, m in base.named_children() if n not in ("layers", "rotary_emb") and m is not embed_module
+                  and not isinstance(m, nn.Dropout)]
+        if len(others) != 1:
+            raise UnsupportedModel(f"{kind}: {type(base).__name__} has modules {others} besides its embedding and "
+                                   "decoder layers; the generic stage runs one final norm there")
+        norm_name = others[0]
+        embed_name = next((n for n, m in base.named_children() if m is embed_module), "embed_tokens")
+        self.extras = forward_extras(full, base, config, norm_name, embed_name)
+        self.kinds = _layer_kinds(config)
+        self.window = getattr(config, "sliding_window", None)
+        self._names = {id(m): n for n, m in full.named_modules(remove_duplicate=False)}
+        self.embed = base.get_input_embeddings() if has_embed else None
+        self.layers = nn.ModuleList(layers[first:last])
+        self.norm = getattr(base, norm_name) if has_head else None
+        self.lm_head = full.get_output_embeddings() if has_head else None
+        if has_head and self.lm_head is None:
+            raise UnsupportedModel(f"{kind}: {causal_cls.__name__} has no output embeddings (lm_head)")
+        self.tied = has_head and self.lm_head.weight is embed_module.weight
+        self._embed_name = self._names[id(embed_module)] + ".weight"
+        self._rotary_cls = type(rotary)
+        self._rotary_per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._rotary_types = sorted(set(getattr(config, "layer_types", None) or [])) if self._rotary_per_type else []
+        self.rotary = None  # built on the real device by init_buffers
+        del full
+
+    def checkpoint_names(self) -> dict[str, tuple[list[str], str]]:
+        """Our parameter or persistent buffer name -> (HF names to try in order, part: 'layer'/'embs'/'head')."""
+        out = {}
+        for prefix, module, part in self._owned():
+            hf = self._names[id(module)]
+            for n, _ in module.named_parameters():
+                out[f"{prefix}.{n}"] = ([f"{hf}.{n}"], part)
+            for n, b in module.named_buffers():
+                if n.split(".")[-1] not in module.get_submodule(".".join(n.split(".")[:-1]))._non_persistent_buffers_set:
+                    out[f"{prefix}.{n}"] = ([f"{hf}.{n}"], part)
+        if self.tied and self.embed is not None:
+            del out["lm_head.weight"]  # shares the embedding table (:meth:`tie`)
+        elif self.tied and "lm_head.weight" in out:
+            out["lm_head.weight"] = ([self._embed_name, *out["lm_head.weight"][0]], "head")  # tied: saved once
+        return out
+
+    def _owned(self):
+        if self.embed is not None:
+            yield "embed", self.embed, "embs"
+        for i, layer in enumerate(self.layers):
+            yield f"layers.{i}", layer, "layer"
+        if self.has_head:
+            yield "norm", self.norm, "head"
+            yield "lm_head", self.lm_head, "head"
+
+    def materialize(self, device, dtype: torch.dtype) -> "HFStageModel":
+        """Give our parameters (on meta so far) storage on ``device`` in ``dtype``, unfilled; buffers
+        (computed at construction, on the CPU) move there too, floating ones in ``dtype``."""
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype
+                                                                        if p.is_floating_point() else p.dtype),
+                                                            requires_grad=False)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = b.to(device, dtype if b.is_floating_point() else b.dtype)
+        return self
+
+    def init_buffers(self) -> None:
+        """The rotary module on the real device, its tables in float32 as transformers keeps them."""
+        device = next(self.parameters()).device
+        with torch.device(device):
+            self.rotary = self._rotary_cls(config=self.config)
+
+    def tie(self) -> None:
+        """Share the embedding table with lm_head when one stage holds both (after loading)."""
+        if self.tied and self.embed is not None:
+            self.lm_head.weight = self.embed.weight
+
+    def new_cache(self, rows: int, cols: int) -> HFKVCache:
+        p = next(self.parameters())
+        return HFKVCache(len(self.layers), rows, cols, p.dtype, p.device)
+
+    def masks(self, seg: Segment, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Boolean (b, 1, t, kv) masks per layer kind (additive in ``dtype`` for eager attention): key column j is visible to a query at position p
+        when j <= p (and p - j < sliding_window for sliding layers); a row's positions are its columns."""
+        pos = seg.positions  # (b, t)
+        kv = seg.t if seg.fresh else seg.kv_len
+        keys = torch.arange(kv, device=pos.device)[None, None, :]
+        causal = keys <= pos[:, :, None]
+        out = {"full": causal[:, None]}
+        if "sliding" in self.kinds[self.first : self.last]:
+            out["sliding"] = (causal & (keys > pos[:, :, None] - self.window))[:, None]
+        if self.additive_mask:  # 0 where visible, the dtype's minimum elsewhere (as transformers makes them)
+            low = torch.finfo(dtype).min
+            out = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, low) for k, m in out.items()}
+        return out
+
+    def forward(self, x: torch.Tensor, seg: Segment, cache: HFKVCache | None) -> torch.Tensor:
+        """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
+        if self.embed is not None:
+            x = self.embed(x)
+            if self.extras.embed_scale is not None:
+                x = x * self.extras.embed_scale
+        pos = seg.positions
+        if self._rotary_per_type:
+            rope = {t: self.rotary(x, pos, layer_type=t) for t in self._rotary_types}
+        else:
+            rope = self.rotary(x, pos)
+        masks = self.masks(seg, x.dtype)
+        past = segment_cache_class()(cache, seg, self.first) if cache is not None else None
+        types = getattr(self.config, "layer_types", None)
+        for i, layer in enumerate(self.layers):
+            g = self.first + i
+            out = layer(x, attention_mask=masks[self.kinds[g]], position_ids=pos, past_key_values=past,
+                        use_cache=past is not None,
+                        position_embeddings=rope[types[g]] if self._rotary_per_type else rope)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden (..., hidden) -> float32 logits (..., vocab), scaled as the HF model's forward does."""
+        e = self.extras
+        logits = self.lm_head(self.norm(h))
+        if e.logits_divide is not None:
+            logits = logits / e.logits_divide
+        if e.logits_multiply is not None:
+            logits = logits * e.logits_multiply
+        if e.softcap is not None:
+            logits = torch.tanh(logits / e.softcap) * e.softcap
+        return logits.float()
+
+
+__all__ = ["HFKVCache", "HFStageModel", "ModelShape", "segment_cache_class", "UnsupportedModel", "forward_extras",
+           "hf_config", "model_shape"]
