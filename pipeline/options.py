@@ -39,7 +39,7 @@ class RunOptions:
     max_micro_batch_size: int = _opt(32, "Most sequences (rows) in one micro-batch.")
     num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size (the fewest that keep every stage busy).")
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
-    prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant and for longrope models.", choices=("on", "off"))
+    prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
     prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
