@@ -115,8 +115,7 @@ def test_hf_greedy_on_the_readme_question(model_dir: str, tokenizer) -> None:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
-    # The right answer is " north west"; the shipped model says " west north" (issue 17).
-    assert tokenizer.decode(out[0, ids.shape[1]:]) == " west north"
+    assert tokenizer.decode(out[0, ids.shape[1]:]) == " north west"
 
 
 @pytest.fixture(scope="module")
@@ -129,18 +128,21 @@ def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[in
     for p in (1, 2):
         out = tmp / f"out_p{p}.jsonl"
         # --batch-invariant: P = 1 and P = 2 must then give the same answers on every machine
-        args = ["--infer-data", str(src), "--output-path", str(out), "--no-progress", "--batch-invariant"]
+        # --num-threads 1: two threads per rank oversubscribe a loaded CI machine (measured: > 300 s)
+        args = ["--infer-data", str(src), "--output-path", str(out), "--no-progress", "--batch-invariant",
+                "--num-threads", "1"]
         proc = run_single(args) if p == 1 else run_torchrun(args, p)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[p] = read_jsonl(out)
     return runs
 
 
-# What the shipped model measures now (seed 2024, 60 questions per task: path 47% / 63%, sums 27% / 25%,
-# copy 98%, reverse 50%, owner 8%, choice 37%), with a margin: a broken pipeline (wrong logits,
-# positions or cache) falls far below these.
-MEASURED_FLOORS = {"path/0-shot": 0.2, "path/few-shot": 0.25, "owner/choice": 0.2, "owner": 0.0,
-                   "arith/0-shot": 0.1, "arith/few-shot": 0.1, "copy": 0.8, "reverse": 0.35}
+# What the shipped model (v3) measures now, through the runner with --batch-invariant at P = 1 and
+# P = 2 (same answers; seed 2024, 60 questions per task): path 45% / 48%, sums 87% / 93%, copy 98%,
+# reverse 75%, owner 18%, choice 38%; a floor with a margin under each: a broken pipeline (wrong
+# logits, positions or cache) falls far below these.
+MEASURED_FLOORS = {"path/0-shot": 0.3, "path/few-shot": 0.3, "owner/choice": 0.2, "owner": 0.05,
+                   "arith/0-shot": 0.7, "arith/few-shot": 0.75, "copy": 0.85, "reverse": 0.6}
 
 
 @pytest.mark.parametrize("pipeline", [1, 2])
@@ -151,7 +153,7 @@ def test_heldout_accuracy_stays_at_its_measured_level(heldout_runs, pipeline: in
 
 
 @pytest.mark.xfail(strict=True, reason="issue 17: the shipped model is below the floors (measured: "
-                   "path 35%/41%, owner 8%, choice 39%); remove this mark with a model that passes")
+                   "path 45%/48%, owner 18%, choice 38%); remove this mark with a model that passes")
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_heldout_accuracy_through_the_runner(heldout_runs, pipeline: int) -> None:
     scores = check.score(heldout_runs[pipeline])
