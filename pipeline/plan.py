@@ -69,8 +69,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         model_dir = opts.model_name or _default_model_dir()
         config = read_config(model_dir)
+        spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
         check_weights_present(model_dir)
-        spec = stage_shape(config, opts.model_type, opts.backend)
         if opts.batch_invariant and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers): drop --batch-invariant")
