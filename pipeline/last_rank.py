@@ -31,7 +31,7 @@ class LastRank:
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
-        for index, line in getattr(msg, "errors", []):
+        for index, line in getattr(msg, "errors", []):  # only ever with a file open
             self.file.put(index, line, error=True)
         if isinstance(msg, PassHeader):
             return self._pass(msg, x)
@@ -49,25 +49,35 @@ class LastRank:
         try:
             return Opened(self.file.open(msg.total, self.overwrite, self.show_progress))
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
+            self.file = None
             return Opened(None, error=str(e))
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = time.perf_counter()
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
-            self.file.prompt_tokens += len(meta.prompt_ids)
+            if not meta.live:
+                self.file.prompt_tokens += len(meta.prompt_ids)
+        dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
         h_dec, h_pre = unpack(hdr, h)
-        h_live = None
+        h_live, decode_rows = None, hdr.decode_rows
         if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
             h_live = h_dec[hdr.decode_rows, -1] if hdr.dense else h_dec[:, -1]
+        if dropped and decode_rows:
+            keep = [i for i, r in enumerate(decode_rows) if r not in dropped]
+            decode_rows, h_live = [decode_rows[i] for i in keep], h_live[keep]
         with torch.inference_mode():
-            feed, finished = self.head.on_pass(hdr.slot, hdr.decode_rows, h_live, hdr.prefill, h_pre)
+            feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre)
+        written = 0
         for index, line in self.head.take_results():
             self.file.put(index, line)
+            written += 1
         PREFILL.tick(ready=bool(hdr.prefill))
-        self.file.flush(self.head.generated_tokens)
+        if self.file is not None:
+            self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
-        return Reply(hdr.slot, sorted(feed.items()), finished)
+        return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
+                     self.head.take_live(), written)
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
@@ -75,4 +85,5 @@ class LastRank:
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size)
+        self.file = None
         return Closed(complete, summary)

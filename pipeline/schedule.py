@@ -22,6 +22,7 @@ class Group:
     prompt_len: int
     max_tokens: int
     width: int = 1  # rows: best_of candidates
+    priority: bool = False  # serve mode: interactive requests go ahead of batch lines
 
     @property
     def need(self) -> int:
@@ -77,8 +78,15 @@ class Scheduler:
         return g.need * g.width <= self.budget
 
     def submit(self, g: Group) -> None:
+        """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
-        self.queue.append(g)
+        if not g.priority:
+            self.queue.append(g)
+            return
+        i = 0
+        while i < len(self.queue) and self.queue[i].priority:
+            i += 1
+        self.queue.insert(i, g)
 
     @property
     def used(self) -> int:

@@ -217,6 +217,15 @@ def parse_request(raw: object, index: int) -> Request:
     return Request(index, raw, _prompts(raw), parse_params(raw))
 
 
+def parse_body(body: object, chat: bool, index: int = 0) -> Request:
+    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
+    if chat:
+        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat")
+    return Request(index, body, _prompts(body), parse_params(body))
+
+
 def parse_line(line: bytes, index: int) -> Request:
     """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo)."""
     try:
