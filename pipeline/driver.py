@@ -147,7 +147,8 @@ class Driver:
                     f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
                     "max_tokens")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
-                             note, rows=[], raw=req.raw if i == 0 else None, live=live)
+                             note, rows=[], raw=req.raw if i == 0 else None, live=live,
+                             stream=req.stream)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)

@@ -27,7 +27,8 @@ class RowState:
     gid: int
     cand: Candidate
     key: int  # random stream
-    text: IncrementalText | None = None  # only when the request has stop strings
+    text: IncrementalText | None = None  # only when the request has stop strings or streams
+    sent: int = -1  # streaming: characters of text sent as deltas (-1: not streamed)
     counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
 
 
@@ -68,6 +69,7 @@ class Head:
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
         self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
         self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
+        self.deltas: list[tuple[int, int, str]] = []  # streaming: (request index, choice index, new text)
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
@@ -98,8 +100,9 @@ class Head:
         for j, r in enumerate(g.rows):
             key = stream_key(self.run_seed, p.seed, meta.req, meta.prompt_i, j)
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
-            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop else None
-            rows[r] = RowState(meta.gid, cand, key, text)
+            stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
+            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+            rows[r] = RowState(meta.gid, cand, key, text, sent=0 if stream else -1)
 
     # -- one pass ---------------------------------------------------------------------------
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill) -> tuple[dict, list[int]]:
@@ -180,6 +183,8 @@ class Head:
                     cand.finish_reason, cand.stop_at = "stop", hit
                     finished.append(r)
                     continue
+                if st.sent >= 0:
+                    self._stream(st, p)
             if len(cand.ids) >= p.max_tokens:
                 cand.finish_reason = "length"
                 finished.append(r)
@@ -226,6 +231,20 @@ class Head:
     def take_results(self) -> list[tuple[int, dict]]:
         """Requests finished since the last call: (input index, output line)."""
         out, self.results = self.results, []
+        return out
+
+    def _stream(self, st: RowState, p: Params) -> None:
+        """Queue the text a streaming row can no longer take back: all but the last (longest stop - 1)
+        characters, which a stop string found later could still cut."""
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        safe = len(st.text.text) - hold
+        if safe > st.sent:
+            meta = self.groups[st.gid].meta
+            self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, st.text.text[st.sent:safe]))
+            st.sent = safe
+
+    def take_deltas(self) -> list[tuple[int, int, str]]:
+        out, self.deltas = self.deltas, []
         return out
 
     def take_live(self) -> list[tuple[int, dict]]:

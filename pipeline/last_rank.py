@@ -77,7 +77,7 @@ class LastRank:
             self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     self.head.take_live(), written)
+                     self.head.take_live(), written, self.head.take_deltas())
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage

@@ -51,6 +51,7 @@ class Admission:
     rows: list[int]  # the slot rows of its best_of candidates
     raw: Any = None  # the original request object (sent with the first prompt only)
     live: bool = False  # serve mode: an HTTP request, answered back to rank 0 (not written to a file)
+    stream: bool = False  # serve mode: send its text back as it is generated
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Reply:
     finished: list[int]  # rows whose sequence ended
     answers: list[tuple[int, dict]] = field(default_factory=list)  # serve mode: finished live requests
     written: int = 0  # results put into the open file by this pass (serve mode counts a batch's progress)
+    deltas: list[tuple[int, int, str]] = field(default_factory=list)  # streaming: (request, choice, new text)
 
 
 @dataclass

