@@ -63,8 +63,9 @@ class Pass:
 
 
 class Scheduler:
-    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None):
+    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, spare: bool = False):
         self.budget, self.max_rows = budget, max_rows
+        self.spare = spare  # serve mode: size new slots for requests still to come (they arrive one by one)
         self.slots = [Slot(i) for i in range(num_slots)]
         self.queue: deque[Group] = deque()
         self.window = window or max(64, 4 * max_rows)
@@ -145,6 +146,10 @@ class Scheduler:
             new = self._pack(self.budget - self.used)
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new)
+                if self.spare:  # free rows with room for typical requests, within this slot's share
+                    cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
+                    cols = max(cols, cap // self.max_rows)
+                    rows = max(rows, min(self.max_rows, cap // cols))
                 slot.rows, slot.cols = rows, cols
                 slot.row_group, slot.row_len = [None] * rows, [0] * rows
                 alloc = (rows, cols)

@@ -32,6 +32,7 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
     fr = first_rank(plan, opts, info, stage)
+    fr.driver.sched.spare = True
     source, store = RequestSource(opts.max_pending), BatchStore(root)
     name = opts.served_model_name or plan.model_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
