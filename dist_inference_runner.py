@@ -109,7 +109,9 @@ def watch_signals(rank: int, serving: bool = False) -> None:
 
             log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
             STOPPING.set()
-            threading.Timer(25.0, _hard_exit, (128 + sig,)).start()
+            backstop = threading.Timer(25.0, _hard_exit, (128 + sig,))
+            backstop.daemon = True
+            backstop.start()
             return
         log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
                   rank, name)

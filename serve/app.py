@@ -77,7 +77,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return ok({"status": "ok"})
+        return ok({"status": "ok", "pending": state.source.pending})
 
     @app.get("/v1/models")
     async def models():

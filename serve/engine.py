@@ -98,9 +98,10 @@ class ServeRank(FirstRank):
         for g in [g for g in sched.queue if g.gid in gids]:
             sched.queue.remove(g)
             self.driver.metas.pop(g.gid, None)
-        for slot in sched.slots:
-            if gids.intersection(x for x in slot.row_group if x is not None):
-                self.drops.setdefault(slot.sid, set()).add(live.req.index)
+        held = [slot.sid for slot in sched.slots if gids.intersection(x for x in slot.row_group if x is not None)]
+        for sid in held:
+            self.drops.setdefault(sid, set()).add(live.req.index)
+        log.info("request %d: the client left; its rows are freed (%d micro-batch(es))", live.req.index, len(held))
 
     def _shed(self) -> None:
         """Shutdown: nothing queued starts (batch lines come back from the journal after a restart)."""

@@ -71,25 +71,41 @@ class Server:
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url("/v1"), api_key=KEY, max_retries=0, timeout=120, **kw)
 
+    def tree(self) -> list[int]:
+        """The launcher and every process under it (torchrun starts each rank in a session of its own)."""
+        return [self.proc.pid, *descendants(self.proc.pid)] if self.proc is not None else []
+
     def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc is not None:
+        """SIGKILL: the launcher and every rank at once (a crash); other signals: to the launcher only."""
+        if self.proc is None:
+            return
+        for pid in self.tree() if sig == signal.SIGKILL else [self.proc.pid]:
             try:
-                os.killpg(self.proc.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-            if sig == signal.SIGKILL:
-                self.proc.wait()
+        if sig == signal.SIGKILL:
+            self.proc.wait()
 
 
-def group_alive(pgid: int) -> bool:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            kids = [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        for k in kids:
+            out += [k, *descendants(k)]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +146,7 @@ def as_lines(results: list[dict]) -> list[dict]:
 
 
 def test_health_models_and_auth(server):
-    assert httpx.get(server.url("/health")).json() == {"status": "ok"}
+    assert httpx.get(server.url("/health")).json()["status"] == "ok"
     models = server.client().models.list()
     assert [m.id for m in models.data] == [NAME]
     r = httpx.get(server.url("/v1/models"))
@@ -237,8 +253,15 @@ def test_too_many_pending(server):
 def test_client_disconnect_frees_rows(server):
     h = {"Authorization": f"Bearer {KEY}"}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url("/v1/completions"), json={"prompt": "leave", "max_tokens": 400, "n": 8},
+        httpx.post(server.url("/v1/completions"), json={"prompt": "leave", "max_tokens": 480, "n": 16},
                    headers=h, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while "the client left; its rows are freed" not in server.log.read_text():
+        assert time.monotonic() < deadline, "the disconnect was not noticed"
+        time.sleep(0.1)
+    while httpx.get(server.url("/health")).json()["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     # the server lives on and answers
     assert server.client().completions.create(model=NAME, prompt="after", max_tokens=3).choices
 
@@ -284,6 +307,19 @@ def test_batch_api(server, reference, tmp_path):
     assert batch.id in [b.id for b in client.batches.list()]
 
 
+def test_batch_cancel(server):
+    client = server.client()
+    lines = batch_lines(extra=200)
+    f = client.files.create(file=("c.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled", "completed")
+    done = wait_batch(client, batch.id)
+    assert done.status in ("cancelled", "completed")
+    if done.status == "cancelled":
+        out = batch_bodies(client.files.content(done.output_file_id).text)
+        assert len(out) < len(lines) and done.request_counts.completed == len(out)
+
+
 def test_batch_survives_sigkill(server):
     client = server.client()
     lines = batch_lines(extra=60)
@@ -311,13 +347,36 @@ def test_sigterm_stops_every_rank(server):
         client.completions.create(model=NAME, prompt="in flight", max_tokens=60, temperature=0)))
     t.start()
     time.sleep(0.3)
+    procs = server.tree()
+    assert len(procs) >= server.nproc
     t0 = time.monotonic()
     server.kill(signal.SIGTERM)
     server.proc.wait(timeout=30)
     t.join(30)
-    assert time.monotonic() - t0 < 30
-    deadline = time.monotonic() + 5
-    while group_alive(server.proc.pid) and time.monotonic() < deadline:
+    deadline = t0 + 30
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not group_alive(server.proc.pid), "a rank outlived SIGTERM"
+    assert not any(alive(p) for p in procs), "a rank outlived SIGTERM by 30 s"
+    assert time.monotonic() - t0 < 20, "SIGTERM should stop the server well within 30 s"
     assert answers and answers[0].choices[0].finish_reason == "length"  # the in-flight request was finished
+
+
+def test_scheduler_priority_and_spare_rows():
+    """Pure scheduler logic: interactive groups go ahead of queued batch lines (in their own arrival
+    order), and serve mode sizes a new micro-batch with free rows for requests still to come."""
+    from pipeline.schedule import Group, Scheduler
+
+    s = Scheduler(budget=4096, num_slots=1, max_rows=8, spare=True)
+    for gid in range(3):
+        s.submit(Group(gid, 10, 10))
+    s.submit(Group(10, 10, 10, priority=True))
+    s.submit(Group(11, 10, 10, priority=True))
+    assert [g.gid for g in s.queue] == [10, 11, 0, 1, 2]
+    s.queue.clear()
+    s.submit(Group(20, 10, 10, priority=True))
+    ps = s.next_pass(0)
+    assert ps.alloc == (8, 512)  # one request, but 8 rows of 4096 / 8 columns
+    s.on_reply(0, [ps.prefill[0][1]], [])
+    s.submit(Group(21, 100, 50, priority=True))
+    ps = s.next_pass(0)
+    assert ps.alloc is None and [gid for gid, _ in ps.prefill] == [21]  # joined the running micro-batch
