@@ -56,16 +56,7 @@ def create_app(state: ServeState) -> FastAPI:
     state.created = state.created or int(time.time())
     upload_limit = state.max_request_bytes * UPLOAD_FACTOR
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path.startswith("/v1") and not _authorized(request, state.api_key):
-            return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        limit = upload_limit if path == "/v1/files" else state.max_request_bytes
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > limit:
-            return error(413, f"the request body of {size} bytes exceeds the limit of {limit} bytes", code="body_too_large")
-        return await call_next(request)
+    app.add_middleware(Guard, state=state, upload_limit=upload_limit)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -104,12 +95,34 @@ def create_app(state: ServeState) -> FastAPI:
     return app
 
 
+class Guard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers):
+    the API key on /v1 endpoints, and the body size limit from Content-Length."""
+
+    def __init__(self, app, state: ServeState, upload_limit: int):
+        self.app, self.state, self.upload_limit = app, state, upload_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            if self.state.api_key and path.startswith("/v1") and not _authorized(headers, self.state.api_key):
+                return await error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key")(scope, receive, send)
+            limit = self.upload_limit if path == "/v1/files" else self.state.max_request_bytes
+            size = headers.get("content-length", "")
+            if size.isdigit() and int(size) > limit:
+                return await error(413, f"the request body of {size} bytes exceeds the limit of {limit} bytes",
+                                   code="body_too_large")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def _model(state: ServeState) -> dict:
     return {"id": state.model, "object": "model", "created": state.created, "owned_by": "dist_inference_runner"}
 
 
-def _authorized(request: Request, key: str) -> bool:
-    got = request.headers.get("authorization", "")
+def _authorized(headers: dict, key: str) -> bool:
+    got = headers.get("authorization", "")
     return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
 
 
