@@ -380,3 +380,20 @@ def test_scheduler_priority_and_spare_rows():
     s.submit(Group(21, 100, 50, priority=True))
     ps = s.next_pass(0)
     assert ps.alloc is None and [gid for gid, _ in ps.prefill] == [21]  # joined the running micro-batch
+
+
+def test_serve_flags():
+    from pipeline.options import parse_options, serve_address
+    from serve.run import _loopback
+
+    assert serve_address("8000") == ("127.0.0.1", 8000)
+    assert serve_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    assert serve_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="HOST:]PORT"):
+        serve_address("localhost")
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and not _loopback("0.0.0.0")
+    with pytest.raises(SystemExit):
+        parse_options(["--serve", "8000", "--infer-data", "x.jsonl"])
+    with pytest.raises(SystemExit):
+        parse_options(["--serve", "8000", "--data-group-size", "2"])
+    assert parse_options(["--serve", "8000"]).max_pending == 256
