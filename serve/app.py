@@ -153,14 +153,19 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         return error(400, e.message, e.kind, e.param)
     req.stream = stream
     loop = asyncio.get_running_loop()
-    live = Live(req, loop, loop.create_future(), stream, asyncio.Queue() if stream else None)
+    live = Live(req, loop, loop.create_future(), stream, asyncio.Queue() if stream else None,
+                loop.create_future() if stream else None)
     try:
         state.source.submit(live)
     except Busy as e:
         return error(429, str(e), "rate_limit_error", code="too_many_pending", headers={"Retry-After": "1"})
     except Unavailable as e:
         return error(503, str(e), "server_error")
-    if stream:
+    if stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
+        await asyncio.wait({live.accepted, live.future}, return_when=asyncio.FIRST_COMPLETED)
+        if not live.accepted.done() and live.future.result()[0] == "error":
+            _, status, err = live.future.result()
+            return error(status, err["message"], err["type"], err.get("param"))
         maker = ChunkMaker(chat, state.model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
         return StreamingResponse(_events(state, live, maker, include_usage), media_type="text/event-stream")
     value = await _wait(state, request, live)

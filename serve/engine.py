@@ -88,6 +88,7 @@ class ServeRank(FirstRank):
                 self.source.resolve(item, ("error", 400, e.to_dict()))
                 continue
             self.live[item.req.index] = item
+            self.source.accept(item)
 
     def _cancel(self, live: Live) -> None:
         """Its client left: unqueued groups leave the queue, admitted rows are dropped with their slot's next pass."""

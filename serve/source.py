@@ -36,6 +36,7 @@ class Live:
     future: asyncio.Future  # -> ("ok", output line) | ("error", status, error object)
     stream: bool = False
     events: asyncio.Queue | None = None  # streaming: (choice index, text delta) as tokens come
+    accepted: asyncio.Future | None = None  # streaming: set once tokenized and queued (else `future` errs)
     gids: list[int] = field(default_factory=list)  # its scheduler groups (pipeline thread only)
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (pipeline thread)
 
@@ -85,6 +86,10 @@ class RequestSource:
         """A cancelled request: no answer is owed."""
         with self._lock:
             self.pending -= 1
+
+    def accept(self, live: Live) -> None:
+        if live.accepted is not None:
+            live.loop.call_soon_threadsafe(_set_result, live.accepted, True)
 
     def emit(self, live: Live, choice: int, text: str) -> None:
         if live.events is not None and text:

@@ -198,8 +198,9 @@ def test_bad_requests(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "x" * 300000}, headers=h)
     assert r.status_code == 413
-    r = httpx.post(server.url("/v1/completions"), json={"prompt": [10**9]}, headers=h)
-    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    for stream in (False, True):  # found when tokenizing, on the pipeline thread
+        r = httpx.post(server.url("/v1/completions"), json={"prompt": [10**9], "stream": stream}, headers=h)
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
     r = httpx.get(server.url("/v1/batches/batch_nope"), headers=h)
     assert r.status_code == 404
     with pytest.raises(openai.BadRequestError):
