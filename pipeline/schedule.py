@@ -66,6 +66,7 @@ class Scheduler:
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, spare: bool = False):
         self.budget, self.max_rows = budget, max_rows
         self.spare = spare  # serve mode: size new slots for requests still to come (they arrive one by one)
+        self.recent: deque[int] = deque(maxlen=64)  # serve mode: the needs of recent groups
         self.slots = [Slot(i) for i in range(num_slots)]
         self.queue: deque[Group] = deque()
         self.window = window or max(64, 4 * max_rows)
@@ -81,6 +82,7 @@ class Scheduler:
     def submit(self, g: Group) -> None:
         """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
+        self.recent.append(g.need)
         if not g.priority:
             self.queue.append(g)
             return
@@ -146,9 +148,10 @@ class Scheduler:
             new = self._pack(self.budget - self.used)
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new)
-                if self.spare:  # free rows with room for typical requests, within this slot's share
+                if self.spare:  # free rows with room for most recent requests, within this slot's share
                     cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
-                    cols = max(cols, cap // self.max_rows)
+                    typical = sorted(self.recent)[int(0.9 * (len(self.recent) - 1))] if self.recent else 0
+                    cols = max(cols, min(typical, cap // max(rows, 1)), cap // self.max_rows)
                     rows = max(rows, min(self.max_rows, cap // cols))
                 slot.rows, slot.cols = rows, cols
                 slot.row_group, slot.row_len = [None] * rows, [0] * rows

@@ -236,7 +236,7 @@ def test_too_many_pending(server):
     codes, retry = [], []
 
     def one() -> None:
-        r = httpx.post(server.url("/v1/completions"), json={"prompt": "busy", "max_tokens": 200, "temperature": 0},
+        r = httpx.post(server.url("/v1/completions"), json={"prompt": "busy", "max_tokens": 480, "temperature": 0},
                        headers=h, timeout=120)
         codes.append(r.status_code)
         if r.status_code == 429:
