@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
     if signals:
-        watch_signals(rank)
+        watch_signals(rank, serving=opts.serve is not None)
     from pipeline.plan import make_plan
 
     try:
@@ -129,12 +129,15 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def watch_signals(rank: int) -> None:
+def watch_signals(rank: int, serving: bool = False) -> None:
     """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive.
 
     Python runs signal handlers only between bytecodes, never while the main thread waits in a
     gloo/NCCL call, so the signals are blocked in every thread and a dedicated thread waits for them.
     The journal is flushed after every write, so what finished is kept.
+
+    Serving, rank 0 instead stops accepting requests, lets in-flight ones finish and stops every rank
+    (serve.engine); any rank still alive 25 s after the signal exits anyway.
     """
     import signal
     import threading
@@ -145,6 +148,15 @@ def watch_signals(rank: int) -> None:
     def wait() -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
+        if serving:
+            from serve.source import STOPPING
+
+            log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
+            STOPPING.set()
+            backstop = threading.Timer(25.0, _hard_exit, (128 + sig,))
+            backstop.daemon = True
+            backstop.start()
+            return
         log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
                   rank, name)
         _hard_exit(128 + sig)
@@ -174,7 +186,7 @@ def execute(plan, opts) -> int:
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
-    if plan.stage == 0 and not inputs:
+    if plan.stage == 0 and not inputs and opts.serve is None:
         from tasks.dummy import write_dummy_requests
 
         dummy = write_dummy_requests(opts)
@@ -188,6 +200,11 @@ def execute(plan, opts) -> int:
     try:
         if not info.is_first:
             last_output = serve_rank(plan, opts, info, stage)
+            return 0
+        if opts.serve is not None:
+            from serve.run import run_server
+
+            run_server(plan, opts, info, stage, first_rank)
             return 0
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
@@ -257,7 +274,8 @@ def last_rank(plan, opts, info, stage, tokenizer=None):
     from pipeline.last_rank import LastRank
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), plan.model_name, opts.seed)
+    name = (opts.served_model_name if opts.serve else None) or plan.model_name
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 

@@ -111,7 +111,15 @@ class Driver:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
         return prompt
 
-    def _groups(self, req: Request) -> list[Group]:
+    def submit_live(self, req: Request) -> list[int]:
+        """Serve mode: an HTTP request's groups go ahead of queued batch lines; returns their gids.
+        Raises :class:`RequestError` when it cannot run (context window, vocabulary, budget)."""
+        groups = self._groups(req, live=True)
+        for g in groups:
+            self.sched.submit(g)
+        return [g.gid for g in groups]
+
+    def _groups(self, req: Request, live: bool = False) -> list[Group]:
         p = req.params
         groups, metas = [], []
         for i, prompt in enumerate(req.prompts):
@@ -127,14 +135,16 @@ class Driver:
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
             digests = block_digests(ids, self.prefix.block_size) if self.prefix is not None else []
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, digests[0] if digests else None)
+            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, digests[0] if digests else None,
+                      priority=live)
             if not self.sched.fits(g):
                 raise RequestError(
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
                     f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
                     "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
-                             note, rows=[], raw=req.raw if i == 0 else None)
+                             note, rows=[], raw=req.raw if i == 0 else None, live=live,
+                             stream=req.stream)
             groups.append(g)
             metas.append(meta)
             if digests:

@@ -27,7 +27,8 @@ class RowState:
     gid: int
     cand: Candidate
     key: int  # random stream
-    text: IncrementalText | None = None  # only when the request has stop strings
+    text: IncrementalText | None = None  # only when the request has stop strings or streams
+    sent: int = -1  # streaming: characters of text sent as deltas (-1: not streamed)
     counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
 
 
@@ -68,9 +69,11 @@ class Head:
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
         self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
+        self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
+        self.deltas: list[tuple[int, int, str]] = []  # streaming: (request index, choice index, new text)
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
-        self.requests: dict[int, RequestState] = {}
+        self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
         self.format_seconds = 0.0  # detokenizing and formatting results
 
@@ -81,10 +84,11 @@ class Head:
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
-        if meta.req not in self.requests:
-            self.requests[meta.req] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
-                                                   started=time.perf_counter())
-        req = self.requests[meta.req]
+        key = (meta.live, meta.req)
+        if key not in self.requests:
+            self.requests[key] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
+                                              started=time.perf_counter())
+        req = self.requests[key]
         if meta.raw is not None:  # only the first prompt's admission carries the request, in any order
             req.raw = meta.raw
         req.batch_size = max(req.batch_size, slot_rows)
@@ -97,8 +101,9 @@ class Head:
         for j, r in enumerate(g.rows):
             key = stream_key(self.run_seed, p.seed, meta.req, meta.prompt_i, j)
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
-            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop else None
-            rows[r] = RowState(meta.gid, cand, key, text)
+            stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
+            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+            rows[r] = RowState(meta.gid, cand, key, text, sent=0 if stream else -1)
 
     # -- one pass ---------------------------------------------------------------------------
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
@@ -183,6 +188,8 @@ class Head:
                     cand.finish_reason, cand.stop_at = "stop", hit
                     finished.append(r)
                     continue
+                if st.sent >= 0:
+                    self._stream(st, p)
             if len(cand.ids) >= p.max_tokens:
                 cand.finish_reason = "length"
                 finished.append(r)
@@ -209,7 +216,13 @@ class Head:
         g = self.groups[st.gid]
         if st.text is not None:
             st.cand.pieces = st.text.finish()
-        req = self.requests[g.meta.req]
+        key = (g.meta.live, g.meta.req)
+        req = self.requests.get(key)
+        if req is None:  # serve mode: the client left and the request was dropped
+            g.done += 1
+            if g.done == len(g.rows):
+                del self.groups[st.gid]
+            return
         req.choices.setdefault(g.meta.prompt_i, []).append(st.cand)
         g.done += 1
         if g.done == len(g.rows):
@@ -218,14 +231,49 @@ class Head:
             if len(req.choices) == req.n_prompts and all(
                 len(c) == req.params.best_of for c in req.choices.values()
             ):
-                self._format(g.meta.req, self.requests.pop(g.meta.req))
+                self._format(key, self.requests.pop(key))
 
     def take_results(self) -> list[tuple[int, dict]]:
         """Requests finished since the last call: (input index, output line)."""
         out, self.results = self.results, []
         return out
 
-    def _format(self, index: int, req: RequestState) -> None:
+    def _stream(self, st: RowState, p: Params) -> None:
+        """Queue the text a streaming row can no longer take back: all but the last (longest stop - 1)
+        characters, which a stop string found later could still cut."""
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        safe = len(st.text.text) - hold
+        if safe > st.sent:
+            meta = self.groups[st.gid].meta
+            self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, st.text.text[st.sent:safe]))
+            st.sent = safe
+
+    def take_deltas(self) -> list[tuple[int, int, str]]:
+        out, self.deltas = self.deltas, []
+        return out
+
+    def take_live(self) -> list[tuple[int, dict]]:
+        """Serve mode: HTTP requests finished since the last call, (request index, output line)."""
+        out, self.live_results = self.live_results, []
+        return out
+
+    def drop(self, slot: int, live_reqs: set[int]) -> list[int]:
+        """Serve mode: forget the rows of ``live_reqs`` (their clients left) in ``slot``; the rows freed."""
+        rows = [r for r, st in self.slots.get(slot, {}).items() if self.groups[st.gid].meta.live
+                and self.groups[st.gid].meta.req in live_reqs]
+        for r in rows:
+            st = self.slots[slot].pop(r)
+            g = self.groups[st.gid]
+            g.done += 1
+            if g.done == len(g.rows):
+                del self.groups[st.gid]
+        for req in live_reqs:
+            if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
+                self.requests.pop((True, req), None)
+        return rows
+
+    def _format(self, key: tuple[bool, int], req: RequestState) -> None:
+        live, index = key
         t0 = time.perf_counter()
         p = req.params
         choices, completion_tokens = [], 0
@@ -243,7 +291,7 @@ class Head:
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:
             result["warnings"] = req.notes
-        self.results.append((index, output_line(req.raw, req.custom_id, result=result)))
+        (self.live_results if live else self.results).append((index, output_line(req.raw, req.custom_id, result=result)))
         self.format_seconds += time.perf_counter() - t0
 
 

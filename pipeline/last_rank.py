@@ -31,7 +31,7 @@ class LastRank:
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
-        for index, line in getattr(msg, "errors", []):
+        for index, line in getattr(msg, "errors", []):  # only ever with a file open
             self.file.put(index, line, error=True)
         if isinstance(msg, PassHeader):
             return self._pass(msg, x)
@@ -49,29 +49,40 @@ class LastRank:
         try:
             return Opened(self.file.open(msg.total, self.overwrite, self.show_progress))
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
+            self.file = None
             return Opened(None, error=str(e))
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = time.perf_counter()
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
-            self.file.prompt_tokens += len(meta.prompt_ids)
+            if not meta.live:
+                self.file.prompt_tokens += len(meta.prompt_ids)
+        dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
         h_dec, h_pre = unpack(hdr, h)
-        h_live = None
+        h_live, decode_rows = None, hdr.decode_rows
         if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
             h_live = h_dec[hdr.decode_rows, -1] if hdr.dense else h_dec[:, -1]
-        cached_h = {i: self.stage.prefix.hidden(p.load, p.cached) for i, p in enumerate(hdr.prefill)
-                    if p.cached and self.head.groups[p.gid].params.echo}
-        for p in hdr.prefill:
-            self.file.cached_tokens += p.cached
+        if dropped and decode_rows:
+            keep = [i for i, r in enumerate(decode_rows) if r not in dropped]
+            decode_rows, h_live = [decode_rows[i] for i in keep], h_live[keep]
+        groups = [self.head.groups.get(p.gid) for p in hdr.prefill]
+        cached_h = {i: self.stage.prefix.hidden(p.load, p.cached) for i, (p, g) in enumerate(zip(hdr.prefill, groups))
+                    if p.cached and g is not None and g.params.echo}
+        if self.file is not None:
+            self.file.cached_tokens += sum(p.cached for p, g in zip(hdr.prefill, groups) if g and not g.meta.live)
         with torch.inference_mode():
-            feed, finished = self.head.on_pass(hdr.slot, hdr.decode_rows, h_live, hdr.prefill, h_pre, cached_h)
+            feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, cached_h)
+        written = 0
         for index, line in self.head.take_results():
             self.file.put(index, line)
+            written += 1
         PREFILL.tick(ready=bool(hdr.prefill))
-        self.file.flush(self.head.generated_tokens)
+        if self.file is not None:
+            self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
-        return Reply(hdr.slot, sorted(feed.items()), finished)
+        return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
+                     self.head.take_live(), written, self.head.take_deltas())
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
@@ -80,4 +91,5 @@ class LastRank:
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells)
+        self.file = None
         return Closed(complete, summary)

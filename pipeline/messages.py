@@ -50,6 +50,8 @@ class Admission:
     note: str | None  # e.g. a truncation warning
     rows: list[int]  # the slot rows of its best_of candidates
     raw: Any = None  # the original request object (sent with the first prompt only)
+    live: bool = False  # serve mode: an HTTP request, answered back to rank 0 (not written to a file)
+    stream: bool = False  # serve mode: send its text back as it is generated
 
 
 @dataclass
@@ -88,6 +90,7 @@ class PassHeader:
     admit: list[Admission] = field(default_factory=list)
     errors: list[ErrorLine] = field(default_factory=list)
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
+    drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
 
     @property
     def prefill_len(self) -> int:
@@ -106,6 +109,9 @@ class Reply:
     slot: int
     feed: list[tuple[int, int]]  # (row, token to feed next)
     finished: list[int]  # rows whose sequence ended
+    answers: list[tuple[int, dict]] = field(default_factory=list)  # serve mode: finished live requests
+    written: int = 0  # results put into the open file by this pass (serve mode counts a batch's progress)
+    deltas: list[tuple[int, int, str]] = field(default_factory=list)  # streaming: (request, choice, new text)
 
 
 @dataclass

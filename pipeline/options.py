@@ -68,6 +68,13 @@ class RunOptions:
     batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
     input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
     generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    # serve mode
+    serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
+    served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
+    api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY).")
+    serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
+    max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
+    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes (larger: 413); uploaded files may be 64x larger.")
     config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
 
     @property
@@ -185,4 +192,23 @@ def check_options(opts: RunOptions) -> list[str]:
     for name in ("batch_size", "input_seq_length", "generate_seq_length", "timeout"):
         if getattr(opts, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    if opts.serve is not None:
+        try:
+            serve_address(opts.serve)
+        except ValueError as e:
+            problems.append(str(e))
+        if opts.data_group_size != 1:
+            problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
+        if opts.infer_data:
+            problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
+    if opts.max_pending < 1 or opts.max_request_bytes < 1:
+        problems.append("--max-pending and --max-request-bytes must be at least 1")
     return problems
+
+
+def serve_address(spec: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` -> (host, port); the host defaults to the loopback address."""
+    host, _, port = spec.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--serve {spec}: expected [HOST:]PORT, e.g. 8000 or 0.0.0.0:8000")
+    return host.strip("[]") or "127.0.0.1", int(port)

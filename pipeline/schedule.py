@@ -23,6 +23,7 @@ class Group:
     max_tokens: int
     width: int = 1  # rows: best_of candidates
     key: bytes | None = None  # digest of the prompt's first prefix-cache block (None: cache off or short)
+    priority: bool = False  # serve mode: interactive requests go ahead of batch lines
 
     @property
     def need(self) -> int:
@@ -66,11 +67,18 @@ class Scheduler:
     """``prefix`` (a :class:`~pipeline.prefix.PrefixCache`): its pool counts against the budget, a
     slot gets one spare column (a prefill that resumes after cached tokens pads its shorter rows
     past their length: those writes land there), and two groups whose first block is not resident
-    yet do not enter the same pass: the second waits a pass and then finds the block computed."""
+    yet do not enter the same pass: the second waits a pass and then finds the block computed.
 
-    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None):
+    ``headroom`` (serve mode): requests arrive one by one, so a new micro-batch gets free rows sized
+    for recent requests (the 90th percentile of their needs), within its share of the budget.
+    """
+
+    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
+                 headroom: bool = False):
         self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
-        self.spare = 1 if prefix is not None else 0
+        self.spare = 1 if prefix is not None else 0  # columns
+        self.headroom = headroom
+        self.recent: deque[int] = deque(maxlen=64)  # serve mode: the needs of recent groups
         self.slots = [Slot(i) for i in range(num_slots)]
         self.queue: deque[Group] = deque()
         self.window = window or max(64, 4 * max_rows)
@@ -84,8 +92,16 @@ class Scheduler:
         return (g.need + self.spare) * g.width <= self.budget
 
     def submit(self, g: Group) -> None:
+        """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
-        self.queue.append(g)
+        self.recent.append(g.need)
+        if not g.priority:
+            self.queue.append(g)
+            return
+        i = 0
+        while i < len(self.queue) and self.queue[i].priority:
+            i += 1
+        self.queue.insert(i, g)
 
     @property
     def used(self) -> int:
@@ -158,6 +174,11 @@ class Scheduler:
             new = self._pack(self.budget - self.used)
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
+                if self.headroom:  # free rows with room for most recent requests, within this slot's share
+                    cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
+                    typical = sorted(self.recent)[int(0.9 * (len(self.recent) - 1))] if self.recent else 0
+                    cols = max(cols, min(typical + self.spare, cap // max(rows, 1)), cap // self.max_rows)
+                    rows = max(rows, min(self.max_rows, cap // cols))
                 slot.rows, slot.cols = rows, cols
                 slot.row_group, slot.row_len = [None] * rows, [0] * rows
                 alloc = (rows, cols)

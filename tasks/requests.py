@@ -67,6 +67,7 @@ class Request:
     params: Params
     kind: str = "completion"  # completion | chat
     custom_id: str | None = None  # Batch API lines
+    stream: bool = False  # serve mode: stream: true
 
 
 def _is_int(x) -> bool:
@@ -221,6 +222,15 @@ def parse_request(raw: object, index: int) -> Request:
             raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
         return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]))
     return Request(index, raw, _prompts(raw), parse_params(raw))
+
+
+def parse_body(body: object, chat: bool, index: int = 0) -> Request:
+    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
+    if chat:
+        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat")
+    return Request(index, body, _prompts(body), parse_params(body))
 
 
 def parse_line(line: bytes, index: int) -> Request:

@@ -1,0 +1,206 @@
+"""Rank 0's loop in serve mode: the file-mode driver and scheduler, fed by HTTP clients and batches.
+
+Each turn takes what the HTTP thread queued (new requests go ahead of batch lines; a request that
+cannot run is answered at once), reads the running batch's next lines, launches a pass for every
+idle micro-batch slot, and then handles one answer from the last rank. Answers arrive in the order
+their messages went down the pipeline, so :class:`OpenFile` / :class:`CloseFile` for a batch
+interleave freely with passes: a batch opens, runs and closes while interactive traffic goes on.
+With P = 1 the last rank is in this process (``FirstRank._down`` hands messages to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pipeline.driver import input_fingerprint, read_lines
+from pipeline.first_rank import FirstRank
+from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
+from pipeline.stage import pack
+from tasks.requests import RequestError
+
+from .batches import BatchJob, BatchStore
+from .source import Live, RequestSource
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE = 20.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+@dataclass
+class BatchRun:
+    job: BatchJob
+    opened: bool = False
+    closing: bool = False
+    cancelled: bool = False
+    skip: int = 0  # lines journaled before this run
+    done: int = 0  # results written in this run
+
+
+class ServeRank(FirstRank):
+    def __init__(self, stage, driver, link, last, source: RequestSource, batches: BatchStore):
+        super().__init__(stage, driver, link, last)
+        self.source, self.batches = source, batches
+        self.owed = 0  # answers the last rank owes: passes, OpenFile, CloseFile
+        self.live: dict[int, Live] = {}  # request index -> a request in the scheduler
+        self.drops: dict[int, set[int]] = {}  # slot -> live requests to forget with its next pass
+        self.release: list[int] = []
+        self.batch: BatchRun | None = None
+
+    def serve(self) -> None:
+        """Until SIGTERM: then stop taking work, let in-flight requests finish (bounded), stop every rank."""
+        deadline = None
+        while True:
+            if deadline is None and self.source.stopping.is_set():
+                deadline = time.monotonic() + SHUTDOWN_GRACE
+                self._shed()
+            self._take(self.source.take())
+            if deadline is None:
+                self._batch_step()
+            if deadline is None or time.monotonic() < deadline:
+                self._launch()
+            if self.owed == 0:
+                if deadline is not None:
+                    break
+                self._take(self.source.take(timeout=0.05))
+                continue
+            self._on(self._reply())
+        for live in self.live.values():
+            self.source.resolve(live, ("error", 503, _error("the server shut down before this request finished",
+                                                           "server_error")))
+        self._down(Stop())
+        if self.link is not None:
+            self.link.flush()
+
+    # -- interactive requests -----------------------------------------------------------------
+    def _take(self, items: list) -> None:
+        for item in items:
+            if isinstance(item, tuple):
+                self._cancel(item[1])
+                continue
+            if self.source.stopping.is_set():
+                self.source.resolve(item, ("error", 503, _error("the server is shutting down", "server_error")))
+                continue
+            try:
+                item.gids = self.driver.submit_live(item.req)
+            except RequestError as e:
+                self.source.resolve(item, ("error", 400, e.to_dict()))
+                continue
+            self.live[item.req.index] = item
+            self.source.accept(item)
+
+    def _cancel(self, live: Live) -> None:
+        """Its client left: unqueued groups leave the queue, admitted rows are dropped with their slot's next pass."""
+        if self.live.pop(live.req.index, None) is None:
+            return  # answered already
+        self.source.forget(live)
+        gids, sched = set(live.gids), self.driver.sched
+        for g in [g for g in sched.queue if g.gid in gids]:
+            sched.queue.remove(g)
+            self.driver.metas.pop(g.gid, None)
+        held = [slot.sid for slot in sched.slots if gids.intersection(x for x in slot.row_group if x is not None)]
+        for sid in held:
+            self.drops.setdefault(sid, set()).add(live.req.index)
+        log.info("request %d: the client left; its rows are freed (%d micro-batch(es))", live.req.index, len(held))
+
+    def _shed(self) -> None:
+        """Shutdown: nothing queued starts (batch lines come back from the journal after a restart)."""
+        sched = self.driver.sched
+        for g in list(sched.queue):
+            meta = self.driver.metas.pop(g.gid, None)
+            if meta is not None and meta.live and meta.req in self.live:
+                live = self.live.pop(meta.req)
+                self.source.resolve(live, ("error", 503, _error("the server is shutting down", "server_error")))
+        sched.queue.clear()
+        self.driver.lines = None
+
+    # -- passes and answers -------------------------------------------------------------------
+    def _launch(self) -> None:
+        d, sched = self.driver, self.driver.sched
+        for slot in sched.slots:
+            ps = None if slot.inflight else sched.next_pass(slot.sid)
+            if ps is None:
+                if not slot.inflight:
+                    self.drops.pop(slot.sid, None)
+                continue
+            hdr, dec, pre = d.build(ps, self.release)
+            self.release = []
+            hdr.drop = sorted(self.drops.pop(slot.sid, ()))
+            self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
+            self.owed += 1
+
+    def _on(self, msg: Message) -> None:
+        self.owed -= 1
+        if isinstance(msg, Opened):
+            return self._opened(msg)
+        if isinstance(msg, Closed):
+            return self._closed(msg)
+        assert isinstance(msg, Reply), msg
+        sched = self.driver.sched
+        was = sched.slots[msg.slot].allocated
+        self.driver.on_reply(msg)
+        if was and not sched.slots[msg.slot].allocated:
+            self.release.append(msg.slot)
+        for index, choice, text in msg.deltas:
+            live = self.live.get(index)
+            if live is not None:
+                self.source.emit(live, choice, text)
+        for index, line in msg.answers:
+            live = self.live.pop(index, None)
+            if live is not None:
+                self.source.resolve(live, ("ok", line))
+        if self.batch is not None:
+            self.batch.done += msg.written
+
+    # -- the running batch --------------------------------------------------------------------
+    def _batch_step(self) -> None:
+        d, b = self.driver, self.batch
+        if b is None:
+            job = self.batches.next_job()
+            if job is not None:
+                self.batch = BatchRun(job)
+                self._down(OpenFile(job.input, job.output, job.total, input_fingerprint(job.input)))
+                self.owed += 1
+            return
+        if not b.opened or b.closing:
+            return
+        if not b.cancelled and self.batches.cancel_requested(b.job.id):
+            b.cancelled, d.lines = True, None
+        d.fill()
+        errors = sum(d.error_kinds.values())
+        self.batches.progress(b.job.id, b.done, errors)
+        if d.exhausted and b.done + errors == d.requests_read:
+            total = b.skip + d.requests_read if b.cancelled else b.job.total
+            self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, 0.0, [], d.take_errors(),
+                                 busy=[self.stage.busy]))
+            self.owed += 1
+            b.closing = True
+
+    def _opened(self, msg: Opened) -> None:
+        b = self.batch
+        if msg.error:
+            log.error("batch %s: %s", b.job.id, msg.error)
+            self.batches.fail(b.job.id, msg.error)
+            self.batch = None
+        elif msg.skip is None:  # its output is complete (the server stopped before the batch was marked so)
+            self.batches.finish(b.job.id)
+            self.batch = None
+        else:
+            b.opened, b.skip = True, msg.skip
+            self.driver.start(read_lines(b.job.input, skip=msg.skip))
+            self.batches.started(b.job.id, msg.skip)
+            if msg.skip:
+                log.info("batch %s: resuming after %d answered requests", b.job.id, msg.skip)
+
+    def _closed(self, msg: Closed) -> None:
+        b, self.batch = self.batch, None
+        self.driver.lines = None
+        if msg.complete:
+            self.batches.finish(b.job.id)
+        else:
+            self.batches.fail(b.job.id, "the writer did not receive every result")
+
+
+def _error(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"message": message, "type": kind, "param": param}

@@ -1,0 +1,63 @@
+"""Server-sent events in OpenAI's chunk format for ``stream: true``.
+
+Text arrives as per-token deltas while a request runs (``Live.events``); when it finishes, the
+final result is known and each choice gets what is left of its text (so the chunks of a choice
+always join to exactly the non-streamed text: held-back text near a stop string, a trailing
+partial character), its logprobs and its finish_reason. The stream ends with an optional usage
+chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+def event(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ChunkMaker:
+    def __init__(self, chat: bool, model: str, rid: str, created: int):
+        self.chat, self.model, self.rid, self.created = chat, model, rid, created
+        self.sent: dict[int, str] = {}  # choice index -> text sent so far
+        self.started: set[int] = set()
+
+    def _chunk(self, choices: list[dict], usage=None) -> bytes:
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.chat:
+            obj["system_fingerprint"] = None
+        if usage is not None:
+            obj["usage"] = usage
+        return event(obj)
+
+    def _choice(self, index: int, text: str, finish=None, logprobs=None) -> dict:
+        if not self.chat:
+            return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+        delta = {"content": text}
+        if index not in self.started:
+            self.started.add(index)
+            delta = {"role": "assistant", "content": text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta(self, index: int, text: str) -> bytes:
+        """Text produced while the request runs."""
+        self.sent[index] = self.sent.get(index, "") + text
+        return self._chunk([self._choice(index, text)])
+
+    def final(self, result: dict, include_usage: bool) -> list[bytes]:
+        """The rest of every choice, with its logprobs and finish_reason; then usage when asked."""
+        out = []
+        for c in result["choices"]:
+            i = c["index"]
+            text = c["message"]["content"] if self.chat else c["text"]
+            sent = self.sent.get(i, "")
+            rest = text[len(sent):] if text.startswith(sent) else ""  # deltas are a prefix by construction
+            out.append(self._chunk([self._choice(i, rest, c["finish_reason"], c.get("logprobs"))]))
+        if include_usage:
+            out.append(self._chunk([], usage=result["usage"]))
+        out.append(DONE)
+        return out

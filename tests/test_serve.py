@@ -1,0 +1,400 @@
+"""Serve mode (--serve) driven by the `openai` package, at P = 1 and P = 2: the same answers as file
+mode, chat, streaming, errors, concurrency, the Batch API (a batch survives SIGKILL of the server)
+and SIGTERM shutdown. One server per P is shared by the module's tests (in file order)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.utils import RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, write_jsonl
+
+openai = pytest.importorskip("openai")
+try:  # the openai package's HTTP client (httpx, or its fork httpx2 in newer openai releases)
+    import httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx2")
+
+KEY = "sk-test-serve"
+NAME = "tiny"
+
+REQUESTS = [
+    {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 3},
+    {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1},
+    {"prompt": "Hello", "max_tokens": 10, "temperature": 0.8, "n": 2, "seed": 7},
+    {"prompt": "A B C", "max_tokens": 12, "temperature": 0, "stop": ["e", "a"]},
+    {"prompt": ["one", "two"], "max_tokens": 4, "temperature": 0},
+    {"prompt": "Score this sentence", "max_tokens": 0, "echo": True, "logprobs": 0},
+]
+CHAT = {"messages": [{"role": "user", "content": "Say something"}], "max_tokens": 8, "temperature": 0}
+
+
+class Server:
+    """The runner in serve mode as a process group (torchrun for P > 1)."""
+
+    def __init__(self, model: str, nproc: int, serve_dir: Path, log: Path):
+        self.model, self.nproc, self.serve_dir, self.log = model, nproc, serve_dir, log
+        self.port, self.proc = free_port(), None
+
+    def start(self) -> None:
+        args = [str(RUNNER), "--model-name", self.model, "--serve", str(self.port), "--served-model-name", NAME,
+                "--serve-dir", str(self.serve_dir), "--api-key", KEY, "--max-pending", "40",
+                "--max-request-bytes", "200000", "--num-threads", "1", "--no-progress"]
+        if self.nproc > 1:
+            args = ["-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc), "--master-addr", "127.0.0.1",
+                    "--master-port", str(free_port()), *args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=log, env=_env(None),
+                                         start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError("server did not come up:\n" + self.log.read_text()[-3000:])
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=KEY, max_retries=0, timeout=120, **kw)
+
+    def tree(self) -> list[int]:
+        """The launcher and every process under it (torchrun starts each rank in a session of its own)."""
+        return [self.proc.pid, *descendants(self.proc.pid)] if self.proc is not None else []
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """SIGKILL: the launcher and every rank at once (a crash); other signals: to the launcher only."""
+        if self.proc is None:
+            return
+        for pid in self.tree() if sig == signal.SIGKILL else [self.proc.pid]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k, *descendants(k)]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def reference(llama_2l, tmp_path_factory):
+    """File mode's answers to REQUESTS and to the batch file (P = 1)."""
+    d = tmp_path_factory.mktemp("serve_ref")
+    src = write_jsonl(d / "r.jsonl", REQUESTS)
+    batch = write_jsonl(d / "b.jsonl", batch_lines())
+    for path in (src, batch):
+        res = run_single(["--model-name", llama_2l, "--infer-data", path, "--num-threads", "1", "--no-progress"], timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return read_jsonl(d / "output_r.jsonl"), read_jsonl(d / "output_b.jsonl")
+
+
+def batch_lines(extra: int = 0) -> list[dict]:
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": r} for i, r in enumerate(REQUESTS)]
+    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": CHAT})
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})
+    lines += [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/completions",
+               "body": {"prompt": f"Line {i} of a long batch", "max_tokens": 40, "temperature": 0.7, "seed": i}}
+              for i in range(extra)]
+    return lines
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
+def server(request, llama_2l, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"serve_P{request.param}")
+    s = Server(llama_2l, request.param, d / "state", d / "server.log")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.kill()
+
+
+def as_lines(results: list[dict]) -> list[dict]:
+    return [{"request": i, "result": r} for i, r in enumerate(results)]
+
+
+def test_health_models_and_auth(server):
+    assert httpx.get(server.url("/health")).json()["status"] == "ok"
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    r = httpx.get(server.url("/v1/models"))
+    assert r.status_code == 401 and "error" in r.json()
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0).models.list()
+
+
+def test_completions_match_file_mode(server, reference):
+    client = server.client()
+    got = [client.completions.create(model=NAME, **r).model_dump(exclude_unset=True) for r in REQUESTS]
+    ref = [line["result"] for line in reference[0]]
+    for g in got:
+        assert g["model"] == NAME and g["object"] == "text_completion"
+    keep = ("choices", "usage")
+    assert_consistent_results(as_lines([{k: g[k] for k in keep} for g in got]),
+                              as_lines([{k: r[k] for k in keep} for r in ref]))
+    assert got[2]["choices"][0]["text"] == client.completions.create(model=NAME, **REQUESTS[2]).choices[0].text
+
+
+def test_chat_and_streaming(server, reference):
+    client = server.client()
+    chat = client.chat.completions.create(model=NAME, **CHAT)
+    ref_chat = next(line for line in reference[1] if line["custom_id"] == "chat")["response"]["body"]
+    assert chat.choices[0].message.content == ref_chat["choices"][0]["message"]["content"]
+    assert chat.usage.completion_tokens == ref_chat["usage"]["completion_tokens"]
+    for req in (REQUESTS[0], REQUESTS[3], {"prompt": "Streaming", "max_tokens": 30, "temperature": 0}):
+        full = client.completions.create(model=NAME, **req)
+        chunks = list(client.completions.create(model=NAME, stream=True, stream_options={"include_usage": True}, **req))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full.choices[0].text
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        if req["max_tokens"] == 30:  # text arrives token by token, not only at the end
+            assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 10
+    stream = client.chat.completions.create(model=NAME, stream=True, **CHAT)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+
+
+def test_bad_requests(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers=h)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "temperature": 9}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "model": "other"}, headers=h)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "x" * 300000}, headers=h)
+    assert r.status_code == 413
+    for stream in (False, True):  # found when tokenizing, on the pipeline thread
+        r = httpx.post(server.url("/v1/completions"), json={"prompt": [10**9], "stream": stream}, headers=h)
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    r = httpx.get(server.url("/v1/batches/batch_nope"), headers=h)
+    assert r.status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=NAME, prompt="x", max_tokens=-1)
+    assert server.client().completions.create(model=NAME, prompt="still alive", max_tokens=2).choices
+
+
+def test_concurrent_clients(server):
+    client = server.client()
+    results, errors = {}, []
+
+    def worker(t: int) -> None:
+        try:
+            for k in range(2):
+                i = 2 * t + k
+                r = client.completions.create(model=NAME, prompt=f"Request {i} says", max_tokens=12, seed=i)
+                results[i] = r.choices[0].text
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sorted(results) == list(range(32))
+    # seeded requests repeat alone what they answered among 31 others
+    assert client.completions.create(model=NAME, prompt="Request 5 says", max_tokens=12, seed=5).choices[0].text == results[5]
+
+
+def test_too_many_pending(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    codes, retry = [], []
+
+    def one() -> None:
+        r = httpx.post(server.url("/v1/completions"), json={"prompt": "busy", "max_tokens": 480, "temperature": 0},
+                       headers=h, timeout=120)
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            retry.append(r.headers.get("retry-after"))
+
+    threads = [threading.Thread(target=one) for _ in range(70)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    assert retry[0] == "1"
+
+
+def test_client_disconnect_frees_rows(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json={"prompt": "leave", "max_tokens": 480, "n": 16},
+                   headers=h, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while "the client left; its rows are freed" not in server.log.read_text():
+        assert time.monotonic() < deadline, "the disconnect was not noticed"
+        time.sleep(0.1)
+    while httpx.get(server.url("/health")).json()["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # the server lives on and answers
+    assert server.client().completions.create(model=NAME, prompt="after", max_tokens=3).choices
+
+
+def wait_batch(client, bid: str, until=("completed", "failed", "cancelled", "expired"), timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = client.batches.retrieve(bid)
+        if b.status in until:
+            return b
+        time.sleep(0.2)
+    raise AssertionError(f"batch {bid} still {b.status}")
+
+
+def batch_bodies(text: str) -> dict[str, dict]:
+    out = {}
+    for line in text.splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            assert obj["custom_id"] not in out, "a custom_id answered twice"
+            out[obj["custom_id"]] = obj
+    return out
+
+
+def test_batch_api(server, reference, tmp_path):
+    client = server.client()
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in batch_lines()).encode()),
+                            purpose="batch")
+    assert f.id.startswith("file-") and client.files.retrieve(f.id).bytes == f.bytes
+    assert not (server.serve_dir / "files" / "in.jsonl").exists()
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.request_counts.total == len(batch_lines())
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == len(batch_lines()) - 1
+    assert done.request_counts.failed == 1
+    out = batch_bodies(client.files.content(done.output_file_id).text)
+    errs = batch_bodies(client.files.content(done.error_file_id).text)
+    assert set(errs) == {"bad"} and set(out) == {x["custom_id"] for x in batch_lines()} - {"bad"}
+    ref = {x["custom_id"]: x for x in reference[1]}
+    ids = sorted(out)
+    assert_consistent_results(as_lines([{"choices": out[i]["response"]["body"]["choices"]} for i in ids]),
+                              as_lines([{"choices": ref[i]["response"]["body"]["choices"]} for i in ids]))
+    assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_batch_cancel(server):
+    client = server.client()
+    lines = batch_lines(extra=200)
+    f = client.files.create(file=("c.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled", "completed")
+    done = wait_batch(client, batch.id)
+    assert done.status in ("cancelled", "completed")
+    if done.status == "cancelled":
+        out = batch_bodies(client.files.content(done.output_file_id).text)
+        assert len(out) < len(lines) and done.request_counts.completed == len(out)
+
+
+def test_batch_survives_sigkill(server):
+    client = server.client()
+    lines = batch_lines(extra=60)
+    f = client.files.create(file=("big.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (counts := client.batches.retrieve(batch.id).request_counts).completed < 10:  # they advance as it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.kill(signal.SIGKILL)
+    assert counts.completed < len(lines)
+    server.start()
+    client = server.client()
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed", done
+    out = batch_bodies(client.files.content(done.output_file_id).text)
+    errs = batch_bodies(client.files.content(done.error_file_id).text)
+    assert sorted([*out, *errs]) == sorted(x["custom_id"] for x in lines) and set(errs) == {"bad"}
+
+
+def test_sigterm_stops_every_rank(server):
+    client = server.client()
+    answers = []
+    t = threading.Thread(target=lambda: answers.append(
+        client.completions.create(model=NAME, prompt="in flight", max_tokens=60, temperature=0)))
+    t.start()
+    time.sleep(0.3)
+    procs = server.tree()
+    assert len(procs) >= server.nproc
+    t0 = time.monotonic()
+    server.kill(signal.SIGTERM)
+    server.proc.wait(timeout=30)
+    t.join(30)
+    deadline = t0 + 30
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in procs), "a rank outlived SIGTERM by 30 s"
+    assert time.monotonic() - t0 < 20, "SIGTERM should stop the server well within 30 s"
+    assert answers and answers[0].choices[0].finish_reason == "length"  # the in-flight request was finished
+
+
+def test_scheduler_priority_and_spare_rows():
+    """Pure scheduler logic: interactive groups go ahead of queued batch lines (in their own arrival
+    order), and serve mode sizes a new micro-batch with free rows for requests still to come."""
+    from pipeline.schedule import Group, Scheduler
+
+    s = Scheduler(budget=4096, num_slots=1, max_rows=8, headroom=True)
+    for gid in range(3):
+        s.submit(Group(gid, 10, 10))
+    s.submit(Group(10, 10, 10, priority=True))
+    s.submit(Group(11, 10, 10, priority=True))
+    assert [g.gid for g in s.queue] == [10, 11, 0, 1, 2]
+    s.queue.clear()
+    s.submit(Group(20, 10, 10, priority=True))
+    ps = s.next_pass(0)
+    assert ps.alloc == (8, 512)  # one request, but 8 rows of 4096 / 8 columns
+    s.on_reply(0, [ps.prefill[0][1]], [])
+    s.submit(Group(21, 100, 50, priority=True))
+    ps = s.next_pass(0)
+    assert ps.alloc is None and [gid for gid, _ in ps.prefill] == [21]  # joined the running micro-batch
+
+
+def test_serve_flags():
+    from pipeline.options import parse_options, serve_address
+    from serve.run import _loopback
+
+    assert serve_address("8000") == ("127.0.0.1", 8000)
+    assert serve_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    assert serve_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="HOST:]PORT"):
+        serve_address("localhost")
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and not _loopback("0.0.0.0")
+    with pytest.raises(SystemExit):
+        parse_options(["--serve", "8000", "--infer-data", "x.jsonl"])
+    with pytest.raises(SystemExit):
+        parse_options(["--serve", "8000", "--data-group-size", "2"])
+    assert parse_options(["--serve", "8000"]).max_pending == 256
