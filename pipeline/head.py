@@ -122,7 +122,7 @@ class Head:
         for i, item in enumerate(prefill):
             g = self.groups[item.gid]
             n = item.len - item.cached
-            self.requests[g.meta.req].cached_tokens += item.cached
+            self.requests[(g.meta.live, g.meta.req)].cached_tokens += item.cached
             if g.params.echo:
                 h = h_prefill[i, :n] if not item.cached else torch.cat([cached_h[i], h_prefill[i, :n]])
                 g.echo = self._score_prompt(h, g.meta.prompt_ids, g.params.logprobs or 0)

@@ -104,7 +104,7 @@ def test_p1_answers_equal_cache_off_and_prefixes_hit(model_dir, workload, refere
     assert summary["cached_prompt_tokens"] == sum(hits) and summary["prefix_hit_rate"] > 0.5
 
 
-@pytest.mark.parametrize("stages, extra", [(2, []), (3, ["--budget", "300", "--max-micro-batch-size", "3"])])
+@pytest.mark.parametrize("stages, extra", [(2, []), (3, ["--budget", "520", "--max-micro-batch-size", "3"])])
 def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages, extra):
     """P = 2, and P = 3 with a budget so small that blocks are evicted and recomputed mid-file; the
     stages never hold more KV cells (micro-batches + pool) than --budget."""
