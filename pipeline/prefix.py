@@ -85,6 +85,7 @@ class PrefixCache:
         the prefill and write after it).
         """
         saving = set() if saving is None else saving
+        self._room = room  # what growing may still take, during this call
         self.pending.subtract(digests)
         for d in digests:
             if self.pending[d] <= 0:
@@ -102,7 +103,7 @@ class PrefixCache:
             d = digests[b]
             if not (self.pending[d] > 0 or d in self.recent):
                 break  # nobody else has shown this block (nor, by the chain, any later one)
-            bid = self._allocate(room, pinned)
+            bid = self._allocate(pinned)
             if bid is None:
                 break
             self.blocks[d] = bid
@@ -118,11 +119,12 @@ class PrefixCache:
         self.prompt_tokens += len(ids)
         return cached, hits, saves
 
-    def _allocate(self, room: int, pinned: set[int]) -> int | None:
+    def _allocate(self, pinned: set[int]) -> int | None:
         if self.free:
             return self.free.pop()
-        if self.capacity < self.max_blocks and room >= self.block_size:
-            step = min(self.max_blocks - self.capacity, max(16, self.capacity // 2), room // self.block_size)
+        if self.capacity < self.max_blocks and self._room >= self.block_size:
+            step = min(self.max_blocks - self.capacity, max(16, self.capacity // 2), self._room // self.block_size)
+            self._room -= step * self.block_size
             self.free = list(range(self.capacity + step - 1, self.capacity - 1, -1))
             self.capacity += step
             self.grow_to = self.capacity
@@ -162,6 +164,8 @@ class PrefixStore:
         if blocks == 0:
             self.k = self.v = self.h = None
             return
+        if blocks < self.capacity:  # rank 0 dropped every block (a reset) before growing again
+            self.k = self.v = self.h = None
         layers, _, kvh, _, d = like_k.shape
         k = like_k.new_zeros(layers, kvh, blocks * self.block_size, d)
         v = torch.zeros_like(k)

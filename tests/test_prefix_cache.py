@@ -173,3 +173,15 @@ def test_scheduler_holds_a_second_prompt_of_a_new_prefix_for_one_pass():
     s.on_reply(0, [1, 2], [0])  # group 0 finished: its row is free
     pc.blocks[b"A"] = 0  # what the driver's plan did for group 0
     assert s.next_pass(0).prefill == [(1, 0)]
+
+
+def test_pool_growth_stays_within_the_room_it_is_given():
+    """One prompt saving many blocks grows the pool only into the budget left (found at P = 3 with a
+    tiny budget: every save used to see the same room)."""
+    pc = PrefixCache(4, budget=1000)
+    ids = list(range(40))
+    d = block_digests(ids, 4)
+    pc.queued(d), pc.queued(d)
+    cached, load, save = pc.plan(ids, d, room=12, pinned=set())
+    assert pc.cells == 12 and len(save) == 3  # three blocks fit; the rest are not kept
+    assert pc.take_grow() == 3
