@@ -129,11 +129,11 @@ class PrefixCache:
             self.capacity += step
             self.grow_to = self.capacity
             return self.free.pop()
-        for d, bid in self.blocks.items():  # evict the least recently used block not used by this pass
-            if bid not in pinned:
+        for d, bid in self.blocks.items():  # the least recently used block no queued prompt still needs
+            if bid not in pinned and self.pending.get(d, 0) <= 0:
                 del self.blocks[d]
                 return bid
-        return None
+        return None  # every block is wanted: keep them rather than this one
 
     def take_grow(self) -> int | None:
         grow, self.grow_to = self.grow_to, None
