@@ -41,7 +41,6 @@ class Driver:
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
-        self.digests: dict[int, list[bytes]] = {}  # gid -> its prompt's block digests (prefix cache on)
         self.data_rank, self.data_size = data_rank, data_size
         self.lines: Iterator[tuple[int, bytes]] | None = None
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
@@ -135,8 +134,7 @@ class Driver:
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
             digests = block_digests(ids, self.prefix.block_size) if self.prefix is not None else []
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, digests[0] if digests else None,
-                      priority=live)
+            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live)
             if not self.sched.fits(g):
                 raise RequestError(
                     f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
@@ -147,13 +145,11 @@ class Driver:
                              stream=req.stream)
             groups.append(g)
             metas.append(meta)
-            if digests:
-                self.digests[g.gid] = digests
         self.next_gid += len(req.prompts)
         for g, m in zip(groups, metas):
             self.metas[g.gid] = m
             if self.prefix is not None:
-                self.prefix.queued(self.digests.get(g.gid, []))
+                self.prefix.queued(g.digests)
         return groups
 
     # -- passes -----------------------------------------------------------------------------
@@ -174,8 +170,8 @@ class Driver:
                 saving: set[int] = set()
                 for item, ids in zip(hdr.prefill, prompts):
                     room = self.sched.budget - self.sched.used
-                    item.cached, item.load, item.save = self.prefix.plan(ids, self.digests.pop(item.gid, []), room,
-                                                                         pinned, saving)
+                    digests = self.sched.groups[item.gid].digests
+                    item.cached, item.load, item.save = self.prefix.plan(ids, digests, room, pinned, saving)
                 hdr.prefix_grow = self.prefix.take_grow()
             prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
             for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):

@@ -69,6 +69,15 @@ class PrefixCache:
     def resident(self, digest: bytes | None) -> bool:
         return digest is not None and digest in self.blocks
 
+    def hits(self, digests) -> int:
+        """Leading blocks of a prompt that are resident now."""
+        n = 0
+        for d in digests:
+            if d not in self.blocks:
+                break
+            n += 1
+        return n
+
     def reset(self) -> None:
         """Drop every block and the pools themselves (announced as a capacity of 0)."""
         self.blocks.clear()

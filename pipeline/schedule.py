@@ -22,8 +22,13 @@ class Group:
     prompt_len: int
     max_tokens: int
     width: int = 1  # rows: best_of candidates
-    key: bytes | None = None  # digest of the prompt's first prefix-cache block (None: cache off or short)
+    digests: tuple[bytes, ...] = ()  # the prompt's prefix-cache block digests (empty: cache off or short)
     priority: bool = False  # serve mode: interactive requests go ahead of batch lines
+
+    @property
+    def key(self) -> bytes | None:
+        """Digest of the prompt's first block: prompts sharing it share a prefix."""
+        return self.digests[0] if self.digests else None
 
     @property
     def need(self) -> int:
@@ -115,6 +120,22 @@ class Scheduler:
         return (g.key is not None and not self.prefix.resident(g.key)
                 and any(c.key == g.key for c in chosen))
 
+    def _work(self, g: Group) -> int:
+        """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
+        hits = self.prefix.hits(g.digests) * self.prefix.block_size
+        return g.prompt_len - min(hits, g.prompt_len - 1)
+
+    def _uneven(self, g: Group, chosen: list[Group]) -> bool:
+        """With the prefix cache, ``g`` would make this pass's prefill pad: a pass computes every new
+        prompt to the longest one's length, so a prompt resuming after cached blocks (a few tokens
+        left) and one computed from the start (hundreds) do not share a pass; similar ones do."""
+        if self.prefix is None or not chosen:
+            return False
+        works = [self._work(x) for x in (*chosen, g)]
+        if all(w == x.prompt_len for w, x in zip(works, (*chosen, g))):
+            return False  # nothing cached: packing by length as without the cache
+        return max(works) > 2 * min(works) + 2 * self.prefix.block_size
+
     def idle(self) -> bool:
         return not self.queue and not any(s.allocated for s in self.slots)
 
@@ -130,7 +151,7 @@ class Scheduler:
         chosen, rows, cols = [seed], seed.width, seed.need + self.spare
         for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
-            if self._same_new_prefix(g, chosen):
+            if self._same_new_prefix(g, chosen) or self._uneven(g, chosen):
                 continue
             if rows + g.width <= self.max_rows and (rows + g.width) * new_cols <= cap:
                 chosen.append(g)
@@ -143,7 +164,8 @@ class Scheduler:
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
-            if g.width <= free and g.need + self.spare <= slot.cols and not self._same_new_prefix(g, chosen):
+            if (g.width <= free and g.need + self.spare <= slot.cols and not self._same_new_prefix(g, chosen)
+                    and not self._uneven(g, chosen)):
                 chosen.append(g)
                 free -= g.width
         return chosen

@@ -166,7 +166,7 @@ def test_scheduler_holds_a_second_prompt_of_a_new_prefix_for_one_pass():
     pc = PrefixCache(4, budget=1000)
     s = Scheduler(1000, 1, 8, prefix=pc)
     for gid, key in enumerate([b"A", b"A", b"B", None]):
-        s.submit(Group(gid, 10, 2, key=key))
+        s.submit(Group(gid, 10, 2, digests=(key,) if key else ()))
     first = s.next_pass(0)
     assert [gid for gid, _ in first.prefill] == [0, 2, 3]  # group 1 waits for block A
     assert first.alloc == (3, 13)  # one spare column
@@ -185,3 +185,20 @@ def test_pool_growth_stays_within_the_room_it_is_given():
     cached, load, save = pc.plan(ids, d, room=12, pinned=set())
     assert pc.cells == 12 and len(save) == 3  # three blocks fit; the rest are not kept
     assert pc.take_grow() == 3
+
+
+def test_scheduler_keeps_resumed_and_fresh_prompts_in_separate_passes():
+    """A pass computes every new prompt to the longest one's length: a prompt that resumes after
+    cached blocks (few tokens left) must not be padded to a fresh prompt's length."""
+    pc = PrefixCache(4, budget=4000)
+    s = Scheduler(4000, 1, 8, prefix=pc)
+    cached = (b"A", b"B", b"C", b"D")  # 16 tokens resident: 2 left of 18
+    pc.blocks.update({d: i for i, d in enumerate(cached)})
+    s.submit(Group(0, 18, 2, digests=cached))
+    s.submit(Group(1, 18, 2, digests=(b"X", b"Y", b"Z", b"W")))  # nothing resident: 18 to compute
+    s.submit(Group(2, 18, 2, digests=cached))
+    s.submit(Group(3, 17, 2))  # too short for a block, but computed whole
+    first = s.next_pass(0)
+    assert [gid for gid, _ in first.prefill] == [0, 2]
+    s.on_reply(0, [], [r for _, r in first.prefill])
+    assert [gid for gid, _ in s.next_pass(0).prefill] == [1, 3]
