@@ -2,6 +2,7 @@
 
     python bench/prefix_cache.py               # hidden 512 x 8 layers Llama, ~5 min on 2 cores
     python bench/prefix_cache.py --quick       # the throughput benchmark's 5M Llama, ~1 min
+    python bench/prefix_cache.py --mixed       # also: the cost of the cache on a file that shares nothing
 
 - **few-shot generation** (``gen.jsonl``): one few-shot prefix of about 1k tokens (bAbI-style
   passages with answers) before each of N short questions, greedy, ``max_tokens`` 8;
@@ -14,6 +15,11 @@ Systems (each in its own process, one after the other, through bench/throughput.
 ``--prefix-cache off`` and ``on``. Figures: generated tokens/s on the few-shot file, scored prompt
 tokens/s on the multiple-choice file (the runner's own per-file summary lines; HF times its loops),
 the ratio cache on / off, and whether the answers agree (greedy text equal, logprobs within 1e-3).
+
+``--mixed`` adds the throughput benchmark's mixed workload (random corpus slices of log-uniform
+length, generation and echo scoring: no prompt shares a block with another), run with the cache off
+and on, alternately, ``--repeat`` times each (best time kept): the cost of the cache when it finds
+nothing to reuse (digests, bookkeeping, the spare column).
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.throughput import build_model, run_system  # noqa: E402
+from bench.throughput import build_workload as build_mixed  # noqa: E402
 
 PROFILES = {
-    "full": dict(hidden=512, layers=8, heads=8, intermediate=1376, questions=48, contexts=24),
-    "quick": dict(hidden=256, layers=4, heads=8, intermediate=688, questions=32, contexts=16),
+    "full": dict(hidden=512, layers=8, heads=8, intermediate=1376, questions=48, contexts=24,
+                 requests=96, max_prompt=512, max_tokens=64),
+    "quick": dict(hidden=256, layers=4, heads=8, intermediate=688, questions=32, contexts=16,
+                  requests=48, max_prompt=256, max_tokens=32),
 }
 ROOMS = ["kitchen", "garden", "office", "hallway", "bedroom", "bathroom", "cellar", "attic"]
 DIRS = ["north", "south", "east", "west"]
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="hf,runner1,runner2")
     ap.add_argument("--json", default=None, help="write all figures here")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--mixed", action="store_true", help="also the mixed workload without shared prefixes")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per mode on the mixed workload (best kept)")
     args = ap.parse_args(argv)
     from examples.default_model import build_tokenizer, cache_root
 
@@ -138,10 +149,40 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for p, s in summary.items():
         print(f"{p}: " + ", ".join(f"{k} {v}" for k, v in s.items()))
+    mixed = mixed_cost(model_dir, prof, profile, args) if args.mixed else None
+    if mixed is None and args.mixed:
+        return 1
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": profile, "workload": info, "rates": rows,
-                                               "ratios": summary}, indent=1))
+                                               "ratios": summary, "mixed": mixed}, indent=1))
     return 0
+
+
+def mixed_cost(model_dir: Path, prof: dict, profile: str, args) -> dict | None:
+    """Cache on / off on a workload that shares no prefix, per pipeline size: best of ``--repeat``."""
+    wdir = REPO / "bench" / "results" / f"prefix-{profile}-mixed"
+    build_mixed(model_dir, prof, wdir)
+    out = {}
+    for system in [s for s in args.systems.split(",") if s.startswith("runner")]:
+        best: dict[str, dict] = {}
+        for _ in range(args.repeat):
+            for mode in ("off", "on"):
+                m = run_system(system, model_dir, wdir, args.cores, args.timeout, ["--prefix-cache", mode],
+                               label=f"{system}-{mode}")
+                if m.get("error"):
+                    print(f"[bench] mixed {system}-{mode} failed: {m['error']}\n{m.get('log_tail', '')}", file=sys.stderr)
+                    return None
+                r = rates(m)
+                r["seconds"] = m["gen_s"] + m["score_s"]
+                if mode not in best or r["seconds"] < best[mode]["seconds"]:
+                    best[mode] = r
+        on, off = best["on"], best["off"]
+        out[system] = {"off": off, "on": on, "gen on/off": round(on["gen_tok_s"] / off["gen_tok_s"], 3),
+                       "scoring on/off": round(on["score_tok_s"] / off["score_tok_s"], 3),
+                       "time off/on": round(off["seconds"] / on["seconds"], 3)}
+        print(f"mixed workload (no shared prefix), {system}: gen on/off {out[system]['gen on/off']}, scoring on/off "
+              f"{out[system]['scoring on/off']}, time off/on {out[system]['time off/on']} (best of {args.repeat})")
+    return out
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ against ``--budget`` (the scheduler's ``used``), at most half of it; it never sh
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import Counter, OrderedDict
 
 import torch
@@ -35,10 +36,11 @@ RECENT = 4096  # digests of recently admitted prompts remembered as evidence of 
 
 def block_digests(ids: list[int], block_size: int) -> list[bytes]:
     """Chained digest of each full block of ``ids``."""
+    raw = array("l", ids).tobytes()  # one fixed-width integer per token
+    step = block_size * array("l").itemsize
     out, prev = [], b""
     for b in range(len(ids) // block_size):
-        block = ids[b * block_size : (b + 1) * block_size]
-        prev = hashlib.blake2b(prev + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
+        prev = hashlib.blake2b(prev + raw[b * step : (b + 1) * step], digest_size=16).digest()
         out.append(prev)
     return out
 
