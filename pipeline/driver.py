@@ -136,10 +136,11 @@ class Driver:
             digests = block_digests(ids, self.prefix.block_size) if self.prefix is not None else []
             g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live)
             if not self.sched.fits(g):
+                spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
                 raise RequestError(
-                    f"this prompt needs {g.need * g.width} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
-                    f"{g.max_tokens}) x best_of {g.width}), more than --budget {self.sched.budget}; raise --budget",
-                    "max_tokens", reason="budget")
+                    f"this prompt needs {self.sched.cells(g)} KV-cache tokens ((prompt {g.prompt_len} + max_tokens "
+                    f"{g.max_tokens}{spare}) x best_of {g.width}), more than --budget {self.sched.budget}; "
+                    "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
                              stream=req.stream)

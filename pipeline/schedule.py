@@ -94,7 +94,7 @@ class Scheduler:
     # -- input side -------------------------------------------------------------------------
     def fits(self, g: Group) -> bool:
         """A group can ever run (a group wider than max_rows gets a micro-batch of its own)."""
-        return (g.need + self.spare) * g.width <= self.budget
+        return self.cells(g) <= self.budget
 
     def submit(self, g: Group) -> None:
         """Queue a group: after the other priority groups if it has priority, else at the end."""
@@ -112,7 +112,8 @@ class Scheduler:
     def used(self) -> int:
         return sum(s.rows * s.cols for s in self.slots) + (self.prefix.cells if self.prefix is not None else 0)
 
-    def _cells(self, g: Group) -> int:
+    def cells(self, g: Group) -> int:
+        """KV cells the group's rows take: its columns (and the spare one) per row."""
         return (g.need + self.spare) * g.width
 
     def _same_new_prefix(self, g: Group, chosen: list[Group]) -> bool:
@@ -143,9 +144,9 @@ class Scheduler:
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group plus the most similar ones that fit."""
         seed = self.queue[0]
-        target = max(self.budget // len(self.slots), self._cells(seed))
+        target = max(self.budget // len(self.slots), self.cells(seed))
         cap = min(available, target)
-        if self._cells(seed) > cap:
+        if self.cells(seed) > cap:
             return []
         window = list(self.queue)[: self.window]
         chosen, rows, cols = [seed], seed.width, seed.need + self.spare
@@ -179,7 +180,7 @@ class Scheduler:
         if not self.queue:
             return False
         head = self.queue[0]
-        if self._cells(head) <= self.budget - self.used:
+        if self.cells(head) <= self.budget - self.used:
             return False
         return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
@@ -189,7 +190,7 @@ class Scheduler:
         assert not slot.inflight
         alloc = None
         if not slot.allocated and self.queue:
-            head = self._cells(self.queue[0])
+            head = self.cells(self.queue[0])
             if self.prefix is not None and self.prefix.cells and head > self.budget - self.used:
                 if head <= self.budget - self.used + self.prefix.cells and not any(s.allocated for s in self.slots):
                     self.prefix.reset()  # the pool stands between the oldest request and the budget

@@ -202,3 +202,18 @@ def test_scheduler_keeps_resumed_and_fresh_prompts_in_separate_passes():
     assert [gid for gid, _ in first.prefill] == [0, 2]
     s.on_reply(0, [], [r for _, r in first.prefill])
     assert [gid for gid, _ in s.next_pass(0).prefill] == [1, 3]
+
+
+def test_a_prompt_over_the_budget_with_the_spare_column_gets_an_error_naming_it(model_dir, tmp_path):
+    """With the cache on a row takes one spare column: a request needing exactly --budget cells
+    without it is refused in its place with the count that includes it; the next line still runs."""
+    ids = list(range(5, 65))  # 60 prompt tokens + max_tokens 4 = 64 = the budget
+    data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": ids, "max_tokens": 4, "temperature": 0},
+                                               {"prompt": ids[:20], "max_tokens": 4, "temperature": 0}])
+    out = tmp_path / "out.jsonl"
+    run_inprocess(["--model-name", model_dir, "--infer-data", data, "--output-path", str(out), "--budget", "64",
+                   "--no-progress"])
+    first, second = read_jsonl(out)
+    msg = first["error"]["message"]
+    assert "needs 65 KV-cache tokens" in msg and "spare column" in msg and "--budget 64" in msg, msg
+    assert second["result"]["usage"]["completion_tokens"] == 4
