@@ -33,9 +33,10 @@ MAX_SHARE = 2  # the pool takes at most budget / MAX_SHARE cells
 RECENT = 4096  # digests of recently admitted prompts remembered as evidence of sharing
 
 
-def block_digests(ids: list[int], block_size: int) -> list[bytes]:
-    """Chained digest of each full block of ``ids``."""
-    out, prev = [], b""
+def block_digests(ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Chained digest of each full block of ``ids``. ``salt`` starts the chain: a LoRA adapter's name,
+    since its rows' keys and values differ from the base model's for the same tokens."""
+    out, prev = [], salt
     for b in range(len(ids) // block_size):
         block = ids[b * block_size : (b + 1) * block_size]
         prev = hashlib.blake2b(prev + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
