@@ -251,7 +251,7 @@ def layer_bytes(adapters: list[Adapter], cfg: dict, spec: DecoderSpec, dtype_siz
     for adapter in adapters:
         for module, ab in adapter.modules.items():
             layer = where[module][0]
-            (r, n_in), (n_out, _) = adapter.shapes[ab["A"]], adapter.shapes[ab["B"]]
+            r, n_in = adapter.shapes[ab["A"]]
             fused_out = sum(_out_widths(spec, where[module][1], 1))
             out[layer] += r * (n_in + fused_out) * dtype_size
     return out

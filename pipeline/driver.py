@@ -38,7 +38,7 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: "ModelNames | None" = None):
+                 models: ModelNames | None = None):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None

@@ -65,7 +65,7 @@ def check_sizes(sizes: list[int], stages: int, depth: int, total_layers: int) ->
     """``--layers-per-stage``: one count of at least 1 per stage, adding up to the layers to place."""
     given = ",".join(map(str, sizes))
     if len(sizes) != stages:
-        raise ValueError(f"--layers-per-stage {given} has {len(sizes)} sizes for {stages} pipeline stages: "
+        raise ValueError(f"--layers-per-stage {given} has {len(sizes)} sizes for {stages} pipeline stage{'s' * (stages != 1)}: "
                          f"give one per stage (--nproc-per-node / --pipeline-group-size sets the stages)")
     if min(sizes) < 1:
         raise ValueError(f"--layers-per-stage {given}: every stage needs at least 1 layer")

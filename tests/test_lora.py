@@ -14,8 +14,22 @@ import time
 import pytest
 import torch
 
-from tests.utils import (RUNNER, _env, chain_greedy, chain_logits, free_port, hf_greedy, hf_logits, local_tokenizer,
-                         random_hf_model, read_jsonl, run_single, run_torchrun, stage_chain, write_jsonl)
+from tests.utils import (
+    RUNNER,
+    _env,
+    chain_greedy,
+    chain_logits,
+    free_port,
+    hf_greedy,
+    hf_logits,
+    local_tokenizer,
+    random_hf_model,
+    read_jsonl,
+    run_single,
+    run_torchrun,
+    stage_chain,
+    write_jsonl,
+)
 
 peft = pytest.importorskip("peft")
 

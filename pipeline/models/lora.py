@@ -29,7 +29,7 @@ class StageAdapters:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for fs in self.factors.values() for f in fs if f for t in f)
 
-    def rows(self, adapters: list[int] | None, device: torch.device) -> "LoraRows | None":
+    def rows(self, adapters: list[int] | None, device: torch.device) -> LoraRows | None:
         """What a segment whose rows use ``adapters`` (one index per row) needs; None: all base."""
         if not adapters or not any(adapters):
             return None
