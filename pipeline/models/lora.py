@@ -51,13 +51,15 @@ class LoraRows:
         per_adapter = self.adapters.factors.get((layer, module))
         if per_adapter is None:
             return y
+        y2 = y.view(-1, y.shape[-1])  # y is the projection's fresh output: updated in place
         for k, idx in self.groups:
             f = per_adapter[k - 1]
             if f is None:
                 continue
             a, b = f
             if idx is None:
-                y = y + (x @ a.t()) @ b.t()
+                y2.addmm_(x.reshape(-1, x.shape[-1]) @ a.t(), b.t())
             else:
-                y = y.index_add(0, idx, (x[idx] @ a.t()) @ b.t())
+                xs = x.index_select(0, idx)  # (b_k, t, in)
+                y.index_add_(0, idx, (xs @ a.t()) @ b.t())
         return y
