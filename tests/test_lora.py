@@ -158,6 +158,12 @@ def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
     for path, message in cases:
         with pytest.raises(AdapterError, match=message):
             check_adapter(read_adapter("x", path), cfg, spec)
+    from pipeline.options import UsageError, parse_options
+    from pipeline.plan import make_plan
+
+    with pytest.raises(UsageError, match="--lora needs a native family"):
+        make_plan(parse_options(["--model-name", model, "--lora", f"a1={llama['a1']}", "--backend", "transformers"]),
+                  env={"RANK": "0", "WORLD_SIZE": "1"})
     # through the runner: exit 2 with the message, before any process group or weights
     res = run_single(["--model-name", model, "--lora", f"bad={cases[0][0]}", "--no-progress"], timeout=120)
     assert res.returncode == 2 and "DoRA" in res.stderr
