@@ -10,7 +10,14 @@ import torch
 from pipeline.options import UsageError, parse_options
 from pipeline.partition import memory_sizes, parse_size, stage_ranges
 from pipeline.plan import make_plan
-from tests.utils import chain_greedy, chain_logits, hf_greedy, hf_logits, run_single, stage_chain
+from tests.utils import (
+    chain_greedy,
+    chain_logits,
+    hf_greedy,
+    hf_logits,
+    run_single,
+    stage_chain,
+)
 
 GIB = 2**30
 
