@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     if rank == 0:
         for warning in plan.warnings:
             log.warning("%s", warning)
+        if plan.layout_note:
+            log.info("%s", plan.layout_note)
     if plan.nothing_to_do:  # every output is complete and this run's: start nothing, load nothing
         if rank == 0:
             from pipeline.plan import output_for
@@ -171,6 +173,8 @@ def run(opts) -> int:
     plan = make_plan(opts)
     for warning in plan.warnings:
         log.warning("%s", warning)
+    if plan.layout_note:
+        log.info("%s", plan.layout_note)
     return 0 if plan.nothing_to_do else execute(plan, opts)
 
 
@@ -239,6 +243,13 @@ def load_stage(plan, opts, info):
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, plan.threads)
+    if plan.adapters:
+        from pipeline.adapters import stage_adapters
+
+        model.adapters, read = stage_adapters(plan.adapters, plan.config, plan.spec, first, last, dtype, info.device,
+                                              opts.model_type)
+        log.info("stage %d: %d LoRA adapters (%s), %d tensors, %.1f MiB", info.stage, len(plan.adapters),
+                 ", ".join(a.name for a in plan.adapters), len(read), model.adapters.nbytes() / 2**20)
     trace = None
     if opts.profiling:
         from pipeline.trace import Trace
@@ -290,8 +301,14 @@ def first_rank(plan, opts, info, stage):
     block = prefix_block(plan, opts)
     sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
                       prefix=PrefixCache(block, opts.budget) if block else None)
+    models = None
+    if plan.adapters:
+        from pipeline.driver import ModelNames
+
+        models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
+                             str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size)
+                    info.data_rank, info.data_size, models)
     last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 

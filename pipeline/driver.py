@@ -37,7 +37,8 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
-                 truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1):
+                 truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
+                 models: ModelNames | None = None):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
@@ -46,6 +47,8 @@ class Driver:
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
         self.metas: dict[int, Admission] = {}  # gid -> what the last rank needs when the group enters
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
+        self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
+        self.row_adapters: dict[int, list[int]] = {}  # slot -> adapter of each row
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
@@ -120,6 +123,8 @@ class Driver:
 
     def _groups(self, req: Request, live: bool = False) -> list[Group]:
         p = req.params
+        adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
+        salt = model.encode() if model else b""
         groups, metas = [], []
         for i, prompt in enumerate(req.prompts):
             ids = self._tokenize(req, prompt)
@@ -133,7 +138,7 @@ class Driver:
                         "prompt, lower max_tokens, or run with --truncate-prompts", "prompt", reason="context_window")
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
-            digests = block_digests(ids, self.prefix.block_size) if self.prefix is not None else []
+            digests = block_digests(ids, self.prefix.block_size, salt) if self.prefix is not None else []
             g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live)
             if not self.sched.fits(g):
                 spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
@@ -143,7 +148,7 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream)
+                             stream=req.stream, adapter=adapter, model=model)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -183,7 +188,19 @@ class Driver:
                 meta = self.metas.pop(gid)
                 meta.rows = ps.rows_of[gid]
                 hdr.admit.append(meta)
+        if self.models is not None:
+            hdr.adapters = self._adapters(ps, hdr.admit, slot.rows)
         return hdr, decode_ids, prefill_ids
+
+    def _adapters(self, ps: Pass, admitted: list[Admission], rows: int) -> list[int]:
+        """Each slot row's adapter after this pass's admissions (empty when every row is base)."""
+        if ps.alloc:
+            self.row_adapters[ps.slot] = [0] * rows
+        per_row = self.row_adapters.setdefault(ps.slot, [0] * rows)
+        for meta in admitted:
+            for r in meta.rows:
+                per_row[r] = meta.adapter
+        return list(per_row) if any(per_row) else []
 
     def take_errors(self) -> list[ErrorLine]:
         errors, self.errors = self.errors, []
@@ -195,6 +212,28 @@ class Driver:
             slot_feed.pop(r, None)
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
+
+
+class ModelNames:
+    """A request's "model" -> (adapter index, adapter name): the base model's names (or none) select
+    the base (0); an adapter's name selects it (1, 2, ...); anything else is an error in its place.
+    A name like ``org/tiny-llama`` matches a base model folder named ``tiny-llama``."""
+
+    def __init__(self, base: list[str], adapters: list[str]):
+        self.base, self.adapters = [b for b in base if b], adapters
+        self.index = {name: k + 1 for k, name in enumerate(adapters)}
+
+    def resolve(self, model) -> tuple[int, str | None]:
+        if model is None:
+            return 0, None
+        if not isinstance(model, str):
+            raise RequestError("'model' must be a string: the base model's name or a LoRA adapter's", "model")
+        if model in self.index:
+            return self.index[model], model
+        if model in self.base or model.rsplit("/", 1)[-1] in self.base:
+            return 0, None
+        raise RequestError(f"unknown model {model!r}: this run serves the base model {self.base[0]!r} and the LoRA "
+                           f"adapters {', '.join(repr(a) for a in self.adapters)}", "model", reason="model")
 
 
 def decode_layout(decode_rows: list[int], slot_rows: int) -> list[int]:

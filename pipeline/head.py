@@ -62,6 +62,7 @@ class RequestState:
     started: float = 0.0
     batch_size: int = 0
     notes: list[str] = field(default_factory=list)
+    model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
 
 
 class Head:
@@ -87,7 +88,7 @@ class Head:
         key = (meta.live, meta.req)
         if key not in self.requests:
             self.requests[key] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
-                                              started=time.perf_counter())
+                                              started=time.perf_counter(), model=meta.model)
         req = self.requests[key]
         if meta.raw is not None:  # only the first prompt's admission carries the request, in any order
             req.raw = meta.raw
@@ -287,7 +288,7 @@ class Head:
                     choices.append(chat_choice(self.detok, cand, idx, p))
                 else:
                     choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i)))
-        result = result_object(req.kind, self.model_name, choices, req.prompt_tokens, completion_tokens,
+        result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:
             result["warnings"] = req.notes

@@ -4,7 +4,7 @@ Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where i
 
 - :class:`OpenFile`   a request file starts; the last rank opens its writer and answers :class:`Opened`.
 - :class:`PassHeader` one micro-batch's trip: which slot, which rows decode (the layout computed
-  once, here), which groups prefill, cache forks and releases, and the :class:`Admission` of every
+  once, here), which groups prefill, each row's LoRA adapter, cache forks and releases, and the :class:`Admission` of every
   group that enters (parameters, prompt ids, the original request), which the middle ranks forward
   unread. Error lines ride along to reach the writer in their input position.
 - :class:`CloseFile`  the file's last pass has returned; each stage appends its compute seconds
@@ -52,6 +52,8 @@ class Admission:
     raw: Any = None  # the original request object (sent with the first prompt only)
     live: bool = False  # serve mode: an HTTP request, answered back to rank 0 (not written to a file)
     stream: bool = False  # serve mode: send its text back as it is generated
+    adapter: int = 0  # LoRA adapter of its rows (0: the base model)
+    model: str | None = None  # the results' "model" when it is an adapter's name
 
 
 @dataclass
@@ -91,6 +93,7 @@ class PassHeader:
     errors: list[ErrorLine] = field(default_factory=list)
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
     drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
+    adapters: list[int] = field(default_factory=list)  # LoRA adapter of each slot row (0: base); empty: all base
 
     @property
     def prefill_len(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ class RunOptions:
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
     max_layers: int | None = _opt(None, "Use only the first N layers of the model (trailing layers dropped).")
+    layers_per_stage: str | None = _opt(None, "Explicit, possibly unequal layers of each stage, e.g. 10,14,14,10: one number per pipeline stage, adding up to the model's layers (or --max-layers).", metavar="N,N,...")
+    stage_memory: str | None = _opt(None, "Size stages by memory: each stage's memory, e.g. 20GiB,40GiB (one per stage, or one for all), or auto (GPU: each device's free memory; CPU: available RAM divided by the local processes). Layers go to stages in proportion to what is left after the embedding (first stage), the head (last stage), the --budget KV cache and the adapters; the plan is printed before loading.", metavar="SIZES|auto")
+    lora: list[str] = _opt(None, "A PEFT LoRA adapter folder as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see README).")
@@ -104,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", default=f.default, **kwargs)
             continue
         if "nargs" not in kwargs:
-            kwargs["type"] = int if f.type.startswith("int") else str
+            kwargs["type"] = int if f.type.startswith("int") else str  # list fields with action="append": str
         parser.add_argument(flag, default=f.default, **kwargs)
     return parser
 
@@ -201,9 +205,59 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
+    problems += _layout_problems(opts) + _lora_problems(opts)
     if opts.max_pending < 1 or opts.max_request_bytes < 1:
         problems.append("--max-pending and --max-request-bytes must be at least 1")
     return problems
+
+
+def _layout_problems(opts: RunOptions) -> list[str]:
+    from .partition import parse_layers_per_stage, parse_stage_memory
+
+    problems = []
+    given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]
+    if len(given) > 1:
+        problems.append(f"{' and '.join('--' + f.replace('_', '-') for f in given)} each decide the stage sizes: "
+                        "pass only one of them")
+    try:
+        if opts.layers_per_stage is not None:
+            parse_layers_per_stage(opts.layers_per_stage)
+        if opts.stage_memory is not None:
+            parse_stage_memory(opts.stage_memory)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _lora_problems(opts: RunOptions) -> list[str]:
+    if not opts.lora:
+        return []
+    problems, names = [], set()
+    for value in opts.lora:
+        try:
+            name, path = parse_lora_flag(value)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if name in names:
+            problems.append(f"--lora {value}: the name {name!r} is given twice")
+        names.add(name)
+        if not Path(path).is_dir():
+            problems.append(f"--lora {value}: no such folder")
+    if opts.batch_invariant:
+        problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
+                        "adapter path): drop --batch-invariant or --lora")
+    return problems
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (name, path); ValueError saying what is wrong."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {value}: expected NAME=PATH (e.g. --lora support-bot=/adapters/support-bot)")
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", name):
+        raise ValueError(f"--lora {value}: the name {name!r} may hold only letters, digits and . _ : / -")
+    return name, path
 
 
 def serve_address(spec: str) -> tuple[str, int]:

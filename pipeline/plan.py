@@ -46,6 +46,8 @@ class RunPlan:
     fingerprint: dict = field(default_factory=dict)  # what results depend on; journals and outputs record it
     complete: list[str] = field(default_factory=list)  # inputs whose output is complete and this run's
     all_inputs: list[str] = field(default_factory=list)  # the request files (every rank)
+    adapters: list = field(default_factory=list)  # LoRA adapters (pipeline.adapters.Adapter), index 1, 2, ...
+    layout_note: str | None = None  # the --stage-memory plan, printed before loading
 
     @property
     def nothing_to_do(self) -> bool:
@@ -74,15 +76,18 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         if opts.batch_invariant and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers): drop --batch-invariant")
-        ranges = stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers)
         all_inputs = resolve_inputs(opts, env)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(opts.torch_dtype_name, config, device)
+        adapters = load_adapters(opts, config, spec)
+        ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
     except (ValueError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
+    if adapters:  # results depend on the adapters: a journal resumes only with the same ones
+        fingerprint["lora"] = {a.name: str(a.path.resolve()) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     threads = opts.num_threads or max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world))
     slots = opts.num_micro_batches or pipeline
@@ -100,7 +105,46 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                         f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
     inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
-                   slots, warnings, fingerprint, complete, all_inputs)
+                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note)
+
+
+def load_adapters(opts: RunOptions, config: dict, spec) -> list:
+    """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
+    if not opts.lora:
+        return []
+    from .adapters import check_adapter, read_adapter
+    from .options import parse_lora_flag
+
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"--lora needs a native family; {spec.family} runs on transformers' own layers "
+                         "(--backend auto/transformers), which do not apply adapters")
+    adapters = []
+    for value in opts.lora:
+        adapter = read_adapter(*parse_lora_flag(value))
+        check_adapter(adapter, config, spec, opts.model_type)
+        adapters.append(adapter)
+    return adapters
+
+
+def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,
+                 adapters: list) -> tuple[list[tuple[int, int]], str | None]:
+    """Layers of each stage: even, --num-layers, --layers-per-stage or --stage-memory."""
+    from .partition import parse_layers_per_stage
+
+    if opts.stage_memory is None:
+        sizes = parse_layers_per_stage(opts.layers_per_stage) if opts.layers_per_stage else None
+        return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
+    from .sizing import memory_layout
+
+    depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
+    per_layer = None
+    if adapters:
+        from .adapters import layer_bytes
+
+        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
+                                per_layer)
+    return stage_ranges(spec.num_layers, pipeline, None, opts.max_layers, sizes), note
 
 
 def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dict, shares: int) -> list[str]:

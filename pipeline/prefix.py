@@ -34,11 +34,12 @@ MAX_SHARE = 2  # the pool takes at most budget / MAX_SHARE cells
 RECENT = 4096  # digests of recently admitted prompts remembered as evidence of sharing
 
 
-def block_digests(ids: list[int], block_size: int) -> list[bytes]:
-    """Chained digest of each full block of ``ids``."""
+def block_digests(ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Chained digest of each full block of ``ids``. ``salt`` starts the chain: a LoRA adapter's name,
+    since its rows' keys and values differ from the base model's for the same tokens."""
     raw = array("l", ids).tobytes()  # one fixed-width integer per token
     step = block_size * array("l").itemsize
-    out, prev = [], b""
+    out, prev = [], salt
     for b in range(len(ids) // block_size):
         prev = hashlib.blake2b(prev + raw[b * step : (b + 1) * step], digest_size=16).digest()
         out.append(prev)

@@ -103,7 +103,8 @@ def serve(link, stage: Stage, last=None) -> str | None:
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
     rows, starts = hdr.decode_layout, hdr.decode_start
     return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), 1, max(starts) + 1,
-                   all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows))
+                   all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows),
+                   adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
 
 
 def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
@@ -113,7 +114,7 @@ def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
     fresh = not any(starts)
     return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), t,
                    t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
-                   lens=lens)
+                   lens=lens, adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
 
 
 def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:

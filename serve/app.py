@@ -39,6 +39,7 @@ class ServeState:
     api_key: str | None
     max_request_bytes: int
     created: int = 0
+    adapters: tuple[str, ...] = ()  # LoRA adapters (--lora): served under their own names
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -72,14 +73,14 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return ok({"object": "list", "data": [_model(state)]})
+        return ok({"object": "list", "data": [_model(state, m) for m in (state.model, *state.adapters)]})
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != state.model:
-            return error(404, f"the model {name!r} does not exist; this server serves {state.model!r}",
+        if name not in (state.model, *state.adapters):
+            return error(404, f"the model {name!r} does not exist; this server serves {_served(state)}",
                          param="model", code="model_not_found")
-        return ok(_model(state))
+        return ok(_model(state, name))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -117,8 +118,15 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def _model(state: ServeState) -> dict:
-    return {"id": state.model, "object": "model", "created": state.created, "owned_by": "dist_inference_runner"}
+def _model(state: ServeState, name: str) -> dict:
+    out = {"id": name, "object": "model", "created": state.created, "owned_by": "dist_inference_runner"}
+    if name != state.model:  # a LoRA adapter of the base model
+        out["parent"] = state.model
+    return out
+
+
+def _served(state: ServeState) -> str:
+    return ", ".join(repr(m) for m in (state.model, *state.adapters))
 
 
 def _authorized(headers: dict, key: str) -> bool:
@@ -141,8 +149,8 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         body = await read_json(request, state.max_request_bytes)
     except StoreError as e:
         return error(e.status, e.message)
-    if isinstance(body, dict) and body.get("model") not in (None, state.model):
-        return error(404, f"the model {body['model']!r} does not exist; this server serves {state.model!r}",
+    if isinstance(body, dict) and body.get("model") not in (None, state.model, *state.adapters):
+        return error(404, f"the model {body['model']!r} does not exist; this server serves {_served(state)}",
                      param="model", code="model_not_found")
     try:
         req = parse_body(body, chat)
@@ -166,7 +174,8 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         if not live.accepted.done() and live.future.result()[0] == "error":
             _, status, err = live.future.result()
             return error(status, err["message"], err["type"], err.get("param"))
-        maker = ChunkMaker(chat, state.model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
+        model = body["model"] if body.get("model") in state.adapters else state.model
+        maker = ChunkMaker(chat, model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
         return StreamingResponse(_events(state, live, maker, include_usage), media_type="text/event-stream")
     value = await _wait(state, request, live)
     if value is None:

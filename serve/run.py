@@ -36,7 +36,9 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     source, store = RequestSource(opts.max_pending), BatchStore(root)
     name = opts.served_model_name or plan.model_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
-    http = HttpThread(create_app(ServeState(source, store, name, api_key, opts.max_request_bytes)), host, port)
+    adapters = tuple(a.name for a in plan.adapters)
+    http = HttpThread(create_app(ServeState(source, store, name, api_key, opts.max_request_bytes, adapters=adapters)),
+                      host, port)
     http.start()
     bound = http.server.servers[0].sockets[0].getsockname()[1] if http.server.servers else port
     print(f"serving {name} on http://{host}:{bound}/v1 (P = {info.pipeline_size})", file=sys.stderr, flush=True)

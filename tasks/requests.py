@@ -68,6 +68,7 @@ class Request:
     kind: str = "completion"  # completion | chat
     custom_id: str | None = None  # Batch API lines
     stream: bool = False  # serve mode: stream: true
+    model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.driver)
 
 
 def _is_int(x) -> bool:
@@ -217,11 +218,13 @@ def parse_request(raw: object, index: int) -> Request:
         if not isinstance(body, dict):
             raise RequestError("Batch API line: 'body' must be an object", "body")
         if url == "/v1/chat/completions":
-            return Request(index, raw, [_messages(body)], parse_params(body, chat=True), "chat", str(raw["custom_id"]))
+            return Request(index, raw, [_messages(body)], parse_params(body, chat=True), "chat", str(raw["custom_id"]),
+                           model=body.get("model"))
         if url != "/v1/completions":
             raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
-        return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]))
-    return Request(index, raw, _prompts(raw), parse_params(raw))
+        return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]),
+                       model=body.get("model"))
+    return Request(index, raw, _prompts(raw), parse_params(raw), model=raw.get("model"))
 
 
 def parse_body(body: object, chat: bool, index: int = 0) -> Request:
@@ -229,8 +232,8 @@ def parse_body(body: object, chat: bool, index: int = 0) -> Request:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     if chat:
-        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat")
-    return Request(index, body, _prompts(body), parse_params(body))
+        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat", model=body.get("model"))
+    return Request(index, body, _prompts(body), parse_params(body), model=body.get("model"))
 
 
 def parse_line(line: bytes, index: int) -> Request:

@@ -82,11 +82,12 @@ def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float
 
 
 @torch.inference_mode()
-def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None) -> list[torch.Tensor]:
+def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None,
+                 adapters: list[int] | None = None) -> list[torch.Tensor]:
     """Full-prompt logits of each prompt run together as one right-ragged micro-batch through the chain.
 
     Returns one (len_i, vocab) float32 tensor per prompt. Different lengths share the batch, so
-    this checks per-row positions and masks.
+    this checks per-row positions and masks. ``adapters``: each row's LoRA adapter (0: base).
     """
     from pipeline.models.decoder import Segment
 
@@ -95,7 +96,7 @@ def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
     seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
-                  lens=[len(p) for p in prompts])
+                  lens=[len(p) for p in prompts], adapters=adapters)
     x = ids
     for st in stages:
         x = st(x, seg, st.new_cache(b, cache_cols or t))
@@ -104,7 +105,8 @@ def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None
 
 
 @torch.inference_mode()
-def chain_greedy(stages, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[float]]]:
+def chain_greedy(stages, prompts: list[list[int]], steps: int,
+                 adapters: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy decode through the chain with the KV cache: (tokens, token logprobs) per prompt."""
     from pipeline.models.decoder import Segment
 
@@ -115,7 +117,7 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int) -> tuple[list[lis
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
     seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
-                  lens=[len(p) for p in prompts])
+                  lens=[len(p) for p in prompts], adapters=adapters)
     x = ids
     for st, c in zip(stages, caches):
         x = st(x, seg, c)
@@ -130,7 +132,7 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int) -> tuple[list[lis
             out_lp[i].append(float(lp[i, nxt[i]]))
         if step == steps - 1:
             break
-        seg = Segment(torch.arange(b), lens + step, 1, int((lens + step).max()) + 1, all_rows=True)
+        seg = Segment(torch.arange(b), lens + step, 1, int((lens + step).max()) + 1, all_rows=True, adapters=adapters)
         x = nxt[:, None]
         for st, c in zip(stages, caches):
             x = st(x, seg, c)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
+from .lora import LoraRows, StageAdapters
 from .moe import SparseMoE
 from .spec import DecoderSpec, RopeSpec
 
@@ -93,6 +94,7 @@ class Segment:
     host_rows: list[int] | None = None
     host_start: list[int] | None = None
     lens: list[int] | None = None
+    adapters: list[int] | None = None  # LoRA adapter of each row (0: the base model); None: all base
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
         """(rows, starts, real new tokens) per row as Python lists."""
@@ -183,7 +185,10 @@ class Attention(nn.Module):
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         s = self.spec
         b, t, _ = x.shape
-        q, k, v = self._rows(self.qkv, x).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        qkv = self._rows(self.qkv, x)
+        if ctx.lora is not None:
+            qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
+        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         if s.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, s.num_heads, s.head_dim)
@@ -214,7 +219,9 @@ class Attention(nn.Module):
                 out = softcapped_attention(q, k, v, mask, self.scale, s.attn_softcap)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return self._rows(self.o, out.transpose(1, 2).reshape(b, t, s.q_dim))
+        out = out.transpose(1, 2).reshape(b, t, s.q_dim)
+        y = self._rows(self.o, out)
+        return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
     def _attend_rows(self, q, k, v, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         """Batch-invariant attention: each row with exactly its own keys (a sliding layer: its window)."""
@@ -266,16 +273,21 @@ class MLP(nn.Module):
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = _ACTIVATIONS[spec.activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return map_rows(self._mlp, x, self.tile) if self.tile else self._mlp(x)
+    def forward(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
+        return map_rows(self._mlp, x, self.tile) if self.tile else self._mlp(x, lora, layer)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
         h = self.up(x)
+        if lora is not None:  # never with tiles: --batch-invariant refuses adapters
+            h = lora.add(layer, "mlp.up", x, h)
         act = (lambda a: fixed_elementwise(self.act, a)) if self.tile else self.act  # tile: x is (rows, w)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.down(act(gate.contiguous() if self.tile else gate) * up)
-        return self.down(act(h))
+            a = act(gate.contiguous() if self.tile else gate) * up
+        else:
+            a = act(h)
+        y = self.down(a)
+        return y if lora is None else lora.add(layer, "mlp.down", a, y)
 
 
 class Block(nn.Module):
@@ -296,14 +308,17 @@ class Block(nn.Module):
         s = self.spec
         if s.parallel_residual:
             h = self.n1(x)
-            return x + self.attn(h, seg, ctx, layer) + self.mlp(h if s.shared_norm else self.n2(x))
+            return x + self.attn(h, seg, ctx, layer) + self._ffn(h if s.shared_norm else self.n2(x), ctx, layer)
         if not s.pre_norm and not s.post_branch_norm:  # post-norm (OPT-350m)
             x = self.n1(x + self.attn(x, seg, ctx, layer))
-            return self.n2(x + self.mlp(x))
+            return self.n2(x + self._ffn(x, ctx, layer))
         h = self.attn(self.n1(x) if self.n1 is not None else x, seg, ctx, layer)
         x = x + (self.post_attn_norm(h) if self.post_attn_norm is not None else h)
-        h = self.mlp(self.n2(x) if self.n2 is not None else x)
+        h = self._ffn(self.n2(x) if self.n2 is not None else x, ctx, layer)
         return x + (self.post_mlp_norm(h) if self.post_mlp_norm is not None else h)
+
+    def _ffn(self, x: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
+        return self.mlp(x, ctx.lora, layer) if isinstance(self.mlp, MLP) else self.mlp(x)
 
 
 @dataclass
@@ -316,6 +331,7 @@ class StageContext:
     masks: dict[int, torch.Tensor]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "global" / "local" -> cos, sin (b, 1, t, rd/2)
     slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
+    lora: LoraRows | None = None  # the segment's LoRA adapters per row (None: every row is base)
 
 
 class Rotary:
@@ -361,6 +377,7 @@ class StageModel(nn.Module):
         self.proj_out = nn.Linear(s.hidden_size, s.word_dim, bias=False) if has_head and s.embed_dim else None
         self.lm_head = nn.Linear(s.word_dim, s.vocab_size, bias=s.lm_head_bias) if has_head else None
         self.windows = sorted({layer.attn.window for layer in self.layers} | {0})
+        self.adapters: StageAdapters | None = None  # LoRA factors of this stage's layers (pipeline.adapters)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -416,8 +433,9 @@ class StageModel(nn.Module):
         long_rows = self._long_rows(seg, cache) if self.rotary else None
         rope = {key: r.lookup(pos, limit, dtype, long_rows) for key, r in self.rotary.items()}
         slopes = self.slopes if self.spec.position == "alibi" else None
+        lora = self.adapters.rows(seg.adapters, pos.device) if self.adapters is not None else None
         if self.row_tile:
-            return StageContext(cache, {}, rope, slopes)
+            return StageContext(cache, {}, rope, slopes, lora)
         keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows:
@@ -429,7 +447,7 @@ class StageModel(nn.Module):
                 bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
-        return StageContext(cache, masks, rope, slopes)
+        return StageContext(cache, masks, rope, slopes, lora)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""

@@ -1,0 +1,65 @@
+"""LoRA adapters applied per row, never merged into the base weights.
+
+A stage holds, for each of its layers and each projection an adapter targets (``attn.qkv``,
+``attn.o``, ``mlp.up``, ``mlp.down``: our fused layouts), the low-rank factors ``A`` (r, in) and
+``B`` (out, r) of every adapter, with the adapter's scaling folded into ``B``. Rows of one
+micro-batch may use different adapters (index 0 is the base model): a projection's output ``y``
+gets ``x[rows_k] @ A_k.T @ B_k.T`` added for each adapter ``k`` present in the segment, rows
+grouped by adapter, so a micro-batch costs one base matmul plus two thin matmuls per adapter.
+
+How PEFT's per-module factors become factors of our fused projections is the loader's business
+(:mod:`pipeline.adapters`); nothing here knows about files or ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODULES = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # the projections an adapter may target
+
+
+class StageAdapters:
+    """Every adapter's factors for one stage's layers. ``factors[(local layer, module)][k - 1]`` is
+    adapter ``k``'s ``(A, B)`` there, or None when that adapter leaves the projection alone."""
+
+    def __init__(self, names: list[str], factors: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]):
+        self.names = names  # adapter k is names[k - 1]
+        self.factors = factors
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for fs in self.factors.values() for f in fs if f for t in f)
+
+    def rows(self, adapters: list[int] | None, device: torch.device) -> LoraRows | None:
+        """What a segment whose rows use ``adapters`` (one index per row) needs; None: all base."""
+        if not adapters or not any(adapters):
+            return None
+        present = sorted(set(adapters) - {0})
+        if len(present) == 1 and all(a == present[0] for a in adapters):
+            return LoraRows(self, [(present[0], None)])  # every row the same adapter: no gather
+        groups = [(k, torch.tensor([i for i, a in enumerate(adapters) if a == k], device=device)) for k in present]
+        return LoraRows(self, groups)
+
+
+class LoraRows:
+    """The adapter groups of one segment: (adapter index, its rows in the segment or None for all)."""
+
+    def __init__(self, adapters: StageAdapters, groups: list[tuple[int, torch.Tensor | None]]):
+        self.adapters, self.groups = adapters, groups
+
+    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` = base projection of ``x`` (b, t, in) -> (b, t, out), plus each row's low-rank update."""
+        per_adapter = self.adapters.factors.get((layer, module))
+        if per_adapter is None:
+            return y
+        y2 = y.view(-1, y.shape[-1])  # y is the projection's fresh output: updated in place
+        for k, idx in self.groups:
+            f = per_adapter[k - 1]
+            if f is None:
+                continue
+            a, b = f
+            if idx is None:
+                y2.addmm_(x.reshape(-1, x.shape[-1]) @ a.t(), b.t())
+            else:
+                xs = x.index_select(0, idx)  # (b_k, t, in)
+                y.index_add_(0, idx, (xs @ a.t()) @ b.t())
+        return y
