@@ -192,23 +192,30 @@ def execute(plan, opts) -> int:
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
-    info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                            opts.dist_url, opts.cuda_id, opts.timeout)
+    try:
+        info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
+                                opts.dist_url, opts.cuda_id, opts.timeout)
+    except ValueError as e:  # e.g. two ranks on one GPU
+        raise UsageError(str(e)) from None
     stage = load_stage(plan, opts, info)
     LOAD.tick()
     last_output = None  # the profile trace goes beside the run's last output
+    clean = False
     try:
         if not info.is_first:
             last_output = serve_rank(plan, opts, info, stage)
+            clean = True
             return 0
         if opts.serve is not None:
             from serve.run import run_server
 
             run_server(plan, opts, info, stage, first_rank)
+            clean = True
             return 0
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
         reports = first_rank(plan, opts, info, stage).drive(jobs)
+        clean = True
         summarize(reports)
         if dummy:
             from tasks.dummy import print_latency
@@ -220,7 +227,7 @@ def execute(plan, opts) -> int:
     finally:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))
-        shutdown()
+        shutdown(info, clean)
 
 
 def load_stage(plan, opts, info):
@@ -265,7 +272,7 @@ def make_link(info, stage):
     from comm.p2p import Messenger
     from pipeline.link import Link
 
-    return Link(info, Messenger(info.device, stage.trace)) if info.pipeline_size > 1 else None
+    return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
 def last_rank(plan, opts, info, stage, tokenizer=None):
