@@ -104,3 +104,25 @@ def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
         a = model(ids, fresh, None)
         b = model(ids, resumed, cache)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
+    """The head of a bf16 stage equals a float32 head applied to the same (bf16) normed hidden
+    states, far closer than bf16 rounding of the logits would allow."""
+    from pipeline.sampling import logprob_info
+
+    model, _ = build_stage(bf16_llama, 2, 2, False, True, torch.bfloat16, "cpu", backend=backend)
+    torch.manual_seed(1)
+    h = torch.randn(5, 64).bfloat16()
+    norm = model.final_norm._norm if backend == "native" else model.norm
+    with torch.inference_mode():
+        logits = model.head(h)
+        reference = norm(h).float() @ model.lm_head.weight.float().t()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    rounded = reference.bfloat16().float()
+    assert (rounded - reference).abs().max() > 100 * (logits - reference).abs().max()  # the test can tell
+    chosen = logits.argmax(-1)
+    torch.testing.assert_close(logprob_info(logits, chosen, 0)[0],
+                               torch.log_softmax(reference, -1).gather(-1, chosen[:, None]).flatten())

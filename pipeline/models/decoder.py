@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .logits import float32_linear
 from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
 from .moe import SparseMoE
 from .spec import DecoderSpec, RopeSpec
@@ -472,6 +473,6 @@ class StageModel(nn.Module):
             h = self.final_norm._norm(h)  # already inside a tile when tiling
         if self.proj_out is not None:
             h = self.proj_out(h)
-        logits = self.lm_head(h).float()
+        logits = float32_linear(h, self.lm_head.weight, self.lm_head.bias)  # accumulated and kept in float32
         cap = self.spec.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
