@@ -17,6 +17,7 @@ import torch
 from .messages import CloseFile, OpenFile, PassHeader, Stop
 from .models.decoder import KVCache, Segment, StageModel
 from .prefix import PrefixStore
+from .upload import to_device
 
 
 class Stage:
@@ -44,12 +45,12 @@ class Stage:
         outs = []
         with torch.inference_mode():
             if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
-                outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
+                outs.append(self.model(to_device(x_dec, self.device), decode_segment(hdr, self.device), cache))
             for p in hdr.prefill:
                 if p.cached:
                     self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
-                outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
+                outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
                 for i, p in enumerate(hdr.prefill):
                     if p.save:
                         self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
@@ -101,8 +102,10 @@ def serve(link, stage: Stage, last=None) -> str | None:
 
 
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    """The decode rows; their index tensors built once on the host and copied without a sync."""
     rows, starts = hdr.decode_layout, hdr.decode_start
-    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), 1, max(starts) + 1,
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], 1, max(starts) + 1,
                    all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows))
 
 
@@ -111,7 +114,8 @@ def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
     rows, t = [p.row for p in hdr.prefill], hdr.prefill_len
     starts, lens = [p.cached for p in hdr.prefill], [p.len - p.cached for p in hdr.prefill]
     fresh = not any(starts)
-    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), t,
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], t,
                    t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
                    lens=lens)
 
