@@ -126,3 +126,16 @@ def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
     chosen = logits.argmax(-1)
     torch.testing.assert_close(logprob_info(logits, chosen, 0)[0],
                                torch.log_softmax(reference, -1).gather(-1, chosen[:, None]).flatten())
+
+
+def test_kv_cell_bytes_and_out_of_memory_advice(bf16_llama):
+    """--budget auto divides free memory by this stage's bytes per KV token; an OOM names the flags."""
+    from dist_inference_runner import out_of_memory_advice
+    from pipeline.budget import kv_cell_bytes
+    from pipeline.options import parse_options
+
+    for backend in ("native", "transformers"):
+        model, _ = build_stage(bf16_llama, 0, 2, True, False, torch.bfloat16, "cpu", backend=backend)
+        assert kv_cell_bytes(model) == 2 * 2 * (2 * 16) * 2  # k+v x 2 layers x (2 kv heads x 16) x bf16
+    advice = out_of_memory_advice(parse_options(["--budget", "4096"]))
+    assert "--budget (this run: 4096 tokens)" in advice and "--max-micro-batch-size" in advice
