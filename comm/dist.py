@@ -155,5 +155,9 @@ def shutdown(info: DistInfo | None = None, clean: bool = True) -> None:
     if clean and info is not None and info.cpu_group is not None:
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
-        dist.barrier(group=info.cpu_group)
+        try:
+            dist.barrier(group=info.cpu_group)
+        except RuntimeError as e:  # e.g. another data-parallel pipeline failed and left: our work is done
+            log.warning("rank %d: a rank left before the final barrier (%s)", info.rank, str(e).splitlines()[0][:200])
+            return
     dist.destroy_process_group()
