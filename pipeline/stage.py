@@ -44,6 +44,7 @@ class Stage:
 
     @busy.setter
     def busy(self, seconds: float) -> None:
+        """Restart the file's figures: compute seconds, and on CUDA the peak memory."""
         self._busy, self._spans = seconds, []
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
