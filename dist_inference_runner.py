@@ -30,11 +30,11 @@ log = logging.getLogger("runner")
 from pipeline.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
-def resolve_dtype(name: str, cfg: dict, device) -> "torch.dtype":
+def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
     """The run's dtype (pipeline.plan.resolve_dtype, kept here for callers of the runner module)."""
     from pipeline.plan import resolve_dtype as resolve
 
-    return resolve(name, cfg, device)
+    return resolve(name, cfg, device, model_dir)
 
 
 def setup_logging(rank: int) -> None:
@@ -90,10 +90,19 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
 
         if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
+        elif type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
+            log.error("rank %d stops: %s", rank, out_of_memory_advice(opts))
         else:
             log.exception("rank %d failed: %s", rank, e)
         log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
         _hard_exit(1)
+
+
+def out_of_memory_advice(opts) -> str:
+    """What to lower when a stage runs out of GPU memory during the run."""
+    return (f"out of GPU memory: the KV cache and one pass's activations did not fit; lower --budget (this run: "
+            f"{opts.budget} tokens) or --max-micro-batch-size ({opts.max_micro_batch_size}), or spread the layers over "
+            "more stages (--pipeline-group-size)")
 
 
 def launch_rank(argv: list[str]) -> int:
@@ -196,23 +205,31 @@ def execute(plan, opts) -> int:
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
-    info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                            opts.dist_url, opts.cuda_id, opts.timeout)
+    try:
+        info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
+                                opts.dist_url, opts.cuda_id, opts.timeout)
+    except ValueError as e:  # e.g. two ranks on one GPU
+        raise UsageError(str(e)) from None
     stage = load_stage(plan, opts, info)
     LOAD.tick()
+    opts.budget = run_budget(opts, info, stage)
     last_output = None  # the profile trace goes beside the run's last output
+    clean = False
     try:
         if not info.is_first:
             last_output = serve_rank(plan, opts, info, stage)
+            clean = True
             return 0
         if opts.serve is not None:
             from serve.run import run_server
 
             run_server(plan, opts, info, stage, first_rank)
+            clean = True
             return 0
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
         reports = first_rank(plan, opts, info, stage).drive(jobs)
+        clean = True
         summarize(reports)
         if dummy:
             from tasks.dummy import print_latency
@@ -224,7 +241,7 @@ def execute(plan, opts) -> int:
     finally:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))
-        shutdown()
+        shutdown(info, clean)
 
 
 def load_stage(plan, opts, info):
@@ -233,7 +250,7 @@ def load_stage(plan, opts, info):
     from pipeline.models.hf_stage import UnsupportedModel
     from pipeline.stage import Stage
 
-    dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device)
+    dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
     first, last = plan.layers
     t0 = time.perf_counter()
     try:
@@ -258,6 +275,19 @@ def load_stage(plan, opts, info):
     return Stage(model, info.device, trace, prefix_block(plan, opts))
 
 
+def run_budget(opts, info, stage) -> int:
+    """--budget in tokens (auto: from the GPU memory left after loading, the least over stages)."""
+    from pipeline.budget import resolve_budget
+
+    try:
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if opts.budget == "auto" and info.device.type == "cuda" and info.is_first:
+        log.info("--budget auto: %d KV-cache tokens", budget)
+    return budget
+
+
 def prefix_block(plan, opts) -> int:
     """The prefix cache's block size, 0 when it is off. Every rank derives the same answer. Off with
     --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
@@ -276,7 +306,7 @@ def make_link(info, stage):
     from comm.p2p import Messenger
     from pipeline.link import Link
 
-    return Link(info, Messenger(info.device, stage.trace)) if info.pipeline_size > 1 else None
+    return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
 def last_rank(plan, opts, info, stage, tokenizer=None):

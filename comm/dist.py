@@ -2,7 +2,10 @@
 
 NCCL when CUDA is available, gloo otherwise; an explicit timeout; world size 1 needs no process
 group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
-grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``.
+grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``, with this rank's one-way pipeline links
+(:func:`comm.p2p.open_channels`, created here, before loading, so a rank that dies while loading is
+seen by its neighbours' header receives) and a CPU (gloo) group over every rank for the barrier
+at shutdown.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,8 @@ class DistInfo:
     data_size: int
     device: torch.device
     backend: str | None  # None: single process, no process group
+    channels: tuple = field(default=(), compare=False)  # this rank's comm.p2p.Channel links
+    cpu_group: object = field(default=None, compare=False)  # gloo over every rank (the default group on CPU)
 
     @property
     def stage(self) -> int:
@@ -102,23 +108,56 @@ def init_distributed(
         device, backend = torch.device("cpu"), "gloo"
     if world == 1:
         return DistInfo(rank, 1, 0, 1, 1, 1, device, None)
+    from .p2p import open_channels
+
     init_method = dist_url or "env://"
     if init_method == "env://" and "MASTER_ADDR" not in os.environ:
         raise ValueError(
             "no rendezvous: launch with torchrun, or pass --dist-url tcp://HOST:PORT with --rank and --world-size"
         )
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # no device_id: NCCL communicators start lazily, at a link's first payload, so the one-rank-per-GPU
+    # check below speaks before NCCL could fail (or hang) on two ranks of one device
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout,
+                                                                          group_desc="cpu")
+    if backend == "nccl":
+        check_one_rank_per_gpu(device, cpu_group)
+    channels = open_channels(rank, pipeline, data, backend, timeout)
     log.info("process group up: backend=%s rank=%d/%d pipeline=%d data=%d", backend, rank, world, pipeline, data)
-    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend)
+    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend, channels, cpu_group)
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def check_one_rank_per_gpu(device: torch.device, cpu_group) -> None:
+    """Refuse two ranks on one GPU (``LOCAL_RANK % device_count`` would hide it): each would hold a
+    full stage, and NCCL does not support two ranks of a communicator on one device."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), device.index), group=cpu_group)
+    shared = sharing_a_gpu(everyone, dist.get_rank())
+    if shared:
+        raise ValueError(f"ranks {shared} would share GPU {device.index} of {everyone[shared[0]][0]}: launch at most "
+                         f"{torch.cuda.device_count()} processes per node (torchrun --nproc-per-node), give each "
+                         "legacy rank its own --cuda-id, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def sharing_a_gpu(placements: list[tuple[str, int]], rank: int) -> list[int]:
+    """The ranks placed on ``rank``'s (host, GPU), when more than one is; else []."""
+    shared = [r for r, p in enumerate(placements) if p == placements[rank]]
+    return shared if len(shared) > 1 else []
+
+
+def shutdown(info: DistInfo | None = None, clean: bool = True) -> None:
+    """After a clean run: wait for this device's work, meet every rank on the CPU group (so nobody
+    tears down a link a neighbour is still reading the last message from), then destroy the groups.
+    After an error only destroy (a dead peer would never reach the barrier)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean and info is not None and info.cpu_group is not None:
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        try:
+            dist.barrier(group=info.cpu_group)
+        except RuntimeError as e:  # e.g. another data-parallel pipeline failed and left: our work is done
+            log.warning("rank %d: a rank left before the final barrier (%s)", info.rank, str(e).splitlines()[0][:200])
+            return
+    dist.destroy_process_group()

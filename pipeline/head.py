@@ -18,6 +18,7 @@ from tasks.results import Candidate, Detokenizer, IncrementalText, chat_choice, 
 
 from .messages import Admission, Prefill
 from .sampling import apply_penalties, logprob_info, sample, stream_key, uniform
+from .upload import to_device
 
 ECHO_CHUNK = 256  # prompt positions per head call when scoring
 
@@ -136,9 +137,10 @@ class Head:
         feed, finished = {}, []
         if hiddens:
             logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
-            expand = torch.tensor([i for i, rows in enumerate(targets) for _ in rows], device=logits.device)
+            if any(len(rows) > 1 for rows in targets):  # best_of: a prefill lead's logits serve its group
+                expand = [i for i, rows in enumerate(targets) for _ in rows]
+                logits = logits[to_device(expand, logits.device, torch.long)]
             rows = [r for rs in targets for r in rs]
-            logits = logits[expand]
             self._step(states, rows, logits, feed, finished)
         for item in prefill:  # scoring-only groups finish without sampling
             g = self.groups[item.gid]
@@ -155,17 +157,21 @@ class Head:
             logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
                                      [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                                      [p.logit_bias for p in ps])
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in ps], device=dev)
-        unif = torch.tensor([uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
-                             for r, p in zip(rows, ps)], device=dev)
-        chosen = sample(logits, temp, torch.tensor([p.top_k for p in ps], device=dev),
-                        torch.tensor([p.top_p for p in ps], device=dev), unif)
+        # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
+        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps], [float(p.top_k) for p in ps],
+                            [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
+                             for r, p in zip(rows, ps)]], logits.device, torch.float32)
+        hot = [i for i, p in enumerate(ps) if p.temperature > 0]
+        chosen = sample(logits, params[0], params[2].long(), params[1], params[3],
+                        to_device(hot, logits.device, torch.long) if hot else None)
         k = max((p.logprobs or 0) for p in ps)
         chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
-        chosen, chosen_lp = chosen.tolist(), chosen_lp.tolist()
+        # one device->host copy for the pass: ids and logprobs side by side (float64 holds both exactly)
+        cols = [chosen[:, None], chosen_lp[:, None]] + ([top_i, top_v] if k else [])
+        host = torch.cat([c.double() for c in cols], dim=1).tolist()
+        chosen, chosen_lp = [int(h[0]) for h in host], [h[1] for h in host]
         if k:
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+            top_i, top_v = [[int(x) for x in h[2 : 2 + k]] for h in host], [h[2 + k :] for h in host]
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
             st, tok = states[r], chosen[i]

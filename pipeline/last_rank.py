@@ -9,7 +9,6 @@ message are written in their input position.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -53,7 +52,7 @@ class LastRank:
             return Opened(None, error=str(e))
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
-        t0 = time.perf_counter()
+        t0 = self.stage.mark()
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
             if not meta.live:
@@ -87,9 +86,10 @@ class LastRank:
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
             msg.busy.append(self.stage.busy)
+            msg.gpu_peak_mb += self.stage.gpu_peak_mb()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size,
-                                            self.stage.peak_cells)
+                                            self.stage.peak_cells, msg.gpu_peak_mb)
         self.file = None
         return Closed(complete, summary)

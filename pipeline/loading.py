@@ -43,6 +43,7 @@ from .models.backends import choose_backend
 from .models.hf_stage import HFStageModel, UnsupportedModel
 from .models.decoder import StageModel
 from .models.invariant import ROW_TILE
+from .upload import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +339,8 @@ def build_stage(
     spec: DecoderSpec = family.to_spec(cfg)
     with torch.device("meta"):
         model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
-    model = model.to_empty(device=device).to(dtype)
-    store = TensorStore(model_dir)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
+    store, up = TensorStore(model_dir), Uploader(device)
     embs = _embed_side(spec)
     params = dict(model.named_parameters())
     try:
@@ -349,9 +350,11 @@ def build_stage(
             param = params[name]
             if len(source.names) == 1 and source.combine is _AS_IS:
                 with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
-                    tensors = [store.get(source.names[0], part, out=param.data)]
-                if tensors[0] is None:
-                    continue
+                    target = up.target(param.data)
+                    tensors = [store.get(source.names[0], part, out=target)]
+                    if tensors[0] is None:
+                        up.commit(param.data, target)
+                        continue
             else:
                 tensors = [store.get(n, part) for n in source.names]
             files = ", ".join(sorted({str(store.file_of[n]) for n in source.names}))
@@ -366,8 +369,9 @@ def build_stage(
                     f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(value)  # casts to the stage dtype without another temporary
+                up.put(param.data, value)  # casts to the stage dtype without another temporary
             del tensors, value
+        up.finish()
     finally:
         store.close()
     model.init_buffers()
@@ -395,7 +399,7 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
 
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
-    store = TensorStore(model_dir)
+    store, up = TensorStore(model_dir), Uploader(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers())
     try:
@@ -403,14 +407,17 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
             param = params[name]
             part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
             with torch.no_grad():
-                hf_name, value = _first_present(store, candidates, part, out=param.data)
+                target = up.target(param.data)
+                hf_name, value = _first_present(store, candidates, part, out=target)
                 if value is None:
+                    up.commit(param.data, target)
                     continue
                 if tuple(value.shape) != tuple(param.shape):
                     raise CheckpointError(f"{store.file_of[hf_name]}: tensor {hf_name!r} has shape "
                                           f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
                                           f"{tuple(param.shape)}")
-                param.copy_(value)
+                up.put(param.data, value)
+        up.finish()
     finally:
         store.close()
     model.tie()

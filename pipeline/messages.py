@@ -145,6 +145,7 @@ class CloseFile:
     release: list[int] = field(default_factory=list)
     errors: list[ErrorLine] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)  # compute seconds of stage 0, 1, ... (appended en route)
+    gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: each stage's peak allocated memory (en route)
 
 
 @dataclass

@@ -22,6 +22,13 @@ class UsageError(ValueError):
     """A problem with how the runner was invoked; reported without a traceback (exit code 2)."""
 
 
+def budget_value(text: str) -> int | str:
+    """--budget: a number of tokens, or auto."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of KV-cache tokens or auto, got {text!r}")
+
+
 def _opt(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -36,7 +43,7 @@ class RunOptions:
     output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
-    budget: int = _opt(8192, "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait.")
+    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = on GPU what fits in the memory left after loading (the least over stages, 1 GiB or 10%% kept free), 8192 on CPU.", type=budget_value)
     max_micro_batch_size: int = _opt(32, "Most sequences (rows) in one micro-batch.")
     num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size (the fewest that keep every stage busy).")
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
@@ -108,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", default=f.default, **kwargs)
             continue
         if "nargs" not in kwargs:
-            kwargs["type"] = int if f.type.startswith("int") else str  # list fields with action="append": str
+            kwargs.setdefault("type", int if f.type.startswith("int") else str)  # list fields (append): str
         parser.add_argument(flag, default=f.default, **kwargs)
     return parser
 
@@ -145,6 +152,8 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
 def _type_ok(annotation: str, value) -> bool:
     if annotation == "bool":
         return isinstance(value, bool)
+    if annotation == "int | str":  # a number or auto (--budget)
+        return (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
     if annotation.startswith("int"):
         return isinstance(value, int) and not isinstance(value, bool)
     if annotation.startswith("list"):
@@ -153,6 +162,8 @@ def _type_ok(annotation: str, value) -> bool:
 
 
 def _type_word(annotation: str) -> str:
+    if annotation == "int | str":
+        return "an integer or auto"
     return {"bool": "true or false", "list": "a list of paths"}.get(
         annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
 
@@ -176,8 +187,8 @@ def parse_options(argv: list[str] | None = None, quiet: bool = False) -> RunOpti
 def check_options(opts: RunOptions) -> list[str]:
     """Flag problems that need no model: each message says what to change."""
     problems = []
-    if opts.budget < 1:
-        problems.append(f"--budget must be a positive number of KV-cache tokens, got {opts.budget}")
+    if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
+        problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
     if opts.prefix_block_size < 1:
         problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
     if opts.max_micro_batch_size < 1:

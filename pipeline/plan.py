@@ -78,7 +78,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                              "layers (--backend auto/transformers): drop --batch-invariant")
         all_inputs = resolve_inputs(opts, env)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = resolve_dtype(opts.torch_dtype_name, config, device)
+        dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
     except (ValueError, CheckpointError) as e:
@@ -161,16 +161,38 @@ def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dic
     return done
 
 
-def resolve_dtype(name: str, cfg: dict, device: torch.device) -> torch.dtype:
-    """The run's dtype: ``auto`` = the checkpoint's on GPU, float32 on CPU."""
+def resolve_dtype(name: str, cfg: dict, device: torch.device, model_dir: str | None = None) -> torch.dtype:
+    """The run's dtype: ``auto`` = the checkpoint's on GPU, float32 on CPU. The checkpoint's: config.json's
+    ``dtype`` or ``torch_dtype`` (a vision-language config's ``text_config`` too), else the dtype the
+    safetensors weights are stored in, else float16."""
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
-        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        name = (cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+                or (stored_dtype(model_dir) if model_dir else None) or "float16")
         if name not in table:
             raise UsageError(f"the checkpoint's dtype {name!r} is not supported; pass --dtype float16, bfloat16 or float32")
     return table[name]
+
+
+def stored_dtype(model_dir: str) -> str | None:
+    """The dtype of the first floating-point tensor of the safetensors weights (None: not safetensors)."""
+    import json
+
+    from .loading import SafetensorsFile
+
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    path = folder / json.loads(index.read_text())["weight_map"].popitem()[1] if index.is_file() else \
+        folder / "model.safetensors"
+    if not path.is_file():
+        return None
+    f = SafetensorsFile(path)
+    f.close()
+    names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    return next((names[e["dtype"]] for e in f.entries.values() if e["dtype"] in names), None)
 
 
 def _default_model_dir() -> str:

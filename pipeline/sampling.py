@@ -56,11 +56,15 @@ def sample(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
+    hot: torch.Tensor | None = ...,
 ) -> torch.Tensor:
-    """Choose one token per row: argmax where temperature is 0, else inverse-CDF sampling."""
+    """Choose one token per row: argmax where temperature is 0, else inverse-CDF sampling.
+    ``hot``: the rows with a temperature (None: none), when the caller knows them on the host;
+    left out, they are found on the device (a device->host sync)."""
     out = logits.argmax(-1)
-    hot = (temperature > 0).nonzero().flatten()
-    if hot.numel():
+    if hot is ...:
+        hot = (temperature > 0).nonzero().flatten()
+    if hot is not None and hot.numel():
         ids, probs = truncated_probs(logits[hot], temperature[hot], top_k[hot], top_p[hot])
         cdf = probs.cumsum(-1)
         target = uniforms[hot, None] * cdf[:, -1:]

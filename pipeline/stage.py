@@ -17,6 +17,7 @@ import torch
 from .messages import CloseFile, OpenFile, PassHeader, Stop
 from .models.decoder import KVCache, Segment, StageModel
 from .prefix import PrefixStore
+from .upload import to_device
 
 
 class Stage:
@@ -26,12 +27,42 @@ class Stage:
         self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
         self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
-        self.busy = 0.0  # compute seconds since the current file opened
+        self._busy = 0.0  # compute seconds since the current file opened (see ``busy``)
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed on the stream, not resolved yet
+        self._start: torch.cuda.Event | None = None
         self.peak_cells = 0  # most KV cells (micro-batch caches + prefix pool) held since the file opened
+
+    @property
+    def busy(self) -> float:
+        """Compute seconds since the file opened: host time on the CPU; on CUDA the time between events
+        recorded on the stream around each span (host timing would see only the kernel launches)."""
+        for start, end in self._spans:
+            end.synchronize()
+            self._busy += start.elapsed_time(end) / 1000
+        self._spans.clear()
+        return self._busy
+
+    @busy.setter
+    def busy(self, seconds: float) -> None:
+        """Restart the file's figures: compute seconds, and on CUDA the peak memory."""
+        self._busy, self._spans = seconds, []
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def gpu_peak_mb(self) -> list[float]:
+        """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
+        return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
+
+    def mark(self) -> float:
+        """The start of a span for :meth:`clock` (on CUDA an event is recorded on the stream too)."""
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        return time.perf_counter()
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output."""
-        t0 = time.perf_counter()
+        t0 = self.mark()
         self.release(hdr.release)
         if hdr.alloc:
             self.caches[hdr.slot] = self.model.new_cache(*hdr.alloc)
@@ -44,12 +75,12 @@ class Stage:
         outs = []
         with torch.inference_mode():
             if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
-                outs.append(self.model(x_dec.to(self.device), decode_segment(hdr, self.device), cache))
+                outs.append(self.model(to_device(x_dec, self.device), decode_segment(hdr, self.device), cache))
             for p in hdr.prefill:
                 if p.cached:
                     self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
-                outs.append(self.model(x_pre.to(self.device), prefill_segment(hdr, self.device), cache))
+                outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
                 for i, p in enumerate(hdr.prefill):
                     if p.save:
                         self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
@@ -69,9 +100,15 @@ class Stage:
             self.caches.pop(sid, None)
 
     def clock(self, what: str, t0: float, **args) -> None:
-        """Count the time since ``t0`` as compute (and trace it)."""
+        """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""
         t1 = time.perf_counter()
-        self.busy += t1 - t0
+        if self._start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((self._start, end))
+            self._start = None
+        else:
+            self._busy += t1 - t0
         if self.trace is not None:
             self.trace.add(what, t0, t1, args=args)
 
@@ -90,6 +127,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
             stage.release(msg.release)
             if last is None:
                 msg.busy.append(stage.busy)
+                msg.gpu_peak_mb += stage.gpu_peak_mb()
         if last is None:
             link.send_next(msg, x)
         else:
@@ -101,8 +139,10 @@ def serve(link, stage: Stage, last=None) -> str | None:
 
 
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    """The decode rows; their index tensors built once on the host and copied without a sync."""
     rows, starts = hdr.decode_layout, hdr.decode_start
-    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), 1, max(starts) + 1,
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], 1, max(starts) + 1,
                    all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows),
                    adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
 
@@ -112,7 +152,8 @@ def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
     rows, t = [p.row for p in hdr.prefill], hdr.prefill_len
     starts, lens = [p.cached for p in hdr.prefill], [p.len - p.cached for p in hdr.prefill]
     fresh = not any(starts)
-    return Segment(torch.tensor(rows, device=device), torch.tensor(starts, device=device), t,
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], t,
                    t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
                    lens=lens, adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from comm.faults import MIDGEN
@@ -61,6 +61,7 @@ class FileSummary:
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
     kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
+    stage_gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: torch.cuda.max_memory_allocated per stage
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -102,7 +103,8 @@ class OutputFile:
             self.progress.update(done, generated_tokens)
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
-              format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0) -> tuple[bool, FileSummary]:
+              format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0,
+              gpu_peak_mb: list[float] | None = None) -> tuple[bool, FileSummary]:
         """Publish the output if every line of this share is in; (complete, summary)."""
         if self.progress is not None:
             self.progress.close()
@@ -115,7 +117,7 @@ class OutputFile:
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
             pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
-            kv_cells_peak)
+            kv_cells_peak, gpu_peak_mb or [])
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it

@@ -40,7 +40,7 @@ def test_keys_only_in_the_file_apply_and_the_rest_keep_defaults(tmp_path):
     opts = parse_options(["--config", cfg, "--seed", "9"])
     assert (opts.max_micro_batch_size, opts.num_micro_batches, opts.no_progress) == (4, 3, True)
     assert (opts.dtype, opts.output_path, opts.seed) == ("bfloat16", "out.jsonl", 9)
-    assert (opts.budget, opts.strict, opts.infer_data) == (8192, False, None)
+    assert (opts.budget, opts.strict, opts.infer_data) == ("auto", False, None)
 
 
 def test_infer_data_as_list_or_string(tmp_path):
@@ -63,10 +63,14 @@ def test_unknown_key_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("text, message", [
     ("budget: [1\n", "not valid YAML"),
     ("- budget\n- 5\n", "expected a mapping"),
-    ("budget: lots\n", "'budget' must be an integer, got 'lots'"),
+    ("budget: lots\n", "'budget' must be an integer or auto, got 'lots'"),
+    ("budget: auto\n", None),
     ("budget: 0\n", "--budget must be a positive number"),
 ])
 def test_broken_file_exits_2_with_message(tmp_path, capsys, text, message):
+    if message is None:  # not broken
+        assert parse_options(["--config", config(tmp_path, text)]).budget == "auto"
+        return
     err = parse_error(capsys, ["--config", config(tmp_path, text)])
     assert message in err and "Traceback" not in err
 
@@ -106,3 +110,18 @@ def test_run_configured_by_yaml(tmp_path, llama_2l):
     assert [x["request"]["prompt"] for x in lines] == ["hello", "Once upon a time", "The kitchen is north of"]
     assert all(len(x["result"]["choices"][0]["logprobs"]["tokens"]) == 4 for x in lines)
     assert max(x["result"]["request_time"]["batch_size"] for x in lines) == 2  # the command line's 2, not the file's 1
+
+
+def test_budget_auto_from_gpu_memory():
+    """--budget auto: free memory less max(1 GiB, 10%) over the KV bytes of one token; the CPU keeps 8192."""
+    import torch
+
+    from pipeline.budget import CPU_BUDGET, GiB, budget_from_memory, resolve_budget
+
+    assert budget_from_memory(free=30 * GiB, total=40 * GiB, cell_bytes=1 << 20) == 26 * 1024
+    assert budget_from_memory(free=5 * GiB, total=8 * GiB, cell_bytes=1 << 20) == 4 * 1024
+    assert budget_from_memory(free=GiB // 2, total=8 * GiB, cell_bytes=1 << 20) == 0
+    assert budget_from_memory(free=GiB // 2, total=8 * GiB, cell_bytes=0) > 1 << 40  # no layers: no limit
+    assert resolve_budget("auto", None, torch.device("cpu")) == CPU_BUDGET
+    assert resolve_budget(300, None, torch.device("cpu")) == 300
+    assert parse_options(["--budget", "300"]).budget == 300

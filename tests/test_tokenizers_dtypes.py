@@ -98,10 +98,21 @@ CPU, CUDA = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
     ({"dtype": "bfloat16"}, CUDA, torch.bfloat16),
     ({"torch_dtype": "float16"}, CUDA, torch.float16),
     ({"torch_dtype": "float32"}, CUDA, torch.float32),
+    ({"text_config": {"torch_dtype": "bfloat16"}}, CUDA, torch.bfloat16),
     ({}, CUDA, torch.float16),
 ])
 def test_auto_dtype(cfg, device, want):
     assert resolve_dtype("auto", cfg, device) is want
+
+
+def test_auto_dtype_without_config_dtype_reads_the_weights(tmp_path):
+    """No dtype in config.json: the dtype the safetensors weights are stored in."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert resolve_dtype("auto", {}, CUDA, str(tmp_path)) is torch.bfloat16
+    assert resolve_dtype("auto", {"dtype": "float16"}, CUDA, str(tmp_path)) is torch.float16
+    assert resolve_dtype("auto", {}, CPU, str(tmp_path)) is torch.float32
 
 
 def test_explicit_dtype_wins():

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .logits import float32_linear
 from .invariant import RopeTable, attend_rows, fixed_elementwise, map_rows
 from .lora import LoraRows, StageAdapters
 from .moe import SparseMoE
@@ -213,12 +214,11 @@ class Attention(nn.Module):
                 sel = slice(None) if seg.all_rows else seg.rows
                 k = cache.k[layer][sel, :, : seg.kv_len]
                 v = cache.v[layer][sel, :, : seg.kv_len]
-            mask = ctx.masks[self.window]
-            gqa = s.num_heads != s.num_kv_heads
+            mask = ctx.masks.get(self.window)  # None: a plain causal layout
             if s.attn_softcap:
                 out = softcapped_attention(q, k, v, mask, self.scale, s.attn_softcap)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                out = attend(q, k, v, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
@@ -238,6 +238,27 @@ class Attention(nn.Module):
             values = [cv[r : r + 1, :, f : s0 + n] for r, f, s0, n in zip(rows, firsts, starts, lens)]
         return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
                            scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Scaled dot-product attention in the forms the fast kernels (FlashAttention, memory-efficient)
+    accept. q (b, h, t, d); k/v (b, kvh, kv, d); mask bool (b, 1, t, kv), additive (b, h, t, kv), or
+    None for a plain causal layout (query i sees keys 0..i: fresh prompts, each row from column 0).
+
+    - causal: ``is_causal`` with no mask, GQA through ``enable_gqa`` (no K/V repeat);
+    - one query per row (decode) with GQA: the g query heads that share a K/V head take the place of
+      the query axis, (b, kvh, g, d), so the per-row mask applies without repeating K/V;
+    - otherwise the explicit mask (SDPA then repeats K/V for GQA)."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g > 1)
+    if t == 1 and g > 1:
+        m = mask if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kvh, g, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=m, scale=scale)
+        return out.reshape(b, h, 1, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
 
 
 def softcapped_attention(q, k, v, mask: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
@@ -327,7 +348,8 @@ class StageContext:
 
     cache: KVCache | None
     # attention window (0: full) -> bool (b, 1, t, kv) mask, or additive float (b, h, t, kv) with
-    # ALiBi; empty with per-row attention, which builds its own
+    # ALiBi; absent for a plain causal layout (fresh prompts, full attention: see ``attend``); empty
+    # with per-row attention, which builds its own
     masks: dict[int, torch.Tensor]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "global" / "local" -> cos, sin (b, 1, t, rd/2)
     slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
@@ -439,6 +461,8 @@ class StageModel(nn.Module):
         keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows:
+            if seg.fresh and not window and slopes is None and not self.spec.attn_softcap:
+                continue  # a plain causal layout: no mask, the attention kernel's own causal masking
             mask = keys[None, None, :] <= pos[:, :, None]  # (b, t, kv): fresh rows start at 0
             if window:
                 mask = mask & (keys[None, None, :] > pos[:, :, None] - window)
@@ -467,6 +491,6 @@ class StageModel(nn.Module):
             h = self.final_norm._norm(h)  # already inside a tile when tiling
         if self.proj_out is not None:
             h = self.proj_out(h)
-        logits = self.lm_head(h).float()
+        logits = float32_linear(h, self.lm_head.weight, self.lm_head.bias)  # accumulated and kept in float32
         cap = self.spec.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits

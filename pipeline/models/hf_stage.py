@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .decoder import Segment
+from .logits import float32_linear
 
 
 class UnsupportedModel(ValueError):
@@ -430,14 +431,14 @@ class HFStageModel(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> float32 logits (..., vocab), scaled as the HF model's forward does."""
         e = self.extras
-        logits = self.lm_head(self.norm(h))
+        logits = float32_linear(self.norm(h), self.lm_head.weight, self.lm_head.bias)  # float32 accumulation
         if e.logits_divide is not None:
             logits = logits / e.logits_divide
         if e.logits_multiply is not None:
             logits = logits * e.logits_multiply
         if e.softcap is not None:
             logits = torch.tanh(logits / e.softcap) * e.softcap
-        return logits.float()
+        return logits
 
 
 __all__ = ["HFKVCache", "HFStageModel", "ModelShape", "segment_cache_class", "UnsupportedModel", "forward_extras",

@@ -1,0 +1,141 @@
+"""What the GPU paths rely on, checked on the CPU: parameters are allocated once, in the run's
+dtype (never materialized in float32 and cast); the causal fast path of attention equals the
+masked path; the head computes logprobs of bf16 runs from float32 logits."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pipeline.loading import build_stage
+from tests.utils import save_hf_model
+
+
+class Allocations(TorchDispatchMode):
+    """Every new CPU storage an operation returns: its bytes and dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[int, torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs:
+                self.storages.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), t.dtype))
+        return out
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.utils import local_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(local_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return save_hf_model(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), tmp_path_factory.mktemp("bf16"))
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_parameters_are_allocated_once_in_the_run_dtype(bf16_llama, backend):
+    with Allocations() as seen:
+        model, _ = build_stage(bf16_llama, 0, 2, True, True, torch.bfloat16, "cpu", backend=backend)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    allocated = sum(n for n, _ in seen.storages.values())
+    float32 = sum(n for n, dtype in seen.storages.values() if dtype == torch.float32)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # the parameters once, the one-at-a-time temporaries of fused tensors (q/k/v, gate/up) and small
+    # tables (rotary, at 32 positions); materializing in float32, then casting, allocates 3x params
+    assert allocated < 2 * params, (allocated, params)
+    assert float32 < 0.1 * params, (float32, params)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_causal_fast_path_equals_the_masked_path(heads, kv_heads):
+    from pipeline.models.decoder import attend
+
+    torch.manual_seed(0)
+    b, t, d = 3, 7, 16
+    q, k, v = torch.randn(b, heads, t, d), torch.randn(b, kv_heads, t, d), torch.randn(b, kv_heads, t, d)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t)
+    g = heads // kv_heads
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=causal, scale=0.3)
+    torch.testing.assert_close(attend(q, k, v, None, 0.3), reference)
+    torch.testing.assert_close(attend(q, k, v, causal, 0.3), reference)
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_decode_over_per_row_lengths_without_repeating_kv(alibi):
+    """One query per row, rows of different lengths, GQA: the folded form equals repeated K/V."""
+    from pipeline.models.decoder import alibi_slopes, attend
+
+    torch.manual_seed(0)
+    b, h, kvh, kv, d = 3, 8, 2, 9, 16
+    q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kvh, kv, d), torch.randn(b, kvh, kv, d)
+    lens = torch.tensor([9, 4, 1])
+    mask = (torch.arange(kv)[None, :] < lens[:, None])[:, None, None, :]  # (b, 1, 1, kv)
+    if alibi:
+        bias = alibi_slopes(h)[None, :, None, None] * torch.arange(kv).float()
+        mask = torch.where(mask, bias, torch.tensor(float("-inf")))  # (b, h, 1, kv)
+    g = h // kvh
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(attend(q, k, v, mask, 0.25), reference)
+
+
+def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
+    """Fresh prompts with full attention take the causal kernel; resumed rows keep their mask; the
+    stage's output is the same either way (HF parity tests check the numbers against transformers)."""
+    from pipeline.models.decoder import Segment
+
+    model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, False)
+    rows, start = torch.arange(2), torch.zeros(2, dtype=torch.long)
+    fresh = Segment(rows, start, 5, 5, fresh=True, prefill=True, lens=[5, 3])
+    resumed = Segment(rows, start, 5, 5, fresh=False, prefill=True, lens=[5, 3])
+    assert 0 not in model.context(fresh, None, torch.float32).masks
+    assert 0 in model.context(resumed, None, torch.float32).masks
+    ids = torch.randint(0, 100, (2, 5))
+    cache = model.new_cache(2, 8)
+    with torch.inference_mode():
+        a = model(ids, fresh, None)
+        b = model(ids, resumed, cache)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
+    """The head of a bf16 stage equals a float32 head applied to the same (bf16) normed hidden
+    states, far closer than bf16 rounding of the logits would allow."""
+    from pipeline.sampling import logprob_info
+
+    model, _ = build_stage(bf16_llama, 2, 2, False, True, torch.bfloat16, "cpu", backend=backend)
+    torch.manual_seed(1)
+    h = torch.randn(5, 64).bfloat16()
+    norm = model.final_norm._norm if backend == "native" else model.norm
+    with torch.inference_mode():
+        logits = model.head(h)
+        reference = norm(h).float() @ model.lm_head.weight.float().t()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    rounded = reference.bfloat16().float()
+    assert (rounded - reference).abs().max() > 100 * (logits - reference).abs().max()  # the test can tell
+    chosen = logits.argmax(-1)
+    torch.testing.assert_close(logprob_info(logits, chosen, 0)[0],
+                               torch.log_softmax(reference, -1).gather(-1, chosen[:, None]).flatten())
+
+
+def test_kv_cell_bytes_and_out_of_memory_advice(bf16_llama):
+    """--budget auto divides free memory by this stage's bytes per KV token; an OOM names the flags."""
+    from dist_inference_runner import out_of_memory_advice
+    from pipeline.budget import kv_cell_bytes
+    from pipeline.options import parse_options
+
+    for backend in ("native", "transformers"):
+        model, _ = build_stage(bf16_llama, 0, 2, True, False, torch.bfloat16, "cpu", backend=backend)
+        assert kv_cell_bytes(model) == 2 * 2 * (2 * 16) * 2  # k+v x 2 layers x (2 kv heads x 16) x bf16
+    advice = out_of_memory_advice(parse_options(["--budget", "4096"]))
+    assert "--budget (this run: 4096 tokens)" in advice and "--max-micro-batch-size" in advice

@@ -1,0 +1,128 @@
+"""Pipeline links (comm.p2p): every group carries traffic one way, headers go over CPU (gloo) groups,
+payloads over groups of their own; a peer killed mid-run is reported within seconds, on the header
+channel; the last message (stop) arrives before anyone tears the groups down.
+
+Real runs: each rank goes through a small wrapper that records every point-to-point send and
+receive (group, backend, this rank, the peer) before the runner's own code runs.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from comm.dist import sharing_a_gpu
+from tests.utils import RUNNER, _env, _kill_group, free_port, read_jsonl
+
+RECORDER = '''
+import json, os, runpy, sys
+import torch.distributed as dist
+
+log = open(f"{os.environ['P2P_LOG']}.{os.environ['RANK_ID']}", "w", buffering=1)
+
+def recording(fn, op):
+    def call(tensor, peer=None, group=None, **kw):
+        g = group or dist.group.WORLD
+        log.write(json.dumps({"op": op, "group": g.group_name, "desc": g.group_desc, "backend": dist.get_backend(g),
+                              "me": dist.get_rank(), "peer": peer, "dtype": str(tensor.dtype)}) + "\\n")
+        return fn(tensor, peer, group, **kw)
+    return call
+
+for name, op in (("isend", "send"), ("send", "send"), ("irecv", "recv"), ("recv", "recv")):
+    setattr(dist, name, recording(getattr(dist, name), op))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_llama):
+    return make_llama(num_hidden_layers=3, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory):
+    path = tmp_path_factory.mktemp("links") / "req.jsonl"
+    # more than one chunk of 64 lines (tasks.shards), so that both pipelines of a data-parallel run work
+    path.write_text("".join(json.dumps({"prompt": f"Request {i}: the garden is", "max_tokens": 1 + i % 3,
+                                        "logprobs": 1}) + "\n" for i in range(72)))
+    return path
+
+
+def launch(args, world, pipeline, log=None, env=None):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(world):
+        pre = [sys.executable, "-c", RECORDER, str(RUNNER)] if log else [sys.executable, str(RUNNER)]
+        procs.append(subprocess.Popen(
+            [*pre, *args, "--rank", str(i), "--world-size", str(world), "--pipeline-group-size", str(pipeline),
+             "--data-group-size", str(world // pipeline), "--dist-url", url, "--num-threads", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env=_env({**(env or {}), **({"P2P_LOG": str(log), "RANK_ID": str(i)} if log else {})})))
+    return procs
+
+
+def finish(procs, timeout=240):
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            _kill_group(p)
+
+
+@pytest.mark.parametrize("world,pipeline", [(3, 3), (4, 2)])
+def test_every_group_carries_traffic_one_way(model_dir, requests, tmp_path, world, pipeline):
+    out, log = tmp_path / "out.jsonl", tmp_path / "p2p"
+    procs = launch(["--model-name", model_dir, "--infer-data", str(requests), "--output-path", str(out),
+                    "--budget", "300"], world, pipeline, log)
+    results = finish(procs)
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(r[1][-2000:] for r in results)
+    assert len(read_jsonl(out)) == 72
+    records = [json.loads(line) for i in range(world) for line in Path(f"{log}.{i}").read_text().splitlines()]
+    directions: dict[str, set] = {}
+    for r in records:
+        src, dst = (r["me"], r["peer"]) if r["op"] == "send" else (r["peer"], r["me"])
+        directions.setdefault(r["group"], set()).add((src, dst, r["desc"], r["backend"]))
+    for group, used in directions.items():
+        assert len(used) == 1, f"group {group} carries traffic both ways or between several pairs: {used}"
+    links = {desc: (src, dst, backend) for (src, dst, desc, backend), in directions.values()}
+    # every message's header goes over a gloo group of its link, payloads over the link's payload group
+    expect_links = {(d * pipeline + s, d * pipeline + (s + 1) % pipeline) for d in range(world // pipeline)
+                    for s in range(pipeline)}
+    headers = {(src, dst) for desc, (src, dst, backend) in links.items() if desc.startswith("header")}
+    payloads = {(src, dst) for desc, (src, dst, backend) in links.items() if desc.startswith("payload")}
+    assert headers == expect_links, links
+    assert all(b == "gloo" for desc, (_, _, b) in links.items() if desc.startswith("header"))
+    assert payloads == {(a, b) for a, b in expect_links if b % pipeline}, "payloads flow only down the pipeline"
+    for desc, (src, dst, _) in links.items():
+        assert desc.endswith(f"{src}->{dst}")
+    assert all(r["dtype"] in ("torch.int64", "torch.uint8") for r in records if r["desc"].startswith("header"))
+    assert any(r["dtype"] == "torch.float32" for r in records if r["desc"].startswith("payload"))
+    # the stop message reached every rank: each received exactly as many headers as were sent to it
+    sent = sum(r["op"] == "send" and r["desc"].startswith("header") for r in records)
+    got = sum(r["op"] == "recv" and r["desc"].startswith("header") for r in records)
+    assert sent == got
+
+
+def test_a_peer_killed_mid_run_is_reported_within_seconds(model_dir, requests, tmp_path):
+    """The last rank dies mid-generation; rank 0, waiting for its reply on the header channel (gloo),
+    hears of it at once, with the message that names the rank."""
+    out = tmp_path / "out.jsonl"
+    procs = launch(["--model-name", model_dir, "--infer-data", str(requests), "--output-path", str(out),
+                    "--budget", "300"], 2, 2, env={"DIST_INFER_FAULT": "midgen", "DIST_INFER_FAULT_RANK": "1"})
+    procs[1].wait(timeout=240)  # killed by the fault point
+    t0 = time.monotonic()
+    results = finish(procs, timeout=60)
+    assert time.monotonic() - t0 < 30, "rank 0 should notice within seconds"
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0
+    assert "lost contact with rank 1 on the header channel" in results[0][1], results[0][1][-2000:]
+
+
+def test_two_ranks_on_one_gpu_are_found():
+    assert sharing_a_gpu([("a", 0), ("a", 1), ("b", 0)], 0) == []
+    assert sharing_a_gpu([("a", 0), ("a", 1), ("a", 0)], 2) == [0, 2]
