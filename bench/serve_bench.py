@@ -76,9 +76,11 @@ def serve_level(url: str, bodies: list[dict], clients: int) -> dict:
     for b in bodies:
         work.put(b)
     lat, toks, errors = [], [], []
+    ready = threading.Barrier(clients + 1)  # clients are built before the clock starts (not server time)
 
     def worker() -> None:
         with httpx_client.Client() as client:
+            ready.wait()
             while True:
                 try:
                     body = work.get_nowait()
@@ -91,10 +93,11 @@ def serve_level(url: str, bodies: list[dict], clients: int) -> dict:
                 except Exception as e:  # noqa: BLE001
                     errors.append(repr(e))
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     for t in threads:
         t.start()
+    ready.wait()
+    t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
