@@ -142,10 +142,10 @@ class ServeRank(FirstRank):
         self.driver.on_reply(msg)
         if was and not sched.slots[msg.slot].allocated:
             self.release.append(msg.slot)
-        for index, choice, text in msg.deltas:
+        for index, choice, text, logprobs in msg.deltas:
             live = self.live.get(index)
             if live is not None:
-                self.source.emit(live, choice, text)
+                self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
             if live is not None:

@@ -188,6 +188,29 @@ def test_chat_and_streaming(server, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
 
 
+def test_streamed_logprobs(server):
+    """Each chunk carries the logprobs of the tokens in its delta; joined, they are the non-streamed ones."""
+    client = server.client()
+    req = {"prompt": "Logprobs stream", "max_tokens": 20, "temperature": 0, "logprobs": 2, "stop": ["zz"]}
+    full = client.completions.create(model=NAME, **req).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(model=NAME, stream=True, **req) if c.choices]
+    with_lp = [c for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert len(with_lp) > 5  # token by token, not only in the last chunk
+    for c in with_lp:
+        assert "".join(c.logprobs.tokens) == c.text
+    joined = {k: sum((getattr(c.logprobs, k) for c in with_lp), []) for k in ("tokens", "text_offset", "top_logprobs")}
+    assert joined["tokens"] == full.tokens and joined["text_offset"] == full.text_offset
+    assert [sorted(t) for t in joined["top_logprobs"]] == [sorted(t) for t in full.top_logprobs]
+    assert sum((c.logprobs.token_logprobs for c in with_lp), []) == pytest.approx(full.token_logprobs, abs=1e-4)
+    chat = {**CHAT, "logprobs": True, "top_logprobs": 2}
+    ref = client.chat.completions.create(model=NAME, **chat).choices[0].logprobs.content
+    got = [t for c in client.chat.completions.create(model=NAME, stream=True, **chat)
+           if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in got] == [t.token for t in ref]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in ref], abs=1e-4)
+    assert all(len(t.top_logprobs) == 2 for t in got)
+
+
 def test_bad_requests(server):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers=h)
@@ -306,6 +329,13 @@ def test_batch_api(server, reference, tmp_path):
     assert_consistent_results(as_lines([{"choices": out[i]["response"]["body"]["choices"]} for i in ids]),
                               as_lines([{"choices": ref[i]["response"]["body"]["choices"]} for i in ids]))
     assert batch.id in [b.id for b in client.batches.list()]
+    listed = [x.id for x in client.files.list(purpose="batch")]
+    assert f.id in listed and done.output_file_id not in listed
+    assert done.output_file_id in [x.id for x in client.files.list()]
+    assert client.files.delete(f.id).deleted
+    assert f.id not in [x.id for x in client.files.list()]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
 
 
 def test_batch_cancel(server):
@@ -313,6 +343,8 @@ def test_batch_cancel(server):
     lines = batch_lines(extra=200)
     f = client.files.create(file=("c.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="has not finished"):  # a restart would resume from it
+        client.files.delete(f.id)
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled", "completed")
     done = wait_batch(client, batch.id)
     assert done.status in ("cancelled", "completed")
