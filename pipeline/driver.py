@@ -146,15 +146,21 @@ class Driver:
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
                              stream=req.stream)
             groups.append(g)
-            metas.append(meta)
+            metas.append((meta, digests))
+        self.next_gid += len(req.prompts)
+        for g, (m, digests) in zip(groups, metas):  # nothing is kept for a request that cannot run
+            self.metas[g.gid] = m
             if digests:
                 self.digests[g.gid] = digests
-        self.next_gid += len(req.prompts)
-        for g, m in zip(groups, metas):
-            self.metas[g.gid] = m
-            if self.prefix is not None:
-                self.prefix.queued(self.digests.get(g.gid, []))
+                self.prefix.queued(digests)
         return groups
+
+    def unqueue(self, gid: int) -> Admission | None:
+        """Forget a queued group that will not run (serve mode: its client left, or shutdown)."""
+        digests = self.digests.pop(gid, None)
+        if digests and self.prefix is not None:
+            self.prefix.unqueued(digests)
+        return self.metas.pop(gid, None)
 
     # -- passes -----------------------------------------------------------------------------
     def build(self, ps: Pass, release: list[int]) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:

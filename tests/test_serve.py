@@ -430,3 +430,42 @@ def test_serve_flags():
     with pytest.raises(SystemExit):
         parse_options(["--serve", "8000", "--data-group-size", "2"])
     assert parse_options(["--serve", "8000"]).max_pending == 256
+
+
+def test_dropped_request_releases_its_prefix_digests():
+    """A queued request whose client left takes its pending prefix-cache digests with it (they would
+    otherwise keep blocks pinned against eviction and count as sharing evidence forever)."""
+    import asyncio
+
+    from pipeline.driver import Driver
+    from pipeline.prefix import PrefixCache
+    from pipeline.schedule import Scheduler
+    from serve.engine import ServeRank
+    from serve.source import Live, RequestSource
+    from tasks.requests import parse_body
+
+    prefix = PrefixCache(4, 4096)
+    driver = Driver(None, 100, 512, Scheduler(4096, 1, 8, prefix=prefix, headroom=True))
+    source = RequestSource(10)
+    rank = ServeRank(None, driver, None, object(), source, None)
+    loop = asyncio.new_event_loop()
+    try:
+        lives = [Live(parse_body({"prompt": list(range(1, 20)), "max_tokens": 4, "n": n}, False), loop,
+                      loop.create_future()) for n in (1, 2)]
+        for live in lives:
+            source.submit(live)
+        rank._take(source.take())
+        assert len(driver.sched.queue) == 2 and prefix.pending[block_key(prefix)] == 2
+        rank._cancel(lives[0])
+        assert len(driver.sched.queue) == 1 and prefix.pending[block_key(prefix)] == 1
+        rank._cancel(lives[1])
+        assert not driver.sched.queue and not prefix.pending and not driver.digests and not driver.metas
+        assert source.pending == 0
+    finally:
+        loop.close()
+
+
+def block_key(prefix) -> bytes:
+    from pipeline.prefix import block_digests
+
+    return block_digests(list(range(1, 20)), prefix.block_size)[0]
