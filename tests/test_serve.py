@@ -469,3 +469,27 @@ def block_key(prefix) -> bytes:
     from pipeline.prefix import block_digests
 
     return block_digests(list(range(1, 20)), prefix.block_size)[0]
+
+
+def test_non_loopback_without_key_warns(caplog, monkeypatch, tmp_path):
+    """Binding beyond loopback without a key prints a warning before anything loads; a key (flag or
+    environment) silences it."""
+    from types import SimpleNamespace
+
+    from serve import run
+
+    class Loaded(Exception):
+        pass
+
+    def first_rank(*_):
+        raise Loaded
+
+    monkeypatch.delenv(run.API_KEY_ENV, raising=False)
+    for serve, key, env, warned in (("0.0.0.0:1", None, None, True), ("127.0.0.1:1", None, None, False),
+                                    ("0.0.0.0:1", "k", None, False), ("0.0.0.0:1", None, "k", False)):
+        if env:
+            monkeypatch.setenv(run.API_KEY_ENV, env)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="serve"), pytest.raises(Loaded):
+            run.run_server(None, SimpleNamespace(serve=serve, api_key=key, serve_dir=str(tmp_path)), None, None, first_rank)
+        assert ("without an API key" in caplog.text) == warned, (serve, key, env)
