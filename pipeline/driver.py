@@ -152,11 +152,17 @@ class Driver:
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
-        for g, m in zip(groups, metas):
+        for g, m in zip(groups, metas):  # nothing is kept for a request that cannot run
             self.metas[g.gid] = m
             if self.prefix is not None:
                 self.prefix.queued(g.digests)
         return groups
+
+    def unqueue(self, g: Group) -> Admission | None:
+        """Forget a queued group that will not run (serve mode: its client left, or shutdown)."""
+        if g.digests and self.prefix is not None:
+            self.prefix.unqueued(g.digests)
+        return self.metas.pop(g.gid, None)
 
     # -- passes -----------------------------------------------------------------------------
     def build(self, ps: Pass, release: list[int]) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:

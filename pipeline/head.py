@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tasks.requests import Params
-from tasks.results import Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line, result_object
+from tasks.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line,
+                           result_object, top_dict)
 
 from .messages import Admission, Prefill
 from .sampling import apply_penalties, logprob_info, sample, stream_key, uniform
@@ -29,7 +30,8 @@ class RowState:
     cand: Candidate
     key: int  # random stream
     text: IncrementalText | None = None  # only when the request has stop strings or streams
-    sent: int = -1  # streaming: characters of text sent as deltas (-1: not streamed)
+    sent: int = -1  # streaming: tokens whose text was sent as deltas (-1: not streamed)
+    sent_chars: int = 0  # streaming: the characters of those tokens
     counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
 
 
@@ -72,7 +74,7 @@ class Head:
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
         self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
         self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
-        self.deltas: list[tuple[int, int, str]] = []  # streaming: (request index, choice index, new text)
+        self.deltas: list[tuple] = []  # streaming: (request index, choice index, new text, its logprobs or None)
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
@@ -246,16 +248,35 @@ class Head:
         return out
 
     def _stream(self, st: RowState, p: Params) -> None:
-        """Queue the text a streaming row can no longer take back: all but the last (longest stop - 1)
-        characters, which a stop string found later could still cut."""
+        """Queue the whole tokens a streaming row can no longer take back (their text, and their
+        logprobs when asked): text up to the last (longest stop - 1) characters, which a stop string
+        found later could still cut, ending with a token that completes its characters."""
         hold = max((len(s) for s in p.stop), default=1) - 1
         safe = len(st.text.text) - hold
-        if safe > st.sent:
-            meta = self.groups[st.gid].meta
-            self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, st.text.text[st.sent:safe]))
-            st.sent = safe
+        pieces, pos, end = st.text.pieces, st.sent_chars, st.sent
+        for k in range(st.sent, len(pieces)):
+            if pos + len(pieces[k]) > safe:
+                break
+            pos += len(pieces[k])
+            if pieces[k]:
+                end = k + 1
+        if end == st.sent:
+            return
+        text = "".join(pieces[st.sent:end])
+        lp = None
+        if p.logprobs is not None:
+            c, offsets, at = st.cand, [], st.sent_chars
+            for piece in pieces[st.sent:end]:
+                offsets.append(at)
+                at += len(piece)
+            lp = {"tokens": pieces[st.sent:end], "token_logprobs": c.logprobs[st.sent:end],
+                  "top_logprobs": [top_dict(self.detok, t) for t in c.top[st.sent:end]] if p.logprobs else None,
+                  "text_offset": offsets}
+        meta = self.groups[st.gid].meta
+        self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, text, lp))
+        st.sent, st.sent_chars = end, st.sent_chars + len(text)
 
-    def take_deltas(self) -> list[tuple[int, int, str]]:
+    def take_deltas(self) -> list[tuple[int, int, str, dict | None]]:
         out, self.deltas = self.deltas, []
         return out
 

@@ -114,7 +114,7 @@ class Reply:
     finished: list[int]  # rows whose sequence ended
     answers: list[tuple[int, dict]] = field(default_factory=list)  # serve mode: finished live requests
     written: int = 0  # results put into the open file by this pass (serve mode counts a batch's progress)
-    deltas: list[tuple[int, int, str]] = field(default_factory=list)  # streaming: (request, choice, new text)
+    deltas: list[tuple] = field(default_factory=list)  # streaming: (request, choice, new text, its logprobs or None)
 
 
 @dataclass

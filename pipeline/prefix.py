@@ -69,6 +69,13 @@ class PrefixCache:
     def queued(self, digests: list[bytes]) -> None:
         self.pending.update(digests)
 
+    def unqueued(self, digests: list[bytes]) -> None:
+        """A queued prompt leaves without being admitted (serve mode: its client left)."""
+        self.pending.subtract(digests)
+        for d in digests:
+            if self.pending[d] <= 0:
+                del self.pending[d]
+
     def resident(self, digest: bytes | None) -> bool:
         return digest is not None and digest in self.blocks
 
@@ -98,10 +105,7 @@ class PrefixCache:
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
-        self.pending.subtract(digests)
-        for d in digests:
-            if self.pending[d] <= 0:
-                del self.pending[d]
+        self.unqueued(digests)  # admitted now
         hits = []
         for d in digests:
             if d not in self.blocks or self.blocks[d] in saving:

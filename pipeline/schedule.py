@@ -75,7 +75,9 @@ class Scheduler:
     yet do not enter the same pass: the second waits a pass and then finds the block computed.
 
     ``headroom`` (serve mode): requests arrive one by one, so a new micro-batch gets free rows sized
-    for recent requests (the 90th percentile of their needs), within its share of the budget.
+    for recent requests (the largest need of the last 64), within its share of the budget; and a
+    request longer than every micro-batch drains only one of them (the one with the fewest rows in
+    use) while the others keep taking requests, instead of stopping every refill.
     """
 
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
@@ -84,6 +86,7 @@ class Scheduler:
         self.spare = 1 if prefix is not None else 0  # columns
         self.headroom = headroom
         self.recent: deque[int] = deque(maxlen=64)  # serve mode: the needs of recent groups
+        self.draining: int | None = None  # serve mode: the slot left to drain for a blocked head
         self.slots = [Slot(i) for i in range(num_slots)]
         self.queue: deque[Group] = deque()
         self.window = window or max(64, 4 * max_rows)
@@ -159,12 +162,14 @@ class Scheduler:
                 rows, cols = rows + g.width, new_cols
         return chosen
 
-    def _refill(self, slot: Slot) -> list[Group]:
+    def _refill(self, slot: Slot, limit: int | None = None) -> list[Group]:
         free = len(slot.free_rows())
         chosen = []
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
+            if limit is not None and g.max_tokens > limit:
+                continue
             if (g.width <= free and g.need + self.spare <= slot.cols and not self._same_new_prefix(g, chosen)
                     and not self._uneven(g, chosen)):
                 chosen.append(g)
@@ -184,22 +189,53 @@ class Scheduler:
             return False
         return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
+    def _refill_limit(self, slot: Slot) -> int | None:
+        """Most new tokens a group may have to join this allocated slot now (None: any).
+
+        While the oldest queued group is blocked its slot(s) drain for it: in file mode every slot
+        takes nothing (0). In serve mode only one slot drains (the one with the fewest rows in use),
+        and it still takes groups that end no later than its longest running row (backfill), so the
+        drain is never delayed by them."""
+        if not self._head_blocked():
+            self.draining = None
+            return None
+        if not self.headroom:
+            return 0
+        if self.draining is None or not self.slots[self.draining].allocated:
+            held = [s for s in self.slots if s.allocated]
+            self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
+        if slot.sid != self.draining:
+            return None
+        left = [self.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in self.groups]
+        return max(left, default=1) - 1
+
+    def _pool_yields(self) -> None:
+        """Drop the prefix pool when it stands between the budget and the oldest request (with no
+        slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
+        drain there, and a pool grown while traffic was light would keep every new slot small)."""
+        if self.prefix is None or not self.prefix.cells:
+            return
+        free, want = self.budget - self.used, self.cells(self.queue[0])
+        if self.headroom:
+            want = max(want, self.budget // len(self.slots))
+        elif any(s.allocated for s in self.slots):
+            return
+        if free < want <= free + self.prefix.cells:
+            self.prefix.reset()
+
     def next_pass(self, sid: int) -> Pass | None:
         """The next pass for an idle slot, or None when it has nothing to do now."""
         slot = self.slots[sid]
         assert not slot.inflight
         alloc = None
         if not slot.allocated and self.queue:
-            head = self.cells(self.queue[0])
-            if self.prefix is not None and self.prefix.cells and head > self.budget - self.used:
-                if head <= self.budget - self.used + self.prefix.cells and not any(s.allocated for s in self.slots):
-                    self.prefix.reset()  # the pool stands between the oldest request and the budget
+            self._pool_yields()
             new = self._pack(self.budget - self.used)
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
-                if self.headroom:  # free rows with room for most recent requests, within this slot's share
+                if self.headroom:  # free rows with room for recent requests, within this slot's share
                     cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
-                    typical = sorted(self.recent)[int(0.9 * (len(self.recent) - 1))] if self.recent else 0
+                    typical = max(self.recent, default=0)
                     cols = max(cols, min(typical + self.spare, cap // max(rows, 1)), cap // self.max_rows)
                     rows = max(rows, min(self.max_rows, cap // cols))
                 slot.rows, slot.cols = rows, cols
@@ -207,8 +243,9 @@ class Scheduler:
                 alloc = (rows, cols)
                 self.allocated_cells += rows * cols
                 self.padding_waste += rows * cols - sum(g.need * g.width for g in new)  # spare columns count
-        elif slot.allocated and not self._head_blocked():
-            new = self._refill(slot)
+        elif slot.allocated:
+            limit = self._refill_limit(slot)
+            new = self._refill(slot, limit) if limit != 0 else []
         else:
             new = []
         for g in new:

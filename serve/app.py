@@ -216,13 +216,11 @@ async def _events(state: ServeState, live: Live, maker: ChunkMaker, include_usag
             getter = asyncio.ensure_future(live.events.get())
             done, _ = await asyncio.wait({getter, live.future}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                choice, text = getter.result()
-                yield maker.delta(choice, text)
+                yield maker.delta(*getter.result())
                 continue
             getter.cancel()
             while not live.events.empty():
-                choice, text = live.events.get_nowait()
-                yield maker.delta(choice, text)
+                yield maker.delta(*live.events.get_nowait())
             break
         finished = True
         value = live.future.result()

@@ -77,6 +77,30 @@ class BatchStore:
         self.file(fid)
         return self.files_dir / fid
 
+    def list_files(self, purpose: str | None, limit: int, after: str | None, order: str) -> dict:
+        with self.lock:
+            files = sorted(self.files.values(), key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
+        files = [f for f in files if purpose is None or f["purpose"] == purpose]
+        if after:
+            ids = [f["id"] for f in files]
+            files = files[ids.index(after) + 1:] if after in ids else []
+        page = [dict(f) for f in files[:limit]]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit}
+
+    def delete_file(self, fid: str) -> dict:
+        """Remove a file (not the input of an unfinished batch: a restart resumes from it)."""
+        with self.lock:
+            self.file(fid)
+            users = [b["id"] for b in self.batches.values() if b["input_file_id"] == fid and b["status"] in ACTIVE]
+            if users:
+                raise StoreError(f"the file {fid} is the input of batch {users[0]}, which has not finished; "
+                                 "cancel the batch or wait for it", 400, "file_id")
+            del self.files[fid]
+            for path in (self.files_dir / f"{fid}.json", self.files_dir / fid):
+                path.unlink(missing_ok=True)
+        return {"id": fid, "object": "file", "deleted": True}
+
     # -- batches ----------------------------------------------------------------------------
     def create_batch(self, body: dict) -> dict:
         fid, endpoint = body.get("input_file_id"), body.get("endpoint")

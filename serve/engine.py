@@ -98,7 +98,7 @@ class ServeRank(FirstRank):
         gids, sched = set(live.gids), self.driver.sched
         for g in [g for g in sched.queue if g.gid in gids]:
             sched.queue.remove(g)
-            self.driver.metas.pop(g.gid, None)
+            self.driver.unqueue(g)
         held = [slot.sid for slot in sched.slots if gids.intersection(x for x in slot.row_group if x is not None)]
         for sid in held:
             self.drops.setdefault(sid, set()).add(live.req.index)
@@ -108,7 +108,7 @@ class ServeRank(FirstRank):
         """Shutdown: nothing queued starts (batch lines come back from the journal after a restart)."""
         sched = self.driver.sched
         for g in list(sched.queue):
-            meta = self.driver.metas.pop(g.gid, None)
+            meta = self.driver.unqueue(g)
             if meta is not None and meta.live and meta.req in self.live:
                 live = self.live.pop(meta.req)
                 self.source.resolve(live, ("error", 503, _error("the server is shutting down", "server_error")))
@@ -142,10 +142,10 @@ class ServeRank(FirstRank):
         self.driver.on_reply(msg)
         if was and not sched.slots[msg.slot].allocated:
             self.release.append(msg.slot)
-        for index, choice, text in msg.deltas:
+        for index, choice, text, logprobs in msg.deltas:
             live = self.live.get(index)
             if live is not None:
-                self.source.emit(live, choice, text)
+                self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
             if live is not None:

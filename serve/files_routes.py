@@ -29,6 +29,20 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
             return error(413, f"the file of {len(data)} bytes exceeds the limit of {upload_limit} bytes")
         return ok(store.add_file(data, upload.filename or "upload.jsonl", purpose))
 
+    @app.get("/v1/files")
+    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,
+                         order: str = "desc"):
+        if order not in ("asc", "desc"):
+            return error(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
+        return ok(store.list_files(purpose, max(1, min(limit, 10000)), after, order))
+
+    @app.delete("/v1/files/{fid}")
+    async def delete_file(fid: str):
+        try:
+            return ok(store.delete_file(fid))
+        except StoreError as e:
+            return error(e.status, e.message, param=e.param)
+
     @app.get("/v1/files/{fid}")
     async def get_file(fid: str):
         try:

@@ -35,7 +35,7 @@ class Live:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future  # -> ("ok", output line) | ("error", status, error object)
     stream: bool = False
-    events: asyncio.Queue | None = None  # streaming: (choice index, text delta) as tokens come
+    events: asyncio.Queue | None = None  # streaming: (choice index, text delta, its logprobs) as tokens come
     accepted: asyncio.Future | None = None  # streaming: set once tokenized and queued (else `future` errs)
     gids: list[int] = field(default_factory=list)  # its scheduler groups (pipeline thread only)
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (pipeline thread)
@@ -91,9 +91,9 @@ class RequestSource:
         if live.accepted is not None:
             live.loop.call_soon_threadsafe(_set_result, live.accepted, True)
 
-    def emit(self, live: Live, choice: int, text: str) -> None:
+    def emit(self, live: Live, choice: int, text: str, logprobs: dict | None = None) -> None:
         if live.events is not None and text:
-            live.loop.call_soon_threadsafe(live.events.put_nowait, (choice, text))
+            live.loop.call_soon_threadsafe(live.events.put_nowait, (choice, text, logprobs))
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -1,15 +1,19 @@
 """Server-sent events in OpenAI's chunk format for ``stream: true``.
 
-Text arrives as per-token deltas while a request runs (``Live.events``); when it finishes, the
-final result is known and each choice gets what is left of its text (so the chunks of a choice
-always join to exactly the non-streamed text: held-back text near a stop string, a trailing
-partial character), its logprobs and its finish_reason. The stream ends with an optional usage
-chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+Text arrives as per-token deltas while a request runs (``Live.events``), each with the logprobs of
+its tokens when the request asked for them; when it finishes, the final result is known and each
+choice gets what is left of its text (so the chunks of a choice always join to exactly the
+non-streamed text: held-back text near a stop string, a trailing partial character), the logprobs
+of the tokens not sent yet, and its finish_reason. The logprobs of a choice's chunks join to the
+non-streamed logprobs. The stream ends with an optional usage chunk
+(``stream_options.include_usage``) and ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import orjson
+
+from tasks.results import chat_logprobs
 
 
 def event(obj) -> bytes:
@@ -23,6 +27,7 @@ class ChunkMaker:
     def __init__(self, chat: bool, model: str, rid: str, created: int):
         self.chat, self.model, self.rid, self.created = chat, model, rid, created
         self.sent: dict[int, str] = {}  # choice index -> text sent so far
+        self.lp_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
         self.started: set[int] = set()
 
     def _chunk(self, choices: list[dict], usage=None) -> bytes:
@@ -43,21 +48,36 @@ class ChunkMaker:
             delta = {"role": "assistant", "content": text}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, index: int, text: str) -> bytes:
-        """Text produced while the request runs."""
+    def delta(self, index: int, text: str, logprobs: dict | None = None) -> bytes:
+        """Text produced while the request runs; ``logprobs`` (completion format) of its tokens."""
         self.sent[index] = self.sent.get(index, "") + text
-        return self._chunk([self._choice(index, text)])
+        if logprobs is not None:
+            self.lp_sent[index] = self.lp_sent.get(index, 0) + len(logprobs["tokens"])
+            if self.chat:
+                logprobs = chat_logprobs(logprobs)
+        return self._chunk([self._choice(index, text, logprobs=logprobs)])
 
     def final(self, result: dict, include_usage: bool) -> list[bytes]:
-        """The rest of every choice, with its logprobs and finish_reason; then usage when asked."""
+        """The rest of every choice, with the logprobs of its tokens not sent yet and its finish_reason;
+        then usage when asked."""
         out = []
         for c in result["choices"]:
             i = c["index"]
             text = c["message"]["content"] if self.chat else c["text"]
             sent = self.sent.get(i, "")
             rest = text[len(sent):] if text.startswith(sent) else ""  # deltas are a prefix by construction
-            out.append(self._chunk([self._choice(i, rest, c["finish_reason"], c.get("logprobs"))]))
+            out.append(self._chunk([self._choice(i, rest, c["finish_reason"], _rest(c.get("logprobs"),
+                                                                                    self.lp_sent.get(i, 0)))]))
         if include_usage:
             out.append(self._chunk([], usage=result["usage"]))
         out.append(DONE)
         return out
+
+
+def _rest(logprobs: dict | None, k: int) -> dict | None:
+    """Logprobs (completion or chat format) without their first ``k`` tokens."""
+    if logprobs is None or not k:
+        return logprobs
+    if "content" in logprobs:
+        return {**logprobs, "content": logprobs["content"][k:]}
+    return {key: (v[k:] if isinstance(v, list) else v) for key, v in logprobs.items()}

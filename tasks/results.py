@@ -93,7 +93,7 @@ class Candidate:
         return sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0
 
 
-def _top_dict(detok: Detokenizer, pairs: list[tuple[int, float]]) -> dict[str, float]:
+def top_dict(detok: Detokenizer, pairs: list[tuple[int, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for tid, lp in pairs:
         key = detok.token_str(tid)
@@ -137,8 +137,8 @@ def completion_choice(
                 "top_logprobs": None,
                 "text_offset": offsets}
     if want_top:
-        prompt_top = [None if t is None else _top_dict(detok, t) for t in echo["top"]] if echo else []
-        gen_top = [_top_dict(detok, t) for t in (tops or [])]
+        prompt_top = [None if t is None else top_dict(detok, t) for t in echo["top"]] if echo else []
+        gen_top = [top_dict(detok, t) for t in (tops or [])]
         logprobs["top_logprobs"] = prompt_top + gen_top
     return {"text": text, "index": index, "finish_reason": cand.finish_reason, "logprobs": logprobs}
 
@@ -149,14 +149,18 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
     choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
               "finish_reason": cand.finish_reason, "logprobs": None}
     if params.logprobs is not None:
-        lp = c["logprobs"]
-        content = []
-        for i, (tok, val) in enumerate(zip(lp["tokens"], lp["token_logprobs"])):
-            tops = (lp["top_logprobs"] or [])[i] if lp["top_logprobs"] else {}
-            content.append({"token": tok, "logprob": val, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in (tops or {}).items()]})
-        choice["logprobs"] = {"content": content, "refusal": None}
+        choice["logprobs"] = chat_logprobs(c["logprobs"])
     return choice
+
+
+def chat_logprobs(lp: dict) -> dict:
+    """Completion-style logprobs (tokens, token_logprobs, top_logprobs) in the chat format."""
+    content = []
+    for i, (tok, val) in enumerate(zip(lp["tokens"], lp["token_logprobs"])):
+        tops = (lp["top_logprobs"] or [])[i] if lp["top_logprobs"] else {}
+        content.append({"token": tok, "logprob": val, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in (tops or {}).items()]})
+    return {"content": content, "refusal": None}
 
 
 def result_object(kind: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,

@@ -97,3 +97,82 @@ def test_long_request_is_not_starved_by_refills():
     assert not s.slots[0].allocated
     ps = s.next_pass(1)
     assert ps is not None and s.slots[1].cols == 90
+
+
+def _two_busy_slots(headroom: bool) -> Scheduler:
+    """Two micro-batches of 4 short rows (prompt 10, max_tokens 10); slot 0 then has 1 free row, slot 1 two."""
+    s = Scheduler(budget=200, num_slots=2, max_rows=4, headroom=headroom)
+    for gid in range(8):
+        s.submit(Group(gid, 10, 10))
+    for sid, done in ((0, 1), (1, 2)):
+        ps = s.next_pass(sid)
+        rows = [r for rows in ps.rows_of.values() for r in rows]
+        s.on_reply(sid, rows[done:], rows[:done])
+    return s
+
+
+def test_serve_mode_drains_one_micro_batch_for_a_long_request():
+    """A request longer than every micro-batch: file mode stops every refill until slots drain; serve
+    mode drains only the emptiest slot, which still takes requests that end before its own rows do."""
+    lengths = {gid: 10 for gid in range(8)}
+    for headroom in (False, True):
+        s = _two_busy_slots(headroom)
+        assert all(slot.cols < 70 for slot in s.slots)
+        s.submit(Group(100, 60, 10))  # needs 70 columns: fits no running micro-batch, nor the free budget
+        s.submit(Group(101, 10, 10))
+        s.submit(Group(102, 10, 3))
+        first, second = s.next_pass(0), s.next_pass(1)
+        if not headroom:
+            assert first.admitted == [] and second.admitted == []
+        else:
+            assert first.admitted == [101]  # slot 0 keeps taking requests
+            assert s.draining == 1 and second.admitted == [102]  # slot 1 drains: only a 3-token request joins
+        for sid, ps in ((0, first), (1, second)):
+            rows = sorted(set(ps.decode_rows) | {r for rows in ps.rows_of.values() for r in rows})
+            s.on_reply(sid, rows, [])
+        lengths.update({100: 10, 101: 10, 102: 3})
+        produced = {}
+        done = drain_from(s, lengths, produced)
+        assert sorted(done) == [1, 2, 3, 6, 7, 100, 101, 102]  # every one ends (no stall), each once
+
+
+def drain_from(s: Scheduler, lengths_of: dict[int, int], produced: dict) -> list[int]:
+    """Like :func:`drain`, for a scheduler with passes already run (rows count from their next token)."""
+    for slot in s.slots:
+        for r, gid in enumerate(slot.row_group):
+            if gid is not None:
+                produced[(slot.sid, r)] = 2  # prefill + one decode step ran
+    order, steps = [], 0
+    while not s.idle():
+        steps += 1
+        assert steps < 1000, "scheduler stalled"
+        for slot in s.slots:
+            ps = None if slot.inflight else s.next_pass(slot.sid)
+            if ps is None:
+                continue
+            cont, fin = [], []
+            for r in sorted(set(ps.decode_rows) | {r for rows in ps.rows_of.values() for r in rows}):
+                gid = slot.row_group[r]
+                produced[(slot.sid, r)] = produced.get((slot.sid, r), 0) + 1
+                if produced[(slot.sid, r)] >= lengths_of[gid]:
+                    fin.append(r)
+                    produced.pop((slot.sid, r))
+                    order.append(gid)
+                else:
+                    cont.append(r)
+            s.on_reply(slot.sid, cont, fin)
+    return order
+
+
+def test_serve_mode_prefix_pool_yields_to_a_new_micro_batch():
+    """A pool grown while traffic was light must not leave a new micro-batch a sliver of the budget."""
+    from pipeline.prefix import PrefixCache
+
+    s = Scheduler(budget=400, num_slots=2, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
+    s.prefix.capacity = s.prefix.max_blocks  # 200 cells, grown earlier
+    for gid in range(8):
+        s.submit(Group(gid, 10, 10))
+    a = s.next_pass(0)
+    assert a.alloc[0] * a.alloc[1] <= 200 and s.prefix.cells == 200
+    b = s.next_pass(1)
+    assert s.prefix.cells == 0 and b.alloc[0] == 4  # the pool was dropped, the slot got its share

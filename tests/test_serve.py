@@ -188,6 +188,29 @@ def test_chat_and_streaming(server, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
 
 
+def test_streamed_logprobs(server):
+    """Each chunk carries the logprobs of the tokens in its delta; joined, they are the non-streamed ones."""
+    client = server.client()
+    req = {"prompt": "Logprobs stream", "max_tokens": 20, "temperature": 0, "logprobs": 2, "stop": ["zz"]}
+    full = client.completions.create(model=NAME, **req).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(model=NAME, stream=True, **req) if c.choices]
+    with_lp = [c for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert len(with_lp) > 5  # token by token, not only in the last chunk
+    for c in with_lp:
+        assert "".join(c.logprobs.tokens) == c.text
+    joined = {k: sum((getattr(c.logprobs, k) for c in with_lp), []) for k in ("tokens", "text_offset", "top_logprobs")}
+    assert joined["tokens"] == full.tokens and joined["text_offset"] == full.text_offset
+    assert [sorted(t) for t in joined["top_logprobs"]] == [sorted(t) for t in full.top_logprobs]
+    assert sum((c.logprobs.token_logprobs for c in with_lp), []) == pytest.approx(full.token_logprobs, abs=1e-4)
+    chat = {**CHAT, "logprobs": True, "top_logprobs": 2}
+    ref = client.chat.completions.create(model=NAME, **chat).choices[0].logprobs.content
+    got = [t for c in client.chat.completions.create(model=NAME, stream=True, **chat)
+           if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in got] == [t.token for t in ref]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in ref], abs=1e-4)
+    assert all(len(t.top_logprobs) == 2 for t in got)
+
+
 def test_bad_requests(server):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers=h)
@@ -306,6 +329,13 @@ def test_batch_api(server, reference, tmp_path):
     assert_consistent_results(as_lines([{"choices": out[i]["response"]["body"]["choices"]} for i in ids]),
                               as_lines([{"choices": ref[i]["response"]["body"]["choices"]} for i in ids]))
     assert batch.id in [b.id for b in client.batches.list()]
+    listed = [x.id for x in client.files.list(purpose="batch")]
+    assert f.id in listed and done.output_file_id not in listed
+    assert done.output_file_id in [x.id for x in client.files.list()]
+    assert client.files.delete(f.id).deleted
+    assert f.id not in [x.id for x in client.files.list()]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
 
 
 def test_batch_cancel(server):
@@ -313,6 +343,8 @@ def test_batch_cancel(server):
     lines = batch_lines(extra=200)
     f = client.files.create(file=("c.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="has not finished"):  # a restart would resume from it
+        client.files.delete(f.id)
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled", "completed")
     done = wait_batch(client, batch.id)
     assert done.status in ("cancelled", "completed")
@@ -398,3 +430,66 @@ def test_serve_flags():
     with pytest.raises(SystemExit):
         parse_options(["--serve", "8000", "--data-group-size", "2"])
     assert parse_options(["--serve", "8000"]).max_pending == 256
+
+
+def test_dropped_request_releases_its_prefix_digests():
+    """A queued request whose client left takes its pending prefix-cache digests with it (they would
+    otherwise keep blocks pinned against eviction and count as sharing evidence forever)."""
+    import asyncio
+
+    from pipeline.driver import Driver
+    from pipeline.prefix import PrefixCache
+    from pipeline.schedule import Scheduler
+    from serve.engine import ServeRank
+    from serve.source import Live, RequestSource
+    from tasks.requests import parse_body
+
+    prefix = PrefixCache(4, 4096)
+    driver = Driver(None, 100, 512, Scheduler(4096, 1, 8, prefix=prefix, headroom=True))
+    source = RequestSource(10)
+    rank = ServeRank(None, driver, None, object(), source, None)
+    loop = asyncio.new_event_loop()
+    try:
+        lives = [Live(parse_body({"prompt": list(range(1, 20)), "max_tokens": 4, "n": n}, False), loop,
+                      loop.create_future()) for n in (1, 2)]
+        for live in lives:
+            source.submit(live)
+        rank._take(source.take())
+        assert len(driver.sched.queue) == 2 and prefix.pending[block_key(prefix)] == 2
+        rank._cancel(lives[0])
+        assert len(driver.sched.queue) == 1 and prefix.pending[block_key(prefix)] == 1
+        rank._cancel(lives[1])
+        assert not driver.sched.queue and not prefix.pending and not driver.digests and not driver.metas
+        assert source.pending == 0
+    finally:
+        loop.close()
+
+
+def block_key(prefix) -> bytes:
+    from pipeline.prefix import block_digests
+
+    return block_digests(list(range(1, 20)), prefix.block_size)[0]
+
+
+def test_non_loopback_without_key_warns(caplog, monkeypatch, tmp_path):
+    """Binding beyond loopback without a key prints a warning before anything loads; a key (flag or
+    environment) silences it."""
+    from types import SimpleNamespace
+
+    from serve import run
+
+    class Loaded(Exception):
+        pass
+
+    def first_rank(*_):
+        raise Loaded
+
+    monkeypatch.delenv(run.API_KEY_ENV, raising=False)
+    for serve, key, env, warned in (("0.0.0.0:1", None, None, True), ("127.0.0.1:1", None, None, False),
+                                    ("0.0.0.0:1", "k", None, False), ("0.0.0.0:1", None, "k", False)):
+        if env:
+            monkeypatch.setenv(run.API_KEY_ENV, env)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="serve"), pytest.raises(Loaded):
+            run.run_server(None, SimpleNamespace(serve=serve, api_key=key, serve_dir=str(tmp_path)), None, None, first_rank)
+        assert ("without an API key" in caplog.text) == warned, (serve, key, env)
