@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from .budget import CPU_BUDGET
 from .models import DecoderSpec
 from .partition import gib, memory_sizes, parse_stage_memory
 
@@ -101,12 +102,21 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def planned_budget(budget: int | str, device: torch.device) -> int:
+    """KV-cache cells to set aside per stage when sizing: ``--budget N`` itself; with ``auto`` the CPU's
+    fixed budget, and nothing on a GPU (there the cache takes what the layers leave, after loading)."""
+    if budget != "auto":
+        return int(budget)
+    return 0 if device.type == "cuda" else CPU_BUDGET
+
+
 def memory_layout(value: str, config: dict, spec, opts, pipeline: int, local_world: int, depth: int,
                   dtype: torch.dtype, device: torch.device, adapter_layers: list[int] | None = None
                   ) -> tuple[list[int], str]:
     """Layers per stage for ``--stage-memory`` and the plan as text (printed before loading)."""
     memory, how = stage_memory(value, pipeline, local_world, device)
-    costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, opts.budget, adapter_layers)
+    budget = planned_budget(opts.budget, device)
+    costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, budget, adapter_layers)
     costs = costs[:depth]
     sizes = memory_sizes(costs, first, last, memory)
     lines, i = [f"stage sizes from --stage-memory {value}" + (f" ({how})" if how else "") + ":"], 0
