@@ -15,7 +15,9 @@ The adapters are random PEFT folders written here (``adapter_config.json`` +
 ``adapter_model.safetensors``, rank ``--rank`` on every projection: q, k, v, o, gate, up, down, the
 heaviest common choice), so the bench needs no peft. Figures: generated tokens/s of each run from
 the runner's summary line, their ratio (mixed / base), and how many answers the adapters changed
-(they must change some: random factors that left every answer alone would measure nothing).
+(they must change some: random factors that left every answer alone would measure nothing). On a
+machine shared with other work the wall-clock ratio follows the others' load; the ratio of generated
+tokens per CPU second of each run (``getrusage`` of the finished runner processes) does not.
 """
 
 from __future__ import annotations
@@ -71,15 +73,24 @@ def run(model_dir: Path, src: Path, out: Path, pipeline: int, cores: int, extra:
     cmd = [sys.executable, *args] if pipeline == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(pipeline), "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), *args]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, check=False)
+    cpu = _children_cpu() - cpu0
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     g = re.search(r"(\d+) prompt \+ (\d+) generated tokens in ([\d.]+)s", res.stderr)
     gen, secs = int(g.group(2)), float(g.group(3))
     texts = [json.loads(line)["result"]["choices"][0]["text"] for line in out.read_text().splitlines()]
     return {"generated_tokens": gen, "seconds": secs, "tokens_per_s": gen / secs, "wall": time.perf_counter() - t0,
-            "command": " ".join(cmd), "texts": texts}
+            "cpu_seconds": cpu, "tokens_per_cpu_s": gen / cpu, "command": " ".join(cmd), "texts": texts}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of finished child processes (torchrun's workers included)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,14 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     mix = max(mixes, key=lambda r: r["tokens_per_s"])
     changed = sum(a != b for a, b in zip(base.pop("texts"), mix.pop("texts")))
     ratio = mix["tokens_per_s"] / base["tokens_per_s"]
+    cpu_ratio = mix["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
     base["all_tokens_per_s"] = [round(r["tokens_per_s"], 2) for r in bases]
     mix["all_tokens_per_s"] = [round(r["tokens_per_s"], 2) for r in mixes]
     out = {"model": str(model_dir), "requests": len(base_lines), "adapters": ADAPTERS, "rank": args.rank,
-           "pipeline": args.pipeline, "base": base, "mixed": mix, "ratio": ratio, "changed_answers": changed,
+           "pipeline": args.pipeline, "base": base, "mixed": mix, "ratio": ratio, "changed_answers": changed, "cpu_ratio": cpu_ratio,
            "target": {"mixed / base": 0.8, "met": ratio >= 0.8}}
     print(f"{len(base_lines)} requests, P = {args.pipeline}, {ADAPTERS} adapters of rank {args.rank} on every projection")
     print(f"  base only      {base['tokens_per_s']:8.1f} generated tok/s ({base['generated_tokens']} tokens in {base['seconds']:.1f}s)")
     print(f"  4 adapters mix {mix['tokens_per_s']:8.1f} generated tok/s ({mix['generated_tokens']} tokens in {mix['seconds']:.1f}s)")
+    print(f"  per CPU second (load and startup included, robust to other processes): base "
+          f"{base['tokens_per_cpu_s']:.2f}, mixed {mix['tokens_per_cpu_s']:.2f} generated tokens: {cpu_ratio:.2f}x")
     if args.repeat > 1:
         print(f"  (fastest of {args.repeat} alternating runs each: base {base['all_tokens_per_s']}, "
               f"mixed {mix['all_tokens_per_s']})")
