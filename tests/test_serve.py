@@ -491,5 +491,6 @@ def test_non_loopback_without_key_warns(caplog, monkeypatch, tmp_path):
             monkeypatch.setenv(run.API_KEY_ENV, env)
         caplog.clear()
         with caplog.at_level("WARNING", logger="serve"), pytest.raises(Loaded):
-            run.run_server(None, SimpleNamespace(serve=serve, api_key=key, serve_dir=str(tmp_path)), None, None, first_rank)
+            opts = SimpleNamespace(serve=serve, api_key=key, serve_dir=str(tmp_path))
+            run.run_server(None, opts, None, None, first_rank)
         assert ("without an API key" in caplog.text) == warned, (serve, key, env)
