@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
 _META = 8  # [header_len, payload_numel, dtype_code, ndim, d0, d1, d2, 0]
+_WINDOW = 48  # sends kept without waiting for them (see Messenger._reap)
 
 
 class PeerLost(RuntimeError):
@@ -135,7 +136,18 @@ class Messenger:
         return buf
 
     def _reap(self) -> None:
+        """Forget finished sends. A gloo send reports completion only through ``wait()``, so beyond
+        the last ``_WINDOW`` sends the oldest are waited for: the peer receives in order and took them
+        long ago, so this does not block, and a long run (a server) keeps neither their buffers nor
+        an ever longer list to scan on every send."""
         self._pending = [(w, keep) for w, keep in self._pending if not w.is_completed()]
+        if len(self._pending) > _WINDOW:
+            old, self._pending = self._pending[:-_WINDOW], self._pending[-_WINDOW:]
+            try:
+                for work, _ in old:
+                    work.wait()
+            except RuntimeError as e:
+                raise PeerLost(-1, e) from None
 
     def flush(self) -> None:
         """Wait until every message sent so far has left this process (on CUDA: the device too)."""
