@@ -497,11 +497,12 @@ def test_non_loopback_without_key_warns(caplog, monkeypatch, tmp_path):
 
 
 SENDS = """
-import os, sys, torch, torch.distributed as dist
-from comm.p2p import _WINDOW, Messenger
+import datetime, os, sys, torch, torch.distributed as dist
+from comm.p2p import _WINDOW, Messenger, open_channels
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2)
-m = Messenger(torch.device("cpu"))
+channels = open_channels(rank, 2, 1, "gloo", datetime.timedelta(seconds=60))
+m = Messenger(rank, torch.device("cpu"), channels)
 for i in range(300):
     if rank == 0:
         m.send(1, b"header %d" % i, torch.full((4, 8), float(i)))
