@@ -7,6 +7,7 @@ over several tokens is attributed to the token that completes it; the others get
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self._single: dict[int, str] = {}
+        # Incremental detokenization decodes short windows of ids; prompts that share a prefix (few-shot,
+        # multiple choice) repeat the same windows, so their texts are remembered (bounded).
+        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_window)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode_window(self, ids: tuple[int, ...]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def pieces(self, ids: list[int], context: list[int] = ()) -> list[str]:
         """Text contributed by each token of ``ids`` (after ``context``), joining to the decoded text."""
@@ -51,11 +55,11 @@ class IncrementalText:
         """Append a token; returns the text it completes ("" while a character is incomplete)."""
         self.ids.append(tid)
         a = max(0, self.done - _WINDOW)
-        full = self.detok.decode(self.ids[a:])
+        full = self.detok.decode(tuple(self.ids[a:]))
         if full.endswith("\ufffd"):
             self.pieces.append("")
             return ""
-        piece = full[len(self.detok.decode(self.ids[a : self.done])):]
+        piece = full[len(self.detok.decode(tuple(self.ids[a : self.done]))):]
         self.done = len(self.ids)
         if len(self.ids) > 4 * _WINDOW:  # keep the buffer short
             drop = len(self.ids) - 2 * _WINDOW
@@ -68,7 +72,7 @@ class IncrementalText:
         """Flush a trailing incomplete character into the last piece (as U+FFFD)."""
         if self.done < len(self.ids) and self.pieces:
             a = max(0, self.done - _WINDOW)
-            tail = self.detok.decode(self.ids[a:])[len(self.detok.decode(self.ids[a : self.done])):]
+            tail = self.detok.decode(tuple(self.ids[a:]))[len(self.detok.decode(tuple(self.ids[a : self.done]))):]
             self.pieces[-1] = tail
             self.text += tail
             self.done = len(self.ids)
