@@ -13,6 +13,10 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
 
     store = state.store
 
+    @app.exception_handler(StoreError)
+    async def store_error(request, exc: StoreError):  # an unknown id (404) or a request the store refuses
+        return error(exc.status, exc.message, param=exc.param)
+
     @app.post("/v1/files")
     async def upload(request: Request):
         try:
@@ -38,24 +42,15 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
 
     @app.delete("/v1/files/{fid}")
     async def delete_file(fid: str):
-        try:
-            return ok(store.delete_file(fid))
-        except StoreError as e:
-            return error(e.status, e.message, param=e.param)
+        return ok(store.delete_file(fid))
 
     @app.get("/v1/files/{fid}")
     async def get_file(fid: str):
-        try:
-            return ok(store.file(fid))
-        except StoreError as e:
-            return error(e.status, e.message, param=e.param)
+        return ok(store.file(fid))
 
     @app.get("/v1/files/{fid}/content")
     async def file_content(fid: str):
-        try:
-            return FileResponse(store.file_path(fid), media_type="application/jsonl")
-        except StoreError as e:
-            return error(e.status, e.message, param=e.param)
+        return FileResponse(store.file_path(fid), media_type="application/jsonl")
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
@@ -73,14 +68,8 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
 
     @app.get("/v1/batches/{bid}")
     async def get_batch(bid: str):
-        try:
-            return ok(store.batch(bid))
-        except StoreError as e:
-            return error(e.status, e.message, param=e.param)
+        return ok(store.batch(bid))
 
     @app.post("/v1/batches/{bid}/cancel")
     async def cancel_batch(bid: str):
-        try:
-            return ok(store.cancel(bid))
-        except StoreError as e:
-            return error(e.status, e.message, param=e.param)
+        return ok(store.cancel(bid))
