@@ -118,6 +118,9 @@ def launch_rank(argv: list[str]) -> int:
 def usage_error(e: UsageError, quiet: bool = False) -> int:
     """Exit code 2; the message on stderr and, under torchrun, in the agent's error file."""
     if quiet:
+        from pipeline.options import quiet_exit_grace
+
+        quiet_exit_grace()
         return 2
     message = f"dist_inference_runner.py: error: {e}"
     print(message, file=sys.stderr)

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,11 +94,22 @@ class RunOptions:
         return "float16" if self.fp16 else self.dtype
 
 
+def quiet_exit_grace() -> None:
+    """Before a rank other than 0 exits quietly on a problem every rank finds: wait a moment, so that
+    rank 0 prints the message first. Under torchrun the first rank to exit is the failure it reports,
+    and it stops the others at once; without the wait rank 0 could be stopped before printing."""
+    time.sleep(QUIET_GRACE_S)
+
+
+QUIET_GRACE_S = 3.0
+
+
 class _Parser(argparse.ArgumentParser):
     quiet = False  # exit 2 without printing (every rank but rank 0: the message is printed once)
 
     def error(self, message: str):
         if self.quiet:
+            quiet_exit_grace()
             sys.exit(2)
         super().error(message)
 
