@@ -111,12 +111,13 @@ class Head:
 
     # -- one pass ---------------------------------------------------------------------------
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
-                cached_h: dict | None = None) -> tuple[dict, list[int]]:
+                pool=None) -> tuple[dict, list[int]]:
         """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
 
         h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
         h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``, from each one's first
-        uncached token; cached_h: prefill index -> (cached, hidden) from the prefix pool, for echo.
+        uncached token; pool: this stage's :class:`~pipeline.prefix.PrefixStore` (echo scoring of
+        cached prompt tokens reads it).
         """
         states = self.slots[slot]
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
@@ -128,8 +129,7 @@ class Head:
             n = item.len - item.cached
             self.requests[(g.meta.live, g.meta.req)].cached_tokens += item.cached
             if g.params.echo:
-                h = h_prefill[i, :n] if not item.cached else torch.cat([cached_h[i], h_prefill[i, :n]])
-                g.echo = self._score_prompt(h, g.meta.prompt_ids, g.params.logprobs or 0)
+                g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item, pool)
             if g.params.max_tokens == 0:
                 for r in g.rows:
                     states[r].cand.finish_reason = "length"
@@ -205,19 +205,51 @@ class Head:
                 continue
             feed[r] = tok
 
-    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int) -> dict:
-        """Logprob of every prompt token given the ones before it (the first is None), in chunks."""
-        lps: list[float | None] = [None]
-        tops: list = [None]
-        for a in range(0, len(ids) - 1, ECHO_CHUNK):
-            b = min(a + ECHO_CHUNK, len(ids) - 1)
-            chunk = self.model.head(h[a:b])  # (b-a, V): position p predicts token p+1
-            nxt = torch.tensor(ids[a + 1 : b + 1], device=chunk.device)
-            lp, top_v, top_i = logprob_info(chunk, nxt, k)
-            lps += lp.tolist()
+    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
+                      pool=None) -> dict:
+        """Logprob of every prompt token given the ones before it (the first is None) and the top ``k``.
+
+        ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on). The
+        cached positions' scores come from the pool when an earlier echo request left them there
+        (the head then runs only over each cached block's last position, whose next token is not the
+        block's), else from the pool's hidden states; the blocks this prompt saves keep its scores."""
+        cached = item.cached if item is not None else 0
+        parts = [self._cached_scores(ids, k, item, pool)] if cached else []
+        if len(ids) - 1 > cached:
+            parts.append(self._head_scores(h[: len(ids) - 1 - cached], ids[cached + 1 :], k))
+        if not parts:
+            return {"ids": ids, "logprobs": [None], "top": [None] if k else None}
+        lp, top_v, top_i = (torch.cat([p[j] for p in parts]) if k or j == 0 else None for j in range(3))
+        if item is not None and item.save and pool is not None:
+            pool.put_scores(item.save, lp, top_v, top_i, k)
+        tops = [None] + [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())] if k else None
+        return {"ids": ids, "logprobs": [None] + lp.tolist(), "top": tops}
+
+    def _head_scores(self, h: torch.Tensor, following: list[int], k: int):
+        """(logprob of ``following[j]`` at position ``j``, top-k values, top-k ids), the head in chunks."""
+        out = []
+        for a in range(0, h.shape[0], ECHO_CHUNK):
+            chunk = self.model.head(h[a : a + ECHO_CHUNK])  # (rows, V) float32
+            out.append(logprob_info(chunk, torch.tensor(following[a : a + ECHO_CHUNK], device=chunk.device), k))
+        return tuple(torch.cat([o[j] for o in out]) if k or j == 0 else None for j in range(3))
+
+    def _cached_scores(self, ids: list[int], k: int, item: Prefill, pool):
+        """Scores of the first ``item.cached`` positions, which the pool holds."""
+        cached, bs = item.cached, pool.block_size
+        stored = pool.scores(item.load, cached, k)
+        if stored is None:  # first echo over these blocks: the head over their hidden states, kept
+            scores = self._head_scores(pool.hidden(item.load, cached), ids[1 : cached + 1], k)
+            pool.put_scores(list(enumerate(item.load)), *scores, k)
+            return scores
+        lp, top_v, top_i = stored
+        ends = list(range(bs - 1, cached, bs))  # each block's last position: its next token is the next block's
+        if ends:
+            rows = [item.load[j // bs] * bs + j % bs for j in ends]
+            e_lp, e_v, e_i = self._head_scores(pool.h[rows], [ids[j + 1] for j in ends], k)
+            lp[ends] = e_lp
             if k:
-                tops += [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-        return {"ids": ids, "logprobs": lps, "top": tops if k else None}
+                top_v[ends], top_i[ends] = e_v, e_i
+        return lp, top_v, top_i
 
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:

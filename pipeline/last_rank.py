@@ -66,12 +66,10 @@ class LastRank:
             keep = [i for i, r in enumerate(decode_rows) if r not in dropped]
             decode_rows, h_live = [decode_rows[i] for i in keep], h_live[keep]
         groups = [self.head.groups.get(p.gid) for p in hdr.prefill]
-        cached_h = {i: self.stage.prefix.hidden(p.load, p.cached) for i, (p, g) in enumerate(zip(hdr.prefill, groups))
-                    if p.cached and g is not None and g.params.echo}
         if self.file is not None:
             self.file.cached_tokens += sum(p.cached for p, g in zip(hdr.prefill, groups) if g and not g.meta.live)
         with torch.inference_mode():
-            feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, cached_h)
+            feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
         written = 0
         for index, line in self.head.take_results():
             self.file.put(index, line)

@@ -9,8 +9,10 @@ blocks ``0..b`` (so equal digests mean equal prefixes). Two halves:
   covers, and which of its freshly computed blocks the stages keep (only blocks another queued or
   recent prompt shares: a file without shared prefixes keeps nothing and pays nothing).
 - :class:`PrefixStore`, on every stage, the pool: keys and values of its own layers per block (and,
-  on the last stage, the final hidden states, so echo scoring still gets every prompt token's
-  logprob), filled and read as the pass headers say.
+  on the last stage, the final hidden states and, once an echo request has scored a block, each
+  position's logprob of the next token in the block and its top logprobs, so that echo scoring of a
+  cached prefix runs the head over one position per block, not over every cached position),
+  filled and read as the pass headers say.
 
 Copy, not paging: a row's cache stays contiguous (the decoder's layout); an admitted row copies its
 hit blocks into its first columns before its prefill runs and then never reads the pool again. A
@@ -169,6 +171,12 @@ class PrefixStore:
     def __init__(self, block_size: int, keep_hidden: bool):
         self.block_size, self.keep_hidden = block_size, keep_hidden
         self.k = self.v = self.h = None
+        # Echo scores (last stage), per pool position: logprob of the next token of the same block
+        # (a block's last position: unused, its next token lies in whichever block follows), the top
+        # logprobs (``top_k`` wide); per block, how many top logprobs it holds (-1: not scored).
+        self.lp = self.top_v = self.top_i = None
+        self.top_k = 0
+        self.scored: list[int] = []
 
     @property
     def capacity(self) -> int:
@@ -177,11 +185,11 @@ class PrefixStore:
     def resize(self, blocks: int, like_k: torch.Tensor, hidden: int) -> None:
         """Grow to ``blocks`` keeping the content, or drop everything for 0 (the cache tensor
         ``like_k`` (layers, rows, kv_heads, cols, head_dim) gives shapes, dtype and device)."""
-        if blocks == 0:
-            self.k = self.v = self.h = None
-            return
-        if blocks < self.capacity:  # rank 0 dropped every block (a reset) before growing again
-            self.k = self.v = self.h = None
+        if blocks == 0 or blocks < self.capacity:  # a reset (rank 0 dropped every block), maybe growing again
+            self.k = self.v = self.h = self.lp = self.top_v = self.top_i = None
+            self.scored, self.top_k = [], 0
+            if blocks == 0:
+                return
         layers, _, kvh, _, d = like_k.shape
         k = like_k.new_zeros(layers, kvh, blocks * self.block_size, d)
         v = torch.zeros_like(k)
@@ -192,6 +200,19 @@ class PrefixStore:
             if h is not None:
                 h[:n] = self.h
         self.k, self.v, self.h = k, v, h
+        if self.keep_hidden:
+            self._resize_scores(blocks * self.block_size, self.top_k, h.device)
+            self.scored += [-1] * (blocks - len(self.scored))
+
+    def _resize_scores(self, positions: int, top_k: int, device) -> None:
+        """(Re)allocate the echo score tables for ``positions`` and ``top_k``, keeping their content."""
+        lp = torch.zeros(positions, device=device)
+        top_v = torch.zeros(positions, top_k, device=device)
+        top_i = torch.zeros(positions, top_k, dtype=torch.long, device=device)
+        if self.lp is not None:  # a block keeps what it held (its ``scored`` width stays valid)
+            n, k = min(positions, self.lp.shape[0]), self.top_k
+            lp[:n], top_v[:n, :k], top_i[:n, :k] = self.lp[:n], self.top_v[:n], self.top_i[:n]
+        self.lp, self.top_v, self.top_i, self.top_k = lp, top_v, top_i, top_k
 
     def _runs(self, blocks: list[int], tokens: int):
         """(first token in the row, first pool position, length) per run of consecutive blocks,
@@ -221,7 +242,41 @@ class PrefixStore:
             self.v[:, :, bid * bs : (bid + 1) * bs] = cache.v[:, row, :, b * bs : (b + 1) * bs]
             if self.h is not None and h is not None:
                 self.h[bid * bs : (bid + 1) * bs] = h[b * bs - offset : (b + 1) * bs - offset]
+            if self.keep_hidden:
+                self.scored[bid] = -1  # new content: not scored yet
 
     def hidden(self, blocks: list[int], cached: int) -> torch.Tensor:
         """Final hidden states of the first ``cached`` prompt tokens held in ``blocks``."""
         return torch.cat([self.h[pos : pos + n] for _, pos, n in self._runs(blocks, cached)])
+
+    # -- echo scores (last stage) ----------------------------------------------------------------
+    def scores(self, blocks: list[int], cached: int, k: int):
+        """Stored (logprob of the next token, top values, top ids) for the first ``cached`` positions,
+        or None unless every block they cover holds scores with at least ``k`` top logprobs. A block's
+        last position's logprob is not stored (the caller computes it: its next token is not the block's)."""
+        bs = self.block_size
+        if self.lp is None or any(self.scored[b] < k for b in blocks[: -(-cached // bs)]):
+            return None
+        runs = list(self._runs(blocks, cached))
+        lp = torch.cat([self.lp[pos : pos + n] for _, pos, n in runs])
+        if not k:
+            return lp, None, None
+        return (lp, torch.cat([self.top_v[pos : pos + n, :k] for _, pos, n in runs]),
+                torch.cat([self.top_i[pos : pos + n, :k] for _, pos, n in runs]))
+
+    def put_scores(self, blocks: list[tuple[int, int]], lp: torch.Tensor, top_v, top_i, k: int) -> None:
+        """Keep the scores of whole blocks: [(block index in the prompt, pool block)]; ``lp[j]`` is
+        prompt position ``j``'s logprob of token ``j + 1`` (top_v/top_i its top ``k``)."""
+        bs = self.block_size
+        blocks = [(b, bid) for b, bid in blocks if (b + 1) * bs <= lp.shape[0] + 1 and self.scored[bid] < k]
+        if not blocks:
+            return
+        if k > self.top_k:
+            self._resize_scores(self.lp.shape[0], k, self.lp.device)
+        for b, bid in blocks:
+            n = min(bs, lp.shape[0] - b * bs)  # a prompt's final block: its last position predicts nothing
+            self.lp[bid * bs : bid * bs + n] = lp[b * bs : b * bs + n]
+            if k:
+                self.top_v[bid * bs : bid * bs + n, :k] = top_v[b * bs : b * bs + n]
+                self.top_i[bid * bs : bid * bs + n, :k] = top_i[b * bs : b * bs + n]
+            self.scored[bid] = k

@@ -40,6 +40,9 @@ def workload(tmp_path_factory):
         for ctx in contexts:
             cont = tok(f" {['north', 'south', 'west', 'east'][j]} of the bathroom", add_special_tokens=False)["input_ids"]
             lines.append({"prompt": ctx + cont, "max_tokens": 0, "echo": True, "logprobs": 1})
+    # scored blocks met again with more top logprobs than they hold, and with none
+    lines.append({"prompt": contexts[0] + [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 4})
+    lines.append({"prompt": contexts[1] + [8, 9], "max_tokens": 1, "echo": True, "temperature": 0})
     lines += [{"prompt": f"Unshared prompt {i} about the office.", "max_tokens": 3, "temperature": 0} for i in range(4)]
     return write_jsonl(tmp_path_factory.mktemp("prefix") / "work.jsonl", lines)
 
@@ -217,3 +220,48 @@ def test_a_prompt_over_the_budget_with_the_spare_column_gets_an_error_naming_it(
     msg = first["error"]["message"]
     assert "needs 65 KV-cache tokens" in msg and "spare column" in msg and "--budget 64" in msg, msg
     assert second["result"]["usage"]["completion_tokens"] == 4
+
+
+def test_echo_over_cached_blocks_reads_stored_scores_and_runs_the_head_once_per_block():
+    """The last stage keeps each scored block's logprobs and top logprobs: a later echo request over
+    the same blocks runs the head over one position per block (whose next token lies outside it) and
+    its own new positions, and gets what a full computation gives; more top logprobs than stored
+    recompute from the kept hidden states once, then are stored too."""
+    import torch
+
+    from pipeline.head import Head
+    from pipeline.messages import Prefill
+    from pipeline.prefix import PrefixStore
+
+    torch.manual_seed(0)
+    weight, head_rows = torch.randn(40, 8), []
+
+    class Model:
+        def head(self, h):
+            head_rows.append(h.shape[0])
+            return h @ weight.T
+
+    head = Head(Model(), local_tokenizer(), set(), "m", 0)
+    pool = PrefixStore(4, keep_hidden=True)
+    pool.resize(4, torch.zeros(1, 1, 1, 1, 2), hidden=8)
+    shared, ids = torch.randn(8, 8), list(range(1, 14))
+
+    def full(hidden, toks, k):  # what a cache-off echo gives
+        lp = torch.log_softmax(hidden[:-1] @ weight.T, -1)
+        return [None] + lp.gather(-1, torch.tensor(toks[1:])[:, None]).flatten().tolist(), lp.topk(k, -1).indices
+
+    def check(out, hidden, toks, k):
+        lps, top_ids = full(hidden, toks, k)
+        assert out["logprobs"][0] is None and torch.allclose(torch.tensor(out["logprobs"][1:]), torch.tensor(lps[1:]), atol=1e-5)
+        assert [[i for i, _ in t] for t in out["top"][1:]] == top_ids.tolist()
+
+    first = torch.cat([shared, torch.randn(5, 8)])  # 13 tokens: blocks 0 and 1 are kept in pool blocks 2, 3
+    pool.h[8:16] = shared
+    check(head._score_prompt(first, ids, 2, Prefill(1, 0, 13, save=[[0, 2], [1, 3]]), pool), first, ids, 2)
+    assert head_rows == [12] and pool.scored == [-1, -1, 2, 2]
+    for k, rows in ((2, [2, 2]), (1, [2, 2]), (3, [8, 2]), (3, [2, 2])):  # k = 3: wider than stored, once
+        head_rows.clear()
+        new, toks = torch.randn(3, 8), ids[:8] + [30 + k, 31, 32]
+        out = head._score_prompt(new, toks, k, Prefill(2, 0, 11, cached=8, load=[2, 3]), pool)
+        check(out, torch.cat([shared, new]), toks, k)
+        assert head_rows == rows, (k, head_rows)
