@@ -2,7 +2,6 @@
 plus --model-type spellings and config edge cases."""
 
 import pytest
-import torch
 
 from pipeline.models import family_for, spec_from_config, supported_model_types
 from tests.utils import assert_hf_parity, random_hf_model
