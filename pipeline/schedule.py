@@ -126,8 +126,35 @@ class Scheduler:
 
     def _work(self, g: Group) -> int:
         """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
+        if self.prefix is None:
+            return g.prompt_len
         hits = self.prefix.hits(g.digests) * self.prefix.block_size
         return g.prompt_len - min(hits, g.prompt_len - 1)
+
+    def _share(self, window: list[Group]) -> int | None:
+        """File mode with several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0,
+        one pass each) a new slot may compute: half an even share of the look-ahead window's scoring
+        work (a prompt whose leading blocks an earlier one in the window computes counts only its
+        rest), so that work spreads over at least two passes per slot and the stages work at once.
+        Without it one micro-batch could take nearly every prompt of a scoring file (multiple choice:
+        22 of 24 contexts in the first pass) while the others wait for the blocks it computes, and the
+        stages would take turns. Generating groups are not limited: their slots live for many passes,
+        and fewer rows would make every decode step less efficient."""
+        if len(self.slots) == 1 or self.headroom:
+            return None
+        total, seen = 0, set()
+        bs = self.prefix.block_size if self.prefix is not None else 0
+        for g in window:
+            if g.max_tokens:
+                continue
+            shared = 0
+            for d in g.digests:
+                if d not in seen and not self.prefix.resident(d):
+                    break
+                shared += 1
+            seen.update(g.digests)
+            total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
+        return -(-total // (2 * len(self.slots)))
 
     def _uneven(self, g: Group, chosen: list[Group]) -> bool:
         """With the prefix cache, ``g`` would make this pass's prefill pad: a pass computes every new
@@ -152,14 +179,18 @@ class Scheduler:
         if self.cells(seed) > cap:
             return []
         window = list(self.queue)[: self.window]
-        chosen, rows, cols = [seed], seed.width, seed.need + self.spare
+        share = self._share(window)
+        scoring = (lambda g: 0 if g.max_tokens else self._work(g)) if share is not None else (lambda g: 0)
+        chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
         for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
             if self._same_new_prefix(g, chosen) or self._uneven(g, chosen):
                 continue
+            if scoring(g) and work + scoring(g) > share:
+                continue
             if rows + g.width <= self.max_rows and (rows + g.width) * new_cols <= cap:
                 chosen.append(g)
-                rows, cols = rows + g.width, new_cols
+                rows, cols, work = rows + g.width, new_cols, work + scoring(g)
         return chosen
 
     def _refill(self, slot: Slot, limit: int | None = None) -> list[Group]:

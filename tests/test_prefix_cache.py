@@ -207,6 +207,32 @@ def test_scheduler_keeps_resumed_and_fresh_prompts_in_separate_passes():
     assert [gid for gid, _ in s.next_pass(0).prefill] == [1, 3]
 
 
+def test_scoring_work_spreads_over_the_micro_batches_of_a_pipeline():
+    """Multiple choice at P = 2: 8 contexts of 40 tokens x 4 continuations, interleaved. With two
+    micro-batches no pass takes more than half a slot's even share of the scoring work (so the stages
+    work at once instead of taking turns); with one, the first pass takes every fresh context; a
+    generating file is packed as before."""
+    def submit(s, max_tokens=0):
+        gid = 0
+        for j in range(4):
+            for c in range(8):
+                ids = [100 + c] * 40 + [j, j]
+                s.submit(Group(gid, len(ids), max_tokens, digests=tuple(block_digests(ids, 4))))
+                gid += 1
+
+    firsts = {}
+    for slots in (1, 2):
+        pc = PrefixCache(4, budget=100_000)
+        s = Scheduler(100_000, slots, 64, prefix=pc)
+        submit(s)
+        firsts[slots] = [len(s.next_pass(i).prefill) for i in range(slots)]
+    assert firsts[1] == [8]  # every fresh context (the continuations wait for their blocks)
+    assert firsts[2] == [2, 2]  # 8 x 42 fresh + 24 x 2 resumed = 384 tokens: 96 per pass
+    s = Scheduler(100_000, 2, 64, prefix=PrefixCache(4, budget=100_000))
+    submit(s, max_tokens=5)
+    assert len(s.next_pass(0).prefill) == 8
+
+
 def test_a_prompt_over_the_budget_with_the_spare_column_gets_an_error_naming_it(model_dir, tmp_path):
     """With the cache on a row takes one spare column: a request needing exactly --budget cells
     without it is refused in its place with the count that includes it; the next line still runs."""
