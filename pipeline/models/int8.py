@@ -121,13 +121,14 @@ def quantize_linears(model: nn.Module) -> int:
 
 def _time(fn, budget_s: float = 0.05, reps: int = 5) -> float:
     """Best seconds of ``fn()`` over up to ``reps`` calls (after one warm-up), within about ``budget_s``."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CUDA runs asynchronously
     fn()
     best, start = float("inf"), time.perf_counter()
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
