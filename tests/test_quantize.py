@@ -213,3 +213,19 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
             assert max(abs(u - v) for u, v in zip(la, lb) if u is not None) < LOGIT_TOL
     with pytest.raises(UsageError, match="quantize: None there, 'int8' now"):
         run_inprocess([*common, "--output-path", str(tmp_path / "float32.jsonl"), "--quantize", "int8"])
+
+
+def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
+    from pipeline.loading import read_config
+    from pipeline.models import spec_from_config
+    from pipeline.sizing import model_costs
+
+    cfg = read_config(peaked)
+    spec = spec_from_config(cfg)
+    floats, f_first, f_last = model_costs(cfg, spec, None, "auto", torch.float32, 0)
+    int8s, q_first, q_last = model_costs(cfg, spec, None, "auto", torch.float32, 0, int8=True)
+    h, i = spec.hidden_size, spec.intermediate_size  # 64, 128; no biases, two RMSNorm weights
+    proj = {(h, 3 * h), (h, h), (h, 2 * i), (i, h)}  # (in, out) of qkv, o, gate+up, down
+    assert floats[0] == 4 * (sum(a * b for a, b in proj) + 2 * h)
+    assert int8s[0] == sum(a * b + 4 * b for a, b in proj) + 4 * 2 * h
+    assert (q_first, q_last) == (f_first, f_last)  # embedding and head stay in the run's dtype
