@@ -11,8 +11,8 @@ Two kernels compute ``x @ W.T`` from the int8 weights:
 - ``int8``: dynamic per-token activation quantization (one symmetric scale per row of ``x``),
   ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel torchao's
   int8 dynamic-activation path calls), then both scales applied in float32;
-- ``dequantize``: the weights cast to the compute dtype and scaled for each matmul, then an
-  ordinary matmul (what a fake-quantized float model computes, to float rounding).
+- ``dequantize``: the int8 weights cast to the compute dtype for each matmul, an ordinary matmul,
+  then the per-channel scales (what a fake-quantized float model computes, to float rounding).
 
 Which is faster depends on the machine: on AVX-512 VNNI / AMX CPUs and on GPUs the int8 product
 is several times a float one; on CPUs without VNNI ``torch._int_mm`` is ~30x slower than float. So
@@ -84,9 +84,17 @@ class Int8Linear(nn.Module):
 
 
 def dequantized_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
-    """(rows, in) -> (rows, out) through the weights dequantized to x's dtype (one temporary per call)."""
-    w = m.weight.to(x.dtype) * m.scale.to(x.dtype)[:, None]
-    return F.linear(x, w, m.bias)
+    """(rows, in) -> (rows, out) through the int8 weights cast to x's dtype (one temporary per call).
+
+    The per-output-channel scale is applied to the product, not to the weights: one pass over the
+    weights less (int8 values are exact in every float dtype), and float32 / bfloat16 have the range
+    for the unscaled sums. float16 has not (127 x 4096 x a large activation overflows it): there the
+    weights are scaled first."""
+    if x.dtype == torch.float16:
+        return F.linear(x, m.weight.to(x.dtype) * m.scale.to(x.dtype)[:, None], m.bias)
+    y = F.linear(x, m.weight.to(x.dtype))
+    y = y * m.scale if x.dtype == torch.float32 else (y.float() * m.scale).to(x.dtype)
+    return y if m.bias is None else y + m.bias
 
 
 def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
