@@ -258,11 +258,15 @@ def load_stage(plan, opts, info):
     t0 = time.perf_counter()
     try:
         model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
-                                   opts.model_type, opts.batch_invariant, opts.backend)
+                                   opts.model_type, opts.batch_invariant, opts.backend,
+                                   None if opts.quantize == "none" else opts.quantize)
     except (CheckpointError, UnsupportedModel) as e:
         raise UsageError(str(e)) from None
-    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s, %d threads", info.stage,
-             info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype, plan.threads)
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
+             info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
+             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+    if opts.quantize != "none":
+        choose_int8_kernels(model, dtype, opts, info.stage)
     if plan.adapters:
         from pipeline.adapters import stage_adapters
 
@@ -276,6 +280,21 @@ def load_stage(plan, opts, info):
 
         trace = Trace(info.rank)
     return Stage(model, info.device, trace, prefix_block(plan, opts))
+
+
+def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
+    """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
+    faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
+    from pipeline.models.int8 import choose_kernels
+
+    t0 = time.perf_counter()
+    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
+                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}}
+    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s", stage,
+             time.perf_counter() - t0, opts.max_micro_batch_size,
+             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                       for shape, c in chosen.items()))
 
 
 def run_budget(opts, info, stage) -> int:
@@ -380,6 +399,8 @@ def eos_ids(model_dir: str, tokenizer) -> set[int]:
 
 
 def summarize(reports) -> None:
+    from tasks.output_file import precision_note
+
     for r in reports:
         if r.skipped:
             print(f"{r.input}: skipped, output already complete at {r.output}", file=sys.stderr)
@@ -388,9 +409,11 @@ def summarize(reports) -> None:
         share = r.summary.data_group_size
         part = f" (data group {r.summary.data_rank} of {share}: its share of the lines)" if share > 1 else ""
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
+        note = precision_note(r.summary.stage_precision)
+        precision = f" [{note}]" if note else ""
         print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
               f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "
-              f"({rate:.1f} tok/s) -> {r.output}{part}", file=sys.stderr)
+              f"({rate:.1f} tok/s) -> {r.output}{part}{precision}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ RUNNER = REPO / "dist_inference_runner.py"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SYSTEMS = ("hf", "ct2", "runner1", "runner2")
-LABELS = {"hf": "HF generate", "ct2": "CTranslate2", "runner1": "runner P=1", "runner2": "runner P=2"}
+SYSTEMS = ("hf", "ct2", "runner1", "runner2", "hf-int8", "ct2-int8", "runner1-int8")
+LABELS = {"hf": "HF generate", "ct2": "CTranslate2", "runner1": "runner P=1", "runner2": "runner P=2",
+          "hf-int8": "HF int8 (fake)", "ct2-int8": "CT2 int8", "runner1-int8": "runner P=1 int8"}
+INT8_PAIRS = (("runner1-int8", "runner1"), ("hf-int8", "hf"))  # (int8 system, its float32 counterpart)
 BATCH = 32
 AGREE_THRESHOLD = 0.95
 LOGPROB_TOL = 1e-3  # max |difference| of a prompt token's logprob for two scorings to agree
@@ -201,7 +203,20 @@ def batches(items: list, size: int = BATCH):
 # ------------------------------------------------------------------------------------------------
 # workers: one process per system (invoked as  throughput.py --worker hf|ct2 ...)
 # ------------------------------------------------------------------------------------------------
-def worker_hf(model_dir: Path, wdir: Path, threads: int) -> dict:
+def fake_quantize_layers(model) -> None:
+    """HF with int8 weights, computed in float: each decoder-layer linear's weight replaced by what its
+    int8 per-output-channel quantization stands for (the runner's own quantizer, pipeline.models.int8)."""
+    import torch
+
+    from pipeline.models.int8 import fake_quantize
+
+    with torch.no_grad():
+        for mod in model.model.layers.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(fake_quantize(mod.weight))
+
+
+def worker_hf(model_dir: Path, wdir: Path, threads: int, int8: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -211,6 +226,8 @@ def worker_hf(model_dir: Path, wdir: Path, threads: int) -> dict:
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if int8:
+        fake_quantize_layers(model)
     load = time.perf_counter() - t0
     eos, pad = tok.eos_token_id, tok.pad_token_id
     gen_reqs, score_reqs = read_requests(wdir / "gen.jsonl"), read_requests(wdir / "score.jsonl")
@@ -234,22 +251,23 @@ def worker_hf(model_dir: Path, wdir: Path, threads: int) -> dict:
             logp = torch.log_softmax(model(**enc).logits.float(), -1)  # (B, T, V)
             nxt = enc["input_ids"][:, 1:]
             lp = logp[:, :-1].gather(-1, nxt[..., None])[..., 0]  # (B, T-1): position p predicts p+1
+            top1 = logp[:, :-1].argmax(-1)  # (B, T-1): the model's own first choice at each position
             for i, n in enumerate(enc["attention_mask"].sum(1).tolist()):
-                score_out.append({"logprobs": lp[i, : n - 1].tolist(), "tokens": n})
+                score_out.append({"logprobs": lp[i, : n - 1].tolist(), "tokens": n, "top1": top1[i, : n - 1].tolist()})
     score_s = time.perf_counter() - t0
     return {"load_s": load, "gen_s": gen_s, "score_s": score_s, "gen": gen_out, "score": score_out}
 
 
-def ct2_dir(model_dir: Path) -> Path:
+def ct2_dir(model_dir: Path, quantization: str = "float32") -> Path:
     """Convert once (cached beside the model folder); CTranslate2 errors propagate."""
     import ctranslate2.converters
 
-    target = model_dir.with_name(model_dir.name + "-ct2-float32")
+    target = model_dir.with_name(model_dir.name + f"-ct2-{quantization}")
     if (target / ".complete").is_file():
         return target
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=model_dir.parent))
     try:
-        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(str(tmp), quantization="float32", force=True)
+        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(str(tmp), quantization=quantization, force=True)
         (tmp / ".complete").write_text("ok\n")
         try:
             os.rename(tmp, target)
@@ -260,16 +278,17 @@ def ct2_dir(model_dir: Path) -> Path:
     return target
 
 
-def worker_ct2(model_dir: Path, wdir: Path, threads: int) -> dict:
+def worker_ct2(model_dir: Path, wdir: Path, threads: int, int8: bool = False) -> dict:
     import ctranslate2
     from transformers import AutoTokenizer
 
+    compute = "int8_float32" if int8 else "float32"  # int8 weights and GEMMs, float32 elsewhere
     t0 = time.perf_counter()
-    path = ct2_dir(model_dir)
+    path = ct2_dir(model_dir, "int8_float32" if int8 else "float32")
     convert = time.perf_counter() - t0
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    gen = ctranslate2.Generator(str(path), device="cpu", compute_type="float32", intra_threads=threads, inter_threads=1)
+    gen = ctranslate2.Generator(str(path), device="cpu", compute_type=compute, intra_threads=threads, inter_threads=1)
     load = time.perf_counter() - t0
     eos = tok.eos_token_id
     gen_reqs, score_reqs = read_requests(wdir / "gen.jsonl"), read_requests(wdir / "score.jsonl")
@@ -309,7 +328,9 @@ def read_runner_output(outdir: Path) -> dict:
                              "finish": c["finish_reason"]})
             else:
                 lps = (c.get("logprobs") or {}).get("token_logprobs") or []
-                dest.append({"logprobs": lps[1:], "tokens": len(lps)})
+                tops = (c.get("logprobs") or {}).get("top_logprobs") or []
+                top1 = [max(t, key=t.get) if t else None for t in tops[1:]]  # logprobs: 1 -> the first choice
+                dest.append({"logprobs": lps[1:], "tokens": len(lps), "top1": top1})
     return {"gen": gen_out, "score": score_out, "errors": errors}
 
 
@@ -415,13 +436,15 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
     shutil.rmtree(sysdir, ignore_errors=True)
     sysdir.mkdir(parents=True)
     log = sysdir / "log.txt"
-    if name in ("hf", "ct2"):
+    base = name.removesuffix("-int8")
+    if base in ("hf", "ct2"):
         env["OMP_NUM_THREADS"] = str(cores)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model-dir", str(model_dir),
                "--work-dir", str(wdir), "--cores", str(cores), "--worker-out", str(sysdir / "result.json")]
     else:
-        p = 1 if name == "runner1" else 2
+        p = 1 if base == "runner1" else 2
         threads = max(1, cores // p)
+        runner_args = [*runner_args, *(["--quantize", "int8"] if name.endswith("-int8") else [])]
         env["OMP_NUM_THREADS"] = str(threads)
         args = [str(RUNNER), "--model-name", str(model_dir), "--infer-data", str(wdir / "gen.jsonl"), str(wdir / "score.jsonl"),
                 "--output-path", str(sysdir), "--num-threads", str(threads), "--no-progress", "--overwrite", *runner_args]
@@ -436,7 +459,7 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
         m["error"] = f"exit code {m['rc']}" + (" (timed out)" if m["timed_out"] else "")
         m["log_tail"] = text[-3000:]
         return m
-    if name in ("hf", "ct2"):
+    if base in ("hf", "ct2"):
         m.update(json.loads((sysdir / "result.json").read_text()))
         m["timing"] = "in-process perf_counter around the generation / scoring loops (load excluded)"
         return m
@@ -540,9 +563,27 @@ def compare(a: dict, b: dict, plan: list[dict]) -> dict:
             "agreeing": pct >= AGREE_THRESHOLD, "first_disagreements": bad}
 
 
-def target(name: str, value: float | None, need: float) -> dict:
+def fidelity(quant: dict, full: dict) -> dict:
+    """An int8 system against its float32 counterpart on the echo scoring requests: the share of
+    prompt positions where both put the same token first (top-1 agreement), and the mean and largest
+    |difference| of the prompt tokens' logprobs."""
+    same = positions = 0
+    diffs = []
+    for x, y in zip(quant["score"], full["score"]):
+        if not x or not y or len(x["logprobs"]) != len(y["logprobs"]):
+            continue
+        diffs += [abs(u - v) for u, v in zip(x["logprobs"], y["logprobs"])]
+        pairs = [(u, v) for u, v in zip(x.get("top1") or [], y.get("top1") or []) if u is not None and v is not None]
+        same += sum(u == v for u, v in pairs)
+        positions += len(pairs)
+    return {"positions": positions, "top1_agreement": same / positions if positions else None,
+            "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
+            "max_abs_logprob_diff": max(diffs, default=None)}
+
+
+def target(name: str, value: float | None, need: float, unit: str = "x") -> dict:
     status = "n/a" if value is None else ("PASS" if value >= need else "FAIL")
-    return {"target": name, "need": need, "value": value, "status": status}
+    return {"target": name, "need": need, "value": value, "status": status, "unit": unit}
 
 
 def ratio(res: dict, a: str, b: str, key: str) -> float | None:
@@ -568,7 +609,7 @@ def report(out: dict) -> str:
     lines.append(f"Matmul peak (float32 2048^3, best of the start and the end of the run): {out['matmul_peak_flops'][str(out['cores'])] / 1e9:.1f} GFLOP/s with {out['cores']} threads, "
                  f"{out['matmul_peak_flops']['1'] / 1e9:.1f} GFLOP/s with 1")
     lines.append("")
-    hdr = (f"{'system':<13}{'gen tok/s':>10}{'score tok/s':>12}{'gen s':>8}{'score s':>8}{'wall s':>8}{'load s':>8}"
+    hdr = (f"{'system':<16}{'gen tok/s':>10}{'score tok/s':>12}{'gen s':>8}{'score s':>8}{'wall s':>8}{'load s':>8}"
            f"{'GFLOP/s':>9}{'%peak':>7}{'other':>7}  {'peak RSS MB (per process)':<34} stage busy")
     lines.append(hdr)
     lines.append("-" * len(hdr))
@@ -576,14 +617,14 @@ def report(out: dict) -> str:
         f = out["systems"].get(s)
         if f is None:
             if s in out["failures"]:
-                lines.append(f"{LABELS[s]:<13} FAILED: {out['failures'][s]['error']}")
+                lines.append(f"{LABELS[s]:<16} FAILED: {out['failures'][s]['error']}")
             continue
         per = ", ".join(f"{k} {v:.0f}" for k, v in f["peak_rss_mb_per_process"].items()) or f"{f['peak_rss_mb']:.0f}"
         busy = f["stage_busy"]
         busy = "n/a" if not busy else json.dumps(busy)
-        if s in ("hf", "ct2"):
+        if s.removesuffix("-int8") in ("hf", "ct2"):
             busy = "-"
-        lines.append(f"{LABELS[s]:<13}{_num(f['gen_tokens_per_s'], 10)}{_num(f['scored_tokens_per_s'], 12)}"
+        lines.append(f"{LABELS[s]:<16}{_num(f['gen_tokens_per_s'], 10)}{_num(f['scored_tokens_per_s'], 12)}"
                      f"{f['gen_seconds']:>8.1f}{f['score_seconds']:>8.1f}{f['wall_seconds']:>8.1f}"
                      f"{f['startup_and_load_seconds']:>8.1f}{_num(f['flops_per_s'], 9, 1e-9)}"
                      f"{_num(f['flops_fraction_of_peak'], 6, 100)}%{f['other_load_cores']:>7.2f}  {per:<34} {busy}")
@@ -616,11 +657,25 @@ def report(out: dict) -> str:
                          + (f"from char {d['first_diff_char']}: ...{d['a']!r} vs ...{d['b']!r}" if d["kind"] == "gen" else f"max logprob diff {d['max_logprob_diff']}, lengths {d['lengths']}"))
     if out["workload"].get("stop_hits") is not None:
         lines.append(f"  stop strings ended {out['workload']['stop_hits']} of {wl['stop_requests']} stop requests early (reference outputs)")
+    if out.get("fidelity"):
+        lines.append("")
+        lines.append("int8 fidelity against float32 on the echo scoring requests (top-1: the same first-choice token at a "
+                     "prompt position; |logprob diff|: the prompt tokens' logprobs):")
+        for pair, f in out["fidelity"].items():
+            if f["top1_agreement"] is None:
+                lines.append(f"  {pair}: n/a")
+                continue
+            lines.append(f"  {pair}: top-1 agreement {f['top1_agreement']:.4f} over {f['positions']} positions, "
+                         f"mean |logprob diff| {f['mean_abs_logprob_diff']:.5f}, max {f['max_abs_logprob_diff']:.4f}")
+    kernels = out["systems"].get("runner1-int8", {}).get("int8_kernels")
+    if kernels:
+        lines.append(f"  runner int8 kernels chosen at load (per in x out shape): {json.dumps(kernels)}")
     lines.append("")
     lines.append("Targets:")
     for t in out["targets"]:
-        v = "n/a" if t["value"] is None else f"{t['value']:.2f}x"
-        lines.append(f"  {t['status']:<5} {t['target']}: {v} (need >= {t['need']}x)")
+        unit = t.get("unit", "x")
+        v = "n/a" if t["value"] is None else f"{t['value']:+.4f}" if unit != "x" else f"{t['value']:.2f}x"
+        lines.append(f"  {t['status']:<5} {t['target']}: {v} (need >= {t['need']}{unit if unit == 'x' else ''})")
     for s, f in out["failures"].items():
         lines.append("")
         lines.append(f"{LABELS.get(s, s)} failed: {f['error']}  (log: {f.get('log')})")
@@ -645,13 +700,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per system")
     ap.add_argument("--runner-args", default="", help="extra flags for dist_inference_runner.py, e.g. '--budget 16384'")
     ap.add_argument("--report", metavar="JSON", help="print the table of a saved --json file again and exit")
-    ap.add_argument("--worker", choices=("hf", "ct2"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("hf", "ct2", "hf-int8", "ct2-int8"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        fn = worker_hf if args.worker == "hf" else worker_ct2
-        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores)
+        fn = worker_hf if args.worker.startswith("hf") else worker_ct2
+        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores, args.worker.endswith("-int8"))
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
     if args.report:
@@ -679,13 +734,13 @@ def main(argv: list[str] | None = None) -> int:
     params = matmul_params(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     peaks = {str(args.cores): matmul_peak(args.cores), "1": matmul_peak(1)}
-    if "ct2" in systems:
+    if "ct2" in systems or "ct2-int8" in systems:
         try:
             import ctranslate2  # noqa: F401
         except ImportError as e:
             print(f"[bench] CTranslate2 skipped: cannot import ctranslate2 ({e}); pip install -r bench/requirements.txt",
                   file=sys.stderr)
-            systems.remove("ct2")
+            systems = [s for s in systems if s not in ("ct2", "ct2-int8")]
     results, failures = {}, {}
     for s in systems:
         print(f"[bench] running {LABELS[s]} ...", file=sys.stderr, flush=True)
@@ -711,6 +766,8 @@ def main(argv: list[str] | None = None) -> int:
             agreement[f"{LABELS[s]} vs {LABELS[ref]}"] = compare(results[s], results[ref], plan)
     if "runner1" in results and "runner2" in results and ref != "runner1":
         agreement["runner P=2 vs runner P=1"] = compare(results["runner2"], results["runner1"], plan)
+    fid = {f"{LABELS[q]} vs {LABELS[f]}": fidelity(results[q], results[f]) for q, f in INT8_PAIRS
+           if q in results and f in results}
     stop_hits = None
     if ref:
         gen_plan = [p for p in plan if p["kind"] == "gen"]
@@ -727,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
         "runner P=1 / CTranslate2 (score tok/s)": ratio(figs, "runner1", "ct2", "scored_tokens_per_s"),
         "P=2 / P=1 (score tok/s)": ratio(figs, "runner2", "runner1", "scored_tokens_per_s"),
         "CTranslate2 / HF (gen tok/s)": ratio(figs, "ct2", "hf", "gen_tokens_per_s"),
+        "runner int8 / runner float32 (gen tok/s)": ratio(figs, "runner1-int8", "runner1", "gen_tokens_per_s"),
+        "runner int8 / CT2 int8 (gen tok/s)": ratio(figs, "runner1-int8", "ct2-int8", "gen_tokens_per_s"),
+        "runner int8 / HF (gen tok/s)": ratio(figs, "runner1-int8", "hf", "gen_tokens_per_s"),
+        "CT2 int8 / CTranslate2 (gen tok/s)": ratio(figs, "ct2-int8", "ct2", "gen_tokens_per_s"),
     }
     targets = [
         target("runner P=1 generated tok/s >= 2.0x HF", ratios["runner P=1 / HF (gen tok/s)"], 2.0),
@@ -734,6 +795,18 @@ def main(argv: list[str] | None = None) -> int:
         target("runner P=2 generated tok/s >= 0.9x P=1", ratios["P=2 / P=1 (gen tok/s)"], 0.9),
         target("runner P=1 scored prompt tok/s >= 1.5x HF", ratios["runner P=1 / HF (score tok/s)"], 1.5),
     ]
+    if any(s.endswith("-int8") for s in systems):
+        ours, plain = (fid.get(f"{LABELS[q]} vs {LABELS[f]}", {}).get("top1_agreement") for q, f in INT8_PAIRS)
+        targets += [
+            target("runner int8 generated tok/s >= 2.5x runner float32", ratios["runner int8 / runner float32 (gen tok/s)"], 2.5),
+            target("runner int8 generated tok/s >= 1.2x CT2 int8", ratios["runner int8 / CT2 int8 (gen tok/s)"], 1.2),
+            target("runner int8 top-1 agreement minus its plain reference's (HF int8 fake)",
+                   None if ours is None or plain is None else ours - plain, -0.02, unit=""),
+        ]
+    if "runner1-int8" in figs:
+        sj = wdir / "runner1-int8" / "output_gen.jsonl.summary.json"
+        if sj.exists():
+            figs["runner1-int8"]["int8_kernels"] = json.loads(sj.read_text()).get("stage_precision")
     gen_plan = [p for p in plan if p["kind"] == "gen"]
     out = {
         "command": " ".join([Path(sys.executable).name, "bench/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -749,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
                      "min_prompt": min(p["prompt_tokens"] for p in plan), "max_prompt": max(p["prompt_tokens"] for p in plan),
                      "max_tokens": prof["max_tokens"], "batch_size_hf_ct2": BATCH},
         "matmul_peak_flops": peaks, "systems": figs, "ratios": ratios, "targets": targets,
-        "agreement": agreement, "agreement_threshold": AGREE_THRESHOLD, "agreement_reference": ref,
+        "agreement": agreement, "agreement_threshold": AGREE_THRESHOLD, "agreement_reference": ref, "fidelity": fid,
         "failures": {s: {k: f.get(k) for k in ("error", "log", "log_tail", "request_errors", "command")} for s, f in failures.items()},
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

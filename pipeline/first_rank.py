@@ -118,7 +118,8 @@ class FirstRank:
         self.stage.release(release)
         self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds,
                              sched.padding_waste / max(1, sched.allocated_cells), release, d.take_errors(),
-                             busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb()))
+                             busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
+                             precision=[self.stage.precision()]))
         closed = self._reply()
         assert isinstance(closed, Closed)
         if not closed.complete:

@@ -85,9 +85,10 @@ class LastRank:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
             msg.busy.append(self.stage.busy)
             msg.gpu_peak_mb += self.stage.gpu_peak_mb()
+            msg.precision.append(self.stage.precision())
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size,
-                                            self.stage.peak_cells, msg.gpu_peak_mb)
+                                            self.stage.peak_cells, msg.gpu_peak_mb, msg.precision)
         self.file = None
         return Closed(complete, summary)

@@ -41,6 +41,7 @@ from .models import DecoderSpec, Source, family_for, parameter_sources, spec_fro
 from .models.backends import choose_backend
 from .models.decoder import StageModel
 from .models.hf_stage import HFStageModel, UnsupportedModel
+from .models.int8 import quantize_linears
 from .models.invariant import ROW_TILE
 from .tensor_store import (  # noqa: F401 (re-exported)
     EMBS,
@@ -93,13 +94,19 @@ def build_stage(
     model_type: str | None = None,
     batch_invariant: bool = False,
     backend: str = "auto",
+    quantize: str | None = None,
 ) -> tuple[StageModel | HFStageModel, TensorStore]:
     """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
 
     ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
-    stage built from transformers' own layers."""
+    stage built from transformers' own layers. ``quantize="int8"``: the layers' projections hold
+    int8 weights, quantized tensor by tensor as they are read (:mod:`pipeline.models.int8`; the
+    kernel is chosen afterwards by :func:`~pipeline.models.int8.choose_kernels`)."""
     cfg = read_config(model_dir)
     if choose_backend(cfg, model_type, backend) == "transformers":
+        if quantize:
+            raise UnsupportedModel(f"--quantize {quantize} needs the native code of a family; the generic transformers "
+                                   "stage does not quantize (drop --quantize)")
         if batch_invariant:
             raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
                                    "stage does not have its fixed-shape kernels (drop --batch-invariant)")
@@ -108,6 +115,8 @@ def build_stage(
     spec: DecoderSpec = family.to_spec(cfg)
     with torch.device("meta"):
         model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
+        if quantize == "int8":
+            quantize_linears(model)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
     store, up = TensorStore(model_dir), Uploader(device)
     embs = _embed_side(spec)
@@ -117,7 +126,7 @@ def build_stage(
             part = _part_of(name, first, embs)
             source = store.layout(source, part)
             param = params[name]
-            if len(source.names) == 1 and source.combine is _AS_IS:
+            if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
                 with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
                     target = up.target(param.data)
                     tensors = [store.get(source.names[0], part, out=target)]
@@ -138,7 +147,10 @@ def build_stage(
                     f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                up.put(param.data, value)  # casts to the stage dtype without another temporary
+                if param.dtype == torch.int8:  # an Int8Linear's weight: quantized from the float tensor
+                    model.get_submodule(name.rsplit(".", 1)[0]).load_float(value)
+                else:
+                    up.put(param.data, value)  # casts to the stage dtype without another temporary
             del tensors, value
         up.finish()
     finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZE = ("none", "int8")
 BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 
 
@@ -59,6 +60,7 @@ class RunOptions:
     lora: list[str] = _opt(None, "A PEFT LoRA adapter folder as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
+    quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see README). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see README).")
     trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
     # distributed launch (torchrun sets these through the environment)
@@ -228,7 +230,7 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts)
+    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
     if opts.max_pending < 1 or opts.max_request_bytes < 1:
         problems.append("--max-pending and --max-request-bytes must be at least 1")
     return problems
@@ -270,6 +272,22 @@ def _lora_problems(opts: RunOptions) -> list[str]:
     if opts.batch_invariant:
         problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
                         "adapter path): drop --batch-invariant or --lora")
+    return problems
+
+
+def _quantize_problems(opts: RunOptions) -> list[str]:
+    if opts.quantize == "none":
+        return []
+    problems = []
+    if opts.lora:
+        problems.append(f"--quantize {opts.quantize} does not apply LoRA adapters (they wrap float projections): "
+                        "drop --quantize or --lora")
+    if opts.batch_invariant:
+        problems.append(f"--quantize {opts.quantize} has no fixed-shape kernels for --batch-invariant: "
+                        "drop --quantize or --batch-invariant")
+    if opts.backend == "transformers":
+        problems.append(f"--quantize {opts.quantize} needs a native family; --backend transformers runs transformers' "
+                        "own layers, which are not quantized: drop --quantize or use --backend auto")
     return problems
 
 

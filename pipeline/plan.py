@@ -76,6 +76,9 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         if opts.batch_invariant and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers): drop --batch-invariant")
+        if opts.quantize != "none" and not isinstance(spec, DecoderSpec):
+            raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
+                             "layers (--backend auto/transformers), which are not quantized: drop --quantize")
         all_inputs = resolve_inputs(opts, env)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
@@ -86,6 +89,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
+    if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
+        fingerprint["quantize"] = opts.quantize
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: str(a.path.resolve()) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
@@ -96,6 +101,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: some stage is always "
                         f"idle; use at least {pipeline}")
     name = Path(opts.model_name).name if opts.model_name else _default_model_name()
+    if opts.quantize != "none":  # every result's "model" says the weights are quantized
+        name = f"{name}:{opts.quantize}"
     if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
         layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
                            for i, (a, b) in enumerate(ranges))

@@ -17,37 +17,43 @@ from .partition import gib, memory_sizes, parse_stage_memory
 
 
 def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
-                adapter_layers: list[int] | None = None) -> tuple[list[int], int, int]:
+                adapter_layers: list[int] | None = None, int8: bool = False) -> tuple[list[int], int, int]:
     """(bytes per layer, embedding-side bytes, head-side bytes) in the run's dtype.
 
     A layer's bytes are its weights, its keys and values for ``--budget`` cells (the micro-batch
-    caches and the prefix pool together never exceed the budget) and its adapters' factors."""
+    caches and the prefix pool together never exceed the budget) and its adapters' factors. ``int8``
+    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row."""
     size = torch.empty((), dtype=dtype).element_size()
     layers = [0] * spec.num_layers
     first = last = 0
-    for name, numel, part in _parameters(config, spec, model_type, backend):
+    for name, numel, part, nbytes in _parameters(config, spec, model_type, backend, int8):
+        nbytes = numel * size if nbytes is None else nbytes
         if part == "layer":
-            layers[int(name.split(".")[1])] += numel * size
+            layers[int(name.split(".")[1])] += nbytes
         elif part == "embs":
-            first += numel * size
+            first += nbytes
         else:
-            last += numel * size
+            last += nbytes
     kv = 2 * budget * _kv_width(config, spec) * size
     extra = adapter_layers or [0] * spec.num_layers
     return [w + kv + a for w, a in zip(layers, extra)], first, last
 
 
-def _parameters(config: dict, spec, model_type: str | None, backend: str):
-    """(name, elements, 'layer' | 'embs' | 'head') of every parameter of the whole model, on meta."""
+def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: bool = False):
+    """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
+    parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
         from .models.decoder import StageModel
+        from .models.int8 import quantize_linears
 
         with torch.device("meta"):
             embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
             model = StageModel(spec, 0, spec.num_layers, True, True)
+            if int8:
+                quantize_linears(model)
         for name, p in model.named_parameters(remove_duplicate=False):
             part = "layer" if name.startswith("layers.") else "embs" if name in embs else "head"
-            yield name, p.numel(), part
+            yield name, p.numel(), part, p.numel() + 4 * p.shape[0] if p.dtype == torch.int8 else None
         return
     from .models.hf_stage import HFStageModel, hf_config
 
@@ -55,9 +61,9 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str):
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (_, part) in model.checkpoint_names().items():
         if name in params:
-            yield name, params[name].numel(), part
+            yield name, params[name].numel(), part, None
     if "lm_head.weight" not in model.checkpoint_names():  # tied: the head stage holds its own copy
-        yield "lm_head.weight", params["lm_head.weight"].numel(), "head"
+        yield "lm_head.weight", params["lm_head.weight"].numel(), "head", None
 
 
 def _kv_width(config: dict, spec) -> int:
@@ -116,7 +122,8 @@ def memory_layout(value: str, config: dict, spec, opts, pipeline: int, local_wor
     """Layers per stage for ``--stage-memory`` and the plan as text (printed before loading)."""
     memory, how = stage_memory(value, pipeline, local_world, device)
     budget = planned_budget(opts.budget, device)
-    costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, budget, adapter_layers)
+    costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, budget, adapter_layers,
+                                     opts.quantize == "int8")
     costs = costs[:depth]
     sizes = memory_sizes(costs, first, last, memory)
     lines, i = [f"stage sizes from --stage-memory {value}" + (f" ({how})" if how else "") + ":"], 0

@@ -53,6 +53,15 @@ class Stage:
         """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
         return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
 
+    def precision(self) -> dict:
+        """The stage's weights and compute dtype, and with --quantize the int8 kernel chosen per
+        (in x out) shape at load (``StageModel.quantized``); for the run summary."""
+        quantized = getattr(self.model, "quantized", None)
+        if quantized:
+            return quantized
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return {"weights": dtype, "compute_dtype": dtype}
+
     def mark(self) -> float:
         """The start of a span for :meth:`clock` (on CUDA an event is recorded on the stream too)."""
         if self.device.type == "cuda":
@@ -128,6 +137,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
             if last is None:
                 msg.busy.append(stage.busy)
                 msg.gpu_peak_mb += stage.gpu_peak_mb()
+                msg.precision.append(stage.precision())
         if last is None:
             link.send_next(msg, x)
         else:

@@ -62,6 +62,8 @@ class FileSummary:
     prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
     kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
     stage_gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: torch.cuda.max_memory_allocated per stage
+    # per stage: weights and compute dtype; with --quantize the int8 kernel kept per (in x out) shape
+    stage_precision: list[dict] = field(default_factory=list)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -104,7 +106,8 @@ class OutputFile:
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
               format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0,
-              gpu_peak_mb: list[float] | None = None) -> tuple[bool, FileSummary]:
+              gpu_peak_mb: list[float] | None = None,
+              precision: list[dict] | None = None) -> tuple[bool, FileSummary]:
         """Publish the output if every line of this share is in; (complete, summary)."""
         if self.progress is not None:
             self.progress.close()
@@ -117,7 +120,7 @@ class OutputFile:
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
             pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
-            kv_cells_peak, gpu_peak_mb or [])
+            kv_cells_peak, gpu_peak_mb or [], precision or [])
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it
@@ -154,6 +157,19 @@ def merge_summaries(output, shares: int) -> None:
               "kv_cells_peak": max(part["kv_cells_peak"] for part in parts),
               "data_groups": parts, "run": run}
     write_atomic(record_path(output), json.dumps(merged, indent=1))
+
+
+def precision_note(stage_precision: list[dict]) -> str:
+    """One phrase for the summary line: ``float32``, or ``int8 weights, float32 compute, kernels:
+    stage 0 dequantize, stage 1 int8`` (a stage's kernels joined with + when its shapes differ)."""
+    if not stage_precision:
+        return ""
+    first = stage_precision[0]
+    if "kernels" not in first:
+        return first["weights"]
+    kernels = ", ".join(f"stage {i} {'+'.join(sorted(set(p.get('kernels', {}).values()))) or '-'}"
+                        for i, p in enumerate(stage_precision))
+    return f"{first['weights']} weights, {first['compute_dtype']} compute, kernels: {kernels}"
 
 
 def peak_rss_mb() -> float:

@@ -41,7 +41,7 @@ def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     agreement = data["agreement"]["runner P=1 vs HF generate"]
     assert agreement["requests"] == 12
     assert 0.0 <= agreement["fraction"] <= 1.0 and agreement["agree"] + agreement["disagree"] == 12
-    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4
+    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4  # no int8 system: no int8 target
     assert "runner P=1 / HF (gen tok/s)" in data["ratios"]
     assert "Targets:" in p.stdout and "Greedy agreement" in p.stdout
 
@@ -70,6 +70,38 @@ def test_finish_generation_matches_runner_semantics(ids_text, max_tokens, stops,
     # EOS ends the sequence and counts as a computed token
     got = finish_generation(tok, ids[:1] + [tok.eos_token_id] + ids[1:], 16, [], eos=tok.eos_token_id)
     assert (got["text"], got["generated"], got["finish"]) == (ids_text[0], 2, "stop")
+
+
+def test_int8_fidelity_counts_top1_and_logprob_differences():
+    fidelity = _bench_module().fidelity
+    full = {"score": [{"logprobs": [-1.0, -2.0, -3.0], "top1": [5, 6, 7]}, {"logprobs": [-0.5], "top1": [9]}, None]}
+    quant = {"score": [{"logprobs": [-1.1, -2.0, -2.7], "top1": [5, 8, 7]}, {"logprobs": [-0.5], "top1": [9]},
+                       {"logprobs": [-1.0], "top1": [1]}]}  # the third has no float32 answer: not counted
+    f = fidelity(quant, full)
+    assert f["positions"] == 4 and f["top1_agreement"] == 0.75
+    assert abs(f["mean_abs_logprob_diff"] - 0.1) < 1e-9 and abs(f["max_abs_logprob_diff"] - 0.3) < 1e-9
+
+
+def test_hf_fake_quantization_is_the_runners_int8(make_llama):
+    """The plain reference (HF with fake-quantized weights) computes what the runner's dequantize kernel does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.loading import build_stage
+    from pipeline.models.int8 import Int8Linear
+    from tests.utils import chain_logits
+
+    model_dir = make_llama(num_hidden_layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    _bench_module().fake_quantize_layers(hf)
+    stage = build_stage(model_dir, 0, 2, True, True, quantize="int8")[0]
+    for m in stage.modules():
+        if isinstance(m, Int8Linear):
+            m.kernel = "dequantize"
+    prompt = [1, 20, 30, 40, 50]
+    with torch.no_grad():
+        torch.testing.assert_close(chain_logits([stage], [prompt])[0], hf(torch.tensor([prompt])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,180 @@
+"""int8 weights for a stage's linear layers (``--quantize int8``), with the matmul kernel chosen by measurement.
+
+Each projection of a decoder layer (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``, a shared
+expert's too) becomes an :class:`Int8Linear`: int8 weights (out, in) with one symmetric float32
+scale per output channel (``scale = max |w_row| / 127``), computed from the checkpoint's tensor
+as it is loaded, so a stage never holds its layers in float. Embeddings, norms, the head, MoE
+routers and routed experts stay in the compute dtype.
+
+Two kernels compute ``x @ W.T`` from the int8 weights:
+
+- ``int8``: dynamic per-token activation quantization (one symmetric scale per row of ``x``),
+  ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel torchao's
+  int8 dynamic-activation path calls), then both scales applied in float32;
+- ``dequantize``: the int8 weights cast to the compute dtype for each matmul, an ordinary matmul,
+  then the per-channel scales (what a fake-quantized float model computes, to float rounding).
+
+Which is faster depends on the machine: on AVX-512 VNNI / AMX CPUs and on GPUs the int8 product
+is several times a float one; on CPUs without VNNI ``torch._int_mm`` is ~30x slower than float. So
+:func:`choose_kernels` times both on the stage's own shapes when the stage is loaded and keeps the
+faster for each shape; the choice is logged and reported in the run summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("int8", "dequantize")
+QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> int8 (out, in) and float32 scales (out,): ``w ~= q * scale[:, None]``."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def fake_quantize(w: torch.Tensor) -> torch.Tensor:
+    """What the int8 weights stand for, in ``w``'s dtype (the plain reference: HF with these weights)."""
+    q, scale = quantize_rows(w)
+    return (q.float() * scale[:, None]).to(w.dtype)
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with int8 weights and per-output-channel scales; ``kernel`` picks the matmul."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # a parameter, so the loader maps it to the checkpoint tensor like the float weight it replaces
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel = "dequantize"
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32:  # module.to(bfloat16) casts buffers: the scales stay float32
+            self.scale = self.scale.float()
+        return self
+
+    @torch.no_grad()
+    def load_float(self, w: torch.Tensor) -> None:
+        """Quantize the checkpoint's float weight (out, in) into this module (on its device)."""
+        q, scale = quantize_rows(w.to(self.weight.device))
+        self.weight.copy_(q)
+        self.scale.copy_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (m, in)
+        y = int8_mm(flat, self) if self.kernel == "int8" else dequantized_mm(flat, self)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"
+
+
+def dequantized_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """(rows, in) -> (rows, out) through the int8 weights cast to x's dtype (one temporary per call).
+
+    The per-output-channel scale is applied to the product, not to the weights: one pass over the
+    weights less (int8 values are exact in every float dtype), and float32 / bfloat16 have the range
+    for the unscaled sums. float16 has not (127 x 4096 x a large activation overflows it): there the
+    weights are scaled first."""
+    if x.dtype == torch.float16:
+        return F.linear(x, m.weight.to(x.dtype) * m.scale.to(x.dtype)[:, None], m.bias)
+    y = F.linear(x, m.weight.to(x.dtype))
+    y = y * m.scale if x.dtype == torch.float32 else (y.float() * m.scale).to(x.dtype)
+    return y if m.bias is None else y + m.bias
+
+
+def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """(rows, in) -> (rows, out): rows quantized to int8 with one scale each, int8 x int8 -> int32."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)  # (rows, 1)
+    xq = torch.round(xf / s).clamp_(-QMAX, QMAX).to(torch.int8)
+    rows = xq.shape[0]
+    if xq.is_cuda and rows <= 16:  # cuBLASLt's int8 GEMM needs more than 16 rows: pad
+        xq = F.pad(xq, (0, 0, 0, 17 - rows))
+    acc = torch._int_mm(xq, m.weight.t())[:rows]  # (rows, out) int32; weight.t(): the (in, out) operand, column-major
+    y = acc.float() * s * m.scale
+    if m.bias is not None:
+        y = y + m.bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace the projections of every Attention and MLP in ``model`` (on the meta device, before
+    loading) by :class:`Int8Linear` of the same shape; returns how many."""
+    from .decoder import MLP, Attention
+
+    count = 0
+    for module in list(model.modules()):
+        names = ("qkv", "o") if isinstance(module, Attention) else ("up", "down") if isinstance(module, MLP) else ()
+        for name in names:
+            lin: nn.Linear = getattr(module, name)
+            setattr(module, name, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None))
+            count += 1
+    return count
+
+
+def _time(fn, budget_s: float = 0.05, reps: int = 5) -> float:
+    """Best seconds of ``fn()`` over up to ``reps`` calls (after one warm-up), within about ``budget_s``."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CUDA runs asynchronously
+    fn()
+    best, start = float("inf"), time.perf_counter()
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best
+
+
+@torch.inference_mode()
+def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256)) -> dict[str, dict]:
+    """Time both kernels on each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
+    with ``rows`` token rows (a decode micro-batch, a prefill chunk), set the one with the least
+    total time on every layer of that shape, and return ``{"INxOUT": {"kernel": ..., "rows": rows,
+    "ms": {kernel: [best ms at each size timed]}}}``. A kernel that fails (e.g. no int8 GEMM for
+    this device or shape) is dropped; one over 3x slower than the fastest at a size is not timed at
+    the larger sizes (it lost already: on a CPU without VNNI a big prefill product in int8 would
+    take seconds) and cannot be chosen."""
+    by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            by_shape.setdefault((m.in_features, m.out_features), []).append(m)
+    chosen = {}
+    gen = torch.Generator().manual_seed(0)
+    for (k, n), mods in by_shape.items():
+        probe = mods[0]
+        ms: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}  # per size of rows
+        alive = list(KERNELS)
+        for m_rows in rows:
+            x = torch.randn(m_rows, k, generator=gen).to(device=probe.weight.device, dtype=dtype)
+            for kernel in list(alive):
+                fn = int8_mm if kernel == "int8" else dequantized_mm
+                try:
+                    ms[kernel].append(round(_time(lambda: fn(x, probe)) * 1e3, 4))
+                except RuntimeError as e:
+                    log.info("int8 kernel %s unavailable for %dx%d: %s", kernel, k, n, str(e).splitlines()[0])
+                    alive.remove(kernel)
+            fastest = min(ms[kernel][-1] for kernel in alive)
+            alive = [kernel for kernel in alive if ms[kernel][-1] <= 3 * fastest]
+        best = min(alive, key=lambda kernel: sum(ms[kernel]))
+        for m in mods:
+            m.kernel = best
+        chosen[f"{k}x{n}"] = {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
+    return chosen

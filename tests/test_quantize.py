@@ -1,0 +1,236 @@
+"""--quantize int8: the int8 kernels against the fake-quantized float product, a quantized stage
+against HF with fake-quantized weights (its plain reference) and against float32, what a quantized
+stage reads, runs at P = 1 and 2, and the combinations refused before loading.
+
+The end-to-end model has peaked distributions by construction: the head is a permutation of the
+embedding table (each token strongly predicts one next token) and the layers' output projections
+are scaled down, so the float32 top-1 leads the second token by more than 1.2 at every position
+used here, while int8 moves a logit by about 0.02. Argmax agreement then holds on any CPU; the
+tests check that premise instead of assuming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.loading import build_stage
+from pipeline.models.int8 import (
+    Int8Linear,
+    choose_kernels,
+    fake_quantize,
+    quantize_rows,
+)
+from pipeline.options import RunOptions, UsageError, check_options, parse_options
+from pipeline.plan import make_plan
+from tests.utils import (
+    chain_logits,
+    read_jsonl,
+    run_inprocess,
+    run_torchrun,
+    save_hf_model,
+    write_jsonl,
+)
+
+LOGIT_TOL = 0.1  # int8 vs float32, largest |logit| or |logprob| change allowed (measured ~0.02)
+PROMPTS = [[1, *range(2 + 17 * i, 22 + 23 * i)] for i in range(4)]  # BOS, then the special and plain tokens
+
+
+@pytest.fixture(scope="module")
+def peaked(make_llama, tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_llama(num_hidden_layers=2)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down_proj.weight.mul_(0.3)
+        e = model.model.embed_tokens.weight
+        zero = e.abs().sum(1) == 0  # HF zeroes the pad token's row: give it a direction of its own too
+        e[zero] = torch.randn(int(zero.sum()), e.shape[1], generator=torch.Generator().manual_seed(1)) * e.std()
+        perm = torch.randperm(e.shape[0], generator=torch.Generator().manual_seed(0))
+        model.lm_head.weight.copy_(e[perm] / (8 * e.pow(2).mean().sqrt()))
+    return save_hf_model(model, tmp_path_factory.mktemp("peaked"))
+
+
+def test_rows_round_to_their_scale():
+    w = torch.randn(48, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3, 48)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (48,)
+    assert int(q.abs().max(dim=1).values.min()) == 127  # each row's largest weight maps to +-127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] * 0.5 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_against_the_fake_quantized_product(bias):
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(3, 5, 40, generator=g)
+    lin = Int8Linear(40, 24, bias)
+    lin.load_float(w)
+    if bias:
+        lin.bias.data.copy_(b)
+    ref = F.linear(x, fake_quantize(w), b if bias else None)  # the plain reference
+    lin.kernel = "dequantize"
+    torch.testing.assert_close(lin(x), ref, atol=1e-5, rtol=1e-5)
+    lin.kernel = "int8"
+    # per-token activation rounding moves x by at most half its row scale per element: bound the change
+    step = x.abs().amax(-1, keepdim=True) / 127 / 2  # (3, 5, 1)
+    bound = step * fake_quantize(w).abs().sum(1) + 1e-4
+    assert ((lin(x) - ref).abs() <= bound).all()
+    assert (lin(x) - ref).abs().max() > 0  # really the int8 path, not a float product
+
+
+def test_choose_kernels_times_each_shape_and_keeps_the_faster():
+    model = torch.nn.Sequential(Int8Linear(32, 64, False), Int8Linear(32, 64, False), Int8Linear(64, 32, True))
+    for m in model:
+        m.load_float(torch.randn(m.out_features, m.in_features))
+        if m.bias is not None:
+            m.bias.data.zero_()
+    chosen = choose_kernels(model, torch.float32, rows=(4, 16))
+    assert set(chosen) == {"32x64", "64x32"}
+    for shape, c in chosen.items():
+        assert c["kernel"] in c["ms"] and all(len(v) >= 1 for v in c["ms"].values())
+        fastest = min(sum(v) for v in c["ms"].values() if len(v) == 2)
+        assert sum(c["ms"][c["kernel"]]) == fastest
+    assert model[0].kernel == model[1].kernel == chosen["32x64"]["kernel"]
+
+
+@pytest.mark.parametrize("ranges", [[(0, 2)], [(0, 1), (1, 2)]])  # P = 1 and P = 2
+@pytest.mark.parametrize("kernel", ["dequantize", "int8"])
+def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
+    from transformers import AutoModelForCausalLM
+
+    n = len(ranges)
+    make = lambda q: [build_stage(peaked, a, b, i == 0, i == n - 1, quantize=q)[0] for i, (a, b) in enumerate(ranges)]
+    floats, int8s = make(None), make("int8")
+    for stage in int8s:
+        for m in stage.modules():
+            if isinstance(m, Int8Linear):
+                m.kernel = kernel
+    ours, full = chain_logits(int8s, PROMPTS), chain_logits(floats, PROMPTS)
+    hf = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, mod in hf.model.layers.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(fake_quantize(mod.weight))
+        for prompt, x, f in zip(PROMPTS, ours, full):
+            ref = hf(torch.tensor([prompt])).logits[0]
+            if kernel == "dequantize":  # the same arithmetic as the plain reference, to float rounding
+                torch.testing.assert_close(x, ref, atol=1e-4, rtol=1e-4)
+            else:
+                assert (x - ref).abs().max() < LOGIT_TOL
+            top2 = f.topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1]).min() > 2 * LOGIT_TOL + 1  # the premise: no near-tie anywhere
+            assert (x - f).abs().max() < LOGIT_TOL
+            assert torch.equal(x.argmax(-1), f.argmax(-1))
+
+
+@pytest.mark.parametrize("first_last", [(False, False), (True, False), (False, True)])
+def test_quantized_stage_reads_only_its_tensors(peaked, first_last):
+    has_embed, has_head = first_last
+    model, store = build_stage(peaked, 1, 2, has_embed, has_head, quantize="int8")
+    expected = {f"model.layers.1.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+    expected |= {"model.embed_tokens.weight"} if has_embed else set()
+    expected |= {"model.norm.weight", "lm_head.weight"} if has_head else set()
+    assert sorted(store.loaded) == sorted(expected)
+    layer = model.layers[0]
+    for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
+        assert isinstance(lin, Int8Linear) and lin.weight.dtype == torch.int8 and lin.scale.dtype == torch.float32
+    assert [p.dtype for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n
+            and not n.startswith("layers.")] == [torch.float32] * (has_embed + has_head)  # embedding, head: float
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_compute_keeps_float32_scales(peaked, dtype):
+    model, _ = build_stage(peaked, 0, 2, True, True, dtype=dtype, quantize="int8")
+    qkv = model.layers[0].attn.qkv
+    assert qkv.weight.dtype == torch.int8 and qkv.scale.dtype == torch.float32
+    assert model.embed.weight.dtype == dtype
+    full = build_stage(peaked, 0, 2, True, True, quantize="int8")[0]  # int8 weights, float32 compute
+    for x, ref in zip(chain_logits([model], PROMPTS), chain_logits([full], PROMPTS)):
+        assert (x.float() - ref).abs().max() < 0.5  # half-precision activations: 0.024 (bfloat16) measured
+        assert torch.equal(x.argmax(-1), ref.argmax(-1))  # margins > 1.2 (see the float32 test)
+
+
+def test_unsupported_combinations_fail_before_loading(peaked, tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    problems = check_options(RunOptions(quantize="int8", lora=[f"a={adapter}"]))
+    assert any("--quantize int8 does not apply LoRA adapters" in p for p in problems)
+    assert any("--batch-invariant" in p for p in check_options(RunOptions(quantize="int8", batch_invariant=True)))
+    assert any("--backend transformers" in p for p in check_options(RunOptions(quantize="int8", backend="transformers")))
+    with pytest.raises(SystemExit):
+        parse_options(["--quantize", "int4"])
+    opts = RunOptions(model_name=peaked, quantize="int8", backend="transformers")  # past the flag check
+    with pytest.raises(UsageError, match="--quantize int8 needs a native family"):
+        make_plan(opts, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, cpu_count=1)
+
+
+def test_plan_names_the_precision(peaked):
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    plain = make_plan(parse_options(["--model-name", peaked]), env=env, cpu_count=1)
+    quant = make_plan(parse_options(["--model-name", peaked, "--quantize", "int8"]), env=env, cpu_count=1)
+    assert "quantize" not in plain.fingerprint and quant.fingerprint["quantize"] == "int8"
+    assert quant.model_name == plain.model_name + ":int8"
+
+
+def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
+    """Greedy generations and echo scoring through the runner: int8 at P = 1 and P = 2 against
+    float32 at P = 1. A float32 output is another run's for --quantize int8 (refused, not skipped)."""
+    tok_text = ["once upon a time", "the quick brown fox", "in the beginning", "hello there, friend"]
+    reqs = [{"prompt": t, "max_tokens": 8, "temperature": 0} for t in tok_text]
+    reqs += [{"prompt": t, "echo": True, "max_tokens": 0, "logprobs": 1} for t in tok_text]
+    data = write_jsonl(tmp_path / "req.jsonl", reqs)
+    common = ["--model-name", peaked, "--infer-data", data, "--no-progress", "--num-threads", "1"]
+    runs = {"float32": ([], 1), "int8-p1": (["--quantize", "int8"], 1), "int8-p2": (["--quantize", "int8"], 2)}
+    out = {}
+    for name, (flags, nproc) in runs.items():
+        path = tmp_path / f"{name}.jsonl"
+        args = [*common, "--output-path", str(path), *flags]
+        if nproc == 1:  # in this process: no interpreter start, no process group
+            assert run_inprocess(args) == 0
+        else:
+            r = run_torchrun(args, nproc, timeout=180)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert "int8 weights, float32 compute, kernels: stage 0 " in r.stderr and ", stage 1 " in r.stderr
+        out[name] = (read_jsonl(path), json.loads(Path(f"{path}.summary.json").read_text()))
+    base, base_summary = out["float32"]
+    assert base_summary["stage_precision"] == [{"weights": "float32", "compute_dtype": "float32"}]
+    for name in ("int8-p1", "int8-p2"):
+        lines, summary = out[name]
+        assert [s["weights"] for s in summary["stage_precision"]] == ["int8"] * runs[name][1]
+        assert all(set(s["kernels"].values()) <= {"int8", "dequantize"} for s in summary["stage_precision"])
+        for a, b in zip(lines, base):
+            ra, rb = a["result"], b["result"]
+            assert ra["model"] == rb["model"] + ":int8"
+            ca, cb = ra["choices"][0], rb["choices"][0]
+            assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]  # greedy tokens and echoed prompts
+            assert ca["text"] == cb["text"]
+            la, lb = ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]
+            assert max(abs(u - v) for u, v in zip(la, lb) if u is not None) < LOGIT_TOL
+    with pytest.raises(UsageError, match="quantize: None there, 'int8' now"):
+        run_inprocess([*common, "--output-path", str(tmp_path / "float32.jsonl"), "--quantize", "int8"])
+
+
+def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
+    from pipeline.loading import read_config
+    from pipeline.models import spec_from_config
+    from pipeline.sizing import model_costs
+
+    cfg = read_config(peaked)
+    spec = spec_from_config(cfg)
+    floats, f_first, f_last = model_costs(cfg, spec, None, "auto", torch.float32, 0)
+    int8s, q_first, q_last = model_costs(cfg, spec, None, "auto", torch.float32, 0, int8=True)
+    h, i = spec.hidden_size, spec.intermediate_size  # 64, 128; no biases, two RMSNorm weights
+    proj = {(h, 3 * h), (h, h), (h, 2 * i), (i, h)}  # (in, out) of qkv, o, gate+up, down
+    assert floats[0] == 4 * (sum(a * b for a, b in proj) + 2 * h)
+    assert int8s[0] == sum(a * b + 4 * b for a, b in proj) + 4 * 2 * h
+    assert (q_first, q_last) == (f_first, f_last)  # embedding and head stay in the run's dtype
