@@ -9,7 +9,7 @@ import torch
 
 from pipeline.loading import CheckpointError, build_stage, split_checkpoint
 from pipeline.partition import stage_ranges
-from tests.utils import chain_logits, hf_logits, local_tokenizer, run_single, stage_chain, tiny_llama
+from tests.utils import llama_stage_tensors, chain_logits, hf_logits, local_tokenizer, run_single, stage_chain, tiny_llama
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [100, 200, 7]]
 FORMATS = ["safetensors", "safetensors-sharded", "bin", "bin-sharded", "pre-split"]
@@ -83,12 +83,7 @@ def test_every_format_gives_identical_stage_outputs(formats, fmt):
 def test_middle_layers_read_only_their_tensors(formats, fmt, first_last, backend):
     has_embed, has_head = first_last
     _, store = build_stage(formats[fmt], 1, 2, has_embed, has_head, backend=backend)
-    expected = {f"model.layers.1.{n}" for n in (
-        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-    expected |= {"model.embed_tokens.weight"} if has_embed else set()
-    expected |= {"model.norm.weight", "lm_head.weight"} if has_head else set()
+    expected = llama_stage_tensors(1, has_embed, has_head)
     assert sorted(store.loaded) == sorted(expected)
     if fmt == "pre-split":
         files = ["pytorch_embs.pt"] * has_embed + ["pytorch_1.pt"] + ["pytorch_lm_head.pt"] * has_head

@@ -28,6 +28,7 @@ from pipeline.models.int8 import (
 from pipeline.options import RunOptions, UsageError, check_options, parse_options
 from pipeline.plan import make_plan
 from tests.utils import (
+    llama_stage_tensors,
     chain_logits,
     read_jsonl,
     run_inprocess,
@@ -134,13 +135,7 @@ def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
 def test_quantized_stage_reads_only_its_tensors(peaked, first_last):
     has_embed, has_head = first_last
     model, store = build_stage(peaked, 1, 2, has_embed, has_head, quantize="int8")
-    expected = {f"model.layers.1.{n}" for n in (
-        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-    expected |= {"model.embed_tokens.weight"} if has_embed else set()
-    expected |= {"model.norm.weight", "lm_head.weight"} if has_head else set()
-    assert sorted(store.loaded) == sorted(expected)
+    assert sorted(store.loaded) == sorted(llama_stage_tensors(1, has_embed, has_head))
     layer = model.layers[0]
     for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
         assert isinstance(lin, Int8Linear) and lin.weight.dtype == torch.int8 and lin.scale.dtype == torch.float32

@@ -355,3 +355,13 @@ def run_inprocess(args: list[str]) -> int:
 def write_jsonl(path, objs) -> str:
     Path(path).write_text("".join(json.dumps(o) + "\n" for o in objs))
     return str(path)
+
+
+def llama_stage_tensors(layer: int, has_embed: bool, has_head: bool) -> set[str]:
+    """The checkpoint tensors a Llama stage holding only ``layer`` reads (embeddings / head if it has them)."""
+    names = {f"model.layers.{layer}.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+    names |= {"model.embed_tokens.weight"} if has_embed else set()
+    return names | ({"model.norm.weight", "lm_head.weight"} if has_head else set())
