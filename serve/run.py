@@ -14,7 +14,7 @@ API_KEY_ENV = "DIST_INFER_API_KEY"
 
 
 def run_server(plan, opts, info, stage, first_rank) -> None:
-    """``first_rank`` builds rank 0's driver pieces (dist_inference_runner.first_rank)."""
+    """``first_rank`` builds rank 0's driver pieces (pipeline.roles.first_rank)."""
     from pipeline.options import serve_address
 
     from .app import HttpThread, ServeState, create_app

@@ -55,7 +55,7 @@ def test_parameters_are_allocated_once_in_the_run_dtype(bf16_llama, backend):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_causal_fast_path_equals_the_masked_path(heads, kv_heads):
-    from pipeline.models.decoder import attend
+    from pipeline.models.sdpa import attend
 
     torch.manual_seed(0)
     b, t, d = 3, 7, 16
@@ -71,7 +71,8 @@ def test_causal_fast_path_equals_the_masked_path(heads, kv_heads):
 @pytest.mark.parametrize("alibi", [False, True])
 def test_decode_over_per_row_lengths_without_repeating_kv(alibi):
     """One query per row, rows of different lengths, GQA: the folded form equals repeated K/V."""
-    from pipeline.models.decoder import alibi_slopes, attend
+    from pipeline.models.decoder import alibi_slopes
+    from pipeline.models.sdpa import attend
 
     torch.manual_seed(0)
     b, h, kvh, kv, d = 3, 8, 2, 9, 16

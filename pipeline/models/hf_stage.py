@@ -17,7 +17,7 @@ same as :class:`~pipeline.models.decoder.StageModel`'s:
   attention, additive for its eager attention (models whose attention SDPA cannot do, e.g. Gemma 2's
   logit soft-capping).
 - **Multipliers**: what the HF forwards do outside the layers is read from their source at build
-  time (:func:`forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
+  time (:func:`~pipeline.models.hf_forward.forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
   final logit soft-capping. Anything else they do there is refused, so a model either matches HF
   or does not load.
 
@@ -30,18 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .decoder import Segment
+from .hf_forward import UnsupportedModel, forward_extras
 from .logits import float32_linear
-
-
-class UnsupportedModel(ValueError):
-    """The model cannot run through the generic transformers stage; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +52,9 @@ class ModelShape:
 
 def hf_config(cfg: dict, model_type: str | None = None):
     """transformers' config object for a config.json dict; UnsupportedModel if it cannot be a generic stage."""
+    import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    import transformers
 
     kind = model_type or cfg.get("model_type")
     values = {k: v for k, v in cfg.items() if k != "model_type"}
@@ -175,86 +170,6 @@ def segment_cache_class() -> type:
     from transformers.cache_utils import Cache
 
     return type("SegmentCache", (_SegmentCacheMixin, Cache), {"__doc__": _SegmentCacheMixin.__doc__})
-
-
-@dataclass(frozen=True)
-class ForwardExtras:
-    """What the HF forwards do outside the decoder layers."""
-
-    embed_scale: float | None = None  # inputs_embeds * scale (Granite's embedding_multiplier)
-    logits_divide: float | None = None  # logits / x (Granite's logits_scaling)
-    logits_multiply: float | None = None  # logits * x (Cohere's logit_scale)
-    softcap: float | None = None  # tanh soft-capping of the logits (final_logit_softcapping)
-
-
-_EMBED_SCALE = re.compile(r"^inputs_embeds = inputs_embeds \* self\.(\w+)$")
-_LOGITS = re.compile(r"^logits = logits (\*|/) self\.(config\.)?(\w+)$")
-_HARMLESS = re.compile(r"^(hidden_states|inputs_embeds) = (\w+\.)*(\w*dropout\w*)\(")
-
-
-def _statements(fn) -> list[str]:
-    """The code lines of a function, comments dropped, continuation lines joined (roughly)."""
-    src = inspect.getsource(fn)
-    out, depth = [], 0
-    for raw in src.splitlines():
-        line = raw.split("  #")[0].strip()
-        if not line or line.startswith("#"):
-            continue
-        if depth > 0:
-            out[-1] += " " + line
-        else:
-            out.append(line)
-        depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
-    return out
-
-
-def forward_extras(full: nn.Module, base: nn.Module, config, norm: str = "norm",
-                   embed: str = "embed_tokens") -> ForwardExtras:
-    """Read the base model's and the CausalLM's forward for what they do besides embed -> layers ->
-    norm -> lm_head; UnsupportedModel for anything not reproduced here."""
-    kind = config.model_type
-    embed_scale = logits_divide = logits_multiply = softcap = None
-    before_layers, layer_var = True, "decoder_layer"
-    for line in _statements(type(base).forward):
-        if m := (re.match(r"^for (\w+) in self\.layers\b", line)
-                 or re.match(r"^for \w+, (\w+) in enumerate\(self\.layers", line)):
-            before_layers, layer_var = False, m.group(1)
-            continue
-        if not re.match(r"^(hidden_states|inputs_embeds) =", line):
-            continue
-        if (m := _EMBED_SCALE.match(line)) and before_layers:
-            embed_scale = float(getattr(base, m.group(1)))
-        elif _HARMLESS.match(line) or line in ("hidden_states = inputs_embeds",
-                                               f"inputs_embeds = self.{embed}(input_ids)",
-                                               f"hidden_states = self.{norm}(hidden_states)"):
-            continue
-        elif not before_layers and line.startswith(f"hidden_states = {layer_var}("):
-            continue
-        else:
-            raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does `{line[:100]}` outside its decoder "
-                                   "layers, which the generic stage does not reproduce")
-    if before_layers:
-        raise UnsupportedModel(f"{kind}: {type(base).__name__}.forward does not loop over self.layers")
-    for line in _statements(type(full).forward):
-        if not line.startswith("logits ="):
-            continue
-        if (m := _LOGITS.match(line)):
-            raw = getattr(config if m.group(2) else full, m.group(3))
-            if raw is None:  # under an `if ... is not None` (soft-capping switched off)
-                continue
-            value = float(raw)
-            if m.group(1) == "/" and "softcap" in m.group(3):
-                softcap = value
-            elif m.group(1) == "/":
-                logits_divide = value
-            elif "softcap" not in m.group(3):
-                logits_multiply = value
-        elif line.startswith("logits = self.lm_head(") or line == "logits = torch.tanh(logits)":
-            continue
-        else:
-            raise UnsupportedModel(f"{kind}: {type(full).__name__}.forward does `{line[:100]}` to the logits, "
-                                   "which the generic stage does not reproduce")
-    return ForwardExtras(embed_scale, logits_divide, logits_multiply, softcap)
 
 
 def _layer_kinds(config) -> list[str]:

@@ -1,0 +1,168 @@
+"""Rank 0, middle and last ranks assembled from a plan: the stage's layers (with adapters, int8
+kernels and the prefix block size), the KV budget, the links between stages, the driver and the head.
+
+``dist_inference_runner.execute`` calls these after the process groups exist; serve mode builds rank 0
+with :func:`first_rank` as file mode does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pipeline.options import UsageError
+
+log = logging.getLogger("runner")
+
+
+def load_stage(plan, opts, info):
+    """This rank's layers in the run's dtype, as a :class:`pipeline.stage.Stage`."""
+    from pipeline.loading import CheckpointError, build_stage
+    from pipeline.models.hf_stage import UnsupportedModel
+    from pipeline.plan import resolve_dtype
+    from pipeline.stage import Stage
+
+    dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
+    first, last = plan.layers
+    t0 = time.perf_counter()
+    try:
+        model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
+                                   opts.model_type, opts.batch_invariant, opts.backend,
+                                   None if opts.quantize == "none" else opts.quantize)
+    except (CheckpointError, UnsupportedModel) as e:
+        raise UsageError(str(e)) from None
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
+             info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
+             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+    if opts.quantize != "none":
+        choose_int8_kernels(model, dtype, opts, info.stage)
+    if plan.adapters:
+        from pipeline.adapters import stage_adapters
+
+        model.adapters, read = stage_adapters(plan.adapters, plan.config, plan.spec, first, last, dtype, info.device,
+                                              opts.model_type)
+        log.info("stage %d: %d LoRA adapters (%s), %d tensors, %.1f MiB", info.stage, len(plan.adapters),
+                 ", ".join(a.name for a in plan.adapters), len(read), model.adapters.nbytes() / 2**20)
+    trace = None
+    if opts.profiling:
+        from pipeline.trace import Trace
+
+        trace = Trace(info.rank)
+    return Stage(model, info.device, trace, prefix_block(plan, opts))
+
+
+def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
+    """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
+    faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
+    from pipeline.models.int8 import choose_kernels
+
+    t0 = time.perf_counter()
+    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
+                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}}
+    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s", stage,
+             time.perf_counter() - t0, opts.max_micro_batch_size,
+             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                       for shape, c in chosen.items()))
+
+
+def run_budget(opts, info, stage) -> int:
+    """--budget in tokens (auto: from the GPU memory left after loading, the least over stages)."""
+    from pipeline.budget import resolve_budget
+
+    try:
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if opts.budget == "auto" and info.device.type == "cuda" and info.is_first:
+        log.info("--budget auto: %d KV-cache tokens", budget)
+    return budget
+
+
+def prefix_block(plan, opts) -> int:
+    """The prefix cache's block size, 0 when it is off. Every rank derives the same answer. Off with
+    --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
+    longrope models (a prefix's keys depend on the length of the prompt that computed them) and on
+    the generic transformers stage."""
+    from pipeline.models import DecoderSpec
+
+    if opts.prefix_cache != "on" or opts.batch_invariant or not isinstance(plan.spec, DecoderSpec):
+        return 0  # the generic stage keeps its cache its own way: no prefix pool there (yet)
+    if plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope":
+        return 0
+    return opts.prefix_block_size
+
+
+def make_link(info, stage):
+    from comm.p2p import Messenger
+    from pipeline.link import Link
+
+    return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
+
+
+def last_rank(plan, opts, info, stage, tokenizer=None):
+    """The last stage's handler: the head, and the fingerprint its journals are checked against."""
+    from pipeline.head import Head
+    from pipeline.last_rank import LastRank
+
+    tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
+    name = (opts.served_model_name if opts.serve else None) or plan.model_name
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
+    return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
+
+
+def first_rank(plan, opts, info, stage):
+    from pipeline.driver import Driver
+    from pipeline.first_rank import FirstRank
+    from pipeline.schedule import Scheduler
+
+    tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
+    from pipeline.prefix import PrefixCache
+
+    block = prefix_block(plan, opts)
+    sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
+                      prefix=PrefixCache(block, opts.budget) if block else None)
+    models = None
+    if plan.adapters:
+        from pipeline.driver import ModelNames
+
+        models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
+                             str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
+    driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
+                    info.data_rank, info.data_size, models)
+    last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
+    return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
+
+
+def serve_rank(plan, opts, info, stage) -> str | None:
+    """Every rank but the first; returns the last output it saw opened."""
+    from pipeline.stage import serve
+
+    link = make_link(info, stage)
+    last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
+    link.flush()
+    return last_output
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool):
+    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.tokenizer)."""
+    from pipeline.loading import CheckpointError
+    from pipeline.tokenizer import load_tokenizer as load
+
+    try:
+        return load(model_dir, trust_remote_code)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
+def eos_ids(model_dir: str, tokenizer) -> set[int]:
+    """EOS tokens: the tokenizer's, plus generation_config.json's (Llama 3 lists several)."""
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    return ids
