@@ -99,7 +99,16 @@ MIX = {"path": 0.5, "arith": 0.07, "copy": 0.04, "reverse": 0.04, "owner": 0.3, 
 MIXES = {"base": MIX,
          "recall": {"path": 0.35, "owner": 0.3, "recall": 0.2, "arith": 0.05, "copy": 0.03,
                     "reverse": 0.03, "story": 0.03, "corpus": 0.01}}
-WARMUP_MIX = {"copy": 0.4, "reverse": 0.1, "owner": 0.3, "path": 0.2}
+# "rep": random vocabulary tokens, " |", then a suffix of them again (loss on the repeat only). With
+# ~1000 possible tokens nothing but a lookup of the current token's earlier occurrence predicts the
+# repeat, so it grows the induction heads that the tasks above need and do not force (their few
+# dozen words let "copy some word of the passage" do half as well). Measured with 2 layers, 32 rows of
+# 96 tokens, lr 3e-3: the repeat's accuracy jumps from ~25% to ~80% between steps 900 and 1100.
+MIXES["induction"] = {"rep": 0.3, "path": 0.3, "owner": 0.22, "arith": 0.06, "copy": 0.04, "reverse": 0.04,
+                      "story": 0.03, "corpus": 0.01}
+WARMUP_MIXES = {"copy": {"copy": 0.4, "reverse": 0.1, "owner": 0.3, "path": 0.2},
+                "rep": {"rep": 0.7, "copy": 0.05, "owner": 0.1, "path": 0.15}}
+WARMUP_MIX = WARMUP_MIXES["copy"]
 WARMUP_STEPS = 150
 
 
@@ -259,6 +268,17 @@ class Rows:
             out.append((head + f"Question: What does {names[j]} have?\nAnswer:", things[j] + sep))
         return out
 
+    def rep_ids(self) -> tuple[list[int], list[float]]:
+        """Random tokens, " |", a suffix of them again, a newline: (ids, weight of predicting each).
+
+        The repeat's first token (its start is random) and the random part weigh 0."""
+        rng = self.rng
+        n = rng.randint(4, 16)
+        seq = [rng.randrange(3, len(self.tok)) for _ in range(n)]
+        s0 = rng.randint(0, n - 3)
+        first, again = seq + self.ids(" |"), seq[s0:] + self.ids("\n")
+        return first + again, [0.0] * (len(first) + 1) + [1.0] * (len(again) - 2) + [0.0]
+
     def row(self) -> tuple[list[int], list[float]]:
         """``ids[0]`` is ``<s>``; ``weights[i]`` is the weight of predicting ``ids[i + 1]``."""
         mix = WARMUP_MIX if self.step < WARMUP_STEPS else self.mix
@@ -272,6 +292,12 @@ class Rows:
                 w += [STORY_WEIGHT] * len(piece)
             return ids[: self.row_tokens], w[: self.row_tokens - 1]
         while True:
+            if task == "rep":
+                piece, pw = self.rep_ids()
+                if len(ids) + len(piece) > self.row_tokens:
+                    break
+                ids, w = ids + piece, w + pw
+                continue
             if task == "path":
                 pieces = self.path_text()
             elif task == "owner":
@@ -342,6 +368,24 @@ def exact_match(model, tokenizer, task: str, n: int, seed: int, shots: int) -> f
     return hits / n
 
 
+@torch.no_grad()
+def rep_accuracy(model, tokenizer, n: int = 50, seed: int = 1) -> float:
+    """Greedy accuracy on the predictable tokens of ``n`` held-out "rep" pieces (the induction probe)."""
+    rows = Rows(tokenizer, seed, 1)
+    model.eval()
+    hits = total = 0
+    for _ in range(n):
+        ids, w = rows.rep_ids()
+        ids = [tokenizer.bos_token_id] + ids
+        pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        for j, wj in enumerate(w):  # w[j] weighs predicting ids[j + 1] (after the BOS shift)
+            if wj:
+                hits += int(pred[j] == ids[j + 1])
+                total += 1
+    model.train()
+    return hits / total
+
+
 def accuracies(model, tokenizer, n: int = 100, tasks=dt.TASKS) -> dict[str, float]:
     return {f"{task}/{shots}-shot": exact_match(model, tokenizer, task, n, 1, shots)
             for task in tasks for shots in (0, 3)}
@@ -392,7 +436,8 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: 
                   f"{seen / el:.0f} tok/s  {el / 60:.1f} min", file=sys.stderr, flush=True)
         if eval_every and step % eval_every == eval_every - 1:
             acc = accuracies(model, rows.tok, 100, ("path", "owner"))
-            print(f"  held-out at step {step + 1}: {report(acc)}", file=sys.stderr, flush=True)
+            print(f"  held-out at step {step + 1}: {report(acc)}, rep {rep_accuracy(model, rows.tok):.2f}",
+                  file=sys.stderr, flush=True)
             if save is not None:
                 save(step + 1)
             if min(acc.values()) >= target:
@@ -405,6 +450,7 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: train the tokenizer and the model, report held-out accuracy, save to ``--out``."""
+    global WARMUP_STEPS, WARMUP_MIX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(SHIPPED_DIR), help="folder to save_pretrained into")
     ap.add_argument("--steps", type=int, default=3000)
@@ -415,6 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ctx-weight", type=float, default=CTX_WEIGHT, help="loss weight of prompts")
     ap.add_argument("--mix", choices=sorted(MIXES), default="base", help="share of rows per task")
     ap.add_argument("--init", help="start from this saved model instead of random weights")
+    ap.add_argument("--warmup-mix", choices=sorted(WARMUP_MIXES), default="copy",
+                    help="rows of the first --warmup-mix-steps steps")
+    ap.add_argument("--warmup-mix-steps", type=int, default=None,
+                    help=f"steps drawn from --warmup-mix (default {WARMUP_STEPS}; 0 with --init)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=200,
@@ -443,10 +493,13 @@ def main(argv: list[str] | None = None) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
-        global WARMUP_STEPS
-        WARMUP_STEPS = 0  # it already copies from context
     else:
         model = build_model(tokenizer, args.layers, args.hidden)
+    WARMUP_MIX = WARMUP_MIXES[args.warmup_mix]
+    if args.warmup_mix_steps is not None:
+        WARMUP_STEPS = args.warmup_mix_steps
+    elif args.init:
+        WARMUP_STEPS = 0  # it already copies from context
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", file=sys.stderr)
 

@@ -107,6 +107,31 @@ def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
     torch.testing.assert_close(a, b)
 
 
+def test_prefill_of_ragged_prompts_computes_only_their_tokens(make_llama, monkeypatch):
+    """Prompts of different lengths share a prefill right-padded to the longest; the projections and
+    MLPs run on the real tokens only, and the stage's output at those tokens equals the padded
+    computation's (the HF parity tests check the numbers against transformers through this path)."""
+    from pipeline.models import decoder
+    from pipeline.models.decoder import Segment
+
+    model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, False)
+    lens = [7, 2, 4]
+    seg = Segment(torch.arange(3), torch.zeros(3, dtype=torch.long), 7, 7, fresh=True, prefill=True, lens=lens)
+    ctx = model.context(seg, None, torch.float32)
+    assert ctx.real.tolist() == [*range(0, 7), 7, 8, 14, 15, 16, 17]
+    rows, mlp = [], model.layers[0].mlp
+    monkeypatch.setattr(mlp, "_mlp", lambda x, *a, _f=mlp._mlp: rows.append(x.shape[:-1].numel()) or _f(x, *a))
+    ids = torch.randint(0, 100, (3, 7))
+    with torch.inference_mode():
+        unpadded = model(ids, seg, model.new_cache(3, 8))
+        monkeypatch.setattr(decoder, "UNPAD_ABOVE", 0.0)  # keep the padding
+        padded = model(ids, seg, model.new_cache(3, 8))
+    assert rows[0] == sum(lens) and rows[1:] == [3 * 7]
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(unpadded[i, :n], padded[i, :n])
+        assert not unpadded[i, n:].any()  # padding positions are zeros, never read
+
+
 @pytest.mark.parametrize("backend", ["native", "transformers"])
 def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
     """The head of a bf16 stage equals a float32 head applied to the same (bf16) normed hidden

@@ -95,7 +95,7 @@ def chain_logits(stages, prompts: list[list[int]], cache_cols: int | None = None
     ids = torch.zeros(b, t, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True, prefill=True,
                   lens=[len(p) for p in prompts], adapters=adapters)
     x = ids
     for st in stages:
@@ -116,7 +116,7 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int,
     ids = torch.zeros(b, t, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
+    seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True, prefill=True,
                   lens=[len(p) for p in prompts], adapters=adapters)
     x = ids
     for st, c in zip(stages, caches):

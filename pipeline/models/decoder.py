@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..upload import to_device
 from .invariant import attend_rows, fixed_elementwise, map_rows
 from .logits import float32_linear
 from .lora import LoraRows, StageAdapters
@@ -26,6 +27,8 @@ from .moe import SparseMoE
 from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .sdpa import attend, softcapped_attention
 from .spec import DecoderSpec
+
+UNPAD_ABOVE = 0.9  # a prefill with more real tokens than this share of b * t keeps its padding
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -145,11 +148,15 @@ class Attention(nn.Module):
         return map_rows(layer, x, self.tile) if self.tile else layer(x)
 
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
+        """x (b, t, hidden), or (real tokens, hidden) when ``ctx.real`` is set (unpadded prefill)."""
         s = self.spec
-        b, t, _ = x.shape
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
+        if ctx.real is not None:  # back to (b, t): padding positions hold zeros, never attended
+            b, t = ctx.shape
+            qkv = qkv.new_zeros(b * t, qkv.shape[-1]).index_copy_(0, ctx.real, qkv).view(b, t, -1)
+        b, t, _ = qkv.shape
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         if s.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -181,6 +188,8 @@ class Attention(nn.Module):
             else:
                 out = attend(q, k, v, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
+        if ctx.real is not None:
+            out = out.view(b * t, s.q_dim).index_select(0, ctx.real)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
@@ -270,6 +279,24 @@ class StageContext:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "global" / "local" -> cos, sin (b, 1, t, rd/2)
     slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
     lora: LoraRows | None = None  # the segment's LoRA adapters per row (None: every row is base)
+    # A prefill segment's real tokens as flat indices into its (b * t) positions: the layers then
+    # run on those rows only (right padding skipped) and attention scatters them back to (b, t).
+    real: torch.Tensor | None = None
+    shape: tuple[int, int] = (0, 0)  # (b, t) of the segment
+
+
+def _real_tokens(seg: Segment) -> torch.Tensor | None:
+    """Flat indices (into b * t) of a prefill segment's real tokens, or None when there is no right
+    padding worth skipping. Prompts of different lengths share a prefill: a pass of 8 prompts of
+    9..241 tokens is about half padding, which every projection and MLP would otherwise compute."""
+    if not seg.prefill or seg.lens is None or seg.t == 1:
+        return None
+    b, t = len(seg.lens), seg.t
+    if sum(seg.lens) > UNPAD_ABOVE * b * t:
+        return None
+    lens = torch.tensor(seg.lens)
+    flat = (torch.arange(t)[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)
+    return to_device(flat, seg.rows.device)
 
 
 class StageModel(nn.Module):
@@ -354,6 +381,7 @@ class StageModel(nn.Module):
         lora = self.adapters.rows(seg.adapters, pos.device) if self.adapters is not None else None
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
+        real = _real_tokens(seg) if lora is None else None  # adapters group whole rows: keep (b, t)
         keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows:
@@ -367,15 +395,20 @@ class StageModel(nn.Module):
                 bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
-        return StageContext(cache, masks, rope, slopes, lora)
+        return StageContext(cache, masks, rope, slopes, lora, real, (len(seg.rows), seg.t))
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
         if self.embed is not None:
             x = self.embed_tokens(x, seg.positions)
         ctx = self.context(seg, cache, x.dtype)
+        if ctx.real is not None:  # the layers see only the real tokens (the projections' rows)
+            b, t = ctx.shape
+            x = x.reshape(b * t, -1).index_select(0, ctx.real)
         for i, layer in enumerate(self.layers):
             x = layer(x, seg, ctx, i)
+        if ctx.real is not None:  # padding positions out: zeros (nothing reads them)
+            x = x.new_zeros(b * t, x.shape[-1]).index_copy_(0, ctx.real, x).view(b, t, -1)
         return x
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
