@@ -58,7 +58,21 @@ one core shared with test runs, 2-3.7k tokens/s):
 - recall rows alone, 2 layers, init std 0.02, lr 1e-3, 300 steps of 32 x 160: recall 0 -> 22% -> 14%.
 
 So ~7M tokens of batch 32 did not reach the retrieval phase transition at 6 layers x 128, init
-std 0.1. Not yet tried, in the order to try: init std 0.02 with the 6-layer model on the mixed
+std 0.1.
+
+Session 6 (``--warmup-mix rep --mix induction``, "rep" rows: random vocabulary tokens, then a suffix
+of them again). Teacher-forced, v3 takes the object after a given colour ("a blue -> cup") from the
+passage only 66% of the time with ONE person in it: its copy/reverse skills are positional, it has
+no content-matching (induction) heads. Probes (2 layers, recall rows or rows of task words repeated)
+stayed at "copy some word of the context" for 1500 steps; rows of random tokens from the whole
+vocabulary grew induction heads in ~1000 steps (repeat accuracy 25% -> 80%). With the 6-layer model:
+v3 + 600 steps of 70% rep rows, then ``--mix induction``, lr 1.5e-3 (1800 of 2400 steps, ~50 min of
+one core): rep 0.87 at step 1000, 0.99 at 1800, but path 45%/46% and owner 17%/22% (zero/3-shot),
+no better than v3; from scratch (1200 rep steps, lr 2e-3): rep 0.93 at step 1200, path 36%/46% and
+owner 16% at 1600. Teacher-forced at step 1200 (v3 + rep): one person 89% object-after-colour, two
+people 59% colour / 50% object: the new induction heads do not fire on the tasks' words. Next to try:
+rep rows built from the tasks' own words and passages (so the heads are used there), then owner
+passages whose answer restates the name ("Sam has a green box") as a bridge to the lookup by name. Not yet tried, in the order to try: init std 0.02 with the 6-layer model on the mixed
 tasks (0.1 gives large initial attention logits, a likely cause of the plateau); recall-only
 pretraining until the bare recall task is solved (a 2-layer model should do it in minutes if the
 init is right), then the mix; longer runs (the budget here was ~1 hour of one shared core).
