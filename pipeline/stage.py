@@ -15,7 +15,8 @@ import time
 import torch
 
 from .messages import CloseFile, OpenFile, PassHeader, Stop
-from .models.decoder import KVCache, Segment, StageModel
+from .models.decoder import Segment, StageModel
+from .models.kv_cache import KVCache
 from .prefix import PrefixStore
 from .upload import to_device
 

@@ -111,7 +111,7 @@ def test_prefill_of_ragged_prompts_computes_only_their_tokens(make_llama, monkey
     """Prompts of different lengths share a prefill right-padded to the longest; the projections and
     MLPs run on the real tokens only, and the stage's output at those tokens equals the padded
     computation's (the HF parity tests check the numbers against transformers through this path)."""
-    from pipeline.models import decoder
+    from pipeline.models import unpad
     from pipeline.models.decoder import Segment
 
     model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, False)
@@ -124,7 +124,7 @@ def test_prefill_of_ragged_prompts_computes_only_their_tokens(make_llama, monkey
     ids = torch.randint(0, 100, (3, 7))
     with torch.inference_mode():
         unpadded = model(ids, seg, model.new_cache(3, 8))
-        monkeypatch.setattr(decoder, "UNPAD_ABOVE", 0.0)  # keep the padding
+        monkeypatch.setattr(unpad, "UNPAD_ABOVE", 0.0)  # keep the padding
         padded = model(ids, seg, model.new_cache(3, 8))
     assert rows[0] == sum(lens) and rows[1:] == [3 * 7]
     for i, n in enumerate(lens):

@@ -19,16 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..upload import to_device
 from .invariant import attend_rows, fixed_elementwise, map_rows
+from .kv_cache import KVCache
 from .logits import float32_linear
 from .lora import LoraRows, StageAdapters
 from .moe import SparseMoE
 from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .sdpa import attend, softcapped_attention
 from .spec import DecoderSpec
-
-UNPAD_ABOVE = 0.9  # a prefill with more real tokens than this share of b * t keeps its padding
+from .unpad import real_tokens
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -100,32 +99,6 @@ class Norm(nn.Module):
 def make_norm(spec: DecoderSpec, dim: int, tile: int = 0) -> Norm:
     """A norm of the spec's kind over ``dim`` features."""
     return Norm(dim, spec.norm, spec.norm_eps, spec.norm_bias, tile, spec.norm_offset, spec.norm_scale_fp32)
-
-
-class KVCache:
-    """Preallocated keys/values of one micro-batch on one stage: (layers, rows, kv_heads, cols, head_dim)."""
-
-    def __init__(self, layers: int, rows: int, cols: int, spec: DecoderSpec, dtype, device):
-        shape = (layers, rows, spec.num_kv_heads, cols, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # longrope: which rows use the long factors (decided once, when the row's prompt is prefilled)
-        self.long_rope = torch.zeros(rows, dtype=torch.bool, device=device)
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def cols(self) -> int:
-        return self.k.shape[3]
-
-    def fork(self, src: int, dsts: list[int], ncols: int) -> None:
-        """Copy row ``src``'s first ``ncols`` columns to ``dsts`` (best_of shares one prefill)."""
-        idx = torch.tensor(dsts, device=self.k.device)
-        self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
-        self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
-        self.long_rope[idx] = self.long_rope[src].clone()
 
 
 class Attention(nn.Module):
@@ -285,20 +258,6 @@ class StageContext:
     shape: tuple[int, int] = (0, 0)  # (b, t) of the segment
 
 
-def _real_tokens(seg: Segment) -> torch.Tensor | None:
-    """Flat indices (into b * t) of a prefill segment's real tokens, or None when there is no right
-    padding worth skipping. Prompts of different lengths share a prefill: a pass of 8 prompts of
-    9..241 tokens is about half padding, which every projection and MLP would otherwise compute."""
-    if not seg.prefill or seg.lens is None or seg.t == 1:
-        return None
-    b, t = len(seg.lens), seg.t
-    if sum(seg.lens) > UNPAD_ABOVE * b * t:
-        return None
-    lens = torch.tensor(seg.lens)
-    flat = (torch.arange(t)[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)
-    return to_device(flat, seg.rows.device)
-
-
 class StageModel(nn.Module):
     """embed? + layers[first:last] + head? of one model. Layer ``i`` here is global ``first + i``.
 
@@ -378,10 +337,12 @@ class StageModel(nn.Module):
         long_rows = self._long_rows(seg, cache) if self.rotary else None
         rope = {key: r.lookup(pos, limit, dtype, long_rows) for key, r in self.rotary.items()}
         slopes = self.slopes if self.spec.position == "alibi" else None
-        lora = self.adapters.rows(seg.adapters, pos.device) if self.adapters is not None else None
+        real = None if self.row_tile else real_tokens(seg)
+        lora = None
+        if self.adapters is not None:  # unpadded: each adapter's tokens, else its rows
+            lora = self.adapters.rows(seg.adapters, pos.device, seg.lens if real is not None else None)
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
-        real = _real_tokens(seg) if lora is None else None  # adapters group whole rows: keep (b, t)
         keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..upload import to_device
+
 MODULES = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # the projections an adapter may target
 
 
@@ -29,14 +31,18 @@ class StageAdapters:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for fs in self.factors.values() for f in fs if f for t in f)
 
-    def rows(self, adapters: list[int] | None, device: torch.device) -> LoraRows | None:
-        """What a segment whose rows use ``adapters`` (one index per row) needs; None: all base."""
+    def rows(self, adapters: list[int] | None, device: torch.device,
+             lens: list[int] | None = None) -> LoraRows | None:
+        """What a segment whose rows use ``adapters`` (one index per row) needs; None: all base.
+        ``lens``: the segment runs unpadded (row i's ``lens[i]`` real tokens, row after row), so the
+        groups index tokens instead of rows."""
         if not adapters or not any(adapters):
             return None
         present = sorted(set(adapters) - {0})
         if len(present) == 1 and all(a == present[0] for a in adapters):
             return LoraRows(self, [(present[0], None)])  # every row the same adapter: no gather
-        groups = [(k, torch.tensor([i for i, a in enumerate(adapters) if a == k], device=device)) for k in present]
+        each = adapters if lens is None else [a for a, n in zip(adapters, lens) for _ in range(n)]
+        groups = [(k, to_device([i for i, a in enumerate(each) if a == k], device, torch.long)) for k in present]
         return LoraRows(self, groups)
 
 
@@ -47,7 +53,8 @@ class LoraRows:
         self.adapters, self.groups = adapters, groups
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` = base projection of ``x`` (b, t, in) -> (b, t, out), plus each row's low-rank update."""
+        """``y`` = base projection of ``x`` (b, t, in) -> (b, t, out), or of an unpadded segment's
+        tokens (n, in) -> (n, out), plus each row's low-rank update."""
         per_adapter = self.adapters.factors.get((layer, module))
         if per_adapter is None:
             return y
