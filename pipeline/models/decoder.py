@@ -127,7 +127,7 @@ class Attention(nn.Module):
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
         if ctx.real is not None:  # back to (b, t): padding positions hold zeros, never attended
-            b, t = ctx.shape
+            b, t = seg.rows.shape[0], seg.t
             qkv = qkv.new_zeros(b * t, qkv.shape[-1]).index_copy_(0, ctx.real, qkv).view(b, t, -1)
         b, t, _ = qkv.shape
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
@@ -255,7 +255,6 @@ class StageContext:
     # A prefill segment's real tokens as flat indices into its (b * t) positions: the layers then
     # run on those rows only (right padding skipped) and attention scatters them back to (b, t).
     real: torch.Tensor | None = None
-    shape: tuple[int, int] = (0, 0)  # (b, t) of the segment
 
 
 class StageModel(nn.Module):
@@ -356,15 +355,15 @@ class StageModel(nn.Module):
                 bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
-        return StageContext(cache, masks, rope, slopes, lora, real, (len(seg.rows), seg.t))
+        return StageContext(cache, masks, rope, slopes, lora, real)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
         if self.embed is not None:
             x = self.embed_tokens(x, seg.positions)
         ctx = self.context(seg, cache, x.dtype)
+        b, t = seg.rows.shape[0], seg.t
         if ctx.real is not None:  # the layers see only the real tokens (the projections' rows)
-            b, t = ctx.shape
             x = x.reshape(b * t, -1).index_select(0, ctx.real)
         for i, layer in enumerate(self.layers):
             x = layer(x, seg, ctx, i)
