@@ -176,7 +176,9 @@ class Driver:
         prefill_ids = None
         if ps.prefill:
             prompts = [self.metas[gid].prompt_ids for gid, _ in ps.prefill]
-            hdr.prefill = [Prefill(gid, row, len(p)) for (gid, row), p in zip(ps.prefill, prompts)]
+            groups = [self.sched.groups[gid] for gid, _ in ps.prefill]
+            hdr.prefill = [Prefill(g.gid, row, len(p), ends=not g.max_tokens and g.width == 1)
+                           for g, (_, row), p in zip(groups, ps.prefill, prompts)]
             if self.prefix is not None:
                 pinned: set[int] = set()
                 saving: set[int] = set()

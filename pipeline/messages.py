@@ -64,6 +64,7 @@ class Prefill:
     cached: int = 0  # leading prompt tokens copied from the prefix pool (the segment computes the rest)
     load: list[int] = field(default_factory=list)  # pool blocks holding them, in order
     save: list[list[int]] = field(default_factory=list)  # [block index in the prompt, pool block] to keep
+    ends: bool = False  # the row ends with this pass (max_tokens 0, one row): its keys/values are never read
 
 
 @dataclass

@@ -27,6 +27,7 @@ class Stage:
     def __init__(self, model: StageModel, device: torch.device, trace=None, prefix_block: int = 0):
         self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
+        self.pending: dict[int, list[int]] = {}  # slot -> [rows, cols] of a cache no pass has needed yet
         self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
         self._busy = 0.0  # compute seconds since the current file opened (see ``busy``)
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed on the stream, not resolved yet
@@ -75,13 +76,13 @@ class Stage:
         t0 = self.mark()
         self.release(hdr.release)
         if hdr.alloc:
-            self.caches[hdr.slot] = self.model.new_cache(*hdr.alloc)
-        cache = self.caches[hdr.slot]
+            self.caches.pop(hdr.slot, None)
+            self.pending[hdr.slot] = hdr.alloc
+        x_dec, x_pre = unpack(hdr, x)
+        cache = self._cache(hdr, x_dec is not None)
         if hdr.prefix_grow is not None:
             self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
-        if hdr.alloc or hdr.prefix_grow:
-            self.peak_cells = max(self.peak_cells, self.kv_cells)
-        x_dec, x_pre = unpack(hdr, x)
+        self.peak_cells = max(self.peak_cells, self.kv_cells)
         outs = []
         with torch.inference_mode():
             if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
@@ -99,6 +100,17 @@ class Stage:
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
         return pack(outs)
 
+    def _cache(self, hdr: PassHeader, decodes: bool) -> KVCache | None:
+        """The slot's cache, allocated by the first pass that needs one: a pass of prompts that all
+        end there (echo scoring, ``max_tokens`` 0) attends to its own keys only and keeps none, so a
+        scoring micro-batch never allocates (on the CPU, zeroing it cost 5% of a scoring file)."""
+        cache = self.caches.get(hdr.slot)
+        needed = (decodes or hdr.forks or hdr.prefix_grow is not None
+                  or any(not p.ends or p.cached or p.save for p in hdr.prefill))
+        if cache is None and needed:
+            cache = self.caches[hdr.slot] = self.model.new_cache(*self.pending.pop(hdr.slot))
+        return cache if needed else None
+
     @property
     def kv_cells(self) -> int:
         """Token positions of keys/values held: every micro-batch's rows x columns plus the prefix pool."""
@@ -108,6 +120,7 @@ class Stage:
     def release(self, slots: list[int]) -> None:
         for sid in slots:
             self.caches.pop(sid, None)
+            self.pending.pop(sid, None)
 
     def clock(self, what: str, t0: float, **args) -> None:
         """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""

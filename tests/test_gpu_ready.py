@@ -165,3 +165,27 @@ def test_kv_cell_bytes_and_out_of_memory_advice(bf16_llama):
         assert kv_cell_bytes(model) == 2 * 2 * (2 * 16) * 2  # k+v x 2 layers x (2 kv heads x 16) x bf16
     advice = out_of_memory_advice(parse_options(["--budget", "4096"]))
     assert "--budget (this run: 4096 tokens)" in advice and "--max-micro-batch-size" in advice
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_scoring_micro_batches_allocate_no_kv_cache(llama_2l, tmp_path, backend):
+    """Echo scoring (max_tokens 0) attends to each prompt's own keys and keeps none: a file of such
+    requests never allocates a KV cache (the summary's peak is 0), and its logprobs are HF's; one
+    generating request makes its micro-batch allocate one."""
+    import json
+
+    from tests.utils import hf_logits, read_jsonl, run_inprocess, write_jsonl
+
+    prompts = [[0, *range(5 + 7 * i, 5 + 7 * i + n)] for i, n in enumerate([9, 3, 17, 6])]
+    scoring = [{"prompt": p, "max_tokens": 0, "echo": True, "logprobs": 1} for p in prompts]
+    for name, reqs in (("score", scoring), ("mixed", [*scoring, {"prompt": prompts[0], "max_tokens": 3}])):
+        out = tmp_path / f"{name}.jsonl"
+        args = ["--model-name", llama_2l, "--infer-data", write_jsonl(tmp_path / f"in-{name}.jsonl", reqs),
+                "--output-path", str(out), "--no-progress", "--backend", backend]
+        assert run_inprocess(args) == 0
+        peak = json.loads((tmp_path / f"{name}.jsonl.summary.json").read_text())["kv_cells_peak"]
+        assert (peak == 0) if name == "score" else (peak > 0), (name, peak)
+        for line, p in zip(read_jsonl(out), prompts):
+            got = line["result"]["choices"][0]["logprobs"]["token_logprobs"][1:]
+            want = hf_logits(llama_2l, p).log_softmax(-1)[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)

@@ -126,23 +126,21 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
-        if ctx.real is not None:  # back to (b, t): padding positions hold zeros, never attended
+        if ctx.real is not None:  # norms and rotary on the real tokens, then back to (b, t)
+            q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
             b, t = seg.rows.shape[0], seg.t
-            qkv = qkv.new_zeros(b * t, qkv.shape[-1]).index_copy_(0, ctx.real, qkv).view(b, t, -1)
-        b, t, _ = qkv.shape
-        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
-        if s.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(b, t, s.num_heads, s.head_dim)
-        k = k.reshape(b, t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            qkv = ctx.padded(b * t, qkv)  # padding positions: zeros, never attended
+            qk = s.q_dim + s.kv_dim
+            qkv[:, : s.q_dim].index_copy_(0, ctx.real, q.flatten(1))
+            qkv[:, s.q_dim : qk].index_copy_(0, ctx.real, k.flatten(1))
+            qkv[:, qk:].index_copy_(0, ctx.real, v)
+            q, k, v = qkv.view(b, t, -1).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+            q, k = q.unflatten(-1, (s.num_heads, s.head_dim)), k.unflatten(-1, (s.num_kv_heads, s.head_dim))
+        else:
+            q, k, v = self._heads(qkv, ctx)  # (b, t, h, d), (b, t, kvh, d), (b, t, kvh * d)
+        b, t = q.shape[:2]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, t, d), (b, kvh, t, d)
         v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if self.rope_key in ctx.rope:
-            cos, sin = ctx.rope[self.rope_key]
-            rope = s.local_rope if self.rope_key == "local" else s.rope
-            q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
         cache = ctx.cache
         if cache is not None:
             cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
@@ -165,6 +163,24 @@ class Attention(nn.Module):
             out = out.view(b * t, s.q_dim).index_select(0, ctx.real)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
+
+    def _heads(self, qkv: torch.Tensor, ctx: "StageContext"):
+        """(..., q_dim + 2 kv_dim) -> q (..., h, d), k (..., kvh, d) normed and rotated; v as is.
+        Rotary tables are (b, 1, t, rd/2) for (b, t, ...) or (n, 1, rd/2) for the real tokens (n, ...)."""
+        s = self.spec
+        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        if s.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.unflatten(-1, (s.num_heads, s.head_dim)), k.unflatten(-1, (s.num_kv_heads, s.head_dim))
+        if s.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_key in ctx.rope:
+            cos, sin = ctx.rope[self.rope_key]
+            if cos.dim() == 4:  # (b, 1, t, rd/2) against (b, t, h, d)
+                cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            rope = s.local_rope if self.rope_key == "local" else s.rope
+            q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
+        return q, k, v
 
     def _attend_rows(self, q, k, v, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         """Batch-invariant attention: each row with exactly its own keys (a sliding layer: its window)."""
@@ -255,6 +271,15 @@ class StageContext:
     # A prefill segment's real tokens as flat indices into its (b * t) positions: the layers then
     # run on those rows only (right padding skipped) and attention scatters them back to (b, t).
     real: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None  # the (b * t, width) buffer the layers scatter real tokens into
+
+    def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:
+        each fills the same real positions, so its padding positions stay zero (zeroed once)."""
+        shape = (rows, like.shape[-1])
+        if self.scatter is None or self.scatter.shape != shape or self.scatter.dtype != like.dtype:
+            self.scatter = like.new_zeros(shape)
+        return self.scatter
 
 
 class StageModel(nn.Module):
@@ -335,8 +360,11 @@ class StageModel(nn.Module):
         kv = limit if cache is None or seg.fresh else min(limit, cache.cols)
         long_rows = self._long_rows(seg, cache) if self.rotary else None
         rope = {key: r.lookup(pos, limit, dtype, long_rows) for key, r in self.rotary.items()}
-        slopes = self.slopes if self.spec.position == "alibi" else None
         real = None if self.row_tile else real_tokens(seg)
+        if real is not None:  # the real tokens' rows of the tables: (n, 1, rd/2)
+            rope = {key: tuple(c.squeeze(1).flatten(0, 1).index_select(0, real)[:, None] for c in cs)
+                    for key, cs in rope.items()}
+        slopes = self.slopes if self.spec.position == "alibi" else None
         lora = None
         if self.adapters is not None:  # unpadded: each adapter's tokens, else its rows
             lora = self.adapters.rows(seg.adapters, pos.device, seg.lens if real is not None else None)
