@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
-from tasks.shards import share_of
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
+from tasks.shards import share_of
 
 from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from .prefix import block_digests
