@@ -38,14 +38,16 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: ModelNames | None = None):
+                 models: ModelNames | None = None, prefill_chunk: int = 0):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
+        self.chunk = prefill_chunk  # prompt tokens a pass computes per chunkable prompt (0: whole prompts)
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
         self.data_rank, self.data_size = data_rank, data_size
         self.lines: Iterator[tuple[int, bytes]] | None = None
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
         self.metas: dict[int, Admission] = {}  # gid -> what the last rank needs when the group enters
+        self.prompts: dict[int, list[int]] = {}  # gid -> prompt ids, until its prompt is computed
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
         self.row_adapters: dict[int, list[int]] = {}  # slot -> adapter of each row
@@ -139,7 +141,9 @@ class Driver:
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
             digests = block_digests(ids, self.prefix.block_size, salt) if self.prefix is not None else []
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live)
+            chunkable = p.max_tokens > 0 and p.best_of == 1 and not p.echo  # whole-prompt logprobs: one pass
+            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live,
+                      chunkable=chunkable)
             if not self.sched.fits(g):
                 spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
                 raise RequestError(
@@ -154,6 +158,7 @@ class Driver:
         self.next_gid += len(req.prompts)
         for g, m in zip(groups, metas):  # nothing is kept for a request that cannot run
             self.metas[g.gid] = m
+            self.prompts[g.gid] = m.prompt_ids
             if self.prefix is not None:
                 self.prefix.queued(g.digests)
         return groups
@@ -162,6 +167,7 @@ class Driver:
         """Forget a queued group that will not run (serve mode: its client left, or shutdown)."""
         if g.digests and self.prefix is not None:
             self.prefix.unqueued(g.digests)
+        self.prompts.pop(g.gid, None)
         return self.metas.pop(g.gid, None)
 
     # -- passes -----------------------------------------------------------------------------
@@ -175,30 +181,47 @@ class Driver:
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
         prefill_ids = None
         if ps.prefill:
-            prompts = [self.metas[gid].prompt_ids for gid, _ in ps.prefill]
+            prompts = [self.prompts[gid] for gid, _ in ps.prefill]
             groups = [self.sched.groups[gid] for gid, _ in ps.prefill]
             hdr.prefill = [Prefill(g.gid, row, len(p), ends=not g.max_tokens and g.width == 1)
                            for g, (_, row), p in zip(groups, ps.prefill, prompts)]
-            if self.prefix is not None:
-                pinned: set[int] = set()
-                saving: set[int] = set()
-                for item, ids in zip(hdr.prefill, prompts):
+            pinned: set[int] = set()
+            saving: set[int] = set()
+            for item, ids, g in zip(hdr.prefill, prompts, groups):
+                if item.row in ps.resume:  # the rest of a chunked prompt: its earlier tokens are in the cache
+                    item.cached, item.resumed = ps.resume[item.row], True
+                elif self.prefix is not None:
                     room = self.sched.budget - self.sched.used
-                    digests = self.sched.groups[item.gid].digests
-                    item.cached, item.load, item.save = self.prefix.plan(ids, digests, room, pinned, saving)
+                    item.cached, item.load, item.save = self.prefix.plan(
+                        ids, g.digests, room, pinned, saving, self.chunk if g.chunkable else 0)
+                item.len = self._chunk_end(g, item.cached)
+                item.partial = item.len < len(ids)
+                self.sched.prefilled(ps.slot, item.row, item.len)
+            if self.prefix is not None:
                 hdr.prefix_grow = self.prefix.take_grow()
             prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
             for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):
-                prefill_ids[i, : item.len - item.cached] = torch.tensor(ids[item.cached :])
+                prefill_ids[i, : item.len - item.cached] = torch.tensor(ids[item.cached : item.len])
             lens = {row: len(p) for (_, row), p in zip(ps.prefill, prompts)}
             hdr.forks = [Fork(lead, rows, lens[lead]) for lead, rows in ps.forks]
             for gid in ps.admitted:
                 meta = self.metas.pop(gid)
                 meta.rows = ps.rows_of[gid]
                 hdr.admit.append(meta)
+            for item in hdr.prefill:
+                if not item.partial:
+                    self.prompts.pop(item.gid, None)
         if self.models is not None:
             hdr.adapters = self._adapters(ps, hdr.admit, slot.rows)
         return hdr, decode_ids, prefill_ids
+
+    def _chunk_end(self, g: Group, start: int) -> int:
+        """Where this pass's part of ``g``'s prompt ends when it computes from token ``start`` on:
+        ``chunk`` tokens at a time for a group that may be chunked (one row that generates and needs
+        no prompt logprobs; see ``--prefill-chunk``), else the whole prompt."""
+        if self.chunk and g.chunkable:
+            return min(g.prompt_len, start + self.chunk)
+        return g.prompt_len
 
     def _adapters(self, ps: Pass, admitted: list[Admission], rows: int) -> list[int]:
         """Each slot row's adapter after this pass's admissions (empty when every row is base)."""
@@ -216,8 +239,10 @@ class Driver:
 
     def on_reply(self, reply: Reply) -> None:
         slot_feed = self.last_token.setdefault(reply.slot, {})
+        groups = self.sched.slots[reply.slot].row_group
         for r in reply.finished:
             slot_feed.pop(r, None)
+            self.prompts.pop(groups[r], None)  # serve mode: a client left during a chunked prompt
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
 

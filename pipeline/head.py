@@ -125,9 +125,12 @@ class Head:
             hiddens.append(h_decode)
             targets += [[r] for r in decode_rows]
         for i, item in enumerate(prefill):
+            if item.partial:  # chunked prefill: the prompt's next part comes in a later pass
+                continue
             g = self.groups[item.gid]
             n = item.len - item.cached
-            self.requests[(g.meta.live, g.meta.req)].cached_tokens += item.cached
+            if not item.resumed:
+                self.requests[(g.meta.live, g.meta.req)].cached_tokens += item.cached
             if g.params.echo:
                 g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item, pool)
             if g.params.max_tokens == 0:
@@ -146,7 +149,7 @@ class Head:
             self._step(states, rows, logits, feed, finished)
         for item in prefill:  # scoring-only groups finish without sampling
             g = self.groups[item.gid]
-            if g.params.max_tokens == 0:
+            if g.params.max_tokens == 0 and not item.partial:
                 finished += g.rows
         for r in finished:
             self._finish_row(slot, r)

@@ -67,7 +67,8 @@ class LastRank:
             decode_rows, h_live = [decode_rows[i] for i in keep], h_live[keep]
         groups = [self.head.groups.get(p.gid) for p in hdr.prefill]
         if self.file is not None:
-            self.file.cached_tokens += sum(p.cached for p, g in zip(hdr.prefill, groups) if g and not g.meta.live)
+            self.file.cached_tokens += sum(p.cached for p, g in zip(hdr.prefill, groups)
+                                           if g and not g.meta.live and not p.resumed)
         with torch.inference_mode():
             feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
         written = 0

@@ -60,11 +60,13 @@ class Admission:
 class Prefill:
     gid: int
     row: int  # the group's lead row; its cache is forked to the others
-    len: int  # prompt tokens
-    cached: int = 0  # leading prompt tokens copied from the prefix pool (the segment computes the rest)
+    len: int  # prompt tokens up to where this pass computes (the whole prompt unless ``partial``)
+    cached: int = 0  # leading prompt tokens already in the cache (prefix pool or earlier chunks): computed from here
     load: list[int] = field(default_factory=list)  # pool blocks holding them, in order
     save: list[list[int]] = field(default_factory=list)  # [block index in the prompt, pool block] to keep
     ends: bool = False  # the row ends with this pass (max_tokens 0, one row): its keys/values are never read
+    partial: bool = False  # chunked prefill: more of the prompt follows in the slot's next pass (no sampling yet)
+    resumed: bool = False  # continues a chunked prompt: ``cached`` counts its own earlier chunks, not pool hits
 
 
 @dataclass

@@ -18,6 +18,7 @@ PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "int8")
 BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
+AUTO_PREFILL_CHUNK = 128  # --prefill-chunk auto with several stages (bench/throughput.py at P = 2)
 
 
 class UsageError(ValueError):
@@ -29,6 +30,13 @@ def budget_value(text: str) -> int | str:
     if text == "auto" or text.isdigit():
         return text if text == "auto" else int(text)
     raise argparse.ArgumentTypeError(f"expected a number of KV-cache tokens or auto, got {text!r}")
+
+
+def chunk_value(text: str) -> int | str:
+    """--prefill-chunk: a number of tokens (0: off), or auto."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of prompt tokens (0: off) or auto, got {text!r}")
 
 
 def _opt(default, help: str, **argparse_kwargs):
@@ -51,6 +59,7 @@ class RunOptions:
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
     prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
+    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % AUTO_PREFILL_CHUNK, type=chunk_value)
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
@@ -205,6 +214,11 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
     if opts.prefix_block_size < 1:
         problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
+    if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):
+        problems.append(f"--prefill-chunk must be a number of prompt tokens (0: off) or auto, got {opts.prefill_chunk}")
+    if opts.batch_invariant and opts.prefill_chunk not in ("auto", 0):
+        problems.append("--prefill-chunk changes how a prompt is computed, which --batch-invariant keeps fixed: "
+                        "drop --prefill-chunk (auto is off under --batch-invariant)")
     if opts.max_micro_batch_size < 1:
         problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
     if opts.num_micro_batches < 0:

@@ -96,14 +96,16 @@ class PrefixCache:
         self.free, self.capacity, self.grow_to = [], 0, 0
 
     def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int],
-             saving: set[int] | None = None) -> tuple[int, list[int], list[list[int]]]:
+             saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]]]:
         """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save).
 
         At least the last prompt token is always computed (its hidden state samples the first
         token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
         ids the pass being built loads or writes, which must not be reused within it; ``saving``
         (updated): the ones it writes, which its own groups cannot load yet (stages load before
-        the prefill and write after it).
+        the prefill and write after it). ``chunk``: the pass computes only this many tokens after the
+        cached ones (chunked prefill); blocks past them are not saved (a later pass computes them, and
+        a block is registered only with its contents written by the pass that registers it).
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
@@ -117,8 +119,11 @@ class PrefixCache:
         pinned.update(hits)
         cached = min(len(hits) * self.block_size, len(ids) - 1)
         saves = []
+        end = cached + chunk if chunk else len(ids)
         for b in range(len(hits), len(digests)):
             d = digests[b]
+            if (b + 1) * self.block_size > end:
+                break
             if not (self.pending[d] > 0 or d in self.recent):
                 break  # nobody else has shown this block (nor, by the chain, any later one)
             bid = self._allocate(pinned)

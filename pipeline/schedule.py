@@ -24,6 +24,7 @@ class Group:
     width: int = 1  # rows: best_of candidates
     digests: tuple[bytes, ...] = ()  # the prompt's prefix-cache block digests (empty: cache off or short)
     priority: bool = False  # serve mode: interactive requests go ahead of batch lines
+    chunkable: bool = False  # its prompt may be computed over several passes (driver: --prefill-chunk)
 
     @property
     def key(self) -> bytes | None:
@@ -44,6 +45,7 @@ class Slot:
     row_group: list[int | None] = field(default_factory=list)  # gid per row, None = free
     row_len: list[int] = field(default_factory=list)  # tokens in the cache per row
     decoding: set[int] = field(default_factory=set)  # rows waiting for their next decode step
+    prefilling: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed (chunked prefill)
     inflight: bool = False
 
     @property
@@ -62,10 +64,11 @@ class Pass:
     alloc: tuple[int, int] | None  # (rows, cols) to (re)allocate before the pass
     decode_rows: list[int]  # rows whose last token is fed this pass (all other rows are idle)
     decode_start: list[int]  # cache column per slot row for the decode segment (0 for idle rows)
-    prefill: list[tuple[int, int]]  # (gid, lead row)
+    prefill: list[tuple[int, int]]  # (gid, lead row): admitted groups, then prompts resuming (``resume``)
     forks: list[tuple[int, list[int]]]  # (lead row, other rows of the group)
     admitted: list[int]  # gids admitted in this pass
     rows_of: dict[int, list[int]]  # gid -> its rows, for admitted groups
+    resume: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed by earlier passes
 
 
 class Scheduler:
@@ -296,10 +299,22 @@ class Scheduler:
             if len(rows) > 1:
                 forks.append((rows[0], rows[1:]))
             rows_of[g.gid] = rows
+        resume = dict(slot.prefilling)
+        prefill += [(slot.row_group[r], r) for r in resume]
         if not decode_rows and not prefill:
             return None
         slot.inflight = True
-        return Pass(sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of)
+        return Pass(sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume)
+
+    def prefilled(self, sid: int, row: int, done: int) -> None:
+        """The pass being built computes the prompt of ``row`` up to token ``done``: the rest of the
+        prompt (chunked prefill) follows in the slot's next passes; once all of it is computed the
+        row samples its first token and decodes (:meth:`on_reply`)."""
+        slot = self.slots[sid]
+        if done < self.groups[slot.row_group[row]].prompt_len:
+            slot.prefilling[row] = done
+        else:
+            slot.prefilling.pop(row, None)
 
     # -- results side -----------------------------------------------------------------------
     def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> None:
@@ -311,10 +326,11 @@ class Scheduler:
         slot.decoding = set(continuing)
         for r in finished:
             slot.decoding.discard(r)
+            slot.prefilling.pop(r, None)  # serve mode: a client left mid-prompt
             gid = slot.row_group[r]
             slot.row_group[r] = None
             if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
                 del self.groups[gid]
         if all(g is None for g in slot.row_group):
             slot.rows = slot.cols = 0
-            slot.row_group, slot.row_len, slot.decoding = [], [], set()
+            slot.row_group, slot.row_len, slot.decoding, slot.prefilling = [], [], set(), {}

@@ -88,7 +88,7 @@ class Stage:
             if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
                 outs.append(self.model(to_device(x_dec, self.device), decode_segment(hdr, self.device), cache))
             for p in hdr.prefill:
-                if p.cached:
+                if p.load:
                     self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
                 outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))

@@ -291,3 +291,27 @@ def test_echo_over_cached_blocks_reads_stored_scores_and_runs_the_head_once_per_
         out = head._score_prompt(new, toks, k, Prefill(2, 0, 11, cached=8, load=[2, 3]), pool)
         check(out, torch.cat([shared, new]), toks, k)
         assert head_rows == rows, (k, head_rows)
+
+
+@pytest.mark.parametrize("prefix", ["on", "off"])
+def test_chunked_prefill_equals_whole_prompts(model_dir, workload, reference, tmp_path, monkeypatch, prefix):
+    """--prefill-chunk 48: every generating prompt longer than 48 tokens is computed 48 tokens a pass
+    (resuming after its earlier chunks, and after prefix-cache hits); the answers equal whole-prompt
+    prefills, echo scoring and best_of keep whole prompts, and prefixes still hit."""
+    from pipeline.schedule import Scheduler
+
+    chunks = []
+    real = Scheduler.prefilled
+    monkeypatch.setattr(Scheduler, "prefilled", lambda self, sid, row, done: chunks.append(
+        (self.groups[self.slots[sid].row_group[row]].prompt_len, done)) or real(self, sid, row, done))
+    out = tmp_path / "chunked.jsonl"
+    assert run_inprocess(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out),
+                          "--prefill-chunk", "48", "--prefix-cache", prefix, "--no-progress"]) == 0
+    lines = read_jsonl(out)
+    assert_same_answers(lines, reference)
+    partial = [(n, done) for n, done in chunks if done < n]
+    if prefix == "off":  # the 10 greedy few-shot prompts (191 tokens): 48, 96, 144, then the rest
+        assert partial.count((191, 48)) == partial.count((191, 144)) >= 10 and all(d % 48 == 0 for _, d in partial)
+    else:  # prefix hits leave fewer tokens to compute, most prompts fit one chunk after them
+        assert partial
+    assert (sum(cached(lines)) > 0) == (prefix == "on")

@@ -133,6 +133,8 @@ def test_default_output_path_and_default_model(tmp_path):
     (["--num-layers", "1"], "--num-layers 1 x 1 stages"),
     (["--max-layers", "0"], "--max-layers must be at least 1"),
     (["--budget", "0"], "--budget must be a positive"),
+    (["--prefill-chunk", "many"], "expected a number of prompt tokens (0: off) or auto"),
+    (["--prefill-chunk", "64", "--batch-invariant"], "drop --prefill-chunk"),
     (["--model-name", "/nonexistent/model"], "no such folder"),
     (["--infer-data", "/nonexistent.jsonl"], "no such file"),
 ])
