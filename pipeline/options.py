@@ -18,7 +18,9 @@ PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "int8")
 BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
-AUTO_PREFILL_CHUNK = 128  # --prefill-chunk auto with several stages (bench/throughput.py at P = 2)
+# --prefill-chunk auto with several stages: on the CPU a pass's time grows with its tokens from the
+# first (bench/throughput.py at P = 2); a GPU computes a few hundred tokens in about a decode step's time
+AUTO_PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
 
 
 class UsageError(ValueError):
@@ -59,7 +61,7 @@ class RunOptions:
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
     prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
-    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % AUTO_PREFILL_CHUNK, type=chunk_value)
+    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=chunk_value)
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")

@@ -94,7 +94,7 @@ def prefix_block(plan, opts) -> int:
     return opts.prefix_block_size
 
 
-def prefill_chunk(plan, opts, pipeline_size: int) -> int:
+def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
     """Prompt tokens a pass computes per chunkable prompt, 0 for whole prompts (``--prefill-chunk``).
     A chunk resumes after the prompt's earlier tokens in the cache, as a prefix-cache hit does: the
     same stages that cannot hold a prefix pool cannot chunk (:func:`prefix_block`)."""
@@ -103,7 +103,7 @@ def prefill_chunk(plan, opts, pipeline_size: int) -> int:
 
     chunk = opts.prefill_chunk
     if chunk == "auto":
-        chunk = AUTO_PREFILL_CHUNK if pipeline_size > 1 and not opts.batch_invariant else 0
+        chunk = AUTO_PREFILL_CHUNK["cuda" if gpu else "cpu"] if pipeline_size > 1 and not opts.batch_invariant else 0
     resumable = isinstance(plan.spec, DecoderSpec) and not (
         plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope")
     if chunk and not resumable:
@@ -150,7 +150,8 @@ def first_rank(plan, opts, info, stage):
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size, models, prefill_chunk(plan, opts, info.pipeline_size))
+                    info.data_rank, info.data_size, models,
+                    prefill_chunk(plan, opts, info.pipeline_size, info.device.type == "cuda"))
     last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
