@@ -674,8 +674,10 @@ def report(out: dict) -> str:
     lines.append("Targets:")
     for t in out["targets"]:
         unit = t.get("unit", "x")
-        v = "n/a" if t["value"] is None else f"{t['value']:+.4f}" if unit != "x" else f"{t['value']:.2f}x"
-        lines.append(f"  {t['status']:<5} {t['target']}: {v} (need >= {t['need']}{unit if unit == 'x' else ''})")
+        fmt = {"x": lambda x: f"{x:.2f}x", "%": lambda x: f"{100 * x:.0f}%"}.get(unit, lambda x: f"{x:+.4f}")
+        v = "n/a" if t["value"] is None else fmt(t["value"])
+        need = fmt(t["need"]) if unit == "%" else f"{t['need']}{'x' if unit == 'x' else ''}"
+        lines.append(f"  {t['status']:<5} {t['target']}: {v} (need >= {need})")
     for s, f in out["failures"].items():
         lines.append("")
         lines.append(f"{LABELS.get(s, s)} failed: {f['error']}  (log: {f.get('log')})")
@@ -686,7 +688,7 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model and workload (< 1 minute on 2 cores)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (hidden 64, 2 layers) and 12 requests (smoke test)")
@@ -704,36 +706,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        fn = worker_hf if args.worker.startswith("hf") else worker_ct2
-        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores, args.worker.endswith("-int8"))
-        Path(args.worker_out).write_text(json.dumps(res))
-        return 0
-    if args.report:
-        print(report(json.loads(Path(args.report).read_text())))
-        return 0
-
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    args.systems_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems_list if s not in SYSTEMS]
     if unknown:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
-    profile = "tiny" if args.tiny else "quick" if args.quick else "full"
-    prof = PROFILES[profile]
+    args.profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.json is None:
-        name = "throughput.json" if profile == "full" else f"throughput-{profile}.json"
+        name = "throughput.json" if args.profile == "full" else f"throughput-{args.profile}.json"
         args.json = str(REPO / "bench" / "results" / name)
-    from examples.default_model import cache_root
+    return args
 
-    cache = Path(args.cache_dir) if args.cache_dir else cache_root() / "bench"
-    wdir = Path(args.work_dir) if args.work_dir else REPO / "bench" / "results" / profile
-    t0 = time.perf_counter()
-    model_dir = build_model(cache, prof)
-    wl = build_workload(model_dir, prof, wdir)
-    plan = wl["plan"]
-    print(f"[bench] model {model_dir}, workload {wdir} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
-    params = matmul_params(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    peaks = {str(args.cores): matmul_peak(args.cores), "1": matmul_peak(1)}
+
+def run_systems(systems: list[str], model_dir: Path, wdir: Path, args) -> tuple[dict, dict]:
+    """Each system in its own process: ({system: measurements}, {system: failure})."""
     if "ct2" in systems or "ct2-int8" in systems:
         try:
             import ctranslate2  # noqa: F401
@@ -755,45 +740,34 @@ def main(argv: list[str] | None = None) -> int:
         results[s] = m
         print(f"[bench] {LABELS[s]}: {m['gen_s']:.1f}s generation, {m['score_s']:.1f}s scoring, wall {m['wall_s']:.1f}s",
               file=sys.stderr, flush=True)
-    # the peak again at the end: a busy moment at the start would understate it; keep the best
-    peaks = {k: max(v, matmul_peak(int(k))) for k, v in peaks.items()}
-    figs = {s: figures(m, plan, params, peaks[str(args.cores)]) for s, m in results.items()}
+    return results, failures
 
-    agreement = {}
-    ref = "hf" if "hf" in results else next(iter(results), None)
-    for s in results:
-        if s != ref:
-            agreement[f"{LABELS[s]} vs {LABELS[ref]}"] = compare(results[s], results[ref], plan)
-    if "runner1" in results and "runner2" in results and ref != "runner1":
-        agreement["runner P=2 vs runner P=1"] = compare(results["runner2"], results["runner1"], plan)
-    fid = {f"{LABELS[q]} vs {LABELS[f]}": fidelity(results[q], results[f]) for q, f in INT8_PAIRS
-           if q in results and f in results}
-    stop_hits = None
-    if ref:
-        gen_plan = [p for p in plan if p["kind"] == "gen"]
-        stop_hits = sum(1 for p, g in zip(gen_plan, results[ref]["gen"])
-                        if g and p["body"].get("stop") and g["finish"] == "stop" and g["generated"] < p["body"]["max_tokens"])
 
-    ratios = {
-        "runner P=1 / HF (gen tok/s)": ratio(figs, "runner1", "hf", "gen_tokens_per_s"),
-        "runner P=1 / CTranslate2 (gen tok/s)": ratio(figs, "runner1", "ct2", "gen_tokens_per_s"),
-        "runner P=2 / HF (gen tok/s)": ratio(figs, "runner2", "hf", "gen_tokens_per_s"),
-        "runner P=2 / CTranslate2 (gen tok/s)": ratio(figs, "runner2", "ct2", "gen_tokens_per_s"),
-        "P=2 / P=1 (gen tok/s)": ratio(figs, "runner2", "runner1", "gen_tokens_per_s"),
-        "runner P=1 / HF (score tok/s)": ratio(figs, "runner1", "hf", "scored_tokens_per_s"),
-        "runner P=1 / CTranslate2 (score tok/s)": ratio(figs, "runner1", "ct2", "scored_tokens_per_s"),
-        "P=2 / P=1 (score tok/s)": ratio(figs, "runner2", "runner1", "scored_tokens_per_s"),
-        "CTranslate2 / HF (gen tok/s)": ratio(figs, "ct2", "hf", "gen_tokens_per_s"),
-        "runner int8 / runner float32 (gen tok/s)": ratio(figs, "runner1-int8", "runner1", "gen_tokens_per_s"),
-        "runner int8 / CT2 int8 (gen tok/s)": ratio(figs, "runner1-int8", "ct2-int8", "gen_tokens_per_s"),
-        "runner int8 / HF (gen tok/s)": ratio(figs, "runner1-int8", "hf", "gen_tokens_per_s"),
-        "CT2 int8 / CTranslate2 (gen tok/s)": ratio(figs, "ct2-int8", "ct2", "gen_tokens_per_s"),
-    }
+def all_ratios(figs: dict) -> dict:
+    pairs = [("runner P=1 / HF", "runner1", "hf"), ("runner P=1 / CTranslate2", "runner1", "ct2"),
+             ("runner P=2 / HF", "runner2", "hf"), ("runner P=2 / CTranslate2", "runner2", "ct2"),
+             ("P=2 / P=1", "runner2", "runner1")]
+    out = {f"{name} (gen tok/s)": ratio(figs, a, b, "gen_tokens_per_s") for name, a, b in pairs}
+    out.update({f"{name} (score tok/s)": ratio(figs, a, b, "scored_tokens_per_s") for name, a, b in
+                (pairs[0], pairs[1], pairs[4])})
+    out.update({f"{name} (gen tok/s)": ratio(figs, a, b, "gen_tokens_per_s") for name, a, b in
+                [("CTranslate2 / HF", "ct2", "hf"), ("runner int8 / runner float32", "runner1-int8", "runner1"),
+                 ("runner int8 / CT2 int8", "runner1-int8", "ct2-int8"), ("runner int8 / HF", "runner1-int8", "hf"),
+                 ("CT2 int8 / CTranslate2", "ct2-int8", "ct2")]})
+    return out
+
+
+def all_targets(ratios: dict, figs: dict, fid: dict, systems: list[str]) -> list[dict]:
+    busy = ((figs.get("runner2") or {}).get("stage_busy") or {}).get("gen")
+    peak = (figs.get("runner1") or {}).get("flops_fraction_of_peak")
     targets = [
         target("runner P=1 generated tok/s >= 2.0x HF", ratios["runner P=1 / HF (gen tok/s)"], 2.0),
         target("runner P=1 generated tok/s >= 1.2x CTranslate2", ratios["runner P=1 / CTranslate2 (gen tok/s)"], 1.2),
         target("runner P=2 generated tok/s >= 0.9x P=1", ratios["P=2 / P=1 (gen tok/s)"], 0.9),
+        target("runner P=2 every stage busy >= 85% (generation)", min(busy) if busy else None, 0.85, unit="%"),
         target("runner P=1 scored prompt tok/s >= 1.5x HF", ratios["runner P=1 / HF (score tok/s)"], 1.5),
+        target("runner P=1 scored prompt tok/s >= 1.2x CTranslate2", ratios["runner P=1 / CTranslate2 (score tok/s)"], 1.2),
+        target("runner P=1 FLOP/s >= 35% of the matmul peak", peak, 0.35, unit="%"),
     ]
     if any(s.endswith("-int8") for s in systems):
         ours, plain = (fid.get(f"{LABELS[q]} vs {LABELS[f]}", {}).get("top1_agreement") for q, f in INT8_PAIRS)
@@ -803,25 +777,82 @@ def main(argv: list[str] | None = None) -> int:
             target("runner int8 top-1 agreement minus its plain reference's (HF int8 fake)",
                    None if ours is None or plain is None else ours - plain, -0.02, unit=""),
         ]
+    return targets
+
+
+def agreements(results: dict, plan: list[dict]) -> tuple[dict, str | None, int | None]:
+    """Greedy agreement of every system with the reference (HF when it ran), and the reference's stop hits."""
+    agreement = {}
+    ref = "hf" if "hf" in results else next(iter(results), None)
+    for s in results:
+        if s != ref:
+            agreement[f"{LABELS[s]} vs {LABELS[ref]}"] = compare(results[s], results[ref], plan)
+    if "runner1" in results and "runner2" in results and ref != "runner1":
+        agreement["runner P=2 vs runner P=1"] = compare(results["runner2"], results["runner1"], plan)
+    stop_hits = None
+    if ref:
+        gen_plan = [p for p in plan if p["kind"] == "gen"]
+        stop_hits = sum(1 for p, g in zip(gen_plan, results[ref]["gen"])
+                        if g and p["body"].get("stop") and g["finish"] == "stop" and g["generated"] < p["body"]["max_tokens"])
+    return agreement, ref, stop_hits
+
+
+def describe(model_dir: Path, params: int, wdir: Path, plan: list[dict], prof: dict, stop_hits) -> tuple[dict, dict]:
+    """The JSON's "model" and "workload" entries."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gen_plan = [p for p in plan if p["kind"] == "gen"]
+    model = {"dir": str(model_dir), "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+             "heads": cfg["num_attention_heads"], "intermediate": cfg["intermediate_size"], "vocab": cfg["vocab_size"],
+             "params": params + cfg["vocab_size"] * cfg["hidden_size"], "matmul_params": params, "dtype": "float32"}
+    workload = {"dir": str(wdir), "requests": len(plan), "gen_requests": len(gen_plan),
+                "score_requests": len(plan) - len(gen_plan),
+                "stop_requests": sum(1 for p in gen_plan if p["body"].get("stop")), "stop_hits": stop_hits,
+                "gen_prompt_tokens": sum(p["prompt_tokens"] for p in gen_plan),
+                "scored_prompt_tokens": sum(p["prompt_tokens"] for p in plan if p["kind"] == "score"),
+                "min_prompt": min(p["prompt_tokens"] for p in plan), "max_prompt": max(p["prompt_tokens"] for p in plan),
+                "max_tokens": prof["max_tokens"], "batch_size_hf_ct2": BATCH}
+    return model, workload
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        fn = worker_hf if args.worker.startswith("hf") else worker_ct2
+        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores, args.worker.endswith("-int8"))
+        Path(args.worker_out).write_text(json.dumps(res))
+        return 0
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return 0
+    from examples.default_model import cache_root
+
+    prof = PROFILES[args.profile]
+    cache = Path(args.cache_dir) if args.cache_dir else cache_root() / "bench"
+    wdir = Path(args.work_dir) if args.work_dir else REPO / "bench" / "results" / args.profile
+    t0 = time.perf_counter()
+    model_dir = build_model(cache, prof)
+    plan = build_workload(model_dir, prof, wdir)["plan"]
+    print(f"[bench] model {model_dir}, workload {wdir} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    params = matmul_params(model_dir)
+    peaks = {str(args.cores): matmul_peak(args.cores), "1": matmul_peak(1)}
+    results, failures = run_systems(args.systems_list, model_dir, wdir, args)
+    # the peak again at the end: a busy moment at the start would understate it; keep the best
+    peaks = {k: max(v, matmul_peak(int(k))) for k, v in peaks.items()}
+    figs = {s: figures(m, plan, params, peaks[str(args.cores)]) for s, m in results.items()}
+    agreement, ref, stop_hits = agreements(results, plan)
+    fid = {f"{LABELS[q]} vs {LABELS[f]}": fidelity(results[q], results[f]) for q, f in INT8_PAIRS
+           if q in results and f in results}
+    ratios = all_ratios(figs)
     if "runner1-int8" in figs:
         sj = wdir / "runner1-int8" / "output_gen.jsonl.summary.json"
         if sj.exists():
             figs["runner1-int8"]["int8_kernels"] = json.loads(sj.read_text()).get("stage_precision")
-    gen_plan = [p for p in plan if p["kind"] == "gen"]
+    model, workload = describe(model_dir, params, wdir, plan, prof, stop_hits)
     out = {
         "command": " ".join([Path(sys.executable).name, "bench/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
-        "profile": profile, "cores": args.cores, "systems_requested": args.systems,
-        "model": {"dir": str(model_dir), "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
-                  "heads": cfg["num_attention_heads"], "intermediate": cfg["intermediate_size"], "vocab": cfg["vocab_size"],
-                  "params": params + cfg["vocab_size"] * cfg["hidden_size"], "matmul_params": params, "dtype": "float32"},
-        "workload": {"dir": str(wdir), "requests": len(plan), "gen_requests": len(gen_plan),
-                     "score_requests": len(plan) - len(gen_plan),
-                     "stop_requests": sum(1 for p in gen_plan if p["body"].get("stop")), "stop_hits": stop_hits,
-                     "gen_prompt_tokens": sum(p["prompt_tokens"] for p in gen_plan),
-                     "scored_prompt_tokens": sum(p["prompt_tokens"] for p in plan if p["kind"] == "score"),
-                     "min_prompt": min(p["prompt_tokens"] for p in plan), "max_prompt": max(p["prompt_tokens"] for p in plan),
-                     "max_tokens": prof["max_tokens"], "batch_size_hf_ct2": BATCH},
-        "matmul_peak_flops": peaks, "systems": figs, "ratios": ratios, "targets": targets,
+        "profile": args.profile, "cores": args.cores, "systems_requested": args.systems, "model": model,
+        "workload": workload, "matmul_peak_flops": peaks, "systems": figs, "ratios": ratios,
+        "targets": all_targets(ratios, figs, fid, args.systems_list),
         "agreement": agreement, "agreement_threshold": AGREE_THRESHOLD, "agreement_reference": ref, "fidelity": fid,
         "failures": {s: {k: f.get(k) for k in ("error", "log", "log_tail", "request_errors", "command")} for s, f in failures.items()},
     }

@@ -41,7 +41,7 @@ def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     agreement = data["agreement"]["runner P=1 vs HF generate"]
     assert agreement["requests"] == 12
     assert 0.0 <= agreement["fraction"] <= 1.0 and agreement["agree"] + agreement["disagree"] == 12
-    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4  # no int8 system: no int8 target
+    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 7  # no int8 system: no int8 target
     assert "runner P=1 / HF (gen tok/s)" in data["ratios"]
     assert "Targets:" in p.stdout and "Greedy agreement" in p.stdout
 
