@@ -176,3 +176,29 @@ def test_serve_mode_prefix_pool_yields_to_a_new_micro_batch():
     assert a.alloc[0] * a.alloc[1] <= 200 and s.prefix.cells == 200
     b = s.next_pass(1)
     assert s.prefix.cells == 0 and b.alloc[0] == 4  # the pool was dropped, the slot got its share
+
+
+def test_a_chunked_prompt_resumes_in_its_slots_next_passes_then_decodes():
+    """Scheduler.prefilled: a row whose prompt is not all computed is resumed (``Pass.resume``) by
+    the slot's next passes, samples nothing in between, and decodes once its last chunk is in."""
+    s = Scheduler(budget=1000, num_slots=1, max_rows=4)
+    s.submit(Group(0, prompt_len=100, max_tokens=3, chunkable=True))
+    s.submit(Group(1, prompt_len=10, max_tokens=3))
+    ps = s.next_pass(0)
+    assert [g for g, _ in ps.prefill] == [0, 1] and ps.resume == {}
+    row0, row1 = ps.rows_of[0][0], ps.rows_of[1][0]
+    s.prefilled(0, row0, 40)  # the driver computed 40 of its 100 tokens
+    s.prefilled(0, row1, 10)
+    s.on_reply(0, [row1], [])  # only the whole prompt sampled a token
+    ps = s.next_pass(0)
+    assert ps.decode_rows == [row1] and ps.prefill == [(0, row0)] and ps.resume == {row0: 40}
+    assert ps.admitted == []  # a resumed prompt is not admitted again
+    s.prefilled(0, row0, 80)
+    s.on_reply(0, [row1], [])
+    ps = s.next_pass(0)
+    assert ps.resume == {row0: 80}
+    s.prefilled(0, row0, 100)  # its last chunk: it samples, then decodes from column 100
+    s.on_reply(0, [row0, row1], [])
+    ps = s.next_pass(0)
+    assert ps.prefill == [] and ps.resume == {} and sorted(ps.decode_rows) == sorted([row0, row1])
+    assert ps.decode_start[row0] == 100
