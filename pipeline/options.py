@@ -18,9 +18,10 @@ PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "int8")
 BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
-# --prefill-chunk auto with several stages: on the CPU a pass's time grows with its tokens from the
-# first (bench/throughput.py at P = 2); a GPU computes a few hundred tokens in about a decode step's time
-AUTO_PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
+# --prefill-chunk auto with several stages. A GPU computes a few hundred tokens in about a decode
+# step's time (both read the weights once), so chunks of 512 even out its passes; on the CPU a pass's
+# time grows with its tokens from the first, and chunks measured no steady gain at P = 2 (README), so off
+AUTO_PREFILL_CHUNK = {"cpu": 0, "cuda": 512}
 
 
 class UsageError(ValueError):

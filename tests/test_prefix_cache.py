@@ -107,17 +107,19 @@ def test_p1_answers_equal_cache_off_and_prefixes_hit(model_dir, workload, refere
     assert summary["cached_prompt_tokens"] == sum(hits) and summary["prefix_hit_rate"] > 0.5
 
 
-@pytest.mark.parametrize("stages, extra", [(2, []), (3, ["--budget", "520", "--max-micro-batch-size", "3"])])
+@pytest.mark.parametrize("stages, extra", [(2, ["--prefill-chunk", "48"]),
+                                           (3, ["--budget", "520", "--max-micro-batch-size", "3"])])
 def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages, extra):
-    """P = 2, and P = 3 with a budget so small that blocks are evicted and recomputed mid-file; the
-    stages never hold more KV cells (micro-batches + pool) than --budget."""
+    """P = 2 with chunked prefill (48 tokens a pass), and P = 3 with a budget so small that blocks are
+    evicted and recomputed mid-file; the stages never hold more KV cells (micro-batches + pool) than
+    --budget."""
     out = tmp_path / "on.jsonl"
     p = run_torchrun(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out), *extra], stages)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = read_jsonl(out)
     assert_same_answers(lines, reference)
     summary = json.loads((tmp_path / "on.jsonl.summary.json").read_text())
-    budget = int(extra[1]) if extra else 8192
+    budget = int(extra[1]) if extra[0] == "--budget" else 8192
     assert 0 < summary["kv_cells_peak"] <= budget
     assert summary["cached_prompt_tokens"] > 0
 
