@@ -107,7 +107,33 @@ v3: 64/75/44% on 300):
   (chance ~22%). Even that, a plain induction pattern on the tasks' words, is barely learned, while
   session 6's random-token repeats were learned in ~1000 steps.
 
-Next to try: find why the plain lookup on the tasks' words is this slow before more data work:
+Session 8 (a scratch probe, ~40 minutes of one core: ``LlamaForCausalLM`` init std 0.02 unless said,
+AdamW betas 0.9/0.95, weight decay 0.1, clip 1.0, warmup 100 + cosine, 32 rows a step, one block a
+row, loss on the answer only unless said; figures: first direction / both right, greedy, 200
+held-out blocks):
+
+- ``path_block`` with exactly TWO facts (no distractor): 2 layers lr 1e-3 / 3e-3, 4 layers lr 1e-3 /
+  2e-3, prompt weight 0 / 0.3 / 1: 62-75% / the same for 900-2000 steps. With two facts, picking
+  either fact's direction gives 1/3 + 2/3 x 1/2 = 67%: the plateau again, on the easiest passage.
+- ONE fact, asked either way ("The x is d of the y." from y to x -> d, from x to y -> the opposite):
+  loss exactly ln 2 (0.69), 50% right, for 1400-3000 steps with 2 layers (std 0.02 and 0.1, lr 2e-3 /
+  3e-3) and 4 layers (lr 1e-3). The answer is d XOR "the question starts at the subject": neither
+  half alone says anything about it, so the gradient is zero until both exist (a parity-like saddle).
+  For the eval form (path facts stated forward) the first direction is a lookup, but it has the same
+  shape: the question's "from" room must be carried to the answer position AND the direction must
+  sit at the room's position in the passage before either helps the loss.
+- every one- and two-hop question of a passage in one row (2-4 facts, 12 a row, both ways), 2 and 4
+  layers: loss 0.98 -> 0.85 in 500 steps (1-1.8 s a step); the same with forward questions only plus
+  "Where does the way from the X to the Y start? -> the X" rows (4 layers, 16 rows a step, 70% such
+  rows): eval form 31-35% both right at steps 400-1800, not better than v3.
+
+Conclusion: the path task needs components that the answer alone gives no gradient to; the next
+attempt should train them with first-order signals (one task per component, each solvable by one
+head: carry the "from" room to the answer position; put a fact's direction at its object's
+position) and only then the composition, or spend an order of magnitude more steps than a session
+has.
+
+Next to try (session 7): find why the plain lookup on the tasks' words is this slow before more data work:
 the same recall probe with other optimizer settings (no weight decay, betas 0.9/0.95, no clipping,
 lr 1e-2), with a larger key set, with keys and values from disjoint token sets; then training
 questions whose answer is a room ("What is north of the hallway?" -> " the kitchen": the lookup's

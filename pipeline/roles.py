@@ -37,6 +37,8 @@ def load_stage(plan, opts, info):
              "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
+    if info.device.type == "cpu":
+        pack_cpu_linears(model, dtype, opts, info)
     if plan.adapters:
         from pipeline.adapters import stage_adapters
 
@@ -65,6 +67,20 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
              time.perf_counter() - t0, opts.max_micro_batch_size,
              "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
                        for shape, c in chosen.items()))
+
+
+def pack_cpu_linears(model, dtype, opts, info) -> None:
+    """A CPU stage with ``--cpu-linear onednn``: the layers' projections multiply against oneDNN's
+    prepacked weights (:mod:`pipeline.models.packed`); ``model.cpu_linear`` says which kernel runs
+    (the run summary's ``stage_precision``)."""
+    from pipeline.models.packed import pack_stage
+
+    t0 = time.perf_counter()
+    n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear)
+    if reason is None:
+        log.info("stage %d: %d linear weights prepacked for oneDNN in %.2fs", info.stage, n, time.perf_counter() - t0)
+    elif opts.cpu_linear == "onednn":
+        log.info("stage %d: --cpu-linear onednn not used: %s", info.stage, reason)
 
 
 def run_budget(opts, info, stage) -> int:

@@ -56,13 +56,15 @@ class Stage:
         return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
 
     def precision(self) -> dict:
-        """The stage's weights and compute dtype, and with --quantize the int8 kernel chosen per
-        (in x out) shape at load (``StageModel.quantized``); for the run summary."""
+        """The stage's weights and compute dtype, with --quantize the int8 kernel chosen per (in x out)
+        shape at load (``StageModel.quantized``), on a CPU stage the linear kernel (``--cpu-linear``);
+        for the run summary."""
         quantized = getattr(self.model, "quantized", None)
         if quantized:
             return quantized
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        return {"weights": dtype, "compute_dtype": dtype}
+        kernel = getattr(self.model, "cpu_linear", None)  # --cpu-linear on a CPU stage: which one ran
+        return {"weights": dtype, "compute_dtype": dtype} | ({"linear": kernel} if kernel else {})
 
     def mark(self) -> float:
         """The start of a span for :meth:`clock` (on CUDA an event is recorded on the stream too)."""

@@ -25,6 +25,7 @@ from pipeline.models.int8 import (
     fake_quantize,
     quantize_rows,
 )
+from pipeline.models.packed import why_not
 from pipeline.options import RunOptions, UsageError, check_options, parse_options
 from pipeline.plan import make_plan
 from tests.utils import (
@@ -198,7 +199,8 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
             assert "int8 weights, float32 compute, kernels: stage 0 " in r.stderr and ", stage 1 " in r.stderr
         out[name] = (read_jsonl(path), json.loads(Path(f"{path}.summary.json").read_text()))
     base, base_summary = out["float32"]
-    assert base_summary["stage_precision"] == [{"weights": "float32", "compute_dtype": "float32"}]
+    linear = "onednn" if why_not(torch.device("cpu"), torch.float32, False, "none") is None else "plain"
+    assert base_summary["stage_precision"] == [{"weights": "float32", "compute_dtype": "float32", "linear": linear}]
     for name in ("int8-p1", "int8-p2"):
         lines, summary = out[name]
         assert [s["weights"] for s in summary["stage_precision"]] == ["int8"] * runs[name][1]

@@ -72,13 +72,19 @@ def random_hf_model(out_dir, model_type: str, seed: int = 0, layers: int = 3, **
 
 
 def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float32, model_type=None,
-                batch_invariant: bool = False, backend: str = "auto"):
-    """Our stage models for the given layer ranges, loaded from model_dir (in this process)."""
+                batch_invariant: bool = False, backend: str = "auto", cpu_linear: str = "onednn"):
+    """Our stage models for the given layer ranges, loaded from model_dir (in this process), with the
+    runner's CPU linear kernel (``--cpu-linear``: oneDNN's prepacked weights where they apply)."""
     from pipeline.loading import build_stage
+    from pipeline.models.packed import pack_stage
 
     n = len(ranges)
-    return [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type, batch_invariant, backend)[0]
-            for i, (a, b) in enumerate(ranges)]
+    chain = [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type, batch_invariant, backend)[0]
+             for i, (a, b) in enumerate(ranges)]
+    if cpu_linear == "onednn":
+        for st in chain:
+            pack_stage(st, torch.device("cpu"), dtype, batch_invariant)
+    return chain
 
 
 @torch.inference_mode()

@@ -1,0 +1,99 @@
+"""``--cpu-linear``: CPU stages multiply against oneDNN's prepacked weights (pipeline/models/packed.py).
+
+The packed product is the plain one up to float rounding (a different summation order), so a run
+with it agrees with ``--cpu-linear plain`` and with HF as far as rounding lets two kernels agree
+(the rules of ``tests.utils.assert_consistent_results``). HF parity of every family runs through
+``tests.utils.stage_chain``, which packs exactly as the runner does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.decoder import StageModel
+from pipeline.models.packed import PackedLinear, pack_stage, why_not
+from tests.utils import (
+    DATA,
+    assert_consistent_results,
+    chain_logits,
+    hf_logits,
+    read_jsonl,
+    run_inprocess,
+    stage_chain,
+)
+
+PACKS = why_not(torch.device("cpu"), torch.float32, False, "none") is None
+needs_onednn = pytest.mark.skipif(not PACKS, reason="this torch build has no usable oneDNN packed linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape,bias", [((64, 96), False), ((96, 64), True), ((128, 384), False), ((7, 5), True)])
+def test_packed_product_is_the_linear_product(shape, bias):
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(*shape, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    ref_w, ref_b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    packed = PackedLinear(lin)
+    for x in (torch.randn(1, shape[0], generator=gen), torch.randn(33, shape[0], generator=gen),
+              torch.randn(3, 5, shape[0], generator=gen),  # (batch, time, in) as prefill passes it
+              torch.randn(shape[0], 9, generator=gen).t(),  # a transposed (non-contiguous) view
+              torch.randn(0, shape[0])):  # no rows (a stage's empty segment)
+        with torch.inference_mode():
+            y = packed(x)
+        assert y.shape == (*x.shape[:-1], shape[1])
+        torch.testing.assert_close(y, F.linear(x, ref_w, ref_b), atol=1e-4, rtol=1e-5)
+
+
+def test_which_stages_keep_the_plain_product():
+    cpu = torch.device("cpu")
+    assert "CPU" in why_not(torch.device("cuda", 0), torch.float32, False, "none")
+    assert "bfloat16" in why_not(cpu, torch.bfloat16, False, "none")
+    assert "--quantize int8" in why_not(cpu, torch.float32, False, "int8")
+    assert "--batch-invariant" in why_not(cpu, torch.float32, True, "none")
+
+
+@needs_onednn
+def test_packed_stage_only_swaps_the_layer_projections(llama_2l):
+    plain = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
+    stage = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
+    n, reason = pack_stage(stage, torch.device("cpu"), torch.float32)
+    assert (n, reason) == (8, None) and stage.cpu_linear == "onednn"  # qkv, o, up, down x 2 layers
+    for layer in stage.layers:
+        for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
+            assert isinstance(lin, PackedLinear)
+    assert isinstance(stage, StageModel) and type(stage.lm_head) is nn.Linear
+    names = {n for n, _ in stage.named_parameters()}  # the projections' weights are packed copies now
+    assert not any(n.endswith(("qkv.weight", "o.weight", "up.weight", "down.weight")) for n in names)
+    assert pack_stage(plain, torch.device("cpu"), torch.float32, batch_invariant=True) == (
+        0, "--batch-invariant keeps one kernel") and plain.cpu_linear == "plain"
+
+
+@needs_onednn
+@pytest.mark.parametrize("ranges", [[(0, 2)], [(0, 1), (1, 2)]])
+def test_packed_chain_matches_hf(llama_2l, ranges):
+    prompts = [[1, 5, 9, 33, 2, 8], [1, 70, 71], [1, *range(40, 80)]]
+    chain = stage_chain(llama_2l, ranges)
+    assert all(st.cpu_linear == "onednn" for st in chain)
+    for prompt, ours in zip(prompts, chain_logits(chain, prompts)):
+        torch.testing.assert_close(ours, hf_logits(llama_2l, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_plain_and_onednn_runs_agree(llama_2l, tmp_path):
+    """The shared mixed-parameter file (greedy, sampled with seeds, echo logprobs) both ways."""
+    data, out = str(DATA / "mixed_params.jsonl"), {}
+    for kernel in ("plain", "onednn"):
+        path = tmp_path / f"{kernel}.jsonl"
+        assert run_inprocess(["--model-name", llama_2l, "--infer-data", data, "--output-path", str(path),
+                              "--no-progress", "--num-threads", "1", "--cpu-linear", kernel]) == 0
+        summary = json.loads(Path(f"{path}.summary.json").read_text())
+        out[kernel] = read_jsonl(path)
+        want = "onednn" if kernel == "onednn" and PACKS else "plain"
+        assert [s.get("linear") for s in summary["stage_precision"]] == [want]
+    assert_consistent_results(out["plain"], out["onednn"])
