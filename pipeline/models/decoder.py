@@ -226,6 +226,14 @@ class MLP(nn.Module):
         return y if lora is None else lora.add(layer, "mlp.down", a, y)
 
 
+def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every linear projection of the decoder layers in ``model``: ``qkv`` and
+    ``o`` of each Attention, ``up`` and ``down`` of each MLP (shared experts' too); what int8 weights
+    and prepacked CPU weights replace."""
+    return [(m, name) for m in model.modules()
+            for name in (("qkv", "o") if isinstance(m, Attention) else ("up", "down") if isinstance(m, MLP) else ())]
+
+
 class Block(nn.Module):
     """Decoder layer ``index`` (global, counted over the whole model)."""
 

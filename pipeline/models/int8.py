@@ -115,16 +115,13 @@ def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
 def quantize_linears(model: nn.Module) -> int:
     """Replace the projections of every Attention and MLP in ``model`` (on the meta device, before
     loading) by :class:`Int8Linear` of the same shape; returns how many."""
-    from .decoder import MLP, Attention
+    from .decoder import projections
 
-    count = 0
-    for module in list(model.modules()):
-        names = ("qkv", "o") if isinstance(module, Attention) else ("up", "down") if isinstance(module, MLP) else ()
-        for name in names:
-            lin: nn.Linear = getattr(module, name)
-            setattr(module, name, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None))
-            count += 1
-    return count
+    found = projections(model)
+    for module, name in found:
+        lin: nn.Linear = getattr(module, name)
+        setattr(module, name, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None))
+    return len(found)
 
 
 def _time(fn, budget_s: float = 0.05, reps: int = 5) -> float:

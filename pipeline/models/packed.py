@@ -19,12 +19,8 @@ nothing, int8 weights have their own kernels, and ``--batch-invariant`` keeps th
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 DECODE_ROWS_HINT = 32  # oneDNN picks its blocking for this many rows; measured: any of 4..256 does as well
 
@@ -72,16 +68,14 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
 def pack_linears(model: nn.Module) -> int:
     """Replace the projections of every Attention and MLP in the loaded ``model`` by
     :class:`PackedLinear`; returns how many."""
-    from .decoder import MLP, Attention
+    from .decoder import projections
 
     count = 0
-    for module in list(model.modules()):
-        names = ("qkv", "o") if isinstance(module, Attention) else ("up", "down") if isinstance(module, MLP) else ()
-        for name in names:
-            lin = getattr(module, name)
-            if type(lin) is nn.Linear:
-                setattr(module, name, PackedLinear(lin))
-                count += 1
+    for module, name in projections(model):
+        lin = getattr(module, name)
+        if type(lin) is nn.Linear:
+            setattr(module, name, PackedLinear(lin))
+            count += 1
     return count
 
 
