@@ -55,7 +55,8 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN"
     try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        gen = torch.Generator().manual_seed(0)  # not the global RNG: loading a stage must not move it
+        w, x = torch.randn(8, 16, generator=gen), torch.randn(3, 16, generator=gen)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 4), None, "none", [], "")
         if not torch.allclose(y, x @ w.t(), atol=1e-5, rtol=1e-5):
             return "oneDNN's packed product disagrees with F.linear on a probe"
