@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-DEFAULT_MODEL_NAME = "tiny-llama-default-v3"
+DEFAULT_MODEL_NAME = "tiny-llama-default-v4"
 SHIPPED_DIR = Path(__file__).resolve().with_name("tiny-llama-default")
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2: the trainer puts special tokens first

@@ -1,143 +1,57 @@
 """Train the embedded default model (``examples/tiny-llama-default/``) from scratch, on CPU.
 
-    python examples/train_default_model.py [--out DIR] [--steps 3600] [--init DIR] ...
+    python examples/train_default_model.py [--out DIR] [--steps 1500] [--threads 2] ...
 
-Deterministic: fixed seeds, one thread, ``torch.use_deterministic_algorithms``; the same command on
-the same torch/tokenizers versions writes the same files (the held-out checks every
-``--eval-every`` steps use no torch RNG and do not change the training rows).
-
-The shipped model (v3) is two runs, 19 + 28 = 47 minutes on one core, made by this script as it
-was at commit e5a9237 (its defaults have changed since: ``git archive e5a9237 | tar -x -C /tmp/v3src``
-and run there):
-
-1. v2, from scratch: the recipe of commit 28a265a (``git show 28a265a:examples/train_default_model.py``:
-   3600 steps of 4 rows, lr 3e-3, prompt weight 0.1, the copy-heavy warmup); its weights are in
-   git at that commit (``git archive 28a265a examples/tiny-llama-default | tar -x -C /tmp/v2``);
-2. v3 = the e5a9237 script continuing from it:
-   ``python examples/train_default_model.py --init /tmp/v2/examples/tiny-llama-default
-   --lr 1e-3 --ctx-weight 0.05 --steps 2500 --out examples/tiny-llama-default`` (28 minutes).
-
-The defaults now (32 rows of 160 tokens a step, every 8th step 8 rows of 400; lr 1.5e-3, 200
-warmup steps; story text weight 0.2; ``--mix recall``; checkpoints) are the v4 attempt, which did
-not beat v3 (below), so nothing it made ships.
+Deterministic: fixed seeds, ``torch.use_deterministic_algorithms``, a fixed thread count; the same
+command with the same torch/tokenizers versions on the same CPU writes the same files (the held-out
+checks every ``--eval-every`` steps draw no torch random numbers and do not change the rows).
 
 What it does:
 
 1. trains a byte-level BPE (vocab 1024; ``<s> </s> <pad>`` are ids 0, 1, 2; BOS prepended) on
-   ``examples/corpus.txt`` plus synthetic text from ``examples/default_tasks.py`` (with ``--init``
-   the saved tokenizer must be the same one: checked);
-2. trains ``LlamaForCausalLM`` (6 layers, hidden 128, 4 heads, tied embeddings, 1.41M parameters;
-   ``--layers``/``--hidden``) with AdamW, warmup + cosine, on rows of synthetic tasks (``MIX``):
-   every row starts at ``<s>`` and packs blocks of one task (the first zero-shot, the later ones
-   few-shot), or is story text. Loss: next-token cross entropy, weight 1 on answers (and the
-   separator that ends them) and story text, ``--ctx-weight`` on task prompts. Curriculum over the
-   run (``Rows``): path passages with one fact and "who has what" with one or two people first,
-   several questions per passage (every one- and two-hop "from X to Y" in it), then from 60% of
-   the run exactly the eval form;
-3. every ``--eval-every`` steps: greedy exact match on held-out path/owner blocks (seed 1), a save,
-   and a stop once all reach ``--target``; at the end every task, then ``save_pretrained``
-   (float32 safetensors, 5.6 MB).
+   ``examples/corpus.txt`` plus synthetic text from ``examples/default_tasks.py`` (it must equal the
+   shipped tokenizer, which tests and benchmarks use: checked);
+2. trains ``LlamaForCausalLM`` (6 layers, hidden 128, 4 heads of 32, tied embeddings, 1.41M
+   parameters) with AdamW, warmup + cosine, on rows of one task each (``MIX``): several blocks of it
+   packed into a row (so later blocks are few-shot prompts), or story text. Loss: next-token cross
+   entropy with weight 1 on answers, ``CTX_WEIGHT`` on prompts, ``STORY_WEIGHT`` on stories, **plus
+   attention supervision** (below);
+3. every ``--eval-every`` steps: greedy exact match on 100 held-out path and owner questions (seed 1,
+   zero- and 3-shot) and a save; at the end every task, then ``save_pretrained`` (float32
+   safetensors, 5.6 MB).
 
-Status (issue 17 open): held-out greedy accuracy of v3 through the runner (seeds 12345 / 2024 /
-777, 310 questions per task) is path 47% zero-shot / 45% few-shot, sums 81-96%, copy 98%, reverse
-75-90%, "who has what" 13-18% (33-40% as multiple choice). The model copies, reverses and adds, but
-has not learned to *retrieve the fact about a named entity* (the path task needs that skill twice).
+Attention supervision. The path question ("from a to b": the path is a -> m -> b, with distractor
+rooms that hang off a, m or b) and "who has what" both need the model to look up a fact by a room
+or name it read elsewhere. Trained on answers alone, models of this size sat for thousands of steps
+at the level of guessing one fact of the passage (sessions 2-8, with curricula, multi-question rows,
+bare recall rows, induction-head pretraining, other inits and optimizers; see this file's git
+history before this version): the lookup has two halves (bring the question's room to the answer
+position; put each fact's direction at its room's position) and the answer gives neither a gradient
+until both exist. So a few heads get a target for *where to look*, at a few positions, and an extra
+loss ``-log(sum of the head's attention on its target positions)`` (weight ``--attn-weight``); what
+they read and write, every other head, position and layer, and the answers themselves are learned
+from the answer loss as usual. The circuit (``CIRCUIT``; fact "The x is d of the y.", the question's
+rooms a and b, ":" predicts d1, the d1 token predicts d2):
 
-What was measured (train-time held-out exact match, seed 1, 100 questions, zero-shot / 3-shot;
-one core shared with test runs, 2-3.7k tokens/s):
+- layer 0, at each fact's y: head 0 looks at its x, head 1 at its d (the fact gathered at y);
+  at ":" and d1: head 2 looks at a, head 3 at b (the question's rooms brought to the answer);
+- layer 1, at ":": head 0 at the y of facts "_ is _ of b", head 1 at those of "b is _ of _"
+  (b's neighbours); at d1: heads 2 and 3 the same for a;
+- layer 2, at ":": head 0 at the fact "m is d1 of a" (the only fact about a whose other room is a
+  neighbour of b); at d1: head 1 at "b is d2 of m".
+- "who has what" ("Mia has a red ball. ... What does Mia have?\\nAnswer: a red ball"): layer 0
+  head 0 at each colour and object looks at its owner, head 2 at the answer's "a" and colour looks
+  at the asked name; layer 1 head 0 at the answer's "a" looks at the asked person's colour, head 1
+  at the answer's colour at their object.
 
-- v2/v3 (4 rows x 320 tokens, ~5M tokens): owner 47% after 1000 steps even with one person;
-  answer-only loss from scratch at lr 3e-3 diverged near step 250 (loss 1.0 -> 7.6).
-- v4 attempt, from scratch with today's defaults (``--steps 3400``, stopped at 1200, 48 minutes,
-  ~6M tokens): path 8/3% (step 200), 26/26, 24/34, 25/41, 29/34, 39/48% (step 1200); owner
-  stayed at 10-19% throughout. Teacher-forced, the colour and object of the owner answer were right
-  37-43% of the time: chance among the people in the passage. No retrieval.
-- continuing that step-1200 model with ``--mix recall`` (bare "Recall: Mia red. kitchen north.\n?
-  kitchen north." rows, 20%) at lr 1.5e-3: path 36/41%, owner 15/12% after 200 steps; bare recall
-  32% (chance).
-- recall rows alone, 2 layers, init std 0.02, lr 1e-3, 300 steps of 32 x 160: recall 0 -> 22% -> 14%.
+The model stays a plain ``LlamaForCausalLM``: the targets only shape training, the runner and
+transformers load and run it like any Llama.
 
-So ~7M tokens of batch 32 did not reach the retrieval phase transition at 6 layers x 128, init
-std 0.1.
-
-Session 6 (``--warmup-mix rep --mix induction``, "rep" rows: random vocabulary tokens, then a suffix
-of them again). Teacher-forced, v3 takes the object after a given colour ("a blue -> cup") from the
-passage only 66% of the time with ONE person in it: its copy/reverse skills are positional, it has
-no content-matching (induction) heads. Probes (2 layers, recall rows or rows of task words repeated)
-stayed at "copy some word of the context" for 1500 steps; rows of random tokens from the whole
-vocabulary grew induction heads in ~1000 steps (repeat accuracy 25% -> 80%). With the 6-layer model:
-v3 + 600 steps of 70% rep rows, then ``--mix induction``, lr 1.5e-3 (1800 of 2400 steps, ~50 min of
-one core): rep 0.87 at step 1000, 0.99 at 1800, but path 45%/46% and owner 17%/22% (zero/3-shot),
-no better than v3; from scratch (1200 rep steps, lr 2e-3): rep 0.93 at step 1200, path 36%/46% and
-owner 16% at 1600. Teacher-forced at step 1200 (v3 + rep): one person 89% object-after-colour, two
-people 59% colour / 50% object: the new induction heads do not fire on the tasks' words. Next to try:
-rep rows built from the tasks' own words and passages (so the heads are used there), then owner
-passages whose answer restates the name ("Sam has a green box") as a bridge to the lookup by name.
-Of the earlier "not yet tried" list, init std 0.02 was tried only with 2 layers (session 7, packed
-rows: no gain); recall-only pretraining and longer runs of the 6-layer mix are still untried.
-
-Session 7 (``--mix single``; ~1 hour of one core). Probes with a scratch script: ``build_model``
-with 2 layers unless said, path rows only, 32 rows a step, lr 3e-3, init std 0.1; figures are
-first direction / second / both right, teacher-forced, on 200 held-out eval-form blocks (seed 1;
-v3: 64/75/44% on 300):
-
-- packed rows (16 of 160 tokens, several passages, 2-5 questions each; std 0.02, lr 2e-3):
-  58/42/27% at step 800; with every fact also asked as stated ("from Y to X"): first direction
-  60-65% for 700 steps.
-- ONE eval-form block a row ("path1" below): 69/70/45% at step 200, then flat: 59-73/72-80/41-52%
-  at every check up to step 5000 (13 min); the same level with 4 layers (lr 2e-3: 49% at step
-  1000), 8 heads of 16 (49% at 800), prompt weight 1 (53% at 800), rooms drawn from 240 other word
-  tokens in 70% of the passages (47% at 800); 2-5 questions a passage: 14% at step 200 (stopped).
-- the plateau (2 layers, 800 steps of path1, 300 blocks): of 104 wrong first directions, 61 are the
-  direction of the fact whose subject is the goal room (the answer's second direction); one-hop
-  "from a to m" / "from m to b" 66% / 65%. The first direction is right as often as taking one of
-  the two path facts at random (1/3 + 2/3 x 1/2 = 67%): the facts about the question's rooms are
-  found, which is which (from / to, object / subject) is not.
-- "who has what", one block a row: exact match 14-21% (chance) for 800 steps; with 70% of the names
-  drawn from 240 word tokens, 14-18% for 1500 steps.
-- v3 + path1 rows only (6 layers, lr 1e-3): both 39-48% for 200 steps; v3 + packed multi-question
-  path rows only: 13-23%, back to 41% at step 400.
-- ``--init v3 --mix single --lr 1e-3 --steps 300`` (8 min): seed 1 path 38/48%, sums 95/99%, copy
-  97/100%, reverse 88/94%, owner 16/15% (v3 on the same: 44/40, 86/96, 97/100, 80/88, 14/14). On 300
-  more path questions per set (seeds 12345 and 2024 zero-shot, 777 and 4242 with 1-5 shots): 43, 49
-  / 49, 44% against v3's 42, 48 / 41, 44%: no real gain on path, not shipped.
-
-- the bare lookup with the key right before its value (``recall_text`` rows, one a row: "Recall: Mia
-  red. kitchen north.\n? kitchen" -> " north"): value right 21-26% for 1250 steps, 33% at 2500
-  (chance ~22%). Even that, a plain induction pattern on the tasks' words, is barely learned, while
-  session 6's random-token repeats were learned in ~1000 steps.
-
-Session 8 (a scratch probe, ~40 minutes of one core: ``LlamaForCausalLM`` init std 0.02 unless said,
-AdamW betas 0.9/0.95, weight decay 0.1, clip 1.0, warmup 100 + cosine, 32 rows a step, one block a
-row, loss on the answer only unless said; figures: first direction / both right, greedy, 200
-held-out blocks):
-
-- ``path_block`` with exactly TWO facts (no distractor): 2 layers lr 1e-3 / 3e-3, 4 layers lr 1e-3 /
-  2e-3, prompt weight 0 / 0.3 / 1: 62-75% / the same for 900-2000 steps. With two facts, picking
-  either fact's direction gives 1/3 + 2/3 x 1/2 = 67%: the plateau again, on the easiest passage.
-- ONE fact, asked either way ("The x is d of the y." from y to x -> d, from x to y -> the opposite):
-  loss exactly ln 2 (0.69), 50% right, for 1400-3000 steps with 2 layers (std 0.02 and 0.1, lr 2e-3 /
-  3e-3) and 4 layers (lr 1e-3). The answer is d XOR "the question starts at the subject": neither
-  half alone says anything about it, so the gradient is zero until both exist (a parity-like saddle).
-  For the eval form (path facts stated forward) the first direction is a lookup, but it has the same
-  shape: the question's "from" room must be carried to the answer position AND the direction must
-  sit at the room's position in the passage before either helps the loss.
-- every one- and two-hop question of a passage in one row (2-4 facts, 12 a row, both ways), 2 and 4
-  layers: loss 0.98 -> 0.85 in 500 steps (1-1.8 s a step); the same with forward questions only plus
-  "Where does the way from the X to the Y start? -> the X" rows (4 layers, 16 rows a step, 70% such
-  rows): eval form 31-35% both right at steps 400-1800, not better than v3.
-
-Conclusion: the path task needs components that the answer alone gives no gradient to; the next
-attempt should train them with first-order signals (one task per component, each solvable by one
-head: carry the "from" room to the answer position; put a fact's direction at its object's
-position) and only then the composition, or spend an order of magnitude more steps than a session
-has.
-
-Next to try (session 7): find why the plain lookup on the tasks' words is this slow before more data work:
-the same recall probe with other optimizer settings (no weight decay, betas 0.9/0.95, no clipping,
-lr 1e-2), with a larger key set, with keys and values from disjoint token sets; then training
-questions whose answer is a room ("What is north of the hallway?" -> " the kitchen": the lookup's
-target is a copy); recall-only pretraining to 90%+ before the mix.
+Measured (the shipped v4: ``--steps 1500``, 45 minutes on the project's 2-core CPU, 2 threads):
+train-time held-out exact match, path zero-/3-shot and owner zero-/3-shot: step 250 79/80/53/62%,
+500 90/90/96/97%, 750 91/90/100/100%, 1000 96/95/100/100%, 1500 99/97/100/100%; at the end sums
+55/52%, copy 70/46%, reverse 46/38% (those three have no supervised heads and a small share of the
+rows). Through the runner: see the README.
 """
 
 from __future__ import annotations
@@ -147,6 +61,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -159,39 +74,21 @@ from examples.default_model import (  # noqa: E402
 
 SEED = 0
 VOCAB_SIZE = 1024
-ROW_TOKENS = 160  # rows are packed up to this many tokens: short rows, many of them per step
+ROW_TOKENS = 256  # a row packs blocks of one task up to about this many tokens
+LONG_ROW_TOKENS, LONG_EVERY = 512, 4  # every 4th step: half as many rows of up to 512 tokens, so
+# that 5-shot path prompts (~400 tokens) are not past every position the model has seen
 CTX_WEIGHT = 0.05  # loss weight of task prompt tokens (answers weigh 1)
-LONG_ROW_TOKENS, LONG_EVERY = 400, 8  # every 8th step: a quarter as many rows of 400 tokens, so
-# that long few-shot prompts (up to ~330 tokens) are not past every position the model has seen
 STORY_WEIGHT = 0.2  # loss weight of story and corpus text: a whole row of it would outweigh answers
-P_EVAL_ONLY = 0.6  # from this fraction of the run on, task blocks have exactly the eval form
+ATTN_WEIGHT = 1.0  # weight of the attention-supervision loss (per supervised query, averaged)
+P_MORE = 0.6  # after each block a row goes on with another with this probability (room allowing)
 # Share of rows per task; path questions are the headline demo and the hardest, so they get the most.
-MIX = {"path": 0.5, "arith": 0.07, "copy": 0.04, "reverse": 0.04, "owner": 0.3, "story": 0.04,
-       "corpus": 0.01}
-# The first steps copy from context: a tiny model otherwise sits on a long plateau before it learns
-# to look tokens up in its context (measured: still no copying after 2000 steps of MIX alone).
-# "recall": the same skill as "who has what" with nothing around it (a key, then its value), one
-# answer token in three; for the retrieval plateau that the other tasks alone did not leave.
-MIXES = {"base": MIX,
-         "recall": {"path": 0.35, "owner": 0.3, "recall": 0.2, "arith": 0.05, "copy": 0.03,
-                    "reverse": 0.03, "story": 0.03, "corpus": 0.01}}
-# "rep": random vocabulary tokens, " |", then a suffix of them again (loss on the repeat only). With
-# ~1000 possible tokens nothing but a lookup of the current token's earlier occurrence predicts the
-# repeat, so it grows the induction heads that the tasks above need and do not force (their few
-# dozen words let "copy some word of the passage" do half as well). Measured with 2 layers, 32 rows of
-# 96 tokens, lr 3e-3: the repeat's accuracy jumps from ~25% to ~80% between steps 900 and 1100.
-MIXES["induction"] = {"rep": 0.3, "path": 0.3, "owner": 0.22, "arith": 0.06, "copy": 0.04, "reverse": 0.04,
-                      "story": 0.03, "corpus": 0.01}
-# "path1"/"owner1": a row of ONE zero-shot block in the eval form (no other passage in the row, so
-# every occurrence of a room or name in it is the one to look up). Measured with 2 layers (path only,
-# 32 such rows a step, lr 3e-3): v3's path level in 200 steps (packed rows: 27% after 800), then
-# flat; from v3 (6 layers, 300 steps) no real gain (see the docstring).
-MIXES["single"] = {"path1": 0.4, "owner1": 0.2, "path": 0.1, "owner": 0.05, "arith": 0.08,
-                   "copy": 0.05, "reverse": 0.05, "story": 0.06, "corpus": 0.01}
-WARMUP_MIXES = {"copy": {"copy": 0.4, "reverse": 0.1, "owner": 0.3, "path": 0.2},
-                "rep": {"rep": 0.7, "copy": 0.05, "owner": 0.1, "path": 0.15}}
-WARMUP_MIX = WARMUP_MIXES["copy"]
-WARMUP_STEPS = 150
+MIX = {"path": 0.45, "owner": 0.25, "arith": 0.1, "copy": 0.05, "reverse": 0.05, "story": 0.07,
+       "corpus": 0.03}
+# (layer, head) of each supervised role: see the module docstring
+CIRCUIT = {"fact_x": (0, 0), "fact_d": (0, 1), "ask_a": (0, 2), "ask_b": (0, 3),
+           "b_as_y": (1, 0), "b_as_x": (1, 1), "a_as_y": (1, 2), "a_as_x": (1, 3),
+           "first": (2, 0), "second": (2, 1),
+           "owner_of": (0, 0), "ask_name": (0, 2), "colour": (1, 0), "object": (1, 1)}
 
 
 def tokenizer_texts(rng: random.Random) -> list[str]:
@@ -218,15 +115,12 @@ def train_tokenizer(rng: random.Random):
     return make_tokenizer(tok)
 
 
-def path_passage(rng: random.Random, n_facts: int):
-    """Like ``dt.path_block``: rooms on a grid joined by ``n_facts`` facts (a tree), plus the
-    (a, b) pair of the eval question; returns (passage lines, facts, a, b)."""
-    rooms = rng.sample(dt.ROOMS, max(n_facts, 2) + 1)
+def path_facts(rng: random.Random):
+    """``dt.path_block``'s passage with its structure: (facts, a, m, b, d1, d2); fact = (x, d, y)."""
+    n_facts = rng.randint(2, 4)
+    rooms = rng.sample(dt.ROOMS, n_facts + 1)
     a, m, b = rooms[:3]
     d1 = rng.choice(list(dt.DIRS))
-    if n_facts == 1:  # curriculum only: one fact, asked one hop
-        lines = f"The {m} is {d1} of the {a}.\n"
-        return lines, [(m, d1, a)], a, m
     d2 = rng.choice([d for d in dt.DIRS if d != dt.OPPOSITE[d1]])
     pos = {a: (0, 0)}
     pos[m] = dt._step(pos[a], d1)
@@ -241,184 +135,181 @@ def path_passage(rng: random.Random, n_facts: int):
         pos[new] = spot
         facts.append((new, d, old) if rng.random() < 0.5 else (old, dt.OPPOSITE[d], new))
     rng.shuffle(facts)
-    lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
-    return lines, facts, a, b
+    return facts, a, m, b, d1, d2
 
 
-def owner_block(rng: random.Random, lo: int, hi: int) -> dt.Block:
-    """``dt.owner_block`` with ``lo..hi`` people."""
-    k = rng.randint(lo, hi)
+@dataclass
+class RowText:
+    """A row's text as it is built, with the character offsets that the supervision names.
+
+    ``links``: (role, query char offset, [target char offsets]); ``answers``: weighted char spans."""
+
+    text: str = ""
+    links: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    answers: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, s: str) -> int:
+        """Append ``s``; returns where it starts (a word's token starts at its leading space)."""
+        self.text += s
+        return len(self.text) - len(s)
+
+
+def add_path(row: RowText, rng: random.Random) -> None:
+    """One path block in ``dt.path_block``'s form, with the circuit's links."""
+    facts, a, m, b, d1, d2 = path_facts(rng)
+    row.add("Passage:")
+    at = []  # (x, y, char of x, of d, of y) per fact
+    for i, (x, d, y) in enumerate(facts):
+        row.add(" The" if i == 0 else "The")
+        cx = row.add(f" {x}")
+        row.add(" is")
+        cd = row.add(f" {d}")
+        row.add(" of the")
+        cy = row.add(f" {y}")
+        row.add(".\n")
+        at.append((x, y, cx, cd, cy))
+    row.add("Question: How do you go from the")
+    ca = row.add(f" {a}")
+    row.add(" to the")
+    cb = row.add(f" {b}")
+    row.add("?\nAnswer")
+    colon = row.add(":")
+    c1 = row.add(f" {d1}")
+    row.add(f" {d2}{dt.SEPARATOR['path']}")
+    row.answers.append((c1, len(row.text)))
+    for x, y, cx, cd, cy in at:
+        row.links += [("fact_x", cy, [cx]), ("fact_d", cy, [cd])]
+    for q in (colon, c1):
+        row.links += [("ask_a", q, [ca]), ("ask_b", q, [cb])]
+
+    def ys(keep) -> list[int]:
+        return [cy for x, y, _, _, cy in at if keep(x, y)]
+
+    row.links += [("b_as_y", colon, ys(lambda x, y: y == b)), ("b_as_x", colon, ys(lambda x, y: x == b)),
+                  ("a_as_y", c1, ys(lambda x, y: y == a)), ("a_as_x", c1, ys(lambda x, y: x == a)),
+                  ("first", colon, ys(lambda x, y: (x, y) == (m, a))),
+                  ("second", c1, ys(lambda x, y: (x, y) == (b, m)))]
+
+
+def add_owner(row: RowText, rng: random.Random) -> None:
+    """One "who has what" block in ``dt.owner_block``'s form, with the circuit's links."""
+    k = rng.randint(2, 4)
     names = rng.sample(dt.NAMES, k)
     colors = [rng.choice(dt.COLORS) for _ in range(k)]
     objects = rng.sample(dt.OBJECTS, k)
-    things = [f" a {c} {o}" for c, o in zip(colors, objects)]
-    passage = " ".join(f"{n} has{t}." for n, t in zip(names, things))
     ask = rng.randrange(k)
-    prompt = f"Passage: {passage}\nQuestion: What does {names[ask]} have?\nAnswer:"
-    return dt.Block(prompt, things[ask], tuple(things))
+    row.add("Passage:")
+    at = []
+    for n, c, o in zip(names, colors, objects):
+        cn = row.add(f" {n}")
+        row.add(" has a")
+        cc, co = row.add(f" {c}"), row.add(f" {o}")
+        row.add(".")
+        at.append((cn, cc, co))
+        row.links += [("owner_of", cc, [cn]), ("owner_of", co, [cn])]
+    row.add("\nQuestion: What does")
+    cq = row.add(f" {names[ask]}")
+    row.add(" have?\nAnswer:")
+    ca = row.add(" a")
+    cc = row.add(f" {colors[ask]}")
+    row.add(f" {objects[ask]}{dt.SEPARATOR['owner']}")
+    row.answers.append((ca, len(row.text)))
+    row.links += [("ask_name", ca, [cq]), ("ask_name", cc, [cq]),
+                  ("colour", ca, [at[ask][1]]), ("object", cc, [at[ask][2]])]
 
 
-def path_questions(facts) -> dict[tuple[str, str], str]:
-    """Every question the passage answers along its (tree) graph: one hop and two hops."""
-    step: dict[str, dict[str, str]] = {}
-    for x, d, y in facts:  # x is d of y: from y go d to x, from x go opposite(d) to y
-        step.setdefault(y, {})[x] = d
-        step.setdefault(x, {})[y] = dt.OPPOSITE[d]
-    out = {}
-    for u in sorted(step):
-        for v, d in sorted(step[u].items()):
-            out[(u, v)] = " " + d
-            for w, e in sorted(step[v].items()):
-                if w != u:
-                    out[(u, w)] = f" {d} {e}"
-    return out
+def add_block(row: RowText, rng: random.Random, task: str) -> None:
+    if task == "path":
+        add_path(row, rng)
+    elif task == "owner":
+        add_owner(row, rng)
+    else:
+        b = dt.block(task, rng)
+        row.add(b.prompt)
+        start = row.add(b.answer + dt.SEPARATOR[task])
+        row.answers.append((start, len(row.text)))
+
+
+Row = tuple[list[int], list[float], list[tuple[str, int, list[int]]]]
 
 
 class Rows:
-    """Endless training rows: (token ids, per-target loss weights), drawn from one seeded RNG.
+    """Endless training rows from one seeded RNG: (token ids, weight of predicting each next token,
+    attention links as token positions)."""
 
-    Curriculum over the fraction ``p`` of the run done: path passages start with no decoy rooms
-    and several questions each (one-hop "from X to Y" and every two-hop pair in the passage, so
-    one passage gives many answers); decoys come in from ``p = 0.1``; from ``P_EVAL_ONLY`` on,
-    every block has exactly the eval form (one two-hop question about the path's ends).
-    """
-
-    def __init__(self, tokenizer, seed: int, steps: int, ctx_weight: float = CTX_WEIGHT,
-                 mix: str = "base") -> None:
-        self.tok, self.rng, self.ctx_weight = tokenizer, random.Random(seed), ctx_weight
-        self.mix = MIXES[mix]
-        self.row_tokens = ROW_TOKENS  # of the current batch: see batch()
+    def __init__(self, tokenizer, seed: int) -> None:
+        self.tok, self.rng = tokenizer, random.Random(seed)
         self.corpus = CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
-        self.step, self.steps = 0, steps  # batches drawn so far: selects the curriculum stage
+        self.step = 0
 
-    def ids(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+    def story_row(self, task: str, max_tokens: int) -> Row:
+        ids = [self.tok.bos_token_id]
+        while len(ids) < max_tokens:
+            text = dt.story(self.rng) if task == "story" else self.rng.choice(self.corpus)
+            ids += self.tok(text + "\n\n", add_special_tokens=False)["input_ids"]
+        ids = ids[:max_tokens]
+        return ids, [STORY_WEIGHT] * (len(ids) - 1), []
 
-    def progress(self) -> float:
-        return self.step / max(1, self.steps)
-
-    def path_text(self) -> list[tuple[str, str]]:
-        """[(prompt, answer)] pieces of one path block (answers end with their separator)."""
-        p, rng = self.progress(), self.rng
-        lo, hi = (1, 2) if p < 0.1 else ((2, 3) if p < 0.2 else (2, 4))
-        lines, facts, a, b = path_passage(rng, rng.randint(lo, hi))
-        ask = "Question: How do you go from the {} to the {}?\nAnswer:"
-        if len(facts) > 1 and (p >= P_EVAL_ONLY or rng.random() < 0.3):
-            return [(f"Passage: {lines}" + ask.format(a, b), path_questions(facts)[(a, b)] + "\n\n")]
-        qs = path_questions(facts)
-        pairs = sorted(qs)
-        two = [k for k in pairs if len(qs[k].split()) == 2]
-        one = [k for k in pairs if len(qs[k].split()) == 1]
-        pick = rng.sample(two, min(len(two), rng.randint(1, 3)))
-        pick += rng.sample(one, min(len(one), rng.randint(0 if two else 1, 2 if p < 0.3 else 1)))
-        rng.shuffle(pick)
-        out = []
-        for i, (u, v) in enumerate(pick):
-            head = f"Passage: {lines}" if i == 0 else ""
-            sep = "\n\n" if i == len(pick) - 1 else "\n"
-            out.append((head + ask.format(u, v), qs[(u, v)] + sep))
-        return out
-
-    def recall_text(self) -> list[tuple[str, str]]:
-        """"Recall: Mia red. kitchen north.\n? kitchen north. Mia red.": every key asked once."""
-        rng = self.rng
-        keys = rng.sample(dt.NAMES + dt.ROOMS, rng.randint(3, 8))
-        values = [rng.choice(dt.COLORS + dt.OBJECTS + list(dt.DIRS)) for _ in keys]
-        out = [("Recall:" + "".join(f" {k} {v}." for k, v in zip(keys, values)) + "\n?", "")]
-        for i in rng.sample(range(len(keys)), len(keys)):
-            out.append((f" {keys[i]}", f" {values[i]}."))
-        out[-1] = (out[-1][0], out[-1][1] + "\n\n")
-        return out
-
-    def owner_text(self) -> list[tuple[str, str]]:
-        p = self.progress()
-        if p < 0.2:  # curriculum: one or two owners first, then two or three
-            b = owner_block(self.rng, *((1, 2) if p < 0.1 else (2, 3)))
-        else:
-            b = dt.owner_block(self.rng)
-        if self.progress() >= P_EVAL_ONLY or self.rng.random() < 0.4:
-            return [(b.prompt, b.answer + "\n\n")]
-        # several questions about one passage: more answers per token
-        passage = b.prompt.split("\nQuestion:")[0]
-        names = [s.split(" has ")[0].strip() for s in passage[len("Passage: "):].split(".") if " has " in s]
-        things = list(b.choices)
-        order = self.rng.sample(range(len(names)), len(names))
-        out = []
-        for i, j in enumerate(order):
-            head = passage + "\n" if i == 0 else ""
-            sep = "\n\n" if i == len(order) - 1 else "\n"
-            out.append((head + f"Question: What does {names[j]} have?\nAnswer:", things[j] + sep))
-        return out
-
-    def rep_ids(self) -> tuple[list[int], list[float]]:
-        """Random tokens, " |", a suffix of them again, a newline: (ids, weight of predicting each).
-
-        The repeat's first token (its start is random) and the random part weigh 0."""
-        rng = self.rng
-        n = rng.randint(4, 16)
-        seq = [rng.randrange(3, len(self.tok)) for _ in range(n)]
-        s0 = rng.randint(0, n - 3)
-        first, again = seq + self.ids(" |"), seq[s0:] + self.ids("\n")
-        return first + again, [0.0] * (len(first) + 1) + [1.0] * (len(again) - 2) + [0.0]
-
-    def row(self) -> tuple[list[int], list[float]]:
-        """``ids[0]`` is ``<s>``; ``weights[i]`` is the weight of predicting ``ids[i + 1]``."""
-        mix = WARMUP_MIX if self.step < WARMUP_STEPS else self.mix
-        task = self.rng.choices(list(mix), list(mix.values()))[0]
-        ids, w = [self.tok.bos_token_id], []
-        if task in ("path1", "owner1"):
-            b = dt.block(task[:-1], self.rng)
-            p, a = self.ids(b.prompt), self.ids(b.answer + dt.SEPARATOR[task[:-1]])
-            return ids + p + a, [self.ctx_weight] * len(p) + [1.0] * len(a)
+    def row(self, max_tokens: int) -> Row:
+        """``ids[0]`` is ``<s>``; ``weights[i]`` weighs predicting ``ids[i + 1]``. Blocks are added
+        while the text stays under ~4 characters a token of ``max_tokens``; the row is tokenized
+        whole, as the runner tokenizes a prompt."""
+        task = self.rng.choices(list(MIX), list(MIX.values()))[0]
         if task in ("story", "corpus"):
-            while len(ids) < self.row_tokens:
-                text = dt.story(self.rng) if task == "story" else self.rng.choice(self.corpus)
-                piece = self.ids(text + "\n\n")
-                ids += piece
-                w += [STORY_WEIGHT] * len(piece)
-            return ids[: self.row_tokens], w[: self.row_tokens - 1]
+            return self.story_row(task, max_tokens)
+        row = RowText()
         while True:
-            if task == "rep":
-                piece, pw = self.rep_ids()
-                if len(ids) + len(piece) > self.row_tokens:
-                    break
-                ids, w = ids + piece, w + pw
-                continue
-            if task == "path":
-                pieces = self.path_text()
-            elif task == "owner":
-                pieces = self.owner_text()
-            elif task == "recall":
-                pieces = self.recall_text()
-            else:
-                b = dt.block(task, self.rng)
-                pieces = [(b.prompt, b.answer + dt.SEPARATOR[task])]
-            enc = [(self.ids(p), self.ids(a)) for p, a in pieces]
-            if len(ids) + sum(len(p) + len(a) for p, a in enc) > self.row_tokens:
-                if len(ids) == 1:  # a block longer than a row: draw another
-                    continue
+            before = (row.text, list(row.links), list(row.answers))
+            add_block(row, self.rng, task)
+            if len(row.text) > 4 * max_tokens and before[0]:
+                row.text, row.links, row.answers = before
                 break
-            for p, a in enc:
-                ids += p + a
-                w += [self.ctx_weight] * len(p) + [1.0] * len(a)
-        ids.append(self.tok.eos_token_id)  # the row ends like a document
-        w.append(self.ctx_weight)
-        return ids, w
+            if self.rng.random() >= P_MORE:
+                break
+        enc = self.tok(row.text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = enc["offset_mapping"]
+        ids = [self.tok.bos_token_id] + enc["input_ids"] + [self.tok.eos_token_id]
+        token_at = {s: i + 1 for i, (s, _) in enumerate(spans)}  # char offset -> position in ids
+        weights = [CTX_WEIGHT] * (len(ids) - 1)
+        for s, e in row.answers:
+            for i, (ts, te) in enumerate(spans):
+                if s <= ts and te <= e:
+                    weights[i] = 1.0  # predicting enc token i = ids[i + 1]
+        links = [(role, token_at[q], [token_at[k] for k in ks]) for role, q, ks in row.links if ks]
+        return ids, weights, links
 
-    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(inputs, targets, weights), each (size, T); padding has weight 0 (right pad, causal)."""
+    def batch(self, size: int):
+        """(inputs, targets, weights, links); links: {(layer, head): (rows, query positions,
+        target mask (n, T))}. Padding is on the right and has weight 0."""
         long = self.step % LONG_EVERY == LONG_EVERY - 1
-        self.row_tokens = LONG_ROW_TOKENS if long else ROW_TOKENS
-        rows = [self.row() for _ in range(max(1, size * ROW_TOKENS // LONG_ROW_TOKENS) if long else size)]
         self.step += 1
-        t = max(len(i) for i, _ in rows) - 1
-        x = torch.full((size, t), self.tok.pad_token_id, dtype=torch.long)
-        y, wt = x.clone(), torch.zeros(size, t)
-        for r, (ids, w) in enumerate(rows):
+        rows = [self.row(LONG_ROW_TOKENS if long else ROW_TOKENS) for _ in range(size // 2 if long else size)]
+        t = max(len(ids) for ids, _, _ in rows) - 1
+        x = torch.full((len(rows), t), self.tok.pad_token_id, dtype=torch.long)
+        y, w = x.clone(), torch.zeros(len(rows), t)
+        by_head: dict[tuple[int, int], list[tuple[int, int, list[int]]]] = {}
+        for r, (ids, wt, links) in enumerate(rows):
             n = len(ids) - 1
-            x[r, :n], y[r, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
-            wt[r, :n] = torch.tensor(w)
-        return x, y, wt
+            x[r, :n], y[r, :n], w[r, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:]), torch.tensor(wt)
+            for role, q, ks in links:  # x[r, p] = ids[p]: a position in ids is one in x
+                by_head.setdefault(CIRCUIT[role], []).append((r, q, ks))
+        links = {}
+        for head, items in by_head.items():
+            mask = torch.zeros(len(items), t)
+            for j, (_, _, ks) in enumerate(items):
+                mask[j, ks] = 1.0
+            links[head] = (torch.tensor([i[0] for i in items]), torch.tensor([i[1] for i in items]), mask)
+        return x, y, w, links
+
+
+def attention_loss(attentions, links) -> torch.Tensor:
+    """Mean over supervised queries of ``-log(attention mass on the query's targets)``."""
+    total, n = torch.zeros(()), 0
+    for (layer, head), (rows, queries, mask) in links.items():
+        probs = attentions[layer][rows, head, queries]  # (n, T)
+        total = total - torch.log((probs * mask).sum(-1) + 1e-6).sum()
+        n += len(rows)
+    return total / max(n, 1)
 
 
 def build_model(tokenizer, layers: int = 6, hidden: int = 128):
@@ -454,23 +345,6 @@ def exact_match(model, tokenizer, task: str, n: int, seed: int, shots: int) -> f
     return hits / n
 
 
-@torch.no_grad()
-def rep_accuracy(model, tokenizer, n: int = 50, seed: int = 1) -> float:
-    """Greedy accuracy on the predictable tokens of ``n`` held-out "rep" pieces (the induction probe)."""
-    rows = Rows(tokenizer, seed, 1)
-    model.eval()
-    hits = total = 0
-    for _ in range(n):
-        ids, w = rows.rep_ids()
-        ids = [tokenizer.bos_token_id] + ids
-        pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
-        for j, wj in enumerate(w):  # w[j] weighs predicting ids[j + 1] (after the BOS shift)
-            if wj:
-                hits += int(pred[j] == ids[j + 1])
-                total += 1
-    model.train()
-    return hits / total
-
 
 def accuracies(model, tokenizer, n: int = 100, tasks=dt.TASKS) -> dict[str, float]:
     return {f"{task}/{shots}-shot": exact_match(model, tokenizer, task, n, 1, shots)
@@ -489,16 +363,13 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: int,
-          eval_every: int = 0, target: float = 2.0, stop_after: int = 0, save=None,
-          warmup: int = 200) -> int:
-    """AdamW on weighted next-token cross entropy; logs loss and tokens/s to stderr.
-
-    Every ``eval_every`` steps: greedy exact match on held-out path and owner blocks (seed 1, 100
-    each, zero- and 3-shot; deterministic, uses no torch RNG), ``save()``, and stop once all are
-    >= ``target``; ``save(step)`` gets the number of steps done. Returns the number of steps run."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, attn_weight: float,
+          log_every: int, eval_every: int = 0, save=None, warmup: int = 100, stop_after: int = 0) -> int:
+    """AdamW on weighted next-token cross entropy plus ``attn_weight`` x the attention loss; logs
+    both and tokens/s to stderr. Every ``eval_every`` steps: held-out path/owner exact match and
+    ``save()``. Returns the number of steps run."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=peak_lr, betas=(0.9, 0.98), eps=1e-8)
@@ -507,10 +378,12 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: 
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, peak_lr, warmup=min(warmup, steps // 10))
-        x, y, w = rows.batch(batch)
-        logits = model(input_ids=x).logits  # (B, T, V)
-        nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-        loss = (nll * w.flatten()).sum() / w.sum()
+        x, y, w, links = rows.batch(batch)
+        out = model(input_ids=x, output_attentions=True)
+        nll = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="none")
+        answer = (nll * w.flatten()).sum() / w.sum()
+        attn = attention_loss(out.attentions, links)
+        loss = answer + attn_weight * attn
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -518,17 +391,14 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: 
         seen += x.numel()
         if step % log_every == 0 or step == steps - 1:
             el = time.perf_counter() - t0
-            print(f"step {step:5d}  loss {loss.item():.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                  f"{seen / el:.0f} tok/s  {el / 60:.1f} min", file=sys.stderr, flush=True)
+            print(f"step {step:5d}  loss {answer.item():.4f}  attention {attn.item():.4f}  "
+                  f"lr {opt.param_groups[0]['lr']:.2e}  {seen / el:.0f} tok/s  {el / 60:.1f} min",
+                  file=sys.stderr, flush=True)
         if eval_every and step % eval_every == eval_every - 1:
             acc = accuracies(model, rows.tok, 100, ("path", "owner"))
-            print(f"  held-out at step {step + 1}: {report(acc)}, rep {rep_accuracy(model, rows.tok):.2f}",
-                  file=sys.stderr, flush=True)
+            print(f"  held-out at step {step + 1}: {report(acc)}", file=sys.stderr, flush=True)
             if save is not None:
-                save(step + 1)
-            if min(acc.values()) >= target:
-                print(f"  target {target} reached at step {step + 1}", file=sys.stderr, flush=True)
-                return step + 1
+                save()
         if stop_after and step + 1 >= stop_after:
             return step + 1
     return steps
@@ -536,33 +406,26 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, log_every: 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: train the tokenizer and the model, report held-out accuracy, save to ``--out``."""
-    global WARMUP_STEPS, WARMUP_MIX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(SHIPPED_DIR), help="folder to save_pretrained into")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=32, help=f"rows of up to {ROW_TOKENS} tokens per step")
-    ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--warmup", type=int, default=200, help="steps of linear lr warmup")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=32, help=f"rows of up to ~{ROW_TOKENS} tokens per step")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100, help="steps of linear lr warmup")
+    ap.add_argument("--attn-weight", type=float, default=ATTN_WEIGHT,
+                    help="weight of the attention-supervision loss (0: answers only)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the result depends on it)")
     ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--ctx-weight", type=float, default=CTX_WEIGHT, help="loss weight of prompts")
-    ap.add_argument("--mix", choices=sorted(MIXES), default="base", help="share of rows per task")
     ap.add_argument("--init", help="start from this saved model instead of random weights")
-    ap.add_argument("--warmup-mix", choices=sorted(WARMUP_MIXES), default="copy",
-                    help="rows of the first --warmup-mix-steps steps")
-    ap.add_argument("--warmup-mix-steps", type=int, default=None,
-                    help=f"steps drawn from --warmup-mix (default {WARMUP_STEPS}; 0 with --init)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=200,
                     help="held-out path/owner accuracy (and a save) every N steps")
-    ap.add_argument("--checkpoints", help="also save every evaluated model to DIR/step-N")
-    ap.add_argument("--target", type=float, default=2.0,
-                    help="stop once every held-out path/owner figure reaches this (2: never)")
     ap.add_argument("--stop-after", type=int, default=0, help="stop after N steps (0: --steps)")
     ap.add_argument("--eval-n", type=int, default=100, help="held-out questions per task and shot count")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
@@ -578,29 +441,21 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        model.config._attn_implementation = "sdpa"
     else:
         model = build_model(tokenizer, args.layers, args.hidden)
-    WARMUP_MIX = WARMUP_MIXES[args.warmup_mix]
-    if args.warmup_mix_steps is not None:
-        WARMUP_STEPS = args.warmup_mix_steps
-    elif args.init:
-        WARMUP_STEPS = 0  # it already copies from context
+    model.config._attn_implementation = "eager"  # returns the attention weights the loss needs
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", file=sys.stderr)
 
-    def save(step: int | None = None) -> None:
-        dirs = [Path(args.out)]
-        if step is not None and args.checkpoints:
-            dirs.append(Path(args.checkpoints) / f"step-{step}")
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
-            tokenizer.save_pretrained(d)
-            model.save_pretrained(d, safe_serialization=True)
+    def save() -> None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(out)
+        model.save_pretrained(out, safe_serialization=True)
 
-    rows = Rows(tokenizer, SEED + 1, args.steps, args.ctx_weight, args.mix)
-    done = train(model, rows, args.steps, args.batch, args.lr, args.log_every, args.eval_every,
-                 args.target, args.stop_after, save, args.warmup)
+    rows = Rows(tokenizer, SEED + 1)
+    done = train(model, rows, args.steps, args.batch, args.lr, args.attn_weight, args.log_every,
+                 args.eval_every, save, args.warmup, args.stop_after)
     print(f"trained {done} steps in {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
     model.eval()
     if args.eval_n:
