@@ -149,6 +149,20 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
     assert seen == set(tdm.CIRCUIT), set(tdm.CIRCUIT) - seen
 
 
+def test_training_script_is_deterministic(tmp_path: Path) -> None:
+    """A few steps twice: the same files (and the tokenizer it trains is the shipped one: checked
+    inside, as is that the rows' attention targets exist)."""
+    outs = []
+    for run in ("a", "b"):
+        cmd = [sys.executable, str(REPO / "examples" / "train_default_model.py"), "--out", str(tmp_path / run),
+               "--steps", "3", "--batch", "4", "--eval-every", "0", "--eval-n", "0", "--threads", "1"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "attention" in proc.stderr  # the supervision loss is logged
+        outs.append((tmp_path / run / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1]
+
+
 @pytest.fixture(scope="module")
 def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[int, list[dict]]:
     """Output lines of the runner on fresh held-out questions, at P = 1 and P = 2."""
