@@ -20,11 +20,11 @@ from tests.utils import REPO, read_jsonl, run_single, run_torchrun
 
 HELDOUT_SEED = 2024  # training draws rows with seed 1, tokenizer text with 0; the checker uses 12345
 N_PER_TASK = 60
-# 90% where issue 17 asks for it; elsewhere a margin under what the shipped model (v4) measures
-# through the runner with --batch-invariant at P = 1 and 2 (seed 2024, 60 questions per task: path
-# 100% / 95%, owner 100%, choice 100%, sums 68% / 48%, copy 53%, reverse 42%).
+# 90% for every task (issue 17 asks it of the path and multiple-choice tasks); what the shipped
+# model (v4) measures through the runner with --batch-invariant at P = 1 and 2 (seed 2024, 60
+# questions per task): path 95% / 95%, every other task 100%.
 FLOORS = {"path/0-shot": 0.9, "path/few-shot": 0.9, "owner/choice": 0.9, "owner": 0.9,
-          "arith/0-shot": 0.5, "arith/few-shot": 0.35, "copy": 0.4, "reverse": 0.3}
+          "arith/0-shot": 0.9, "arith/few-shot": 0.9, "copy": 0.9, "reverse": 0.9}
 TEXTS = [
     "Hello, world! The café on Elm Street is naïve about 日本 and 東京 🙂.",
     "  leading spaces, trailing spaces  \n\ttabs and\r\nnewlines\n",
@@ -143,8 +143,14 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
                 assert word[targets[0] - 3] == word[q + 1] and word[targets[0] - 2] == "of"
             if role == "colour":  # the asked person's colour is what the answer says next
                 assert word[targets[0]] == word[q + 1] and word[q] == "a"
-            if role == "object":
+            if role in ("object", "copy_next"):  # the target is the word the answer says next
                 assert word[targets[0]] == word[q + 1]
+            if role == "prev_word":
+                assert targets == [q - 1]
+            if role == "reverse_from":  # the current word's place; the word before it comes next
+                assert word[targets[0]] == word[q] and word[targets[0] - 1] == word[q + 1]
+            if role in ("operand_x", "operand_y"):
+                assert word[q] == "=" and targets == [q - (3 if role == "operand_x" else 1)]
         assert set(weights) <= {1.0, tdm.CTX_WEIGHT, tdm.STORY_WEIGHT}  # answers weigh 1, prompts less
     assert seen == set(tdm.CIRCUIT), set(tdm.CIRCUIT) - seen
 
@@ -185,8 +191,8 @@ def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[in
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_heldout_accuracy_through_the_runner(heldout_runs, pipeline: int) -> None:
     """Issue 17's targets (path questions zero- and few-shot, "who has what" generated and as lm-eval
-    multiple choice >= 90%), and the other tasks at their measured level (a broken pipeline: wrong
-    logits, positions or cache, falls far below every floor)."""
+    multiple choice >= 90%), and the same floor for sums, copy and reverse (a broken pipeline: wrong
+    logits, positions or cache, falls far below it)."""
     scores = check.score(heldout_runs[pipeline])
     assert set(scores) == set(FLOORS)
     acc = {task: hit / total for task, (hit, total) in scores.items()}
