@@ -48,8 +48,9 @@ class Block:
     choices: tuple[str, ...] = ()
 
 
-def path_block(rng: random.Random, min_facts: int = 2, max_facts: int = 4) -> Block:
-    """Rooms on a grid, a two-step path from ``a`` over ``m`` to ``b`` plus distractor rooms.
+def path_facts(rng: random.Random, min_facts: int = 2, max_facts: int = 4):
+    """Rooms on a grid, a two-step path from ``a`` over ``m`` to ``b`` plus distractor rooms:
+    ``(facts, a, m, b, d1, d2)``, each fact ``(x, d, y)`` = "The x is d of the y.".
 
     Path facts read "m is d1 of a", "b is d2 of m"; distractors hang off any placed room, stated
     either way round. Positions are unique, so the passage is consistent and the answer unique.
@@ -72,6 +73,12 @@ def path_block(rng: random.Random, min_facts: int = 2, max_facts: int = 4) -> Bl
         pos[new] = spot
         facts.append((new, d, old) if rng.random() < 0.5 else (old, OPPOSITE[d], new))
     rng.shuffle(facts)
+    return facts, a, m, b, d1, d2
+
+
+def path_block(rng: random.Random, min_facts: int = 2, max_facts: int = 4) -> Block:
+    """A path question (:func:`path_facts`): "How do you go from a to b?" -> " d1 d2"."""
+    facts, a, _, b, d1, d2 = path_facts(rng, min_facts, max_facts)
     lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
     prompt = f"Passage: {lines}Question: How do you go from the {a} to the {b}?\nAnswer:"
     return Block(prompt, f" {d1} {d2}")

@@ -124,29 +124,6 @@ def train_tokenizer(rng: random.Random):
     return make_tokenizer(tok)
 
 
-def path_facts(rng: random.Random):
-    """``dt.path_block``'s passage with its structure: (facts, a, m, b, d1, d2); fact = (x, d, y)."""
-    n_facts = rng.randint(2, 4)
-    rooms = rng.sample(dt.ROOMS, n_facts + 1)
-    a, m, b = rooms[:3]
-    d1 = rng.choice(list(dt.DIRS))
-    d2 = rng.choice([d for d in dt.DIRS if d != dt.OPPOSITE[d1]])
-    pos = {a: (0, 0)}
-    pos[m] = dt._step(pos[a], d1)
-    pos[b] = dt._step(pos[m], d2)
-    facts = [(m, d1, a), (b, d2, m)]
-    for new in rooms[3:]:
-        while True:
-            old, d = rng.choice(sorted(pos)), rng.choice(list(dt.DIRS))
-            spot = dt._step(pos[old], d)
-            if spot not in pos.values():
-                break
-        pos[new] = spot
-        facts.append((new, d, old) if rng.random() < 0.5 else (old, dt.OPPOSITE[d], new))
-    rng.shuffle(facts)
-    return facts, a, m, b, d1, d2
-
-
 @dataclass
 class RowText:
     """A row's text as it is built, with the character offsets that the supervision names.
@@ -165,7 +142,7 @@ class RowText:
 
 def add_path(row: RowText, rng: random.Random) -> None:
     """One path block in ``dt.path_block``'s form, with the circuit's links."""
-    facts, a, m, b, d1, d2 = path_facts(rng)
+    facts, a, m, b, d1, d2 = dt.path_facts(rng)
     row.add("Passage:")
     at = []  # (x, y, char of x, of d, of y) per fact
     for i, (x, d, y) in enumerate(facts):
