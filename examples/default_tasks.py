@@ -88,29 +88,45 @@ def _step(p: tuple[int, int], d: str) -> tuple[int, int]:
     return p[0] + DIRS[d][0], p[1] + DIRS[d][1]
 
 
-def arith_block(rng: random.Random) -> Block:
+def arith_operands(rng: random.Random) -> tuple[int, str, int]:
+    """``(x, op, y)`` of a sum or difference of numbers up to 20 (a difference never below zero)."""
     x, y = rng.randint(0, 20), rng.randint(0, 20)
     if rng.random() < 0.6:
-        return Block(f"Q: {x} + {y} =", f" {x + y}")
-    x, y = max(x, y), min(x, y)
-    return Block(f"Q: {x} - {y} =", f" {x - y}")
+        return x, "+", y
+    return max(x, y), "-", min(x, y)
+
+
+def arith_block(rng: random.Random) -> Block:
+    x, op, y = arith_operands(rng)
+    return Block(f"Q: {x} {op} {y} =", f" {x + y if op == '+' else x - y}")
+
+
+def list_items(rng: random.Random) -> list[str]:
+    """The 2-5 distinct words of a copy or reverse block."""
+    return rng.sample(WORDS, rng.randint(2, 5))
 
 
 def list_block(rng: random.Random, kind: str) -> Block:
-    items = rng.sample(WORDS, rng.randint(2, 5))
+    items = list_items(rng)
     out = items if kind == "copy" else items[::-1]
     return Block(f"{kind.capitalize()}: {' '.join(items)} ->", " " + " ".join(out))
 
 
-def owner_block(rng: random.Random) -> Block:
-    """Who has what; the question names one person, the candidates are every object in the passage."""
+def owner_facts(rng: random.Random) -> tuple[list[str], list[str], list[str], int]:
+    """``(names, colors, objects, ask)``: 2-4 people, each with a coloured object (the objects
+    distinct, so every candidate answer is a different string), and the index of the one asked."""
     k = rng.randint(2, 4)
     names = rng.sample(NAMES, k)
     colors = [rng.choice(COLORS) for _ in range(k)]
-    objects = rng.sample(OBJECTS, k)  # distinct objects: every candidate is a different string
+    objects = rng.sample(OBJECTS, k)
+    return names, colors, objects, rng.randrange(k)
+
+
+def owner_block(rng: random.Random) -> Block:
+    """Who has what; the question names one person, the candidates are every object in the passage."""
+    names, colors, objects, ask = owner_facts(rng)
     things = [f" a {c} {o}" for c, o in zip(colors, objects)]
     passage = " ".join(f"{n} has{t}." for n, t in zip(names, things))
-    ask = rng.randrange(k)
     prompt = f"Passage: {passage}\nQuestion: What does {names[ask]} have?\nAnswer:"
     return Block(prompt, things[ask], tuple(things))
 

@@ -179,11 +179,7 @@ def add_path(row: RowText, rng: random.Random) -> None:
 
 def add_owner(row: RowText, rng: random.Random) -> None:
     """One "who has what" block in ``dt.owner_block``'s form, with the circuit's links."""
-    k = rng.randint(2, 4)
-    names = rng.sample(dt.NAMES, k)
-    colors = [rng.choice(dt.COLORS) for _ in range(k)]
-    objects = rng.sample(dt.OBJECTS, k)
-    ask = rng.randrange(k)
+    names, colors, objects, ask = dt.owner_facts(rng)
     row.add("Passage:")
     at = []
     for n, c, o in zip(names, colors, objects):
@@ -206,7 +202,7 @@ def add_owner(row: RowText, rng: random.Random) -> None:
 
 def add_list(row: RowText, rng: random.Random, kind: str) -> None:
     """One copy/reverse block in ``dt.list_block``'s form, with the circuit's links."""
-    items = rng.sample(dt.WORDS, rng.randint(2, 5))
+    items = dt.list_items(rng)
     row.add(f"{kind.capitalize()}:")
     at = [row.add(f" {w}") for w in items]
     arrow = row.add(" ->")
@@ -225,10 +221,7 @@ def add_list(row: RowText, rng: random.Random, kind: str) -> None:
 
 def add_arith(row: RowText, rng: random.Random) -> None:
     """One sum or difference in ``dt.arith_block``'s form; the operands are brought to "="."""
-    x, y = rng.randint(0, 20), rng.randint(0, 20)
-    op = "+" if rng.random() < 0.6 else "-"
-    if op == "-":
-        x, y = max(x, y), min(x, y)
+    x, op, y = dt.arith_operands(rng)
     row.add("Q:")
     cx = row.add(f" {x}")
     row.add(f" {op}")
