@@ -51,10 +51,20 @@ RUNNER = REPO / "dist_inference_runner.py"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SYSTEMS = ("hf", "ct2", "runner1", "runner2", "hf-int8", "ct2-int8", "runner1-int8")
+SYSTEMS = ("hf", "ct2", "runner1", "runner2", "hf-bf16", "runner1-bf16", "hf-int8", "ct2-int8", "runner1-int8")
 LABELS = {"hf": "HF generate", "ct2": "CTranslate2", "runner1": "runner P=1", "runner2": "runner P=2",
+          "hf-bf16": "HF bf16", "runner1-bf16": "runner P=1 bf16",
           "hf-int8": "HF int8 (fake)", "ct2-int8": "CT2 int8", "runner1-int8": "runner P=1 int8"}
-INT8_PAIRS = (("runner1-int8", "runner1"), ("hf-int8", "hf"))  # (int8 system, its float32 counterpart)
+# (lower-precision system, its float32 counterpart): fidelity on the echo scoring requests
+PRECISION_PAIRS = (("runner1-bf16", "runner1"), ("hf-bf16", "hf"), ("runner1-int8", "runner1"), ("hf-int8", "hf"))
+PRECISIONS = ("-bf16", "-int8")
+
+
+def base_of(system: str) -> str:
+    """"runner1-int8" -> "runner1": the engine and layout without the precision suffix."""
+    for suffix in PRECISIONS:
+        system = system.removesuffix(suffix)
+    return system
 BATCH = 32
 AGREE_THRESHOLD = 0.95
 LOGPROB_TOL = 1e-3  # max |difference| of a prompt token's logprob for two scorings to agree
@@ -216,7 +226,7 @@ def fake_quantize_layers(model) -> None:
                 mod.weight.copy_(fake_quantize(mod.weight))
 
 
-def worker_hf(model_dir: Path, wdir: Path, threads: int, int8: bool = False) -> dict:
+def worker_hf(model_dir: Path, wdir: Path, threads: int, precision: str = "") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -225,8 +235,9 @@ def worker_hf(model_dir: Path, wdir: Path, threads: int, int8: bool = False) -> 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if int8:
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # bf16: the whole model cast, as HF runs it
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    if precision == "int8":
         fake_quantize_layers(model)
     load = time.perf_counter() - t0
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -278,10 +289,11 @@ def ct2_dir(model_dir: Path, quantization: str = "float32") -> Path:
     return target
 
 
-def worker_ct2(model_dir: Path, wdir: Path, threads: int, int8: bool = False) -> dict:
+def worker_ct2(model_dir: Path, wdir: Path, threads: int, precision: str = "") -> dict:
     import ctranslate2
     from transformers import AutoTokenizer
 
+    int8 = precision == "int8"
     compute = "int8_float32" if int8 else "float32"  # int8 weights and GEMMs, float32 elsewhere
     t0 = time.perf_counter()
     path = ct2_dir(model_dir, "int8_float32" if int8 else "float32")
@@ -436,7 +448,7 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
     shutil.rmtree(sysdir, ignore_errors=True)
     sysdir.mkdir(parents=True)
     log = sysdir / "log.txt"
-    base = name.removesuffix("-int8")
+    base = base_of(name)
     if base in ("hf", "ct2"):
         env["OMP_NUM_THREADS"] = str(cores)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model-dir", str(model_dir),
@@ -444,7 +456,8 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
     else:
         p = 1 if base == "runner1" else 2
         threads = max(1, cores // p)
-        runner_args = [*runner_args, *(["--quantize", "int8"] if name.endswith("-int8") else [])]
+        runner_args = [*runner_args, *(["--quantize", "int8"] if name.endswith("-int8") else []),
+                       *(["--dtype", "bfloat16"] if name.endswith("-bf16") else [])]
         env["OMP_NUM_THREADS"] = str(threads)
         args = [str(RUNNER), "--model-name", str(model_dir), "--infer-data", str(wdir / "gen.jsonl"), str(wdir / "score.jsonl"),
                 "--output-path", str(sysdir), "--num-threads", str(threads), "--no-progress", "--overwrite", *runner_args]
@@ -564,7 +577,7 @@ def compare(a: dict, b: dict, plan: list[dict]) -> dict:
 
 
 def fidelity(quant: dict, full: dict) -> dict:
-    """An int8 system against its float32 counterpart on the echo scoring requests: the share of
+    """A bf16 or int8 system against its float32 counterpart on the echo scoring requests: the share of
     prompt positions where both put the same token first (top-1 agreement), and the mean and largest
     |difference| of the prompt tokens' logprobs."""
     same = positions = 0
@@ -622,7 +635,7 @@ def report(out: dict) -> str:
         per = ", ".join(f"{k} {v:.0f}" for k, v in f["peak_rss_mb_per_process"].items()) or f"{f['peak_rss_mb']:.0f}"
         busy = f["stage_busy"]
         busy = "n/a" if not busy else json.dumps(busy)
-        if s.removesuffix("-int8") in ("hf", "ct2"):
+        if base_of(s) in ("hf", "ct2"):
             busy = "-"
         lines.append(f"{LABELS[s]:<16}{_num(f['gen_tokens_per_s'], 10)}{_num(f['scored_tokens_per_s'], 12)}"
                      f"{f['gen_seconds']:>8.1f}{f['score_seconds']:>8.1f}{f['wall_seconds']:>8.1f}"
@@ -659,7 +672,7 @@ def report(out: dict) -> str:
         lines.append(f"  stop strings ended {out['workload']['stop_hits']} of {wl['stop_requests']} stop requests early (reference outputs)")
     if out.get("fidelity"):
         lines.append("")
-        lines.append("int8 fidelity against float32 on the echo scoring requests (top-1: the same first-choice token at a "
+        lines.append("bf16 and int8 fidelity against float32 on the echo scoring requests (top-1: the same first-choice token at a "
                      "prompt position; |logprob diff|: the prompt tokens' logprobs):")
         for pair, f in out["fidelity"].items():
             if f["top1_agreement"] is None:
@@ -702,7 +715,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per system")
     ap.add_argument("--runner-args", default="", help="extra flags for dist_inference_runner.py, e.g. '--budget 16384'")
     ap.add_argument("--report", metavar="JSON", help="print the table of a saved --json file again and exit")
-    ap.add_argument("--worker", choices=("hf", "ct2", "hf-int8", "ct2-int8"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("hf", "ct2", "hf-bf16", "hf-int8", "ct2-int8"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -751,7 +764,9 @@ def all_ratios(figs: dict) -> dict:
     out.update({f"{name} (score tok/s)": ratio(figs, a, b, "scored_tokens_per_s") for name, a, b in
                 (pairs[0], pairs[1], pairs[4])})
     out.update({f"{name} (gen tok/s)": ratio(figs, a, b, "gen_tokens_per_s") for name, a, b in
-                [("CTranslate2 / HF", "ct2", "hf"), ("runner int8 / runner float32", "runner1-int8", "runner1"),
+                [("CTranslate2 / HF", "ct2", "hf"), ("runner bf16 / runner float32", "runner1-bf16", "runner1"),
+                 ("runner bf16 / HF bf16", "runner1-bf16", "hf-bf16"),
+                 ("runner int8 / runner float32", "runner1-int8", "runner1"),
                  ("runner int8 / CT2 int8", "runner1-int8", "ct2-int8"), ("runner int8 / HF", "runner1-int8", "hf"),
                  ("CT2 int8 / CTranslate2", "ct2-int8", "ct2")]})
     return out
@@ -769,8 +784,16 @@ def all_targets(ratios: dict, figs: dict, fid: dict, systems: list[str]) -> list
         target("runner P=1 scored prompt tok/s >= 1.2x CTranslate2", ratios["runner P=1 / CTranslate2 (score tok/s)"], 1.2),
         target("runner P=1 FLOP/s >= 35% of the matmul peak", peak, 0.35, unit="%"),
     ]
+    top1 = lambda q, f: fid.get(f"{LABELS[q]} vs {LABELS[f]}", {}).get("top1_agreement")
+    if any(s.endswith("-bf16") for s in systems):
+        ours, plain = top1("runner1-bf16", "runner1"), top1("hf-bf16", "hf")
+        targets += [
+            target("runner bf16 generated tok/s >= 2.0x runner float32", ratios["runner bf16 / runner float32 (gen tok/s)"], 2.0),
+            target("runner bf16 top-1 agreement minus its plain reference's (HF bf16)",
+                   None if ours is None or plain is None else ours - plain, -0.02, unit=""),
+        ]
     if any(s.endswith("-int8") for s in systems):
-        ours, plain = (fid.get(f"{LABELS[q]} vs {LABELS[f]}", {}).get("top1_agreement") for q, f in INT8_PAIRS)
+        ours, plain = top1("runner1-int8", "runner1"), top1("hf-int8", "hf")
         targets += [
             target("runner int8 generated tok/s >= 2.5x runner float32", ratios["runner int8 / runner float32 (gen tok/s)"], 2.5),
             target("runner int8 generated tok/s >= 1.2x CT2 int8", ratios["runner int8 / CT2 int8 (gen tok/s)"], 1.2),
@@ -818,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         fn = worker_hf if args.worker.startswith("hf") else worker_ct2
-        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores, args.worker.endswith("-int8"))
+        res = fn(Path(args.model_dir), Path(args.work_dir), args.cores, args.worker.partition("-")[2])
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
     if args.report:
@@ -840,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {k: max(v, matmul_peak(int(k))) for k, v in peaks.items()}
     figs = {s: figures(m, plan, params, peaks[str(args.cores)]) for s, m in results.items()}
     agreement, ref, stop_hits = agreements(results, plan)
-    fid = {f"{LABELS[q]} vs {LABELS[f]}": fidelity(results[q], results[f]) for q, f in INT8_PAIRS
+    fid = {f"{LABELS[q]} vs {LABELS[f]}": fidelity(results[q], results[f]) for q, f in PRECISION_PAIRS
            if q in results and f in results}
     ratios = all_ratios(figs)
     if "runner1-int8" in figs:

@@ -24,7 +24,7 @@ FIGURES = {"generated_tokens", "scored_prompt_tokens", "gen_tokens_per_s", "scor
 
 def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     out = tmp_path / "t.json"
-    cmd = [sys.executable, str(BENCH), "--quick", "--tiny", "--systems", "hf,runner1", "--json", str(out),
+    cmd = [sys.executable, str(BENCH), "--quick", "--tiny", "--systems", "hf,runner1,hf-bf16,runner1-bf16", "--json", str(out),
            "--work-dir", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--timeout", "120"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=str(REPO))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -33,7 +33,7 @@ def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     assert data["workload"]["requests"] == 12
     assert data["workload"]["score_requests"] >= 1 and data["workload"]["stop_requests"] >= 1
     assert not data["failures"], data["failures"]
-    assert set(data["systems"]) == {"hf", "runner1"}
+    assert set(data["systems"]) == {"hf", "runner1", "hf-bf16", "runner1-bf16"}
     for name, figs in data["systems"].items():
         assert FIGURES <= set(figs), (name, FIGURES - set(figs))
         assert figs["generated_tokens"] > 0 and figs["peak_rss_mb"] > 0
@@ -41,7 +41,13 @@ def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     agreement = data["agreement"]["runner P=1 vs HF generate"]
     assert agreement["requests"] == 12
     assert 0.0 <= agreement["fraction"] <= 1.0 and agreement["agree"] + agreement["disagree"] == 12
-    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 7  # no int8 system: no int8 target
+    assert [t["status"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 9  # bf16 targets, no int8 ones
+    bf16 = [t for t in data["targets"] if "bf16" in t["target"]]
+    assert len(bf16) == 2 and bf16[1]["value"] is not None  # (a tiny run's phases may round to 0.0 s: no speed ratio)
+    for pair in ("runner P=1 bf16 vs runner P=1", "HF bf16 vs HF generate"):  # fidelity against float32
+        f = data["fidelity"][pair]
+        assert f["positions"] > 0 and 0.5 <= f["top1_agreement"] <= 1.0 and f["mean_abs_logprob_diff"] < 0.5
+    assert "--dtype bfloat16" in data["systems"]["runner1-bf16"]["command"]
     assert "runner P=1 / HF (gen tok/s)" in data["ratios"]
     assert "Targets:" in p.stdout and "Greedy agreement" in p.stdout
 

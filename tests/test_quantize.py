@@ -23,6 +23,7 @@ from pipeline.models.int8 import (
     Int8Linear,
     choose_kernels,
     fake_quantize,
+    onednn_prepack,
     quantize_rows,
 )
 from pipeline.models.packed import why_not
@@ -38,6 +39,16 @@ from tests.utils import (
     write_jsonl,
 )
 
+def _onednn_int8() -> bool:
+    try:
+        onednn_prepack(torch.ones(2, 4, dtype=torch.int8))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+ONEDNN = _onednn_int8()
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN int8 linear")
 LOGIT_TOL = 0.1  # int8 vs float32, largest |logit| or |logprob| change allowed (measured ~0.02)
 PROMPTS = [[1, *range(2 + 17 * i, 22 + 23 * i)] for i in range(4)]  # BOS, then the special and plain tokens
 
@@ -83,8 +94,16 @@ def test_kernels_against_the_fake_quantized_product(bias):
     # per-token activation rounding moves x by at most half its row scale per element: bound the change
     step = x.abs().amax(-1, keepdim=True) / 127 / 2  # (3, 5, 1)
     bound = step * fake_quantize(w).abs().sum(1) + 1e-4
-    assert ((lin(x) - ref).abs() <= bound).all()
-    assert (lin(x) - ref).abs().max() > 0  # really the int8 path, not a float product
+    y = lin(x)
+    assert ((y - ref).abs() <= bound).all()
+    assert (y - ref).abs().max() > 0  # really the int8 path, not a float product
+    if ONEDNN:  # the same integer products against oneDNN's packed weights: only the scales' rounding differs
+        lin.set_kernel("onednn")
+        assert lin.weight.numel() == 0 and lin.packed is not None  # the packed copy replaced the plain one
+        torch.testing.assert_close(lin(x), y, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lin(x[0, :1]), y[0, :1], atol=1e-4, rtol=1e-5)  # one row (decode)
+        with pytest.raises(ValueError, match="packed"):
+            lin.set_kernel("dequantize")
 
 
 def test_choose_kernels_times_each_shape_and_keeps_the_faster():
@@ -103,7 +122,7 @@ def test_choose_kernels_times_each_shape_and_keeps_the_faster():
 
 
 @pytest.mark.parametrize("ranges", [[(0, 2)], [(0, 1), (1, 2)]])  # P = 1 and P = 2
-@pytest.mark.parametrize("kernel", ["dequantize", "int8"])
+@pytest.mark.parametrize("kernel", ["dequantize", "int8", pytest.param("onednn", marks=needs_onednn)])
 def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
     from transformers import AutoModelForCausalLM
 
@@ -113,7 +132,7 @@ def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
     for stage in int8s:
         for m in stage.modules():
             if isinstance(m, Int8Linear):
-                m.kernel = kernel
+                m.set_kernel(kernel)
     ours, full = chain_logits(int8s, PROMPTS), chain_logits(floats, PROMPTS)
     hf = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -204,7 +223,7 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
     for name in ("int8-p1", "int8-p2"):
         lines, summary = out[name]
         assert [s["weights"] for s in summary["stage_precision"]] == ["int8"] * runs[name][1]
-        assert all(set(s["kernels"].values()) <= {"int8", "dequantize"} for s in summary["stage_precision"])
+        assert all(set(s["kernels"].values()) <= {"int8", "onednn", "dequantize"} for s in summary["stage_precision"])
         for a, b in zip(lines, base):
             ra, rb = a["result"], b["result"]
             assert ra["model"] == rb["model"] + ":int8"

@@ -11,9 +11,12 @@ activations over 2048 inputs: a different summation order).
 
 Only the decoder layers' projections (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``) are
 packed, once, after the stage is loaded; the packed copy replaces the weight (no second copy in
-memory). Float32 on the CPU only: the GPU keeps cuBLAS, bfloat16 on a CPU without avx512_bf16 gains
-nothing, int8 weights have their own kernels, and ``--batch-invariant`` keeps the plain product
-(its guarantee is about one kernel's reduction order). If the op is missing from the torch build
+memory). Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
+an AMX Xeon, two threads, 768x2048, bf16 packed is bit-identical to bf16 ``F.linear`` and 2.3x /
+1.85x / 1.6x / 1.35x faster at 1 / 8 / 32 / 256 rows, about even at 1024; float16 gains nothing
+there (0.8-1.15x) and keeps ``F.linear``, as does bfloat16 on CPUs without bf16 instructions (oneDNN
+would emulate it). The GPU keeps cuBLAS, int8 weights have their own kernels, and
+``--batch-invariant`` keeps the plain product (its guarantee is about one kernel's reduction order). If the op is missing from the torch build
 (no oneDNN) or fails on a probe, the stage keeps ``F.linear`` and says so.
 """
 
@@ -46,8 +49,10 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
     """Why this stage keeps ``F.linear`` under ``--cpu-linear onednn``, or None when it packs."""
     if device.type != "cpu":
         return "not a CPU stage (cuBLAS on the GPU)"
-    if dtype != torch.float32:
-        return f"compute dtype {str(dtype).removeprefix('torch.')} (packing is for float32)"
+    if dtype == torch.bfloat16 and not native_bf16():
+        return "compute dtype bfloat16 on a CPU without avx512_bf16 or AMX (packing bf16 pays only with them)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"compute dtype {str(dtype).removeprefix('torch.')} (packing is for float32 and bfloat16)"
     if quantize != "none":
         return f"--quantize {quantize} has its own kernels"
     if batch_invariant:
@@ -56,13 +61,21 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
         return "this torch build has no oneDNN"
     try:
         gen = torch.Generator().manual_seed(0)  # not the global RNG: loading a stage must not move it
-        w, x = torch.randn(8, 16, generator=gen), torch.randn(3, 16, generator=gen)
+        w, x = torch.randn(8, 16, generator=gen).to(dtype), torch.randn(3, 16, generator=gen).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 4), None, "none", [], "")
-        if not torch.allclose(y, x @ w.t(), atol=1e-5, rtol=1e-5):
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if not torch.allclose(y.float(), (x @ w.t()).float(), atol=tol, rtol=tol):
             return "oneDNN's packed product disagrees with F.linear on a probe"
     except (RuntimeError, AttributeError) as e:
         return f"oneDNN's packed linear is unavailable ({str(e).splitlines()[0]})"
     return None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (avx512_bf16 or AMX tiles) for oneDNN to use."""
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None)
 
 
 @torch.no_grad()
