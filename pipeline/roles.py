@@ -84,14 +84,14 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
 
 
 def run_budget(opts, info, stage) -> int:
-    """--budget in tokens (auto: from the GPU memory left after loading, the least over stages)."""
+    """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
     from pipeline.budget import resolve_budget
 
     try:
-        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group)
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if opts.budget == "auto" and info.device.type == "cuda" and info.is_first:
+    if opts.budget == "auto" and info.is_first:
         log.info("--budget auto: %d KV-cache tokens", budget)
     return budget
 

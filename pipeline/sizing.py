@@ -91,13 +91,13 @@ def stage_memory(value: str, pipeline: int, local_world: int, device: torch.devi
         free = [torch.cuda.mem_get_info(s % count)[0] for s in range(pipeline)]
         return free, (f"auto: free memory of local CUDA devices 0..{min(pipeline, count) - 1} (stage s on device "
                       f"s mod {count}); pass sizes for pipelines that span nodes")
-    available = _available_ram()
+    available = available_ram()
     share = available // max(1, local_world)
     return [share] * pipeline, (f"auto on CPU: available RAM {gib(available)} divided among {local_world} local "
                                 f"process(es) = {gib(share)} per stage")
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -113,15 +113,18 @@ def test_run_configured_by_yaml(tmp_path, llama_2l):
 
 
 def test_budget_auto_from_gpu_memory():
-    """--budget auto: free memory less max(1 GiB, 10%) over the KV bytes of one token; the CPU keeps 8192."""
+    """--budget auto: free memory less max(1 GiB, 10%) over the KV bytes of one token; on the CPU the
+    available RAM shared among the node's processes, within [8192, 65536]."""
     import torch
 
-    from pipeline.budget import CPU_BUDGET, GiB, budget_from_memory, resolve_budget
+    from pipeline.budget import CPU_BUDGET, CPU_MAX_BUDGET, GiB, budget_from_memory, cpu_budget, resolve_budget
 
     assert budget_from_memory(free=30 * GiB, total=40 * GiB, cell_bytes=1 << 20) == 26 * 1024
     assert budget_from_memory(free=5 * GiB, total=8 * GiB, cell_bytes=1 << 20) == 4 * 1024
     assert budget_from_memory(free=GiB // 2, total=8 * GiB, cell_bytes=1 << 20) == 0
     assert budget_from_memory(free=GiB // 2, total=8 * GiB, cell_bytes=0) > 1 << 40  # no layers: no limit
-    assert resolve_budget("auto", None, torch.device("cpu")) == CPU_BUDGET
+    assert cpu_budget(available=16 * GiB, local_world=4, cell_bytes=1 << 17) == 24 * 1024  # 4 GiB each, 1 GiB kept
+    assert cpu_budget(available=2 * GiB, local_world=4, cell_bytes=1 << 20) == CPU_BUDGET  # tight: the floor
+    assert cpu_budget(available=64 * GiB, local_world=1, cell_bytes=1024) == CPU_MAX_BUDGET  # small cells: the cap
     assert resolve_budget(300, None, torch.device("cpu")) == 300
     assert parse_options(["--budget", "300"]).budget == 300
