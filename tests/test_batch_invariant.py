@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.models.decoder import Segment
-from pipeline.models.invariant import ROW_TILE, fixed_elementwise, map_rows
+from pipeline.models.invariant import ROW_TILE, fixed_elementwise, fixed_linear, map_rows
 from pipeline.partition import stage_ranges
 from tests.test_families_opt_bloom_gpt2 import build as build_family
 from tests.utils import hf_logits, stage_chain, tiny_llama
@@ -37,12 +37,16 @@ def _variants(x: torch.Tensor, fn, tile: int) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("k, n", [(256, 768), (688, 256), (1024, 4096)])
+@pytest.mark.parametrize("k, n", [(256, 768), (688, 256), (1024, 4096), (2048, 768), (4096, 1024), (2048, 32000)])
 def test_tiled_linear_is_row_invariant(k, n, threads):
+    """The batch-invariant linear: bit-identical at every position and for 1-3 threads (a BLAS may split
+    a long reduction among threads: MKL on an AVX-512 Xeon does from K = 1024), and the plain product
+    up to float rounding."""
     torch.manual_seed(0)
-    w = torch.randn(n, k) / k**0.5
-    outs = _variants(torch.randn(k), lambda t: F.linear(t, w), ROW_TILE)
+    w, x = torch.randn(n, k) / k**0.5, torch.randn(k)
+    outs = _variants(x, lambda t: fixed_linear(t, w), ROW_TILE)
     assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0], F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("width", [688, 4096, 14336, 40000])

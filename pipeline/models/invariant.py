@@ -8,8 +8,14 @@ every such dependence, at a measured cost (bench/determinism.py):
 
 - **Row-wise ops run on fixed tiles** (:func:`map_rows`): linear layers, norms and the MLP see
   exactly ``ROW_TILE`` rows per call, zero-padded, so every call has the same shape whatever the
-  batch. Measured on the project's CPUs (tests/test_batch_invariant.py): a row's output is then
-  bit-identical at every position in the tile and for 1, 2 or 3 threads.
+  batch.
+- **Matmuls reduce over fixed pieces of their inputs** (:func:`fixed_linear`): a BLAS may split a
+  long reduction (the input features) among its threads, and then the sum's order, and its last
+  bits, depend on the thread count. MKL on an AVX-512 Xeon does so from K = 1024 at 16 rows
+  (1024x4096, 2048x768, the head's 4096x32000 all differ between 1 and 2 threads), MKL on an AVX2
+  EPYC did not. So the product is summed, in order, over pieces of ``K_PIECE`` input features,
+  each too short to be split; measured bit-identical for 1-4 threads on every shape from 256x768
+  to 2048x151936, at 1.2-1.5x the plain product's time (tests/test_batch_invariant.py).
 - **Transcendental element-wise ops** (SiLU, GELU) run in pieces small enough that ATen computes
   each on one thread, cut at row boundaries (:func:`fixed_elementwise`): ATen splits a large
   element-wise op among threads at arbitrary offsets and handles each piece's tail with scalar
@@ -31,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16  # rows per call in batch-invariant mode
+K_PIECE = 256  # input features per matmul piece (512 measured invariant too, 1024 not: see above)
 PIECE = 16384  # elements per element-wise call: below ATen's parallel grain (32768), so one thread
 VEC_ALIGN = 64  # elements per step of ATen's widest vector loop (2 x 32 bf16 lanes on AVX-512)
 ROPE_BLOCK = 64  # positions per rotary-table block
@@ -46,6 +53,24 @@ def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: 
         flat = torch.cat([flat, flat.new_zeros(pad, w)])
     out = torch.cat([fn(part) for part in flat.split(tile)])
     return out[:n].reshape(*lead, out.shape[-1])
+
+
+def fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x (..., k), summed over ``K_PIECE`` input features at a time, in
+    order: the same reduction whatever the thread count (see the module docstring)."""
+    k = x.shape[-1]
+    y = F.linear(x[..., :K_PIECE], weight[:, :K_PIECE])
+    for c in range(K_PIECE, k, K_PIECE):
+        y.add_(F.linear(x[..., c : c + K_PIECE], weight[:, c : c + K_PIECE]))
+    return y if bias is None else y + bias
+
+
+class FixedLinear(torch.nn.Linear):
+    """``nn.Linear`` computed by :func:`fixed_linear` (batch-invariant stages swap their layers' class:
+    the parameters, and so the checkpoint names, are nn.Linear's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fixed_linear(x, self.weight, self.bias)
 
 
 def fixed_elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,18 @@ import torch.nn.functional as F
 VOCAB_BLOCK = 8192  # vocabulary rows cast at a time (CPU, low precision)
 
 
-def float32_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``h @ weight.T + bias`` as float32 logits. h (..., hidden); weight (vocab, hidden)."""
+def float32_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   linear=F.linear) -> torch.Tensor:
+    """``h @ weight.T + bias`` as float32 logits. h (..., hidden); weight (vocab, hidden). ``linear``:
+    the float32 product (batch-invariant stages pass :func:`~.invariant.fixed_linear`)."""
     if weight.dtype == torch.float32:
-        return F.linear(h.float(), weight, bias)
+        return linear(h.float(), weight, bias)
     flat = h.reshape(-1, h.shape[-1])
-    if weight.is_cuda:
+    if weight.is_cuda and linear is F.linear:
         out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
     else:
         x = flat.float()
-        out = torch.cat([x @ weight[i : i + VOCAB_BLOCK].float().t() for i in range(0, weight.shape[0], VOCAB_BLOCK)],
+        out = torch.cat([linear(x, weight[i : i + VOCAB_BLOCK].float()) for i in range(0, weight.shape[0], VOCAB_BLOCK)],
                         dim=-1)
     if bias is not None:
         out = out + bias.float()

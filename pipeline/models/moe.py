@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .invariant import fixed_elementwise, map_rows
+from .invariant import fixed_elementwise, fixed_linear, map_rows
 from .spec import DecoderSpec
 
 
@@ -100,9 +100,10 @@ class SparseMoE(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU on x (n, H) -> (n, H)."""
-        gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+        linear = fixed_linear if self.tile else F.linear
+        gate, up = linear(x, self.gate_up[e]).chunk(2, dim=-1)
         act = fixed_elementwise(self.act, gate.contiguous()) if self.tile else self.act(gate)
-        return F.linear(act * up, self.down[e])
+        return linear(act * up, self.down[e])
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         g = self.shared_gate(x)  # (n, 1)
