@@ -216,7 +216,7 @@ def execute(plan, opts) -> int:
         raise UsageError(str(e)) from None
     stage = load_stage(plan, opts, info)
     LOAD.tick()
-    opts.budget = run_budget(opts, info, stage)
+    opts.budget = run_budget(opts, info, stage, plan)
     last_output = None  # the profile trace goes beside the run's last output
     clean = False
     try:

@@ -6,6 +6,8 @@ budget is the smallest answer over every stage (a min-reduction on the CPU group
 stage holds the same micro-batches. On a GPU the free memory is the device's; on the CPU it is the
 machine's available RAM divided among the node's processes, and the budget is at most
 :data:`CPU_MAX_BUDGET` and at least :data:`CPU_BUDGET` (when RAM is that tight, pass ``--budget N``).
+The CPU needs no collective: the processes of a node share its RAM, so each computes the answer for
+the stage with the most layers (only rank 0's scheduler uses it).
 
 The budget is a ceiling, not an allocation: a micro-batch takes the cells its rows need (at most
 ``--max-micro-batch-size`` rows), so a large budget costs nothing while requests are few or short.
@@ -53,24 +55,30 @@ def cpu_budget(available: int, local_world: int, cell_bytes: int) -> int:
     return min(CPU_MAX_BUDGET, max(CPU_BUDGET, budget_from_memory(share, share, cell_bytes)))
 
 
-def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1) -> int:
+def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1,
+                   most_layers: int = 0) -> int:
     """The run's budget in tokens: ``value`` itself, or for ``auto`` the minimum over stages of what
-    fits in the memory left (GPU: the device's; CPU: :func:`cpu_budget`). Every rank must call it
-    (a collective)."""
+    fits in the memory left (GPU: the device's, a collective every rank must call; CPU:
+    :func:`cpu_budget` for the stage with ``most_layers`` layers, computed locally)."""
     if value != "auto":
         return int(value)
     if device.type != "cuda":
         from .sizing import available_ram
 
-        mine = torch.tensor([cpu_budget(available_ram(), local_world, kv_cell_bytes(model))], dtype=torch.int64)
-        if cpu_group is not None:
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
-        return int(mine)
+        cell = kv_cell_bytes(model)
+        layers = len(getattr(model, "layers", ()))
+        if most_layers and layers:
+            cell = cell // layers * most_layers
+        return cpu_budget(available_ram(), local_world, cell)
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     mine = torch.tensor([budget_from_memory(free, total, kv_cell_bytes(model))], dtype=torch.int64)
     if cpu_group is not None:
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
+        try:
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
+        except RuntimeError as e:
+            raise RuntimeError(f"lost contact with another rank while the stages agreed on --budget auto "
+                               f"({str(e).splitlines()[0][:200]}); see the other ranks' logs") from None
     budget = int(mine)
     if budget < 1:
         raise ValueError(f"--budget auto: no GPU memory is left for the KV cache after loading ({free / GiB:.1f} "
