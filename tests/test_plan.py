@@ -26,7 +26,7 @@ def plan(model, *flags, world=1, rank=0, local_world=None, cpus=8):
 def test_layout(llama_2l, world, rank, flags, stage, layers, threads, has_inputs):
     p = plan(llama_2l, "--infer-data", str(DATA / "mixed_params.jsonl"), *flags, world=world, rank=rank)
     assert (p.stage, p.layers, p.threads, bool(p.inputs)) == (stage, layers, threads, has_inputs)
-    assert p.slots == p.pipeline and p.model_name == Path(llama_2l).name
+    assert p.slots == (p.pipeline + 1 if p.pipeline > 1 else 1) and p.model_name == Path(llama_2l).name  # CPU: P + 1
 
 
 def test_inputs_from_a_folder_and_the_job_name(llama_2l, tmp_path):
