@@ -131,11 +131,13 @@ def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, in) float -> int8 (rows, in) and float32 scales (rows, 1): one symmetric scale per row."""
+def quantize_tokens(x: torch.Tensor, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, in) float -> (rows, in) int8 values and float32 scales (rows, 1): one symmetric scale per
+    row. ``zero_point`` 128: the values + 128 as uint8 (what oneDNN's u8 x s8 product takes)."""
     xf = x.float()
     s = (xf.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(xf / s).clamp_(-QMAX, QMAX).to(torch.int8), s
+    q = torch.round(xf / s).clamp_(-QMAX, QMAX)
+    return (q.add_(zero_point).to(torch.uint8) if zero_point else q.to(torch.int8)), s
 
 
 def onednn_prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -153,9 +155,7 @@ def zero_points(n: int) -> torch.Tensor:
 
 def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor) -> torch.Tensor:
     """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout)."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)  # (rows, 1)
-    xu = torch.round(xf / s).clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)  # int8 value + zero point 128
+    xu, s = quantize_tokens(x, zero_point=128)  # (rows, in) uint8, (rows, 1)
     y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, m.scale, zero_points(m.out_features), None, 1.0, 0,
                                            torch.float32, "none", [], "")  # acc * weight scale, float32
     y = y * s
