@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .invariant import FixedLinear, attend_rows, fixed_elementwise, fixed_linear, map_rows
+from .invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
 from .context import StageContext
 from .kv_cache import KVCache
 from .logits import float32_linear
@@ -288,10 +288,8 @@ class StageModel(nn.Module):
         self.proj_out = nn.Linear(s.hidden_size, s.word_dim, bias=False) if has_head and s.embed_dim else None
         self.lm_head = nn.Linear(s.word_dim, s.vocab_size, bias=s.lm_head_bias) if has_head else None
         self.windows = sorted({layer.attn.window for layer in self.layers} | {0})
-        if row_tile:  # batch-invariant: every linear layer reduces over fixed pieces (invariant.fixed_linear)
-            for m in self.modules():
-                if type(m) is nn.Linear:
-                    m.__class__ = FixedLinear
+        if row_tile:  # batch-invariant: every linear layer reduces over fixed pieces
+            fix_linears(self)
         self.adapters: StageAdapters | None = None  # LoRA factors of this stage's layers (pipeline.adapters)
         self.init_buffers()
 

@@ -73,6 +73,13 @@ class FixedLinear(torch.nn.Linear):
         return fixed_linear(x, self.weight, self.bias)
 
 
+def fix_linears(model: torch.nn.Module) -> None:
+    """Make every plain ``nn.Linear`` in ``model`` a :class:`FixedLinear` (same parameters)."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = FixedLinear
+
+
 def fixed_elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An element-wise ``fn`` over x (n, w) computed the same way for every row whatever n and the threads.
 
