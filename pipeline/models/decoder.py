@@ -26,7 +26,7 @@ from .logits import float32_linear
 from .lora import LoraRows, StageAdapters
 from .moe import SparseMoE
 from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
-from .sdpa import attend, softcapped_attention
+from .sdpa import attend, kv_runs, softcapped_attention
 from .spec import DecoderSpec
 from .unpad import real_tokens
 
@@ -150,20 +150,28 @@ class Attention(nn.Module):
         if self.tile:
             out = self._attend_rows(q, k, v, seg, ctx, layer)
         else:
-            if cache is not None and not seg.fresh:
-                sel = slice(None) if seg.all_rows else seg.rows
-                k = cache.k[layer][sel, :, : seg.kv_len]
-                v = cache.v[layer][sel, :, : seg.kv_len]
             mask = ctx.masks.get(self.window)  # None: a plain causal layout
-            if s.attn_softcap:
-                out = softcapped_attention(q, k, v, mask, self.scale, s.attn_softcap)
+            if ctx.runs is not None:  # consecutive cache rows: views, each run its own columns
+                ck, cv, first = cache.k[layer], cache.v[layer], seg.host()[0]
+                out = torch.cat([self._attend(q[i:j], ck[first[i] : first[i] + j - i, :, :n],
+                                              cv[first[i] : first[i] + j - i, :, :n], mask[i:j, ..., :n])
+                                 for i, j, n in ctx.runs])
             else:
-                out = attend(q, k, v, mask, self.scale)
+                if cache is not None and not seg.fresh:
+                    sel = slice(None) if seg.all_rows else seg.rows
+                    k = cache.k[layer][sel, :, : seg.kv_len]
+                    v = cache.v[layer][sel, :, : seg.kv_len]
+                out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
         if ctx.real is not None:
             out = out.view(b * t, s.q_dim).index_select(0, ctx.real)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
+
+    def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.spec.attn_softcap:
+            return softcapped_attention(q, k, v, mask, self.scale, self.spec.attn_softcap)
+        return attend(q, k, v, mask, self.scale)
 
     def _heads(self, qkv: torch.Tensor, ctx: "StageContext"):
         """(..., q_dim + 2 kv_dim) -> q (..., h, d), k (..., kvh, d) normed and rotated; v as is.
@@ -368,7 +376,12 @@ class StageModel(nn.Module):
                 bias = slopes[None, :, None, None] * keys.float()[None, None, None, :]  # (1, h, 1, kv)
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
-        return StageContext(cache, masks, rope, slopes, lora, real)
+        runs = None
+        if cache is not None and not seg.fresh:  # rows reading the cache: how many columns each needs
+            rows, starts, _ = seg.host()
+            cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
+            runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
+        return StageContext(cache, masks, rope, slopes, lora, real, runs=runs)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""

@@ -1,0 +1,122 @@
+"""Attention over the cache in runs of consecutive rows (``sdpa.kv_runs``): each run reads its own
+longest row's columns instead of every row reading the segment's longest. The split is chosen by
+cost; here the call cost is set near zero so that tiny models split too, and the results must still
+match HF (GQA, ALiBi, soft-capping with sliding windows, longrope) and the one-call path."""
+
+import pytest
+import torch
+
+from pipeline.models import decoder, sdpa
+from pipeline.models.decoder import Segment
+from pipeline.models.sdpa import kv_runs
+from tests.utils import assert_hf_parity, random_hf_model, stage_chain
+
+CELL = 6144  # bytes of keys + values per cached position: 12 heads x 64 x 2 x float32
+PROMPTS = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900],
+           [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 383, 279, 502, 88, 41, 97, 169, 399, 37, 510, 58, 20]]
+GQA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+FAMILIES = {
+    "llama-gqa": ("llama", GQA),
+    "bloom-alibi": ("bloom", dict(hidden_size=48, n_layer=3, n_head=6)),
+    "gemma2-softcap-sliding": ("gemma2", dict(GQA, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                              attn_logit_softcapping=0.05, final_logit_softcapping=0.5)),
+    "phi3-longrope": ("phi3", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                   max_position_embeddings=64, original_max_position_embeddings=16,
+                                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                        short_factor=[1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
+                                                        long_factor=[1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+                                                        original_max_position_embeddings=16))),
+}
+
+
+def _cells(rows, ends, runs, cols):
+    """Cells read (and calls made) by ``runs``, or by one call when None."""
+    if runs is None:
+        return len(rows) * cols, 1
+    return sum((j - i) * n for i, j, n in runs), len(runs)
+
+
+def test_equal_lengths_keep_one_call():
+    assert kv_runs(list(range(32)), [600] * 32, 600, CELL, "cpu") is None
+    assert kv_runs(list(range(32)), [590 + i % 11 for i in range(32)], 600, CELL, "cpu") is None
+
+
+def test_short_rows_beside_long_ones_split_into_runs():
+    rows, ends = list(range(8)), [600, 610, 40, 35, 50, 45, 580, 600]
+    runs = kv_runs(rows, ends, 610, CELL, "cpu")
+    assert runs == [(0, 2, 610), (2, 6, 50), (6, 8, 600)]
+    cells, calls = _cells(rows, ends, runs, 610)
+    assert cells < len(rows) * 610 and calls == 3
+
+
+def test_runs_cover_every_row_with_its_columns():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        rows = sorted(torch.randperm(48, generator=gen)[:n].tolist())
+        ends = torch.randint(1, 700, (n,), generator=gen).tolist()
+        cols = max(ends)
+        runs = kv_runs(rows, ends, cols, CELL, "cpu")
+        if runs is None:
+            continue
+        assert [r[0] for r in runs] == [0] + [r[1] for r in runs[:-1]] and runs[-1][1] == n  # a partition
+        for i, j, c in runs:
+            assert rows[i:j] == list(range(rows[i], rows[i] + j - i))  # consecutive cache rows: a view
+            assert c == max(ends[i:j])
+        one = (1 if rows == list(range(rows[0], rows[0] + n)) else 3) * n * cols
+        assert _cells(rows, ends, runs, cols)[0] < one  # reads less than the one call it replaces
+
+
+def test_gpu_splits_only_for_large_savings():
+    rows, ends = list(range(8)), [600, 610, 40, 35, 50, 45, 580, 600]
+    assert kv_runs(rows, ends, 610, CELL, "cuda") is None  # ~2000 cells saved: less than a launch
+    assert kv_runs(list(range(64)), [8000] * 8 + [100] * 56, 8000, CELL, "cuda") == [(0, 8, 8000), (8, 64, 100)]
+
+
+@pytest.fixture
+def always_split(monkeypatch):
+    """Calls cost ~nothing: every segment with differing lengths splits. Returns the runs chosen."""
+    monkeypatch.setitem(sdpa.CALL_BYTES, "cpu", 1)
+    seen = []
+
+    def spy(*args):
+        runs = kv_runs(*args)
+        seen.append(runs)
+        return runs
+
+    monkeypatch.setattr(decoder, "kv_runs", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_runs_match_hf(name, tmp_path, always_split):
+    model_type, overrides = FAMILIES[name]
+    path = random_hf_model(tmp_path, model_type, **overrides)
+    assert_hf_parity(path, PROMPTS, stages=2)
+    assert any(runs and len(runs) > 1 for runs in always_split)  # the decode steps really split
+
+
+@torch.inference_mode()
+def test_runs_over_scattered_rows_match_one_gathered_call(tmp_path, monkeypatch, always_split):
+    """Decoding rows 0, 2, 3, 5 of a 6-row cache (1 and 4 idle): runs of views against the one call
+    that gathers the rows first."""
+    path = random_hf_model(tmp_path, "llama", **GQA)
+    (stage,) = stage_chain(path, [(0, 3)])
+    lens = [9, 2, 30, 5, 12, 25]
+    cache = stage.new_cache(6, 40)
+    t = max(lens)
+    ids = torch.randint(3, 1000, (6, t), generator=torch.Generator().manual_seed(1))
+    stage(ids, Segment(torch.arange(6), torch.zeros(6, dtype=torch.long), t, t, all_rows=True, fresh=True,
+                       prefill=True, lens=lens), cache)
+    rows = [0, 2, 3, 5]
+    starts = [lens[r] for r in rows]
+
+    def step():
+        seg = Segment(torch.tensor(rows), torch.tensor(starts), 1, max(starts) + 1, host_rows=rows,
+                      host_start=starts, lens=[1] * len(rows))
+        return stage(torch.tensor([[7], [8], [9], [10]]), seg, cache)
+
+    split = step()
+    assert always_split[-1] == [(0, 1, 10), (1, 2, 31), (2, 3, 6), (3, 4, 26)]
+    monkeypatch.setattr(decoder, "kv_runs", lambda *args: None)
+    torch.testing.assert_close(split, step(), atol=1e-5, rtol=1e-5)
