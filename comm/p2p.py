@@ -2,17 +2,21 @@
 
 Every directed link ``src -> dst`` is a :class:`Channel` of its own, carrying traffic one way only:
 
-- the **header** (the encoded message, and the payload's dtype and shape) goes over a CPU group
-  (gloo) created for this link alone, so a header never touches the GPU and a closed socket is
-  seen at once;
-- the **payload** tensor goes over a second group of this link alone (NCCL on GPU, gloo on CPU).
-  NCCL creates one communicator per group for a pair of ranks, so no NCCL pair ever carries
-  traffic both ways (rank 0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups).
+- the **message** (a fixed block of sizes, the encoded header, and on CPU the payload's bytes) goes
+  over a CPU group (gloo) created for this link alone, as one transfer, so a header never touches
+  the GPU and a closed socket is seen at once;
+- on GPU the **payload** tensor goes over a second group of this link alone (NCCL). NCCL creates one
+  communicator per group for a pair of ranks, so no NCCL pair ever carries traffic both ways (rank
+  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups.
 
 Sends are asynchronous (``isend``) and their buffers kept until they complete, so no two ranks
-block sending to each other; receives block the host on the header, then receive the payload into
-a per-link buffer that is reused (grown when needed). Messages on a link arrive in the order they
-were sent: the header of message k, then its payload, on two FIFO groups read in that order.
+block sending to each other. The receiver keeps a receive posted for the link's next message
+(:meth:`Messenger.expect`, called once a message is handled, before the stage computes): a gloo
+transfer is a rendezvous between the two ranks' transport threads, and with a receive already
+posted it completes while both ranks compute, instead of waiting for the receiver to ask while its
+cores are busy (measured at P = 2 on 2 cores: ~10 ms a message, 3 transfers each, before). A message
+longer than the posted buffer (:data:`_FIRST`: a prefill's activations) sends its rest as a second
+transfer of the exact size. Messages on a link arrive in the order they were sent.
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ import torch
 import torch.distributed as dist
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
-_META = 8  # [header_len, payload_numel, dtype_code, ndim, d0, d1, d2, 0]
+_META = 8  # int64 [header_len, payload_numel, dtype_code, ndim, d0, d1, d2, message bytes]
+_META_BYTES = _META * 8
+_FIRST = 1 << 20  # bytes a posted receive takes: a decode pass's activations fit (32 rows x 4096 x 4 = 512 KiB)
 _WINDOW = 48  # sends kept without waiting for them (see Messenger._reap)
+
+
+def _payload_at(header_len: int) -> int:
+    """Where an inline payload starts in a message: after the header, 64-byte aligned (any dtype's view)."""
+    return -(-(_META_BYTES + header_len) // 64) * 64
 
 
 class PeerLost(RuntimeError):
@@ -52,8 +63,8 @@ class Channel:
 def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
                   timeout: datetime.timedelta) -> tuple[Channel, ...]:
     """Create every pipeline's directed links (a collective: every rank calls it, in the same order)
-    and return this rank's. Links: stage s -> s+1 (headers + payloads) and the last stage -> stage 0
-    (the ring back: headers only)."""
+    and return this rank's. Links: stage s -> s+1 (and under NCCL a payload group) and the last
+    stage -> stage 0 (the ring back: messages without payloads)."""
     mine = []
     if pipeline_size == 1:
         return ()
@@ -62,7 +73,7 @@ def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
             src, dst = d * pipeline_size + s, d * pipeline_size + (s + 1) % pipeline_size
             header = dist.new_group([src, dst], timeout=timeout, backend="gloo", group_desc=f"header {src}->{dst}")
             payload = None
-            if s < pipeline_size - 1:
+            if s < pipeline_size - 1 and backend != "gloo":
                 payload = dist.new_group([src, dst], timeout=timeout, backend=backend,
                                          group_desc=f"payload {src}->{dst}")
             if rank in (src, dst):
@@ -77,57 +88,94 @@ class Messenger:
         self.device, self.trace = device, trace
         self.out = {c.dst: c for c in channels if c.src == rank}
         self.inp = {c.src: c for c in channels if c.dst == rank}
-        self._buffers: dict[int, torch.Tensor] = {}  # src -> reusable payload buffer (bytes)
+        self._buffers: dict[int, torch.Tensor] = {}  # src -> reusable GPU payload buffer (bytes)
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        # src -> the receive posted for its next message (work, buffer); two buffers per link in turn,
+        # so the next message lands beside the one the stage is still reading
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._inbox = {src: [torch.empty(_FIRST, dtype=torch.uint8) for _ in range(2)] for src in self.inp}
 
     def send(self, dst: int, header: bytes, tensor: torch.Tensor | None = None) -> None:
         self._reap()
         ch = self.out[dst]
-        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         meta = torch.zeros(_META, dtype=torch.int64)
-        meta[0] = hdr.numel()
+        meta[0] = len(header)
         if tensor is not None:
-            assert ch.payload is not None, f"the link {ch.src} -> {ch.dst} carries headers only"
             assert tensor.dim() <= 3, "payloads are at most 3-d"
             tensor = tensor.to(self.device).contiguous()
             meta[1], meta[2], meta[3] = tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim()
             meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
+        body = _payload_at(len(header))
+        inline = tensor is not None and ch.payload is None  # CPU: the payload's bytes follow the header
+        assert not inline or self.device.type == "cpu", f"the link {ch.src} -> {ch.dst} carries headers only"
+        size = body + (tensor.numel() * tensor.element_size() if inline else 0)
+        meta[7] = size
+        msg = torch.empty(size, dtype=torch.uint8)
+        msg[:_META_BYTES] = meta.view(torch.uint8)
+        if header:
+            msg[_META_BYTES : _META_BYTES + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        if inline:
+            msg[body:] = tensor.reshape(-1).view(torch.uint8)
         try:
-            for t in (meta, hdr):
-                self._pending.append((dist.isend(t, dst, group=ch.header), (t,)))
+            for part in (msg[:_FIRST], msg[_FIRST:]) if size > _FIRST else (msg,):
+                self._pending.append((dist.isend(part, dst, group=ch.header), (msg,)))
         except RuntimeError as e:
             raise PeerLost(dst, e) from None
-        if tensor is not None:
+        if tensor is not None and not inline:
             try:
                 self._pending.append((dist.isend(tensor, dst, group=ch.payload), (tensor,)))
             except RuntimeError as e:
                 raise PeerLost(dst, e, "payload") from None
 
-    def recv(self, src: int) -> tuple[bytes, torch.Tensor | None]:
-        t0 = time.perf_counter()
-        ch = self.inp[src]
-        try:  # gloo: a closed connection (the peer died) raises at once
-            meta = torch.empty(_META, dtype=torch.int64)
-            dist.recv(meta, src, group=ch.header)
-            meta = meta.tolist()
-            hdr = torch.empty(meta[0], dtype=torch.uint8)
-            dist.recv(hdr, src, group=ch.header)
+    def expect(self, src: int) -> None:
+        """Post the receive for ``src``'s next message now (see the module docstring). Not after the
+        last message (stop): a receive nobody answers would be left at shutdown."""
+        if src in self._posted:
+            return
+        spare = self._inbox[src]
+        spare.reverse()  # the buffer the last message did not use
+        try:
+            self._posted[src] = (dist.irecv(spare[0], src, group=self.inp[src].header), spare[0])
         except RuntimeError as e:
             raise PeerLost(src, e) from None
+
+    def recv(self, src: int) -> tuple[bytes, torch.Tensor | None]:
+        """The next message from ``src``: (header, payload or None). The payload is valid until the
+        next receive from ``src``."""
+        t0 = time.perf_counter()
+        ch = self.inp[src]
+        self.expect(src)
+        work, buf = self._posted.pop(src)
+        try:  # gloo: a closed connection (the peer died) raises at once
+            work.wait()
+            meta = buf[:_META_BYTES].view(torch.int64).tolist()
+            if meta[7] > _FIRST:  # the rest follows as a second transfer
+                big = torch.empty(meta[7], dtype=torch.uint8)
+                big[:_FIRST] = buf
+                dist.recv(big[_FIRST:], src, group=ch.header)
+                buf = big
+        except RuntimeError as e:
+            raise PeerLost(src, e) from None
+        body = _payload_at(meta[0])
+        header = buf[_META_BYTES : _META_BYTES + meta[0]].numpy().tobytes()
         tensor = None
         if meta[1]:
             dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
-            tensor = self._buffer(src, meta[1] * dtype.itemsize)[: meta[1] * dtype.itemsize].view(dtype).view(shape)
-            try:  # NCCL: returns once the receive is queued; the current stream waits for it
-                dist.recv(tensor, src, group=ch.payload)
-            except RuntimeError as e:
-                raise PeerLost(src, e, "payload") from None
+            nbytes = meta[1] * dtype.itemsize
+            if ch.payload is None:  # CPU: inline, after the header
+                tensor = buf[body : body + nbytes].view(dtype).view(shape)
+            else:
+                tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)
+                try:  # NCCL: returns once the receive is queued; the current stream waits for it
+                    dist.recv(tensor, src, group=ch.payload)
+                except RuntimeError as e:
+                    raise PeerLost(src, e, "payload") from None
         if self.trace is not None:
             self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
-        return hdr.numpy().tobytes(), tensor
+        return header, tensor
 
     def _buffer(self, src: int, nbytes: int) -> torch.Tensor:
-        """The reusable receive buffer of link ``src ->``, at least ``nbytes`` long. A received
+        """The reusable GPU payload buffer of link ``src ->``, at least ``nbytes`` long. A received
         tensor is valid until the next receive from ``src`` (the stage consumes it in between; under
         NCCL the next receive is queued behind the compute already queued on the current stream)."""
         buf = self._buffers.get(src)

@@ -12,7 +12,7 @@ import torch
 from comm.dist import DistInfo
 from comm.p2p import Messenger
 
-from .messages import Message, decode, encode
+from .messages import Message, Stop, decode, encode
 
 
 class Link:
@@ -27,13 +27,19 @@ class Link:
 
     def recv_prev(self) -> tuple[Message, torch.Tensor | None]:
         data, x = self.messenger.recv(self.prev)
-        return decode(data), x
+        msg = decode(data)
+        if not isinstance(msg, Stop):  # the next message's receive posted before this one is computed
+            self.messenger.expect(self.prev)
+        return msg, x
 
     def send_first(self, msg: Message) -> None:
         self.messenger.send(self.first, encode(msg))
 
     def recv_last(self) -> Message:
-        return decode(self.messenger.recv(self.last)[0])
+        msg = decode(self.messenger.recv(self.last)[0])
+        if not isinstance(msg, Stop):
+            self.messenger.expect(self.last)
+        return msg
 
     def flush(self) -> None:
         self.messenger.flush()

@@ -12,7 +12,9 @@ class Trace:
     def __init__(self, rank: int):
         self.rank = rank
         self.events: list[dict] = []
-        self.origin = time.perf_counter()
+        # timestamps on the wall clock (microseconds since the epoch), measured with perf_counter: the
+        # ranks' traces line up when loaded together (across nodes, as far as their clocks agree)
+        self.origin = time.perf_counter() - time.time()
 
     def add(self, name: str, t0: float, t1: float, tid: int = 0, args: dict | None = None) -> None:
         """One complete event; tid 0 = compute, 1 = communication."""

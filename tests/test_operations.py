@@ -83,11 +83,16 @@ def test_two_stage_summary_has_a_busy_fraction_per_stage_and_profiling_traces(mo
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text())
     assert len(summary["stage_busy"]) == 2 and all(0 < b <= 1 for b in summary["stage_busy"])
+    forwards = []
     for rank in (0, 1):
         trace = json.loads((tmp_path / f"o.jsonl.trace-rank{rank}.json").read_text())
         names = {e["name"] for e in trace["traceEvents"]}
         assert "forward" in names and "recv" in names
         assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+        forwards.append([e for e in trace["traceEvents"] if e["name"] == "forward"])
+    # one clock for both ranks: rank 1 computes a pass only after rank 0 has finished it
+    first0, first1 = min(forwards[0], key=lambda e: e["ts"]), min(forwards[1], key=lambda e: e["ts"])
+    assert first0["ts"] + first0["dur"] <= first1["ts"]
 
 
 def test_dummy_data_mode_prints_latency_figures(model_dir):
