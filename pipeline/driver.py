@@ -48,6 +48,7 @@ class Driver:
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
         self.metas: dict[int, Admission] = {}  # gid -> what the last rank needs when the group enters
         self.prompts: dict[int, list[int]] = {}  # gid -> prompt ids, until its prompt is computed
+        self.shared: dict[int, int] = {}  # gid -> leading blocks of a chunked prompt worth keeping (PrefixCache.plan)
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
         self.row_adapters: dict[int, list[int]] = {}  # slot -> adapter of each row
@@ -188,14 +189,17 @@ class Driver:
             pinned: set[int] = set()
             saving: set[int] = set()
             for item, ids, g in zip(hdr.prefill, prompts, groups):
+                room = self.sched.budget - self.sched.used
                 if item.row in ps.resume:  # the rest of a chunked prompt: its earlier tokens are in the cache
                     item.cached, item.resumed = ps.resume[item.row], True
                 elif self.prefix is not None:
-                    room = self.sched.budget - self.sched.used
-                    item.cached, item.load, item.save = self.prefix.plan(
+                    item.cached, item.load, item.save, self.shared[g.gid] = self.prefix.plan(
                         ids, g.digests, room, pinned, saving, self.chunk if g.chunkable else 0)
                 item.len = self._chunk_end(g, item.cached)
                 item.partial = item.len < len(ids)
+                if item.resumed and self.shared.get(g.gid):  # the blocks this chunk computes
+                    item.save = self.prefix.plan_chunk(g.digests, item.cached, item.len, self.shared[g.gid], room,
+                                                       pinned, saving)
                 self.sched.prefilled(ps.slot, item.row, item.len)
             if self.prefix is not None:
                 hdr.prefix_grow = self.prefix.take_grow()
@@ -211,6 +215,7 @@ class Driver:
             for item in hdr.prefill:
                 if not item.partial:
                     self.prompts.pop(item.gid, None)
+                    self.shared.pop(item.gid, None)
         if self.models is not None:
             hdr.adapters = self._adapters(ps, hdr.admit, slot.rows)
         return hdr, decode_ids, prefill_ids
@@ -243,6 +248,7 @@ class Driver:
         for r in reply.finished:
             slot_feed.pop(r, None)
             self.prompts.pop(groups[r], None)  # serve mode: a client left during a chunked prompt
+            self.shared.pop(groups[r], None)
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
 

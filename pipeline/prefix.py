@@ -96,16 +96,19 @@ class PrefixCache:
         self.free, self.capacity, self.grow_to = [], 0, 0
 
     def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int],
-             saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]]]:
-        """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save).
+             saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]], int]:
+        """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save,
+        shared blocks).
 
         At least the last prompt token is always computed (its hidden state samples the first
         token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
         ids the pass being built loads or writes, which must not be reused within it; ``saving``
         (updated): the ones it writes, which its own groups cannot load yet (stages load before
         the prefill and write after it). ``chunk``: the pass computes only this many tokens after the
-        cached ones (chunked prefill); blocks past them are not saved (a later pass computes them, and
-        a block is registered only with its contents written by the pass that registers it).
+        cached ones (chunked prefill); blocks past them are saved by the passes that compute them
+        (:meth:`plan_chunk`: a block is registered only with its contents written by the pass that
+        registers it). Shared blocks: how many of the prompt's leading blocks are worth keeping
+        (another prompt has shown them), for those later passes.
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
@@ -118,14 +121,15 @@ class PrefixCache:
             hits.append(self.blocks[d])
         pinned.update(hits)
         cached = min(len(hits) * self.block_size, len(ids) - 1)
-        saves = []
+        saves, shared = [], len(hits)
         end = cached + chunk if chunk else len(ids)
         for b in range(len(hits), len(digests)):
             d = digests[b]
-            if (b + 1) * self.block_size > end:
-                break
             if not (self.pending[d] > 0 or d in self.recent):
                 break  # nobody else has shown this block (nor, by the chain, any later one)
+            if (b + 1) * self.block_size > end:
+                shared = b + 1  # a later chunk computes it
+                continue
             bid = self._allocate(pinned)
             if bid is None:
                 break
@@ -133,6 +137,7 @@ class PrefixCache:
             pinned.add(bid)
             saving.add(bid)
             saves.append([b, bid])
+            shared = b + 1
         for d in digests:
             self.recent[d] = None
             self.recent.move_to_end(d)
@@ -140,7 +145,28 @@ class PrefixCache:
             self.recent.popitem(last=False)
         self.hit_tokens += cached
         self.prompt_tokens += len(ids)
-        return cached, hits, saves
+        return cached, hits, saves, shared
+
+    def plan_chunk(self, digests: list[bytes], start: int, end: int, shared: int, room: int, pinned: set[int],
+                   saving: set[int]) -> list[list[int]]:
+        """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id]
+        to save for each of its first ``shared`` blocks (see :meth:`plan`) that lies wholly in that
+        range and is not resident yet. ``room``, ``pinned``, ``saving``: as for :meth:`plan`."""
+        self._room = room
+        saves = []
+        for b in range(-(-start // self.block_size), min(shared, end // self.block_size)):
+            d = digests[b]
+            if d in self.blocks:  # another prompt computed it meanwhile
+                self.blocks.move_to_end(d)
+                continue
+            bid = self._allocate(pinned)
+            if bid is None:
+                break
+            self.blocks[d] = bid
+            pinned.add(bid)
+            saving.add(bid)
+            saves.append([b, bid])
+        return saves
 
     def _allocate(self, pinned: set[int]) -> int | None:
         if self.free:

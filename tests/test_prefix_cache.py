@@ -150,7 +150,7 @@ def test_plan_hits_saves_only_shared_blocks_and_evicts_lru():
     pc.queued(d1), pc.queued(d2)
     pinned: set[int] = set()
     assert pc.plan(shared + [50, 51], d1, room=64, pinned=pinned)[0:2] == (0, [])
-    cached, load, save = pc.plan(shared + [60], d2, room=64, pinned=set())
+    cached, load, save, _ = pc.plan(shared + [60], d2, room=64, pinned=set())
     assert cached == 12 and len(load) == 3 and save == []
     lone = list(range(100, 120))
     assert pc.plan(lone, block_digests(lone, 4), room=64, pinned=set())[2] == []  # nobody shares it
@@ -165,6 +165,24 @@ def test_plan_hits_saves_only_shared_blocks_and_evicts_lru():
         pc.plan(other, dg, room=0, pinned=set())
     assert pc.capacity <= pc.max_blocks == 8
     assert len(pc.blocks) <= 8
+
+
+def test_a_chunked_prompt_saves_each_chunks_shared_blocks():
+    """Chunked prefill: the first pass saves the shared blocks of its chunk and reports how many of the
+    prompt's blocks are shared; each later chunk saves those it computes (unshared ones never)."""
+    pc = PrefixCache(4, budget=1000)
+    shared = list(range(24))  # 6 blocks of 4 shared with a second prompt
+    ids, other = shared + [90 + i for i in range(10)], shared + [70, 71, 72]
+    d = block_digests(ids, 4)
+    pc.queued(d), pc.queued(block_digests(other, 4))  # both queued (the driver queues at submission)
+    pinned, saving = set(), set()
+    cached, load, save, blocks = pc.plan(ids, d, room=1000, pinned=pinned, saving=saving, chunk=8)
+    assert (cached, load, [b for b, _ in save], blocks) == (0, [], [0, 1], 6)
+    later = [pc.plan_chunk(d, start, min(start + 8, len(ids)), blocks, room=1000, pinned=set(), saving=set())
+             for start in (8, 16, 24, 32)]
+    assert [[b for b, _ in s] for s in later] == [[2, 3], [4, 5], [], []]  # blocks 6.. are this prompt's own
+    cached, load, save, _ = pc.plan(other, block_digests(other, 4), room=1000, pinned=set())
+    assert cached == 24 and len(load) == 6
 
 
 def test_scheduler_holds_a_second_prompt_of_a_new_prefix_for_one_pass():
@@ -187,7 +205,7 @@ def test_pool_growth_stays_within_the_room_it_is_given():
     ids = list(range(40))
     d = block_digests(ids, 4)
     pc.queued(d), pc.queued(d)
-    cached, load, save = pc.plan(ids, d, room=12, pinned=set())
+    cached, load, save, _ = pc.plan(ids, d, room=12, pinned=set())
     assert pc.cells == 12 and len(save) == 3  # three blocks fit; the rest are not kept
     assert pc.take_grow() == 3
 
@@ -317,3 +335,17 @@ def test_chunked_prefill_equals_whole_prompts(model_dir, workload, reference, tm
     else:  # prefix hits leave fewer tokens to compute, most prompts fit one chunk after them
         assert partial
     assert (sum(cached(lines)) > 0) == (prefix == "on")
+
+
+def test_chunked_prompts_share_a_prefix_longer_than_a_chunk(model_dir, tmp_path):
+    """Only chunked prompts share a ~155-token few-shot prefix (chunks of 48): every chunk saves the
+    shared blocks it computes, so the later prompts find the whole prefix, not only the first chunk."""
+    shots = "".join(f"Passage: The room {i} is north of the hall {i + 1}.\nQuestion: Where is room {i}?\n"
+                    f"Answer: north\n\n" for i in range(6))
+    path = write_jsonl(tmp_path / "fewshot.jsonl", [{"prompt": shots + f"Question {i}: where is the hall?\nAnswer:",
+                                                      "max_tokens": 2, "temperature": 0} for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    assert run_inprocess(["--model-name", model_dir, "--infer-data", path, "--output-path", str(out),
+                          "--prefill-chunk", "48", "--max-micro-batch-size", "1", "--no-progress"]) == 0
+    hits = cached(read_jsonl(out))
+    assert hits[0] == 0 and min(hits[1:]) >= 144, hits  # 9+ blocks of 16: beyond the first chunk
