@@ -130,13 +130,8 @@ class PrefixCache:
             if (b + 1) * self.block_size > end:
                 shared = b + 1  # a later chunk computes it
                 continue
-            bid = self._allocate(pinned)
-            if bid is None:
+            if not self._keep(b, d, pinned, saving, saves):
                 break
-            self.blocks[d] = bid
-            pinned.add(bid)
-            saving.add(bid)
-            saves.append([b, bid])
             shared = b + 1
         for d in digests:
             self.recent[d] = None
@@ -159,14 +154,21 @@ class PrefixCache:
             if d in self.blocks:  # another prompt computed it meanwhile
                 self.blocks.move_to_end(d)
                 continue
-            bid = self._allocate(pinned)
-            if bid is None:
+            if not self._keep(b, d, pinned, saving, saves):
                 break
-            self.blocks[d] = bid
-            pinned.add(bid)
-            saving.add(bid)
-            saves.append([b, bid])
         return saves
+
+    def _keep(self, b: int, d: bytes, pinned: set[int], saving: set[int], saves: list[list[int]]) -> bool:
+        """Register block ``b`` of a prompt (digest ``d``) in a pool block the pass being built writes;
+        False when the pool has no block to give."""
+        bid = self._allocate(pinned)
+        if bid is None:
+            return False
+        self.blocks[d] = bid
+        pinned.add(bid)
+        saving.add(bid)
+        saves.append([b, bid])
+        return True
 
     def _allocate(self, pinned: set[int]) -> int | None:
         if self.free:
