@@ -90,8 +90,8 @@ class Norm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        normed = x.float() * torch.rsqrt(var + self.eps)
+        xf = x.float()  # one upcast for both uses (bf16 / fp16; float32: x itself)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_fp32:
             return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * normed.to(x.dtype)
