@@ -1,5 +1,6 @@
-"""What every layer of a stage shares for one segment (:class:`StageContext`), built once per segment
-by :meth:`pipeline.models.decoder.StageModel.context`."""
+"""A *segment* (:class:`Segment`: rows of one micro-batch that run together through a stage) and
+what every layer of a stage shares for it (:class:`StageContext`, built once per segment by
+:meth:`pipeline.models.decoder.StageModel.context`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,40 @@ import torch
 
 from .kv_cache import KVCache
 from .lora import LoraRows
+
+
+@dataclass
+class Segment:
+    """Rows of one micro-batch that run together through a stage.
+
+    ``rows`` (b,) index the micro-batch's cache; row r's ``t`` new tokens go to cache columns
+    ``start[r] .. start[r] + t - 1`` (right padding past ``lens[r]`` is computed but never
+    attended). ``kv_len`` is how many cache columns attention reads.
+    """
+
+    rows: torch.Tensor  # (b,) long
+    start: torch.Tensor  # (b,) long
+    t: int
+    kv_len: int
+    all_rows: bool = False  # rows == arange(R): read the cache without a gather
+    fresh: bool = False  # every start is 0: attend to the new keys only
+    prefill: bool = False  # new prompts (fresh, or resuming after tokens copied from the prefix pool)
+    # Host copies, needed only by batch-invariant attention (one row at a time); read from the
+    # device tensors when absent. ``lens``: real new tokens per row (the rest is right padding).
+    host_rows: list[int] | None = None
+    host_start: list[int] | None = None
+    lens: list[int] | None = None
+    adapters: list[int] | None = None  # LoRA adapter of each row (0: the base model); None: all base
+
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(rows, starts, real new tokens) per row as Python lists."""
+        rows = self.host_rows if self.host_rows is not None else self.rows.tolist()
+        start = self.host_start if self.host_start is not None else self.start.tolist()
+        return rows, start, self.lens if self.lens is not None else [self.t] * len(rows)
+
+    @property
+    def positions(self) -> torch.Tensor:  # (b, t)
+        return self.start[:, None] + torch.arange(self.t, device=self.start.device)[None, :]
 
 
 @dataclass

@@ -13,14 +13,12 @@ finished row take a new request (continuous refill) without moving anybody else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
-from .context import StageContext
+from .context import Segment, StageContext  # noqa: F401 (Segment re-exported)
 from .kv_cache import KVCache
 from .logits import float32_linear
 from .lora import LoraRows, StageAdapters
@@ -36,40 +34,6 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-
-
-@dataclass
-class Segment:
-    """Rows of one micro-batch that run together through a stage.
-
-    ``rows`` (b,) index the micro-batch's cache; row r's ``t`` new tokens go to cache columns
-    ``start[r] .. start[r] + t - 1`` (right padding past ``lens[r]`` is computed but never
-    attended). ``kv_len`` is how many cache columns attention reads.
-    """
-
-    rows: torch.Tensor  # (b,) long
-    start: torch.Tensor  # (b,) long
-    t: int
-    kv_len: int
-    all_rows: bool = False  # rows == arange(R): read the cache without a gather
-    fresh: bool = False  # every start is 0: attend to the new keys only
-    prefill: bool = False  # new prompts (fresh, or resuming after tokens copied from the prefix pool)
-    # Host copies, needed only by batch-invariant attention (one row at a time); read from the
-    # device tensors when absent. ``lens``: real new tokens per row (the rest is right padding).
-    host_rows: list[int] | None = None
-    host_start: list[int] | None = None
-    lens: list[int] | None = None
-    adapters: list[int] | None = None  # LoRA adapter of each row (0: the base model); None: all base
-
-    def host(self) -> tuple[list[int], list[int], list[int]]:
-        """(rows, starts, real new tokens) per row as Python lists."""
-        rows = self.host_rows if self.host_rows is not None else self.rows.tolist()
-        start = self.host_start if self.host_start is not None else self.start.tolist()
-        return rows, start, self.lens if self.lens is not None else [self.t] * len(rows)
-
-    @property
-    def positions(self) -> torch.Tensor:  # (b, t)
-        return self.start[:, None] + torch.arange(self.t, device=self.start.device)[None, :]
 
 
 class Norm(nn.Module):
