@@ -28,8 +28,9 @@ class Segment:
     all_rows: bool = False  # rows == arange(R): read the cache without a gather
     fresh: bool = False  # every start is 0: attend to the new keys only
     prefill: bool = False  # new prompts (fresh, or resuming after tokens copied from the prefix pool)
-    # Host copies, needed only by batch-invariant attention (one row at a time); read from the
-    # device tensors when absent. ``lens``: real new tokens per row (the rest is right padding).
+    # Host copies, read by batch-invariant attention (one row at a time) and by the attention runs
+    # over the cache (``sdpa.kv_runs``); read from the device tensors (a sync) when absent: the stage
+    # engine always sets them. ``lens``: real new tokens per row (the rest is right padding).
     host_rows: list[int] | None = None
     host_start: list[int] | None = None
     lens: list[int] | None = None

@@ -64,6 +64,9 @@ def kv_runs(rows: list[int], ends: list[int], cols: int, cell_bytes: int, device
     n = len(rows)
     call = CALL_BYTES.get(device, CALL_BYTES["cuda"]) / cell_bytes  # in cells
     ends = [min(e, cols) for e in ends]
+    consecutive = all(b == a + 1 for a, b in zip(rows, rows[1:]))
+    if consecutive and n * cols - sum(ends) <= call:  # all the padding is worth less than one more call
+        return None
     best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
     for j in range(1, n + 1):
         longest = 0
@@ -74,7 +77,6 @@ def kv_runs(rows: list[int], ends: list[int], cols: int, cell_bytes: int, device
             cost = best[i] + call + (j - i) * longest
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    consecutive = all(b == a + 1 for a, b in zip(rows, rows[1:]))
     if best[n] >= call + n * cols * (1 if consecutive else 3):
         return None
     runs, j = [], n
