@@ -64,8 +64,9 @@ class StageContext:
     real: torch.Tensor | None = None
     scatter: torch.Tensor | None = None  # the (b * t, width) buffer the layers scatter real tokens into
     # attention over the cache in runs of consecutive cache rows, each reading its own longest row's
-    # columns: [(first, stop, cols)] over the segment's rows (see ``sdpa.kv_runs``); None: one call
-    runs: list[tuple[int, int, int]] | None = None
+    # columns: [(first, stop, first cache row, cols)] over the segment's rows (``sdpa.kv_runs``);
+    # None: one call
+    runs: list[tuple[int, int, int, int]] | None = None
 
     def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:

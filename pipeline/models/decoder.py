@@ -116,10 +116,9 @@ class Attention(nn.Module):
         else:
             mask = ctx.masks.get(self.window)  # None: a plain causal layout
             if ctx.runs is not None:  # consecutive cache rows: views, each run its own columns
-                ck, cv, first = cache.k[layer], cache.v[layer], seg.host()[0]
-                out = torch.cat([self._attend(q[i:j], ck[first[i] : first[i] + j - i, :, :n],
-                                              cv[first[i] : first[i] + j - i, :, :n], mask[i:j, ..., :n])
-                                 for i, j, n in ctx.runs])
+                ck, cv = cache.k[layer], cache.v[layer]
+                out = torch.cat([self._attend(q[i:j], ck[r : r + j - i, :, :n], cv[r : r + j - i, :, :n],
+                                              mask[i:j, ..., :n]) for i, j, r, n in ctx.runs])
             else:
                 if cache is not None and not seg.fresh:
                     sel = slice(None) if seg.all_rows else seg.rows
@@ -345,6 +344,7 @@ class StageModel(nn.Module):
             rows, starts, _ = seg.host()
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
+            runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
