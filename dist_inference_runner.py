@@ -209,6 +209,10 @@ def execute(plan, opts) -> int:
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
+    if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
+        from pipeline.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     try:
         info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
                                 opts.dist_url, opts.cuda_id, opts.timeout)
