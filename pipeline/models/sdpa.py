@@ -34,9 +34,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g > 1)
     if t == 1 and g > 1:
         m = mask if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kvh, g, mask.shape[-1])
-        out = F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=m, scale=scale)
+        out = _decode_attention(q.reshape(b, kvh, g, d), k, v, m, scale)
         return out.reshape(b, h, 1, d)
+    if t == 1:
+        return _decode_attention(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+
+
+def _decode_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row (or the g query heads of a K/V head in its place): q (b, kvh, g, d).
+
+    On the CPU in float32 two batched matmuls and a softmax read the keys and values faster than the
+    flash kernel, which walks them in blocks with per-block bookkeeping: measured (2 threads, 12 heads
+    of 64, 32 rows x 300 keys) 1.33 against 1.69 ms with a boolean mask, 0.68 against 0.73 ms at 8 x
+    600. In bfloat16 the flash kernel wins by 3-5x (oneDNN's bf16 batched matmul of one row is slow),
+    on GPUs its fused kernels do."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or mask.dtype != torch.bool:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def softcapped_attention(q, k, v, mask: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
