@@ -67,6 +67,10 @@ class StageContext:
     # columns: [(first, stop, first cache row, cols)] over the segment's rows (``sdpa.kv_runs``);
     # None: one call
     runs: list[tuple[int, int, int, int]] | None = None
+    # fresh prompts without padding: each row's real tokens [first, stop) among the segment's n, and
+    # each real token's (cache row, column); layers without a mask attend row by row over these
+    spans: list[tuple[int, int]] | None = None
+    real_cells: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:

@@ -13,6 +13,8 @@ finished row take a new request (continuous refill) without moving anybody else.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,6 +93,10 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
+        if ctx.spans is not None and self.window not in ctx.masks and not self.tile:
+            out = self._prompt_rows(qkv, ctx, layer)
+            y = self.o(out)
+            return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
         if ctx.real is not None:  # norms and rotary on the real tokens, then back to (b, t)
             q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
             b, t = seg.rows.shape[0], seg.t
@@ -130,6 +136,23 @@ class Attention(nn.Module):
             out = out.view(b * t, s.q_dim).index_select(0, ctx.real)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
+
+    def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
+        """Fresh prompts, unpadded (n real tokens, row after row), plain causal attention: each row
+        attends over its own length, as views of the real tokens (no padded (b, t) layout). Causal
+        attention costs each row its length squared, so a padded batch of prompts of mixed lengths
+        pays ~2.5x the work (measured, 2 threads, 12 heads of 64: 16 prompts of 8..488 tokens, 51 ms
+        padded against 24 ms row by row; 32 of 8..300: 43 against 16 ms; bfloat16 alike)."""
+        s = self.spec
+        q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
+        v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
+        if ctx.cache is not None:
+            rows, cols = ctx.real_cells
+            ctx.cache.k[layer][rows, :, cols] = k
+            ctx.cache.v[layer][rows, :, cols] = v
+        outs = [self._attend(q[a:e].transpose(0, 1)[None], k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None],
+                             None)[0].transpose(0, 1) for a, e in ctx.spans]  # each (len, h, d)
+        return torch.cat(outs).flatten(1)
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         if self.spec.attn_softcap:
@@ -345,7 +368,12 @@ class StageModel(nn.Module):
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        return StageContext(cache, masks, rope, slopes, lora, real, runs=runs)
+        spans = cells = None
+        if real is not None and seg.fresh:  # fresh prompts: rows attend one by one (Attention._prompt_rows)
+            ends = list(itertools.accumulate(seg.lens))
+            spans = list(zip([0, *ends[:-1]], ends))
+            cells = (seg.rows[real // seg.t], real % seg.t)  # each real token's cache row and column
+        return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
