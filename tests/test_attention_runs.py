@@ -120,3 +120,24 @@ def test_runs_over_scattered_rows_match_one_gathered_call(tmp_path, monkeypatch,
     assert always_split[-1] == [(0, 1, 10), (1, 2, 31), (2, 3, 6), (3, 4, 26)]
     monkeypatch.setattr(decoder, "kv_runs", lambda *args: None)
     torch.testing.assert_close(split, step(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2-softcap-sliding", "phi3-longrope"])
+def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatch):
+    """Unpadded fresh prompts of mixed lengths: layers without a mask attend one row at a time over
+    the row's own tokens (llama, phi3); masked layers (gemma2's soft-capping and windows) keep the
+    padded layout. Both match HF."""
+    calls = []
+    rows = decoder.Attention._prompt_rows
+
+    def spy(self, qkv, ctx, layer):
+        calls.append(len(ctx.spans))
+        return rows(self, qkv, ctx, layer)
+
+    monkeypatch.setattr(decoder.Attention, "_prompt_rows", spy)
+    model_type, overrides = FAMILIES[name]
+    assert_hf_parity(random_hf_model(tmp_path, model_type, **overrides), PROMPTS, stages=2)
+    if name == "gemma2-softcap-sliding":
+        assert not calls
+    else:
+        assert len(PROMPTS) in calls  # the four prompts' prefill went row by row
