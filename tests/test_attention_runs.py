@@ -141,3 +141,33 @@ def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatc
         assert not calls
     else:
         assert len(PROMPTS) in calls  # the four prompts' prefill went row by row
+
+
+@torch.inference_mode()
+def test_prompts_resuming_after_cached_tokens_attend_row_by_row(tmp_path, monkeypatch):
+    """A prefill in two chunks (the second resuming after the first's cached tokens, rows of mixed
+    lengths) gives the one-chunk prefill's hidden states, the second chunk's rows attending one by
+    one over their cache rows (masked), as with the padded layout."""
+    path = random_hf_model(tmp_path, "llama", **GQA)
+    (stage,) = stage_chain(path, [(0, 3)])
+    lens, first = [9, 30, 5, 17], [4, 12, 5, 0]  # tokens per row; of which the first chunk computes
+    ids = torch.randint(3, 1000, (4, 30), generator=torch.Generator().manual_seed(2))
+
+    def prefill(cache, starts, stops):
+        t = max(b - a for a, b in zip(starts, stops))
+        chunk = torch.stack([torch.cat([ids[i, a:b], ids.new_zeros(t - (b - a))]) for i, (a, b) in enumerate(zip(starts, stops))])
+        fresh = not any(starts)
+        seg = Segment(torch.arange(4), torch.tensor(starts), t, t if fresh else max(starts) + t, fresh=fresh,
+                      prefill=True, host_rows=list(range(4)), host_start=starts, lens=[b - a for a, b in zip(starts, stops)])
+        return stage(chunk, seg, cache)
+
+    whole = prefill(stage.new_cache(4, 32), [0] * 4, lens)
+    calls = []
+    rows = decoder.Attention._prompt_rows
+    monkeypatch.setattr(decoder.Attention, "_prompt_rows", lambda self, *a: calls.append(1) or rows(self, *a))
+    cache = stage.new_cache(4, 32)
+    prefill(cache, [0] * 4, first)
+    second = prefill(cache, first, lens)
+    assert len(calls) == 2 * 3  # both chunks, every layer
+    for i, (a, b) in enumerate(zip(first, lens)):
+        torch.testing.assert_close(second[i, : b - a], whole[i, a:b], atol=1e-5, rtol=1e-5)

@@ -67,10 +67,13 @@ class StageContext:
     # columns: [(first, stop, first cache row, cols)] over the segment's rows (``sdpa.kv_runs``);
     # None: one call
     runs: list[tuple[int, int, int, int]] | None = None
-    # fresh prompts without padding: each row's real tokens [first, stop) among the segment's n, and
-    # each real token's (cache row, column); layers without a mask attend row by row over these
+    # unpadded prompts, for layers attending plainly causal (Attention._prompt_rows): each row's real
+    # tokens [first, stop) among the segment's n; each real token's (cache row, column); each row's
+    # (cache row, keys it reads, bool mask (1, 1, len, keys)), the mask None when its keys are its own
+    # new tokens (fresh prompts: the kernel's causal masking)
     spans: list[tuple[int, int]] | None = None
     real_cells: tuple[torch.Tensor, torch.Tensor] | None = None
+    row_keys: list[tuple[int, int, torch.Tensor | None]] | None = None
 
     def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:

@@ -93,7 +93,7 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
-        if ctx.spans is not None and self.window not in ctx.masks and not self.tile:
+        if ctx.spans is not None and not (self.window or ctx.slopes is not None or s.attn_softcap or self.tile):
             out = self._prompt_rows(qkv, ctx, layer)
             y = self.o(out)
             return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
@@ -138,20 +138,30 @@ class Attention(nn.Module):
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
     def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
-        """Fresh prompts, unpadded (n real tokens, row after row), plain causal attention: each row
-        attends over its own length, as views of the real tokens (no padded (b, t) layout). Causal
-        attention costs each row its length squared, so a padded batch of prompts of mixed lengths
-        pays ~2.5x the work (measured, 2 threads, 12 heads of 64: 16 prompts of 8..488 tokens, 51 ms
-        padded against 24 ms row by row; 32 of 8..300: 43 against 16 ms; bfloat16 alike)."""
+        """New prompt tokens, unpadded (n real tokens, row after row), plain causal attention: each row
+        attends over its own keys only, as views (its new tokens, or its cache row when it resumes
+        after cached tokens: a later prefill chunk, a prefix from the pool), never a padded (b, t)
+        batch. Causal attention costs a row its length squared, so a padded batch of mixed lengths
+        did ~2.5x the work (measured, 12 heads of 64: 16 prompts of 8..488 tokens, 2 threads, 51 ms
+        padded against 24 ms row by row; 32 chunks of up to 64 tokens after 0..450 cached, 1 thread,
+        34 against 14 ms; bfloat16 alike)."""
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        if ctx.cache is not None:
+        cache = ctx.cache
+        if cache is not None:
             rows, cols = ctx.real_cells
-            ctx.cache.k[layer][rows, :, cols] = k
-            ctx.cache.v[layer][rows, :, cols] = v
-        outs = [self._attend(q[a:e].transpose(0, 1)[None], k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None],
-                             None)[0].transpose(0, 1) for a, e in ctx.spans]  # each (len, h, d)
+            cache.k[layer][rows, :, cols] = k
+            cache.v[layer][rows, :, cols] = v
+        outs = []
+        for (a, e), (row, keys, mask) in zip(ctx.spans, ctx.row_keys):
+            if a == e:  # nothing new in this row
+                continue
+            if mask is None:  # the row's keys are its new tokens
+                kr, vr = k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None]
+            else:  # its cache row: the cached tokens and then these
+                kr, vr = cache.k[layer][row : row + 1, :, :keys], cache.v[layer][row : row + 1, :, :keys]
+            outs.append(self._attend(q[a:e].transpose(0, 1)[None], kr, vr, mask)[0].transpose(0, 1))  # (len, h, d)
         return torch.cat(outs).flatten(1)
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -368,12 +378,18 @@ class StageModel(nn.Module):
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        spans = cells = None
-        if real is not None and seg.fresh:  # fresh prompts: rows attend one by one (Attention._prompt_rows)
+        spans = cells = row_keys = None
+        if real is not None and (seg.fresh or cache is not None):  # unpadded prompts: Attention._prompt_rows
             ends = list(itertools.accumulate(seg.lens))
             spans = list(zip([0, *ends[:-1]], ends))
-            cells = (seg.rows[real // seg.t], real % seg.t)  # each real token's cache row and column
-        return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells)
+            row = real // seg.t
+            cells = (seg.rows[row], seg.start[row] + real % seg.t)  # each real token's cache row and column
+            rows, starts, lens = seg.host()
+            row_keys = [(r, s0 + n, None if seg.fresh else  # a resuming row: query i sees keys 0..s0 + i
+                         (keys[None, None, None, : s0 + n] <= s0 + keys[:n, None]))
+                        for r, s0, n in zip(rows, starts, lens)]
+        return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
+                            row_keys=row_keys)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""
