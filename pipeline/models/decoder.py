@@ -13,8 +13,6 @@ finished row take a new request (continuous refill) without moving anybody else.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +26,7 @@ from .moe import SparseMoE
 from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .sdpa import attend, kv_runs, softcapped_attention
 from .spec import DecoderSpec
-from .unpad import real_tokens
+from .unpad import attend_by_row, real_tokens, row_layout
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -148,21 +146,7 @@ class Attention(nn.Module):
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        cache = ctx.cache
-        if cache is not None:
-            rows, cols = ctx.real_cells
-            cache.k[layer][rows, :, cols] = k
-            cache.v[layer][rows, :, cols] = v
-        outs = []
-        for (a, e), (row, keys, mask) in zip(ctx.spans, ctx.row_keys):
-            if a == e:  # nothing new in this row
-                continue
-            if mask is None:  # the row's keys are its new tokens
-                kr, vr = k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None]
-            else:  # its cache row: the cached tokens and then these
-                kr, vr = cache.k[layer][row : row + 1, :, :keys], cache.v[layer][row : row + 1, :, :keys]
-            outs.append(self._attend(q[a:e].transpose(0, 1)[None], kr, vr, mask)[0].transpose(0, 1))  # (len, h, d)
-        return torch.cat(outs).flatten(1)
+        return attend_by_row(q, k, v, ctx, layer, self._attend)
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         if self.spec.attn_softcap:
@@ -378,16 +362,7 @@ class StageModel(nn.Module):
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        spans = cells = row_keys = None
-        if real is not None and (seg.fresh or cache is not None):  # unpadded prompts: Attention._prompt_rows
-            ends = list(itertools.accumulate(seg.lens))
-            spans = list(zip([0, *ends[:-1]], ends))
-            row = real // seg.t
-            cells = (seg.rows[row], seg.start[row] + real % seg.t)  # each real token's cache row and column
-            rows, starts, lens = seg.host()
-            row_keys = [(r, s0 + n, None if seg.fresh else  # a resuming row: query i sees keys 0..s0 + i
-                         (keys[None, None, None, : s0 + n] <= s0 + keys[:n, None]))
-                        for r, s0, n in zip(rows, starts, lens)]
+        spans, cells, row_keys = row_layout(seg, real, keys) if real is not None else (None, None, None)
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
                             row_keys=row_keys)
 

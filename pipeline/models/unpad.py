@@ -11,14 +11,15 @@ cached prefix scatter into the padded (b, t) layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..upload import to_device
 
 if TYPE_CHECKING:
-    from .decoder import Segment
+    from .context import Segment, StageContext
 
 UNPAD_ABOVE = 0.9  # a prefill with more real tokens than this share of b * t keeps its padding
 
@@ -34,3 +35,41 @@ def real_tokens(seg: "Segment") -> torch.Tensor | None:
     lens = torch.tensor(seg.lens)
     flat = (torch.arange(t)[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)
     return to_device(flat, seg.rows.device)
+
+
+def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor):
+    """For :func:`attend_by_row`, once per segment: each row's real tokens [first, stop) among the
+    segment's n; each real token's (cache row, column); each row's (cache row, keys it reads, bool
+    mask (1, 1, len, keys) or None when its keys are its own new tokens). ``keys``: arange over the
+    segment's key columns."""
+    ends = list(itertools.accumulate(seg.lens))
+    spans = list(zip([0, *ends[:-1]], ends))
+    row = real // seg.t
+    cells = (seg.rows[row], seg.start[row] + real % seg.t)
+    rows, starts, lens = seg.host()
+    row_keys = [(r, s0 + n, None if seg.fresh else  # a resuming row: query i sees keys 0..s0 + i
+                 (keys[None, None, None, : s0 + n] <= s0 + keys[:n, None]))
+                for r, s0, n in zip(rows, starts, lens)]
+    return spans, cells, row_keys
+
+
+def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StageContext", layer: int,
+                  attend: Callable) -> torch.Tensor:
+    """q (n, h, d), k / v (n, kvh, d) of the real tokens -> (n, h * d): the keys and values written to
+    the cache, then each row attending over its own keys (``attend(q, k, v, mask)``, (1, heads, len,
+    d) views): its new tokens under the kernel's causal masking, or its cache row with its mask."""
+    cache = ctx.cache
+    if cache is not None:
+        rows, cols = ctx.real_cells
+        cache.k[layer][rows, :, cols] = k
+        cache.v[layer][rows, :, cols] = v
+    outs = []
+    for (a, e), (row, n, mask) in zip(ctx.spans, ctx.row_keys):
+        if a == e:  # nothing new in this row
+            continue
+        if mask is None:
+            kr, vr = k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None]
+        else:
+            kr, vr = cache.k[layer][row : row + 1, :, :n], cache.v[layer][row : row + 1, :, :n]
+        outs.append(attend(q[a:e].transpose(0, 1)[None], kr, vr, mask)[0].transpose(0, 1))  # (len, h, d)
+    return torch.cat(outs).flatten(1)
