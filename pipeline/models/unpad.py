@@ -2,11 +2,11 @@
 attention's (b, t) layout, but a layer's projections and MLP run on the real tokens only.
 
 Prompts of different lengths share a prefill: a pass of prompts of 9..241 tokens is about half
-padding, which every projection and MLP would otherwise compute. Attention: fresh prompts under
-plain causal attention go row by row over each prompt's own length, as views of the real tokens
-(``Attention._prompt_rows``: causal attention costs a row its length squared, so the padded batch
-paid ~2.5x); layers with a mask (sliding windows, ALiBi, soft-capping) and prompts resuming after a
-cached prefix scatter into the padded (b, t) layout.
+padding, which every projection and MLP would otherwise compute. Attention, in layers attending
+plainly causal, goes row by row over each prompt's own keys (:func:`attend_by_row`, views: its new
+tokens, or its cache row when it resumes after cached tokens; causal attention costs a row its
+length squared, so the padded batch paid ~2.5x); layers with a mask (sliding windows, ALiBi,
+soft-capping) scatter into the padded (b, t) layout.
 """
 
 from __future__ import annotations
