@@ -91,7 +91,7 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
-        if ctx.spans is not None and not (self.window or ctx.slopes is not None or s.attn_softcap or self.tile):
+        if ctx.spans is not None and not self.window:  # plainly causal over unpadded prompts (see context)
             out = self._prompt_rows(qkv, ctx, layer)
             y = self.o(out)
             return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
@@ -344,9 +344,12 @@ class StageModel(nn.Module):
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
         keys = torch.arange(kv, device=pos.device)
+        plain = slopes is None and not self.spec.attn_softcap  # full-attention layers are plainly causal
+        by_row = real is not None and plain  # ... and attend row by row over unpadded prompts
+        padded_windows = [w for w in self.windows if w or not by_row]  # layers on the padded layout
         masks = {}
-        for window in self.windows:
-            if seg.fresh and not window and slopes is None and not self.spec.attn_softcap:
+        for window in padded_windows:
+            if seg.fresh and not window and plain:
                 continue  # a plain causal layout: no mask, the attention kernel's own causal masking
             mask = keys[None, None, :] <= pos[:, :, None]  # (b, t, kv): fresh rows start at 0
             if window:
@@ -357,12 +360,12 @@ class StageModel(nn.Module):
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
         runs = None
-        if cache is not None and not seg.fresh:  # rows reading the cache: how many columns each needs
+        if cache is not None and not seg.fresh and padded_windows:  # rows reading the cache: columns each needs
             rows, starts, _ = seg.host()
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        spans, cells, row_keys = row_layout(seg, real, keys) if real is not None else (None, None, None)
+        spans, cells, row_keys = row_layout(seg, real, keys) if by_row else (None, None, None)
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
                             row_keys=row_keys)
 
