@@ -89,8 +89,9 @@ def test_decode_over_per_row_lengths_without_repeating_kv(alibi):
 
 
 def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
-    """Fresh prompts with full attention take the causal kernel; resumed rows keep their mask; the
-    stage's output is the same either way (HF parity tests check the numbers against transformers)."""
+    """Fresh prompts with full attention take the causal kernel; resumed rows attend row by row, each
+    with its own bottom-right causal mask, and no padded mask is built; the stage's output is the same
+    either way (HF parity tests check the numbers against transformers)."""
     from pipeline.models.decoder import Segment
 
     model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, False)
@@ -98,7 +99,10 @@ def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
     fresh = Segment(rows, start, 5, 5, fresh=True, prefill=True, lens=[5, 3])
     resumed = Segment(rows, start, 5, 5, fresh=False, prefill=True, lens=[5, 3])
     assert 0 not in model.context(fresh, None, torch.float32).masks
-    assert 0 in model.context(resumed, None, torch.float32).masks
+    ctx = model.context(resumed, None, torch.float32)
+    assert 0 not in ctx.masks and ctx.runs is None
+    assert [mask.shape for _, _, mask in ctx.row_keys] == [(1, 1, 5, 5), (1, 1, 3, 3)]
+    assert ctx.row_keys[1][2][0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     ids = torch.randint(0, 100, (2, 5))
     cache = model.new_cache(2, 8)
     with torch.inference_mode():
