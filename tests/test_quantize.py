@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from pipeline.loading import build_stage
 from pipeline.models.int8 import (
+    quantize_tokens,
     Int8Linear,
     choose_kernels,
     fake_quantize,
@@ -77,6 +78,22 @@ def test_rows_round_to_their_scale():
     assert int(q.abs().max(dim=1).values.min()) == 127  # each row's largest weight maps to +-127
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] * 0.5 * (1 + 1e-5)).all()
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_round_to_the_nearest_step_of_their_row(dtype):
+    """Per-token activation quantization: each row's largest value maps to +-127, every value lands
+    within half a step, the uint8 form is the int8 values + 128, an all-zero row stays zero."""
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * torch.tensor([0.01, 1, 5, 300, 1, 0])[:, None]
+    x = x.to(dtype)
+    q, scale = quantize_tokens(x)
+    u, scale_u = quantize_tokens(x, unsigned=True)
+    assert q.dtype == torch.int8 and u.dtype == torch.uint8 and scale.shape == (6, 1) and scale.dtype == torch.float32
+    assert torch.equal(u.int() - 128, q.int()) and torch.equal(scale, scale_u)
+    assert q[:5].abs().amax(1).tolist() == [127] * 5 and q[5].abs().max() == 0 and torch.isfinite(scale).all()
+    xf = x.float()
+    assert ((q.float() * scale - xf).abs() <= scale * 0.5 * (1 + 1e-5)).all()
+    assert (q.float() - torch.round(xf / scale)).abs().max() <= 1  # ties may round either way
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_against_the_fake_quantized_product(bias):

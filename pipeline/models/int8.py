@@ -131,13 +131,23 @@ def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def quantize_tokens(x: torch.Tensor, zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, in) float -> (rows, in) int8 values and float32 scales (rows, 1): one symmetric scale per
-    row. ``zero_point`` 128: the values + 128 as uint8 (what oneDNN's u8 x s8 product takes)."""
+    row (``max |x_row| / 127``), each value rounded to the nearest step. ``unsigned``: the values + 128
+    as uint8 instead (zero point 128: what oneDNN's u8 x s8 product takes).
+
+    Five passes over the activations in eager mode, the fewest found (this runs before every int8
+    product; written plainly, with ten, it took nearly as long as the products in a generation
+    profile, and this form measured 10-30% off each projection): the row's range from two reductions
+    (no ``abs`` copy), then ``x / scale + 128.5`` truncated by the cast to uint8, which rounds to
+    nearest in one step (ties upward) where ``round`` + ``clamp`` + ``add`` took three; int8 values
+    are the same bytes with the top bit flipped (``u ^ 128`` viewed as int8 is ``u - 128``)."""
     xf = x.float()
-    s = (xf.abs().amax(dim=1, keepdim=True) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(xf / s).clamp_(-QMAX, QMAX)
-    return (q.add_(zero_point).to(torch.uint8) if zero_point else q.to(torch.int8)), s
+    top = torch.maximum(xf.amax(1, keepdim=True), xf.amin(1, keepdim=True).neg_())
+    top = top.clamp_(min=1e-30)  # an all-zero row: values 0 (127 / top stays finite: 0 * inf would be NaN)
+    u = torch.mul(xf, top.reciprocal().mul_(QMAX)).add_(128.5).to(torch.uint8)  # |x / scale| <= 127: 1.5..255.5
+    scale = top.div_(QMAX)
+    return (u if unsigned else u.bitwise_xor_(128).view(torch.int8)), scale
 
 
 def onednn_prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -155,12 +165,10 @@ def zero_points(n: int) -> torch.Tensor:
 
 def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor) -> torch.Tensor:
     """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout)."""
-    xu, s = quantize_tokens(x, zero_point=128)  # (rows, in) uint8, (rows, 1)
+    xu, s = quantize_tokens(x, unsigned=True)  # (rows, in) uint8, (rows, 1)
     y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, m.scale, zero_points(m.out_features), None, 1.0, 0,
                                            torch.float32, "none", [], "")  # acc * weight scale, float32
-    y = y * s
-    if m.bias is not None:
-        y = y + m.bias.float()
+    y = y.mul_(s) if m.bias is None else torch.addcmul(m.bias.float(), y, s)
     return y.to(x.dtype)
 
 
