@@ -122,11 +122,17 @@ def test_runs_over_scattered_rows_match_one_gathered_call(tmp_path, monkeypatch,
     torch.testing.assert_close(split, step(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma2-softcap-sliding", "phi3-longrope"])
+SLIDING = {"mistral-sliding": ("mistral", dict(GQA, sliding_window=4)),
+           "gemma3-sliding": ("gemma3_text", dict(GQA, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+                                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]))}
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2-softcap-sliding", "phi3-longrope", *SLIDING])
 def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatch):
-    """Unpadded fresh prompts of mixed lengths: layers without a mask attend one row at a time over
-    the row's own tokens (llama, phi3); masked layers (gemma2's soft-capping and windows) keep the
-    padded layout. Both match HF."""
+    """Unpadded fresh prompts of mixed lengths: causal layers attend one row at a time over the row's
+    own tokens (llama, phi3), sliding layers too, each row with its window's mask where the window
+    cuts it (mistral, gemma3: windows of 4 against prompts of 2..25); models with soft-capped scores
+    (gemma2) keep the padded layout. All match HF."""
     calls = []
     rows = decoder.Attention._prompt_rows
 
@@ -135,7 +141,7 @@ def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatc
         return rows(self, qkv, ctx, layer)
 
     monkeypatch.setattr(decoder.Attention, "_prompt_rows", spy)
-    model_type, overrides = FAMILIES[name]
+    model_type, overrides = {**FAMILIES, **SLIDING}[name]
     assert_hf_parity(random_hf_model(tmp_path, model_type, **overrides), PROMPTS, stages=2)
     if name == "gemma2-softcap-sliding":
         assert not calls
@@ -143,12 +149,39 @@ def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatc
         assert len(PROMPTS) in calls  # the four prompts' prefill went row by row
 
 
+def test_row_layout_masks_each_row_within_its_window():
+    """A row resuming at position 6 with 3 new tokens, window 4: it reads cache columns 3..8, query
+    p seeing (p - 4, p]; a row of 3 tokens is not cut by the window and shares full attention's
+    layout; fresh rows within the window need no mask (the kernel's causal masking)."""
+    from pipeline.models.unpad import row_layout
+
+    resumed = Segment(torch.arange(2), torch.tensor([6, 0]), 3, 9, fresh=False, prefill=True, lens=[3, 3])
+    real = torch.tensor([0, 1, 2, 3, 4, 5])
+    spans, cells, row_keys = row_layout(resumed, real, torch.arange(9), [0, 4])
+    assert spans == [(0, 3), (3, 6)]
+    assert cells[1].tolist() == [6, 7, 8, 0, 1, 2]
+    (r0, end0, views0), (r1, end1, views1) = row_keys
+    assert (r0, end0, r1, end1) == (0, 9, 1, 3)
+    first, mask = views0[4]
+    assert first == 3 and mask[0, 0].int().tolist() == [[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    first, mask = views0[0]
+    assert first == 0 and mask.shape == (1, 1, 3, 9) and mask[0, 0, 0].int().tolist() == [1] * 7 + [0, 0]
+    assert views1[4] is views1[0] and views1[0][1][0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    fresh = Segment(torch.arange(2), torch.zeros(2, dtype=torch.long), 6, 6, fresh=True, prefill=True, lens=[6, 3])
+    _, _, ((_, _, long), (_, _, short)) = row_layout(fresh, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8]),
+                                                     torch.arange(6), [0, 4])
+    assert long[0] == (0, None) and short[0] == short[4] == (0, None)
+    assert long[4][1][0, 0].int().tolist()[5] == [0, 0, 1, 1, 1, 1]  # position 5 sees 2..5
+
+
+@pytest.mark.parametrize("window", [0, 6])
 @torch.inference_mode()
-def test_prompts_resuming_after_cached_tokens_attend_row_by_row(tmp_path, monkeypatch):
+def test_prompts_resuming_after_cached_tokens_attend_row_by_row(window, tmp_path, monkeypatch):
     """A prefill in two chunks (the second resuming after the first's cached tokens, rows of mixed
     lengths) gives the one-chunk prefill's hidden states, the second chunk's rows attending one by
-    one over their cache rows (masked), as with the padded layout."""
-    path = random_hf_model(tmp_path, "llama", **GQA)
+    one over their cache rows (masked; with a sliding window of 6, from the first column each row's
+    first query sees), as with the padded layout."""
+    path = random_hf_model(tmp_path, "mistral", **GQA, sliding_window=window or None)
     (stage,) = stage_chain(path, [(0, 3)])
     lens, first = [9, 30, 5, 17], [4, 12, 5, 0]  # tokens per row; of which the first chunk computes
     ids = torch.randint(3, 1000, (4, 30), generator=torch.Generator().manual_seed(2))

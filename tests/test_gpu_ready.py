@@ -101,8 +101,8 @@ def test_prefill_builds_no_mask_for_a_plain_causal_layout(make_llama):
     assert 0 not in model.context(fresh, None, torch.float32).masks
     ctx = model.context(resumed, None, torch.float32)
     assert 0 not in ctx.masks and ctx.runs is None
-    assert [mask.shape for _, _, mask in ctx.row_keys] == [(1, 1, 5, 5), (1, 1, 3, 3)]
-    assert ctx.row_keys[1][2][0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert [views[0][1].shape for _, _, views in ctx.row_keys] == [(1, 1, 5, 5), (1, 1, 3, 3)]
+    assert ctx.row_keys[1][2][0][1][0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     ids = torch.randint(0, 100, (2, 5))
     cache = model.new_cache(2, 8)
     with torch.inference_mode():

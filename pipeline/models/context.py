@@ -67,13 +67,13 @@ class StageContext:
     # columns: [(first, stop, first cache row, cols)] over the segment's rows (``sdpa.kv_runs``);
     # None: one call
     runs: list[tuple[int, int, int, int]] | None = None
-    # unpadded prompts, for layers attending plainly causal (Attention._prompt_rows): each row's real
+    # unpadded prompts attending row by row (Attention._prompt_rows, unpad.row_layout): each row's real
     # tokens [first, stop) among the segment's n; each real token's (cache row, column); each row's
-    # (cache row, keys it reads, bool mask (1, 1, len, keys)), the mask None when its keys are its own
-    # new tokens (fresh prompts: the kernel's causal masking)
+    # (cache row, end of its keys, {window: (first key column, bool mask (1, 1, len, keys) or None)}),
+    # the mask None when its keys are its own new tokens under plain causal masking (fresh prompts)
     spans: list[tuple[int, int]] | None = None
     real_cells: tuple[torch.Tensor, torch.Tensor] | None = None
-    row_keys: list[tuple[int, int, torch.Tensor | None]] | None = None
+    row_keys: list[tuple[int, int, dict[int, tuple[int, torch.Tensor | None]]]] | None = None
 
     def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:

@@ -91,7 +91,7 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
-        if ctx.spans is not None and not self.window:  # plainly causal over unpadded prompts (see context)
+        if ctx.spans is not None:  # unpadded prompts, row by row (see context)
             out = self._prompt_rows(qkv, ctx, layer)
             y = self.o(out)
             return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
@@ -136,17 +136,17 @@ class Attention(nn.Module):
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
     def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
-        """New prompt tokens, unpadded (n real tokens, row after row), plain causal attention: each row
-        attends over its own keys only, as views (its new tokens, or its cache row when it resumes
-        after cached tokens: a later prefill chunk, a prefix from the pool), never a padded (b, t)
-        batch. Causal attention costs a row its length squared, so a padded batch of mixed lengths
+        """New prompt tokens, unpadded (n real tokens, row after row), causal attention (within the
+        layer's window, if any): each row attends over its own keys only, as views (its new tokens, or
+        its cache row when it resumes after cached tokens: a later prefill chunk, a prefix from the
+        pool), never a padded (b, t) batch. Causal attention costs a row its length squared, so a padded batch of mixed lengths
         did ~2.5x the work (measured, 12 heads of 64: 16 prompts of 8..488 tokens, 2 threads, 51 ms
         padded against 24 ms row by row; 32 chunks of up to 64 tokens after 0..450 cached, 1 thread,
         34 against 14 ms; bfloat16 alike)."""
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        return attend_by_row(q, k, v, ctx, layer, self._attend)
+        return attend_by_row(q, k, v, ctx, layer, self.window, self._attend)
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         if self.spec.attn_softcap:
@@ -344,9 +344,9 @@ class StageModel(nn.Module):
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
         keys = torch.arange(kv, device=pos.device)
-        plain = slopes is None and not self.spec.attn_softcap  # full-attention layers are plainly causal
-        by_row = real is not None and plain  # ... and attend row by row over unpadded prompts
-        padded_windows = [w for w in self.windows if w or not by_row]  # layers on the padded layout
+        plain = slopes is None and not self.spec.attn_softcap  # causal, or causal within a window
+        by_row = real is not None and plain  # ... attend row by row over unpadded prompts
+        padded_windows = [] if by_row else self.windows  # layers on the padded layout
         masks = {}
         for window in padded_windows:
             if seg.fresh and not window and plain:
@@ -365,7 +365,7 @@ class StageModel(nn.Module):
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        spans, cells, row_keys = row_layout(seg, real, keys) if by_row else (None, None, None)
+        spans, cells, row_keys = row_layout(seg, real, keys, self.windows) if by_row else (None, None, None)
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
                             row_keys=row_keys)
 

@@ -2,11 +2,11 @@
 attention's (b, t) layout, but a layer's projections and MLP run on the real tokens only.
 
 Prompts of different lengths share a prefill: a pass of prompts of 9..241 tokens is about half
-padding, which every projection and MLP would otherwise compute. Attention, in layers attending
-plainly causal, goes row by row over each prompt's own keys (:func:`attend_by_row`, views: its new
-tokens, or its cache row when it resumes after cached tokens; causal attention costs a row its
-length squared, so the padded batch paid ~2.5x); layers with a mask (sliding windows, ALiBi,
-soft-capping) scatter into the padded (b, t) layout.
+padding, which every projection and MLP would otherwise compute. Attention goes row by row over each
+prompt's own keys (:func:`attend_by_row`, views: its new tokens, or its cache row when it resumes
+after cached tokens; a sliding layer's row with its window's mask; causal attention costs a row its
+length squared, so the padded batch paid ~2.5x); in models with ALiBi or soft-capped scores the
+layers scatter into the padded (b, t) layout and attend with its masks.
 """
 
 from __future__ import annotations
@@ -37,39 +37,57 @@ def real_tokens(seg: "Segment") -> torch.Tensor | None:
     return to_device(flat, seg.rows.device)
 
 
-def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor):
+def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: list[int]):
     """For :func:`attend_by_row`, once per segment: each row's real tokens [first, stop) among the
-    segment's n; each real token's (cache row, column); each row's (cache row, keys it reads, bool
-    mask (1, 1, len, keys) or None when its keys are its own new tokens). ``keys``: arange over the
-    segment's key columns."""
+    segment's n; each real token's (cache row, column); each row's (cache row, end of its keys, and
+    per sliding window in ``windows`` (0: full attention) the first key column it reads and its bool
+    mask (1, 1, len, keys), None for new tokens attending only each other causally). ``keys``: arange
+    over the segment's key columns.
+
+    A query at position p sees keys (p - window, p]; a row no longer than the window sees all its
+    keys, as under full attention, so it shares that layout (no mask for a fresh prompt). A row
+    resuming after cached tokens reads its cache row from the first column its first query sees."""
     ends = list(itertools.accumulate(seg.lens))
     spans = list(zip([0, *ends[:-1]], ends))
     row = real // seg.t
     cells = (seg.rows[row], seg.start[row] + real % seg.t)
     rows, starts, lens = seg.host()
-    row_keys = [(r, s0 + n, None if seg.fresh else  # a resuming row: query i sees keys 0..s0 + i
-                 (keys[None, None, None, : s0 + n] <= s0 + keys[:n, None]))
-                for r, s0, n in zip(rows, starts, lens)]
+    row_keys = []
+    for r, s0, n in zip(rows, starts, lens):
+        end, views = s0 + n, {}
+        for w in windows:
+            w = w if w and end > w else 0  # the window cuts none of this row's keys: full attention
+            if w not in views:
+                first = max(0, s0 - w + 1) if w else 0
+                mask = None
+                if w or not seg.fresh:
+                    cols, query = keys[None, first:end], s0 + keys[:n, None]
+                    mask = (cols <= query) & (cols > query - w) if w else cols <= query
+                    mask = mask[None, None]
+                views[w] = (first, mask)
+        row_keys.append((r, end, {w: views[w if w and end > w else 0] for w in windows}))
     return spans, cells, row_keys
 
 
-def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StageContext", layer: int,
+def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StageContext", layer: int, window: int,
                   attend: Callable) -> torch.Tensor:
     """q (n, h, d), k / v (n, kvh, d) of the real tokens -> (n, h * d): the keys and values written to
     the cache, then each row attending over its own keys (``attend(q, k, v, mask)``, (1, heads, len,
-    d) views): its new tokens under the kernel's causal masking, or its cache row with its mask."""
+    d) views): its new tokens (fresh prompts; causal masking by the kernel unless the layer's
+    ``window`` cuts the row), or the columns of its cache row its queries see, with its mask."""
     cache = ctx.cache
     if cache is not None:
         rows, cols = ctx.real_cells
         cache.k[layer][rows, :, cols] = k
         cache.v[layer][rows, :, cols] = v
     outs = []
-    for (a, e), (row, n, mask) in zip(ctx.spans, ctx.row_keys):
+    for (a, e), (row, end, views) in zip(ctx.spans, ctx.row_keys):
         if a == e:  # nothing new in this row
             continue
-        if mask is None:
+        first, mask = views[window]
+        if end == e - a:  # a fresh prompt: its keys are its new tokens
             kr, vr = k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None]
         else:
-            kr, vr = cache.k[layer][row : row + 1, :, :n], cache.v[layer][row : row + 1, :, :n]
+            kr, vr = cache.k[layer][row : row + 1, :, first:end], cache.v[layer][row : row + 1, :, first:end]
         outs.append(attend(q[a:e].transpose(0, 1)[None], kr, vr, mask)[0].transpose(0, 1))  # (len, h, d)
     return torch.cat(outs).flatten(1)
