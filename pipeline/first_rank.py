@@ -22,7 +22,7 @@ from tasks.shards import index_of
 from .driver import Driver, input_fingerprint, read_lines
 from .link import Link
 from .messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
-from .stage import Stage, pack
+from .stage import Stage, allocate_ahead, pack
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class FirstRank:
                     continue
                 hdr, dec, pre = d.build(ps, release)
                 release = []
+                allocate_ahead(self.link, hdr)
                 self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
                 inflight += 1
                 d.fill()

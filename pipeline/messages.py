@@ -3,6 +3,9 @@
 Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where it has any:
 
 - :class:`OpenFile`   a request file starts; the last rank opens its writer and answers :class:`Opened`.
+- :class:`Allocate`   ahead of a pass that allocates a micro-batch's KV cache: each rank forwards
+  it at once and allocates, so the ranks zero their caches at the same time instead of one after
+  another as the pass reaches them (zeroing a CPU cache of a few GB takes seconds).
 - :class:`PassHeader` one micro-batch's trip: which slot, which rows decode (the layout computed
   once, here), which groups prefill, each row's LoRA adapter, cache forks and releases, and the :class:`Admission` of every
   group that enters (parameters, prompt ids, the original request), which the middle ranks forward
@@ -104,9 +107,26 @@ class PassHeader:
         return max((p.len - p.cached for p in self.prefill), default=0)
 
     @property
+    def keeps_cache(self) -> bool:
+        """The pass needs its slot's cache: rows decode, are forked, or keep their prompt's keys for
+        later (a pass of prompts that all end there, echo scoring, attends to its own keys only)."""
+        return bool(self.decode_layout or self.forks or self.prefix_grow is not None
+                    or any(not p.ends or p.cached or p.save for p in self.prefill))
+
+    @property
     def dense(self) -> bool:
         """The decode segment covers every slot row (no cache gather)."""
         return len(self.decode_layout) == self.rows
+
+
+@dataclass
+class Allocate:
+    """The next pass of ``slot`` allocates its cache of ``rows`` x ``cols`` on every stage."""
+
+    KIND: ClassVar[str] = "alloc"
+    slot: int
+    rows: int
+    cols: int
 
 
 @dataclass
@@ -166,8 +186,8 @@ class Stop:
     errors: list[ErrorLine] = field(default_factory=list)
 
 
-Message = PassHeader | Reply | OpenFile | Opened | CloseFile | Closed | Stop
-_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Reply, OpenFile, Opened, CloseFile, Closed, Stop)}
+Message = PassHeader | Allocate | Reply | OpenFile | Opened | CloseFile | Closed | Stop
+_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Reply, OpenFile, Opened, CloseFile, Closed, Stop)}
 
 
 class MessageError(ValueError):

@@ -96,9 +96,10 @@ class Scheduler:
     """
 
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
-                 headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS):
+                 headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS, chunk: int = 0):
         self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
-        self.prefill_tokens = prefill_tokens  # prompt tokens one pass admits (at least one group)
+        self.prefill_tokens = prefill_tokens  # prompt tokens one pass computes (at least one prompt's part)
+        self.chunk = chunk  # prompt tokens a pass computes of a chunkable group (driver: --prefill-chunk; 0: all)
         self.spare = 1 if prefix is not None else 0  # columns
         self.headroom = headroom
         self.recent: deque[int] = deque(maxlen=64)  # serve mode: the needs of recent groups
@@ -209,14 +210,19 @@ class Scheduler:
                 rows, cols, work = rows + g.width, new_cols, work + scoring(g)
         return chosen
 
-    def _fits_pass(self, chosen: list[Group], g: Group) -> bool:
+    def _pass_work(self, g: Group) -> int:
+        """Prompt tokens a pass computes for ``g``: its first chunk when its prompt is chunked."""
+        work = self._work(g)
+        return min(work, self.chunk) if self.chunk and g.chunkable else work
+
+    def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0)) -> bool:
         """``g`` joins this pass's prefill within ``prefill_tokens``: the pass computes every new
-        prompt to the longest one's length, so the cost is rows x the longest (always true for the
-        first group)."""
-        if not chosen:
+        prompt to the longest one's length, so the cost is rows x the longest; ``held``: (rows,
+        longest) of the chunked prompts the pass continues. Always true for the first prompt."""
+        if not chosen and not held[0]:
             return True
-        rows = sum(x.width for x in chosen) + g.width
-        return rows * max(self._work(x) for x in (*chosen, g)) <= self.prefill_tokens
+        rows = held[0] + sum(x.width for x in chosen) + g.width
+        return rows * max(held[1], *(self._pass_work(x) for x in (*chosen, g))) <= self.prefill_tokens
 
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The leading ``groups`` that fit one pass's prefill (at least one)."""
@@ -227,13 +233,25 @@ class Scheduler:
             out.append(g)
         return out
 
-    def _refill(self, slot: Slot, limit: int | None = None) -> list[Group]:
+    def _resume(self, slot: Slot) -> tuple[dict[int, int], tuple[int, int]]:
+        """The chunked prompts this pass continues (row -> tokens computed), oldest first, within
+        ``prefill_tokens`` (at least one), and their (rows, longest chunk) for :meth:`_fits_pass`."""
+        resume, longest = {}, 0
+        for row, done in slot.prefilling.items():
+            left = self.groups[slot.row_group[row]].prompt_len - done
+            work = min(left, self.chunk) if self.chunk else left
+            if resume and (len(resume) + 1) * max(longest, work) > self.prefill_tokens:
+                break
+            resume[row], longest = done, max(longest, work)
+        return resume, (len(resume), longest)
+
+    def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
         chosen = []
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
-            if not self._fits_pass(chosen, g):
+            if not self._fits_pass(chosen, g, held):
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue
@@ -294,7 +312,7 @@ class Scheduler:
         """The next pass for an idle slot, or None when it has nothing to do now."""
         slot = self.slots[sid]
         assert not slot.inflight
-        alloc = None
+        alloc, resume = None, {}
         if not slot.allocated and self.queue:
             self._pool_yields()
             new = self._pack(self.budget - self.used)
@@ -313,7 +331,8 @@ class Scheduler:
                 new = self._admit(new)  # the others stay queued: the slot's free rows take them next passes
         elif slot.allocated:
             limit = self._refill_limit(slot)
-            new = self._refill(slot, limit) if limit != 0 else []
+            resume, held = self._resume(slot)
+            new = self._refill(slot, limit, held) if limit != 0 else []
         else:
             new = []
         for g in new:
@@ -333,7 +352,6 @@ class Scheduler:
             if len(rows) > 1:
                 forks.append((rows[0], rows[1:]))
             rows_of[g.gid] = rows
-        resume = dict(slot.prefilling)
         prefill += [(slot.row_group[r], r) for r in resume]
         if not decode_rows and not prefill:
             return None

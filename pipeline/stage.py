@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .messages import CloseFile, OpenFile, PassHeader, Stop
+from .messages import Allocate, CloseFile, OpenFile, PassHeader, Stop
 from .models.decoder import Segment, StageModel
 from .models.kv_cache import KVCache
 from .prefix import PrefixStore
@@ -28,6 +28,7 @@ class Stage:
         self.model, self.device, self.trace = model, device, trace
         self.caches: dict[int, KVCache] = {}
         self.pending: dict[int, list[int]] = {}  # slot -> [rows, cols] of a cache no pass has needed yet
+        self.prepared: dict[int, tuple[list[int], KVCache]] = {}  # slot -> a cache allocated ahead (Allocate)
         self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
         self._busy = 0.0  # compute seconds since the current file opened (see ``busy``)
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed on the stream, not resolved yet
@@ -79,7 +80,11 @@ class Stage:
         self.release(hdr.release)
         if hdr.alloc:
             self.caches.pop(hdr.slot, None)
-            self.pending[hdr.slot] = hdr.alloc
+            dims, cache = self.prepared.pop(hdr.slot, (None, None))
+            if dims == hdr.alloc:
+                self.caches[hdr.slot] = cache
+            else:
+                self.pending[hdr.slot] = hdr.alloc
         x_dec, x_pre = unpack(hdr, x)
         cache = self._cache(hdr, x_dec is not None)
         if hdr.prefix_grow is not None:
@@ -102,13 +107,22 @@ class Stage:
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
         return pack(outs)
 
+    def prepare(self, msg: Allocate) -> None:
+        """Allocate a slot's cache ahead of the pass that needs it (the pass comes next for this
+        slot: its old cache, if any, is already released on rank 0)."""
+        t0 = self.mark()
+        self.caches.pop(msg.slot, None)
+        self.pending.pop(msg.slot, None)
+        self.prepared.pop(msg.slot, None)
+        self.prepared[msg.slot] = ([msg.rows, msg.cols], self.model.new_cache(msg.rows, msg.cols))
+        self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
+
     def _cache(self, hdr: PassHeader, decodes: bool) -> KVCache | None:
         """The slot's cache, allocated by the first pass that needs one: a pass of prompts that all
         end there (echo scoring, ``max_tokens`` 0) attends to its own keys only and keeps none, so a
         scoring micro-batch never allocates (on the CPU, zeroing it cost 5% of a scoring file)."""
         cache = self.caches.get(hdr.slot)
-        needed = (decodes or hdr.forks or hdr.prefix_grow is not None
-                  or any(not p.ends or p.cached or p.save for p in hdr.prefill))
+        needed = decodes or hdr.keeps_cache
         if cache is None and needed:
             cache = self.caches[hdr.slot] = self.model.new_cache(*self.pending.pop(hdr.slot))
         return cache if needed else None
@@ -123,6 +137,7 @@ class Stage:
         for sid in slots:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
+            # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
 
     def clock(self, what: str, t0: float, **args) -> None:
         """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""
@@ -144,6 +159,11 @@ def serve(link, stage: Stage, last=None) -> str | None:
     output = None
     while True:
         msg, x = link.recv_prev()
+        if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
+            if last is None:
+                link.send_next(msg)
+            stage.prepare(msg)
+            continue
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)
         elif isinstance(msg, OpenFile):
@@ -162,6 +182,13 @@ def serve(link, stage: Stage, last=None) -> str | None:
                 link.send_first(reply)
         if isinstance(msg, Stop):
             return output
+
+
+def allocate_ahead(link, hdr: PassHeader) -> None:
+    """Rank 0, before computing a pass that allocates its slot's cache: tell the other ranks, so that
+    they allocate theirs now (see :class:`~pipeline.messages.Allocate`)."""
+    if link is not None and hdr.alloc and hdr.keeps_cache:
+        link.send_next(Allocate(hdr.slot, *hdr.alloc))
 
 
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.messages import (Admission, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
+from pipeline.messages import (Admission, Allocate, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
                                Reply, Stop, build, decode, encode)
 from tasks.output_file import FileSummary
 from tasks.requests import Params
@@ -18,7 +18,7 @@ MESSAGES = [
     Reply(slot=1, feed=[[0, 11], [1, 12]], finished=[2]),
     OpenFile("in.jsonl", "out.jsonl", 9, "123:abc"), Opened(skip=None, error="journal mismatch"), Opened(skip=3),
     CloseFile(total=9, requests=9, error_kinds={"prompt": 1}, encode_seconds=0.1, padding_waste=0.2, busy=[1.0]),
-    Closed(True, SUMMARY), Stop(),
+    Closed(True, SUMMARY), Stop(), Allocate(slot=2, rows=36, cols=593),
 ]
 
 

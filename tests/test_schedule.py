@@ -202,3 +202,34 @@ def test_a_chunked_prompt_resumes_in_its_slots_next_passes_then_decodes():
     ps = s.next_pass(0)
     assert ps.prefill == [] and ps.resume == {} and sorted(ps.decode_rows) == sorted([row0, row1])
     assert ps.decode_start[row0] == 100
+
+
+def test_a_pass_computes_at_most_its_prefill_tokens_chunks_included():
+    """With chunked prompts a pass counts each prompt's chunk, not its whole length, and the chunks it
+    continues: at most ``prefill_tokens`` (rows x the longest), the oldest chunked prompts first, so
+    passes stay even (a pipeline's stages wait on the longest); every prompt still completes."""
+    s = Scheduler(budget=100_000, num_slots=1, max_rows=16, chunk=64, prefill_tokens=256)
+    for gid in range(12):
+        s.submit(Group(gid, prompt_len=150 + gid, max_tokens=2, chunkable=True))
+    done: dict[int, int] = {}  # group -> prompt tokens computed
+    first_pass = None
+    for _ in range(200):
+        ps = s.next_pass(0)
+        if ps is None:
+            break
+        first_pass = first_pass or ps
+        waiting = list(s.slots[0].prefilling)  # chunked prompts, oldest first
+        assert list(ps.resume) == waiting[: len(ps.resume)]
+        works = []
+        for gid, row in ps.prefill:
+            start = ps.resume.get(row, 0)
+            assert start == done.get(gid, 0)  # resumed where its last chunk ended
+            end = min(s.groups[gid].prompt_len, start + 64)
+            works.append(end - start)
+            s.prefilled(0, row, end)
+            done[gid] = end
+        assert len(works) * max(works, default=0) <= 256
+        full = [r for gid, r in ps.prefill if done[gid] == s.groups[gid].prompt_len]
+        s.on_reply(0, full, list(ps.decode_rows))  # a row decodes one token, then finishes
+    assert s.idle() and sorted(done) == list(range(12)) and all(done[g] == 150 + g for g in done)
+    assert first_pass.alloc == (12, 163) and len(first_pass.prefill) == 4  # 4 chunks of 64: 8 prompts wait
