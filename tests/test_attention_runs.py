@@ -127,12 +127,12 @@ SLIDING = {"mistral-sliding": ("mistral", dict(GQA, sliding_window=4)),
                                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]))}
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma2-softcap-sliding", "phi3-longrope", *SLIDING])
+@pytest.mark.parametrize("name", [*FAMILIES, *SLIDING])
 def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatch):
-    """Unpadded fresh prompts of mixed lengths: causal layers attend one row at a time over the row's
-    own tokens (llama, phi3), sliding layers too, each row with its window's mask where the window
-    cuts it (mistral, gemma3: windows of 4 against prompts of 2..25); models with soft-capped scores
-    (gemma2) keep the padded layout. All match HF."""
+    """Unpadded fresh prompts of mixed lengths attend one row at a time over the row's own tokens:
+    causal layers (llama, phi3), sliding layers with their window's mask where the window cuts a row
+    (mistral, gemma3: windows of 4 against prompts of 2..25), soft-capped scores with each row's
+    causal mask (gemma2), ALiBi with each row's biases (bloom). All match HF."""
     calls = []
     rows = decoder.Attention._prompt_rows
 
@@ -143,10 +143,7 @@ def test_fresh_prompts_attend_row_by_row_and_match_hf(name, tmp_path, monkeypatc
     monkeypatch.setattr(decoder.Attention, "_prompt_rows", spy)
     model_type, overrides = {**FAMILIES, **SLIDING}[name]
     assert_hf_parity(random_hf_model(tmp_path, model_type, **overrides), PROMPTS, stages=2)
-    if name == "gemma2-softcap-sliding":
-        assert not calls
-    else:
-        assert len(PROMPTS) in calls  # the four prompts' prefill went row by row
+    assert len(PROMPTS) in calls  # the four prompts' prefill went row by row
 
 
 def test_row_layout_masks_each_row_within_its_window():
@@ -174,14 +171,21 @@ def test_row_layout_masks_each_row_within_its_window():
     assert long[4][1][0, 0].int().tolist()[5] == [0, 0, 1, 1, 1, 1]  # position 5 sees 2..5
 
 
-@pytest.mark.parametrize("window", [0, 6])
+RESUMING = {"llama": ("mistral", dict(GQA, sliding_window=None)),
+            "sliding-6": ("mistral", dict(GQA, sliding_window=6)),
+            "gemma2-softcap-sliding": FAMILIES["gemma2-softcap-sliding"],
+            "bloom-alibi": FAMILIES["bloom-alibi"]}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMING))
 @torch.inference_mode()
-def test_prompts_resuming_after_cached_tokens_attend_row_by_row(window, tmp_path, monkeypatch):
+def test_prompts_resuming_after_cached_tokens_attend_row_by_row(name, tmp_path, monkeypatch):
     """A prefill in two chunks (the second resuming after the first's cached tokens, rows of mixed
     lengths) gives the one-chunk prefill's hidden states, the second chunk's rows attending one by
     one over their cache rows (masked; with a sliding window of 6, from the first column each row's
-    first query sees), as with the padded layout."""
-    path = random_hf_model(tmp_path, "mistral", **GQA, sliding_window=window or None)
+    first query sees; with ALiBi, its biases; with soft-capping, after the cap)."""
+    model_type, overrides = RESUMING[name]
+    path = random_hf_model(tmp_path, model_type, **overrides)
     (stage,) = stage_chain(path, [(0, 3)])
     lens, first = [9, 30, 5, 17], [4, 12, 5, 0]  # tokens per row; of which the first chunk computes
     ids = torch.randint(3, 1000, (4, 30), generator=torch.Generator().manual_seed(2))

@@ -60,25 +60,16 @@ class StageContext:
     slopes: torch.Tensor | None = None  # ALiBi head slopes (per-row attention builds its own bias)
     lora: LoraRows | None = None  # the segment's LoRA adapters per row (None: every row is base)
     # A prefill segment's real tokens as flat indices into its (b * t) positions: the layers then
-    # run on those rows only (right padding skipped) and attention scatters them back to (b, t).
+    # run on those rows only (right padding skipped), attention row by row (``spans``...).
     real: torch.Tensor | None = None
-    scatter: torch.Tensor | None = None  # the (b * t, width) buffer the layers scatter real tokens into
     # attention over the cache in runs of consecutive cache rows, each reading its own longest row's
     # columns: [(first, stop, first cache row, cols)] over the segment's rows (``sdpa.kv_runs``);
     # None: one call
     runs: list[tuple[int, int, int, int]] | None = None
     # unpadded prompts attending row by row (Attention._prompt_rows, unpad.row_layout): each row's real
     # tokens [first, stop) among the segment's n; each real token's (cache row, column); each row's
-    # (cache row, end of its keys, {window: (first key column, bool mask (1, 1, len, keys) or None)}),
-    # the mask None when its keys are its own new tokens under plain causal masking (fresh prompts)
+    # (cache row, end of its keys, {window: (first key column, mask (1, 1 or heads, len, keys) or
+    # None)}), the mask None when its keys are its own new tokens under plain causal masking
     spans: list[tuple[int, int]] | None = None
     real_cells: tuple[torch.Tensor, torch.Tensor] | None = None
     row_keys: list[tuple[int, int, dict[int, tuple[int, torch.Tensor | None]]]] | None = None
-
-    def padded(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """A zeroed (rows, width) buffer for ``like``'s real tokens, shared by the segment's layers:
-        each fills the same real positions, so its padding positions stay zero (zeroed once)."""
-        shape = (rows, like.shape[-1])
-        if self.scatter is None or self.scatter.shape != shape or self.scatter.dtype != like.dtype:
-            self.scatter = like.new_zeros(shape)
-        return self.scatter

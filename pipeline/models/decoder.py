@@ -91,22 +91,11 @@ class Attention(nn.Module):
         qkv = self._rows(self.qkv, x)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
-        if ctx.spans is not None:  # unpadded prompts, row by row (see context)
+        if ctx.real is not None:  # unpadded prompts, row by row (see context)
             out = self._prompt_rows(qkv, ctx, layer)
             y = self.o(out)
             return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
-        if ctx.real is not None:  # norms and rotary on the real tokens, then back to (b, t)
-            q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
-            b, t = seg.rows.shape[0], seg.t
-            qkv = ctx.padded(b * t, qkv)  # padding positions: zeros, never attended
-            qk = s.q_dim + s.kv_dim
-            qkv[:, : s.q_dim].index_copy_(0, ctx.real, q.flatten(1))
-            qkv[:, s.q_dim : qk].index_copy_(0, ctx.real, k.flatten(1))
-            qkv[:, qk:].index_copy_(0, ctx.real, v)
-            q, k, v = qkv.view(b, t, -1).split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
-            q, k = q.unflatten(-1, (s.num_heads, s.head_dim)), k.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        else:
-            q, k, v = self._heads(qkv, ctx)  # (b, t, h, d), (b, t, kvh, d), (b, t, kvh * d)
+        q, k, v = self._heads(qkv, ctx)  # (b, t, h, d), (b, t, kvh, d), (b, t, kvh * d)
         b, t = q.shape[:2]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, t, d), (b, kvh, t, d)
         v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
@@ -130,8 +119,6 @@ class Attention(nn.Module):
                     v = cache.v[layer][sel, :, : seg.kv_len]
                 out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
-        if ctx.real is not None:
-            out = out.view(b * t, s.q_dim).index_select(0, ctx.real)
         y = self._rows(self.o, out)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
@@ -344,11 +331,9 @@ class StageModel(nn.Module):
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
         keys = torch.arange(kv, device=pos.device)
-        plain = slopes is None and not self.spec.attn_softcap  # causal, or causal within a window
-        by_row = real is not None and plain  # ... attend row by row over unpadded prompts
-        padded_windows = [] if by_row else self.windows  # layers on the padded layout
+        plain = slopes is None and not self.spec.attn_softcap  # the kernel's causal flag can mask
         masks = {}
-        for window in padded_windows:
+        for window in self.windows if real is None else ():  # a padded layout: (b, t) masks
             if seg.fresh and not window and plain:
                 continue  # a plain causal layout: no mask, the attention kernel's own causal masking
             mask = keys[None, None, :] <= pos[:, :, None]  # (b, t, kv): fresh rows start at 0
@@ -360,12 +345,13 @@ class StageModel(nn.Module):
                 mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
             masks[window] = mask
         runs = None
-        if cache is not None and not seg.fresh and padded_windows:  # rows reading the cache: columns each needs
+        if cache is not None and not seg.fresh and real is None:  # rows reading the cache: columns each needs
             rows, starts, _ = seg.host()
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
-        spans, cells, row_keys = row_layout(seg, real, keys, self.windows) if by_row else (None, None, None)
+        spans, cells, row_keys = (None, None, None) if real is None else row_layout(
+            seg, real, keys, self.windows, slopes, bool(self.spec.attn_softcap), dtype)
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
                             row_keys=row_keys)
 

@@ -4,9 +4,8 @@ attention's (b, t) layout, but a layer's projections and MLP run on the real tok
 Prompts of different lengths share a prefill: a pass of prompts of 9..241 tokens is about half
 padding, which every projection and MLP would otherwise compute. Attention goes row by row over each
 prompt's own keys (:func:`attend_by_row`, views: its new tokens, or its cache row when it resumes
-after cached tokens; a sliding layer's row with its window's mask; causal attention costs a row its
-length squared, so the padded batch paid ~2.5x); in models with ALiBi or soft-capped scores the
-layers scatter into the padded (b, t) layout and attend with its masks.
+after cached tokens; a sliding layer's row with its window's mask, an ALiBi model's with its biases;
+causal attention costs a row its length squared, so the padded batch paid ~2.5x).
 """
 
 from __future__ import annotations
@@ -37,16 +36,20 @@ def real_tokens(seg: "Segment") -> torch.Tensor | None:
     return to_device(flat, seg.rows.device)
 
 
-def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: list[int]):
+def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: list[int], slopes=None,
+               softcap: bool = False, dtype: torch.dtype = torch.float32):
     """For :func:`attend_by_row`, once per segment: each row's real tokens [first, stop) among the
     segment's n; each real token's (cache row, column); each row's (cache row, end of its keys, and
-    per sliding window in ``windows`` (0: full attention) the first key column it reads and its bool
-    mask (1, 1, len, keys), None for new tokens attending only each other causally). ``keys``: arange
+    per sliding window in ``windows`` (0: full attention) the first key column it reads and its mask
+    (1, 1, len, keys), None for new tokens attending only each other causally). ``keys``: arange
     over the segment's key columns.
 
     A query at position p sees keys (p - window, p]; a row no longer than the window sees all its
     keys, as under full attention, so it shares that layout (no mask for a fresh prompt). A row
-    resuming after cached tokens reads its cache row from the first column its first query sees."""
+    resuming after cached tokens reads its cache row from the first column its first query sees.
+    With ALiBi (``slopes``, (heads,)) every mask is additive, (1, heads, len, keys): the head's slope
+    times the key's position where the query sees it, -inf elsewhere; with ``softcap`` (soft-capped
+    scores: not the kernel's causal flag) fresh rows get their causal mask too."""
     ends = list(itertools.accumulate(seg.lens))
     spans = list(zip([0, *ends[:-1]], ends))
     row = real // seg.t
@@ -60,10 +63,12 @@ def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: 
             if w not in views:
                 first = max(0, s0 - w + 1) if w else 0
                 mask = None
-                if w or not seg.fresh:
+                if w or not seg.fresh or slopes is not None or softcap:
                     cols, query = keys[None, first:end], s0 + keys[:n, None]
-                    mask = (cols <= query) & (cols > query - w) if w else cols <= query
-                    mask = mask[None, None]
+                    mask = ((cols <= query) & (cols > query - w) if w else cols <= query)[None, None]
+                    if slopes is not None:  # ALiBi: (1, h, len, keys)
+                        bias = slopes[None, :, None, None] * cols.to(torch.float32)[None, None]
+                        mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
                 views[w] = (first, mask)
         row_keys.append((r, end, {w: views[w if w and end > w else 0] for w in windows}))
     return spans, cells, row_keys
