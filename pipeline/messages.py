@@ -121,12 +121,14 @@ class PassHeader:
 
 @dataclass
 class Allocate:
-    """The next pass of ``slot`` allocates its cache of ``rows`` x ``cols`` on every stage."""
+    """The next pass of ``slot`` allocates its cache of ``rows`` x ``cols`` on every stage, after
+    freeing the caches of the slots that pass releases (so a stage never holds more than the budget)."""
 
     KIND: ClassVar[str] = "alloc"
     slot: int
     rows: int
     cols: int
+    release: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -108,13 +108,12 @@ class Stage:
         return pack(outs)
 
     def prepare(self, msg: Allocate) -> None:
-        """Allocate a slot's cache ahead of the pass that needs it (the pass comes next for this
-        slot: its old cache, if any, is already released on rank 0)."""
+        """Allocate a slot's cache ahead of the pass that needs it, after freeing what that pass
+        releases (the slot's own old cache included: rank 0 re-allocates only a finished slot)."""
         t0 = self.mark()
-        self.caches.pop(msg.slot, None)
-        self.pending.pop(msg.slot, None)
-        self.prepared.pop(msg.slot, None)
+        self.release([*msg.release, msg.slot])
         self.prepared[msg.slot] = ([msg.rows, msg.cols], self.model.new_cache(msg.rows, msg.cols))
+        self.peak_cells = max(self.peak_cells, self.kv_cells)
         self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
 
     def _cache(self, hdr: PassHeader, decodes: bool) -> KVCache | None:
@@ -131,7 +130,8 @@ class Stage:
     def kv_cells(self) -> int:
         """Token positions of keys/values held: every micro-batch's rows x columns plus the prefix pool."""
         pool = self.prefix.capacity * self.prefix.block_size if self.prefix is not None else 0
-        return sum(c.rows * c.cols for c in self.caches.values()) + pool
+        ahead = sum(rows * cols for (rows, cols), _ in self.prepared.values())
+        return sum(c.rows * c.cols for c in self.caches.values()) + ahead + pool
 
     def release(self, slots: list[int]) -> None:
         for sid in slots:
@@ -188,7 +188,7 @@ def allocate_ahead(link, hdr: PassHeader) -> None:
     """Rank 0, before computing a pass that allocates its slot's cache: tell the other ranks, so that
     they allocate theirs now (see :class:`~pipeline.messages.Allocate`)."""
     if link is not None and hdr.alloc and hdr.keeps_cache:
-        link.send_next(Allocate(hdr.slot, *hdr.alloc))
+        link.send_next(Allocate(hdr.slot, *hdr.alloc, release=list(hdr.release)))
 
 
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:

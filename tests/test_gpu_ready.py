@@ -196,19 +196,21 @@ def test_scoring_micro_batches_allocate_no_kv_cache(llama_2l, tmp_path, backend)
 
 
 def test_a_cache_allocated_ahead_is_the_one_its_pass_uses(make_llama):
-    """``Allocate`` reaches a rank before the pass that allocates the slot's cache: the rank allocates
-    it then (while the ranks before it compute), and the pass uses that cache, even when the same
-    header releases the slot's old one; a pass asking for other dimensions gets its own."""
+    """``Allocate`` reaches a rank before the pass that allocates the slot's cache: the rank frees what
+    that pass releases and allocates the cache then (while the ranks before it compute), and the pass
+    uses that cache, even when the same header releases the slot's old one; a pass asking for other
+    dimensions gets its own. The KV cells held count a cache allocated ahead."""
     from pipeline.messages import Allocate, PassHeader, Prefill
     from pipeline.stage import Stage
 
     model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, True)
     stage = Stage(model, torch.device("cpu"))
     stage.step(PassHeader(1, 2, [2, 8], [], [], [], [], [Prefill(0, 0, 3)]), torch.tensor([5, 6, 7]))
+    stage.step(PassHeader(2, 2, [2, 8], [], [], [], [], [Prefill(0, 0, 3)]), torch.tensor([5, 6, 7]))
     old = stage.caches[1]
-    stage.prepare(Allocate(1, 3, 16))
+    stage.prepare(Allocate(1, 3, 16, release=[2]))
     ahead = stage.prepared[1][1]
-    assert 1 not in stage.caches and ahead.rows == 3 and ahead.cols == 16
+    assert not stage.caches and ahead.rows == 3 and ahead.cols == 16 and stage.kv_cells == 3 * 16
     x = torch.tensor([5, 6, 7, 8])  # one prompt's ids, as pack() sends them
     stage.step(PassHeader(1, 3, [3, 16], [1], [], [], [], [Prefill(0, 0, 4)]), x)  # releases slot 1, allocates it
     assert stage.caches[1] is ahead and stage.caches[1] is not old and not stage.prepared

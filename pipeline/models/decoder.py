@@ -123,13 +123,14 @@ class Attention(nn.Module):
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
     def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
-        """New prompt tokens, unpadded (n real tokens, row after row), causal attention (within the
-        layer's window, if any): each row attends over its own keys only, as views (its new tokens, or
-        its cache row when it resumes after cached tokens: a later prefill chunk, a prefix from the
-        pool), never a padded (b, t) batch. Causal attention costs a row its length squared, so a padded batch of mixed lengths
-        did ~2.5x the work (measured, 12 heads of 64: 16 prompts of 8..488 tokens, 2 threads, 51 ms
-        padded against 24 ms row by row; 32 chunks of up to 64 tokens after 0..450 cached, 1 thread,
-        34 against 14 ms; bfloat16 alike)."""
+        """New prompt tokens, unpadded (n real tokens, row after row): each row attends over its own
+        keys only, as views (its new tokens, or its cache row when it resumes after cached tokens: a
+        later prefill chunk, a prefix from the pool), causally (within the layer's window; with ALiBi
+        biases or soft-capping where the model has them), never a padded (b, t) batch. Causal
+        attention costs a row its length squared, so a padded batch of mixed lengths did ~2.5x the
+        work (measured, 12 heads of 64: 16 prompts of 8..488 tokens, 2 threads, 51 ms padded against
+        24 ms row by row; 32 chunks of up to 64 tokens after 0..450 cached, 1 thread, 34 against 14
+        ms; bfloat16 alike)."""
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
