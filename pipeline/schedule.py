@@ -80,10 +80,12 @@ class Scheduler:
     past their length: those writes land there), and two groups whose first block is not resident
     yet do not enter the same pass: the second waits a pass and then finds the block computed.
 
-    ``prefill_tokens``: the prompt tokens one pass admits. A new micro-batch gets rows for every group
+    ``prefill_tokens``: the prompt tokens one pass computes. A new micro-batch gets rows for every group
     packed into it, but its first pass computes only the prompts that fit rows x the longest prompt
     <= this many tokens (at least one); the rest stay queued and join its free rows in the next
-    passes. A pass over 32 prompts padded to 500 tokens holds activations far beyond the CPU's
+    passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
+    first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
+    the others (``roles.pass_prefill_tokens``). A pass over 32 prompts padded to 500 tokens holds activations far beyond the CPU's
     caches (the MLP's alone: 262 MB in float32) and computes attention over the padding: the
     benchmark's scoring file took 6.2 s in such passes against 5.0 s with passes of at most 8192
     cells, while its generation file wants the 32 rows for decoding. It also keeps prefill passes
