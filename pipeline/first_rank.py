@@ -21,7 +21,7 @@ from tasks.shards import index_of
 
 from .driver import Driver, input_fingerprint, read_lines
 from .link import Link
-from .messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
+from .messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from .stage import Stage, allocate_ahead, pack
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,7 @@ class FirstRank:
                     continue
                 hdr, dec, pre = d.build(ps, release)
                 release = []
-                allocate_ahead(self.link, hdr)
-                self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
+                self._launch_pass(hdr, dec, pre)
                 inflight += 1
                 d.fill()
             if inflight == 0:
@@ -129,6 +128,12 @@ class FirstRank:
         return FileReport(job.input, job.output, requests=d.requests_read, errors=s.errors,
                           error_kinds=dict(d.error_kinds), prompt_tokens=s.prompt_tokens,
                           generated_tokens=s.completion_tokens, seconds=time.perf_counter() - t0, summary=s)
+
+    def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None) -> None:
+        """Compute a built pass on this stage and send it down (the other ranks told first when it
+        allocates its cache: :func:`~pipeline.stage.allocate_ahead`)."""
+        allocate_ahead(self.link, hdr)
+        self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
 
     def _down(self, msg: Message, x: torch.Tensor | None = None) -> None:
         """To the next stage; with P = 1 straight to the last stage's handler."""

@@ -86,7 +86,7 @@ class Stage:
             else:
                 self.pending[hdr.slot] = hdr.alloc
         x_dec, x_pre = unpack(hdr, x)
-        cache = self._cache(hdr, x_dec is not None)
+        cache = self._cache(hdr)
         if hdr.prefix_grow is not None:
             self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
         self.peak_cells = max(self.peak_cells, self.kv_cells)
@@ -116,12 +116,12 @@ class Stage:
         self.peak_cells = max(self.peak_cells, self.kv_cells)
         self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
 
-    def _cache(self, hdr: PassHeader, decodes: bool) -> KVCache | None:
+    def _cache(self, hdr: PassHeader) -> KVCache | None:
         """The slot's cache, allocated by the first pass that needs one: a pass of prompts that all
         end there (echo scoring, ``max_tokens`` 0) attends to its own keys only and keeps none, so a
         scoring micro-batch never allocates (on the CPU, zeroing it cost 5% of a scoring file)."""
         cache = self.caches.get(hdr.slot)
-        needed = decodes or hdr.keeps_cache
+        needed = hdr.keeps_cache
         if cache is None and needed:
             cache = self.caches[hdr.slot] = self.model.new_cache(*self.pending.pop(hdr.slot))
         return cache if needed else None

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pipeline.driver import input_fingerprint, read_lines
 from pipeline.first_rank import FirstRank
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
-from pipeline.stage import allocate_ahead, pack
 from tasks.requests import RequestError
 
 from .batches import BatchJob, BatchStore
@@ -127,8 +126,7 @@ class ServeRank(FirstRank):
             hdr, dec, pre = d.build(ps, self.release)
             self.release = []
             hdr.drop = sorted(self.drops.pop(slot.sid, ()))
-            allocate_ahead(self.link, hdr)
-            self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
+            self._launch_pass(hdr, dec, pre)
             self.owed += 1
 
     def _on(self, msg: Message) -> None:

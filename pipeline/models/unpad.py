@@ -58,19 +58,18 @@ def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: 
     row_keys = []
     for r, s0, n in zip(rows, starts, lens):
         end, views = s0 + n, {}
-        for w in windows:
-            w = w if w and end > w else 0  # the window cuts none of this row's keys: full attention
-            if w not in views:
-                first = max(0, s0 - w + 1) if w else 0
-                mask = None
-                if w or not seg.fresh or slopes is not None or softcap:
-                    cols, query = keys[None, first:end], s0 + keys[:n, None]
-                    mask = ((cols <= query) & (cols > query - w) if w else cols <= query)[None, None]
-                    if slopes is not None:  # ALiBi: (1, h, len, keys)
-                        bias = slopes[None, :, None, None] * cols.to(torch.float32)[None, None]
-                        mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
-                views[w] = (first, mask)
-        row_keys.append((r, end, {w: views[w if w and end > w else 0] for w in windows}))
+        cuts = {w: w if w and end > w else 0 for w in windows}  # a window cutting none of the row: full
+        for w in set(cuts.values()):
+            first = max(0, s0 - w + 1) if w else 0
+            mask = None
+            if w or not seg.fresh or slopes is not None or softcap:
+                cols, query = keys[None, first:end], s0 + keys[:n, None]
+                mask = ((cols <= query) & (cols > query - w) if w else cols <= query)[None, None]
+                if slopes is not None:  # ALiBi: (1, h, len, keys)
+                    bias = slopes[None, :, None, None] * cols.to(torch.float32)[None, None]
+                    mask = torch.where(mask, bias, torch.tensor(float("-inf"))).to(dtype)
+            views[w] = (first, mask)
+        row_keys.append((r, end, {w: views[c] for w, c in cuts.items()}))
     return spans, cells, row_keys
 
 
