@@ -208,3 +208,51 @@ def test_prompts_resuming_after_cached_tokens_attend_row_by_row(name, tmp_path, 
     assert len(calls) == 2 * 3  # both chunks, every layer
     for i, (a, b) in enumerate(zip(first, lens)):
         torch.testing.assert_close(second[i, : b - a], whole[i, a:b], atol=1e-5, rtol=1e-5)
+
+
+def _varlen_reference(seen):
+    """``torch.nn.attention.varlen.varlen_attn`` as documented, on the CPU (its kernel is CUDA-only):
+    sequence i's queries ``cu_q[i]:cu_q[i+1]`` attend its keys ``cu_k[i]:cu_k[i+1]``, query j seeing
+    key i when j - left <= i <= j + right (``window_size``; -1: unbounded), GQA by head groups."""
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, window_size, enable_gqa))
+        assert cu_q.dtype == torch.int32 and (k.shape[1] == q.shape[1]) != enable_gqa
+        outs = []
+        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            qi, ki, vi = q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1)
+            ki, vi = (x.repeat_interleave(q.shape[1] // k.shape[1], 0) for x in (ki, vi))
+            j, i = torch.arange(b - a)[:, None] + (e - c) - (b - a), torch.arange(e - c)[None]
+            left, right = window_size
+            mask = ((i >= j - left) if left >= 0 else True) & ((i <= j + right) if right >= 0 else True)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+                        .transpose(0, 1))
+        return torch.cat(outs)
+    return varlen
+
+
+PACKED = {"llama-gqa": (FAMILIES["llama-gqa"], {(-1, 0)}), "mistral-sliding": (SLIDING["mistral-sliding"], {(3, 0)}),
+          "gemma3-sliding": (SLIDING["gemma3-sliding"], {(3, 0), (-1, 0)}),  # sliding and full layers
+          "gemma2-softcap-sliding": (FAMILIES["gemma2-softcap-sliding"], None),  # soft-capped: row by row
+          "bloom-alibi": (FAMILIES["bloom-alibi"], None)}  # ALiBi biases: row by row
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_fresh_prompts_on_a_gpu_attend_in_one_packed_call(name, tmp_path, monkeypatch):
+    """On a GPU, a prefill of fresh prompts attends through PyTorch's variable-length FlashAttention,
+    once per layer over the packed real tokens (here its documented semantics on the CPU, forced in):
+    the rows' cumulative offsets, causal, a window of 4 as (3, 0) (keys (p - 4, p]), GQA without
+    repeating K/V, and HF's logits and greedy tokens. ALiBi and soft-capped models keep attending row
+    by row; so does every model on the CPU."""
+    from pipeline.models import unpad
+
+    assert unpad.packed_kernel(torch.device("cpu"), torch.bfloat16, 64) is None
+    seen = []
+    monkeypatch.setattr(unpad, "packed_kernel", lambda device, dtype, head_dim: _varlen_reference(seen))
+    (model_type, overrides), windows = PACKED[name]
+    assert_hf_parity(random_hf_model(tmp_path, model_type, **overrides), PROMPTS, stages=2)
+    if windows is None:
+        assert seen == []
+        return
+    offsets = [0, 9, 11, 16, 41]  # the four prompts' real tokens, packed
+    assert (offsets, offsets, 25, 25, (-1, 0) if name == "llama-gqa" else (3, 0), True) in seen
+    assert {s[4] for s in seen} == windows and all(s[5] for s in seen)  # GQA: 4 query heads, 2 K/V heads

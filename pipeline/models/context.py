@@ -73,3 +73,6 @@ class StageContext:
     spans: list[tuple[int, int]] | None = None
     real_cells: tuple[torch.Tensor, torch.Tensor] | None = None
     row_keys: list[tuple[int, int, dict[int, tuple[int, torch.Tensor | None]]]] | None = None
+    # fresh prompts on a GPU: (variable-length kernel, int32 cumulative offsets of the rows' real
+    # tokens, longest row) for one packed attention call per layer instead (``unpad.packed_layout``)
+    packed: tuple | None = None

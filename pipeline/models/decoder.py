@@ -26,7 +26,7 @@ from .moe import SparseMoE
 from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from .sdpa import attend, kv_runs, softcapped_attention
 from .spec import DecoderSpec
-from .unpad import attend_by_row, real_tokens, row_layout
+from .unpad import attend_by_row, packed_layout, real_tokens, row_layout
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        return attend_by_row(q, k, v, ctx, layer, self.window, self._attend)
+        return attend_by_row(q, k, v, ctx, layer, self.window, self._attend, self.scale)
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         if self.spec.attn_softcap:
@@ -351,10 +351,11 @@ class StageModel(nn.Module):
             cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
+        packed = None if real is None else packed_layout(seg, pos.device, dtype, self.spec.head_dim, plain)
         spans, cells, row_keys = (None, None, None) if real is None else row_layout(
-            seg, real, keys, self.windows, slopes, bool(self.spec.attn_softcap), dtype)
+            seg, real, keys, self.windows if packed is None else [], slopes, bool(self.spec.attn_softcap), dtype)
         return StageContext(cache, masks, rope, slopes, lora, real, runs=runs, spans=spans, real_cells=cells,
-                            row_keys=row_keys)
+                            row_keys=row_keys, packed=packed)
 
     def forward(self, x: torch.Tensor, seg: Segment, cache: KVCache | None) -> torch.Tensor:
         """ids (b, t) on the first stage, hidden (b, t, hidden) elsewhere -> hidden (b, t, hidden)."""

@@ -5,11 +5,15 @@ Prompts of different lengths share a prefill: a pass of prompts of 9..241 tokens
 padding, which every projection and MLP would otherwise compute. Attention goes row by row over each
 prompt's own keys (:func:`attend_by_row`, views: its new tokens, or its cache row when it resumes
 after cached tokens; a sliding layer's row with its window's mask, an ALiBi model's with its biases;
-causal attention costs a row its length squared, so the padded batch paid ~2.5x).
+causal attention costs a row its length squared, so the padded batch paid ~2.5x). On a GPU, a
+prefill of fresh prompts attending causally (within a window) is one call of PyTorch's
+variable-length FlashAttention over the packed tokens instead (:func:`packed_layout`), not a kernel
+launch per row and layer.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import TYPE_CHECKING, Callable
 
@@ -34,6 +38,49 @@ def real_tokens(seg: "Segment") -> torch.Tensor | None:
     lens = torch.tensor(seg.lens)
     flat = (torch.arange(t)[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)
     return to_device(flat, seg.rows.device)
+
+
+def packed_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable | None:
+    """PyTorch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``: packed
+    (tokens, heads, d) queries and keys, each sequence delimited by cumulative offsets; causal, a
+    sliding window through ``window_size``, GQA without repeating K/V) where it runs: a CUDA GPU with
+    FlashAttention (compute capability 8.0 or later), float16 or bfloat16, head dimensions a multiple
+    of 8 up to 256. None elsewhere (it has no CPU kernel) or on a torch without it."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+        return None
+    return _flash_varlen(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _flash_varlen(index: int) -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    ok = torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
+    return varlen_attn if ok else None
+
+
+def packed_layout(seg: "Segment", device: torch.device, dtype: torch.dtype, head_dim: int, plain: bool):
+    """``(kernel, offsets, longest)`` for :func:`attend_packed` when a prefill's rows are all fresh
+    prompts (their keys are their own new tokens) and ``plain`` (causal attention, within a window:
+    no ALiBi biases, no soft-capping) and :func:`packed_kernel` serves the device; else None.
+    ``offsets``: int32 (rows + 1,) cumulative real tokens, on ``device`` (from host lists: no sync)."""
+    kernel = packed_kernel(device, dtype, head_dim) if seg.fresh and plain else None
+    if kernel is None:
+        return None
+    lens = [n for n in seg.host()[2] if n]  # a row with nothing new holds no packed tokens
+    return kernel, to_device(list(itertools.accumulate(lens, initial=0)), device, torch.int32), max(lens)
+
+
+def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed, window: int, scale: float) -> torch.Tensor:
+    """q (n, h, d), k / v (n, kvh, d) of fresh prompts' real tokens, row after row -> (n, h * d): one
+    call, each row's queries over its own keys, causal (``window_size`` (-1, 0)); a sliding layer's
+    query at p sees keys (p - window, p]: ``window_size`` (window - 1, 0), as HF passes FlashAttention."""
+    kernel, offsets, longest = packed
+    out = kernel(q, k, v, offsets, offsets, longest, longest, scale=scale,
+                 window_size=(window - 1, 0) if window else (-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    return out.flatten(1)
 
 
 def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: list[int], slopes=None,
@@ -74,16 +121,19 @@ def row_layout(seg: "Segment", real: torch.Tensor, keys: torch.Tensor, windows: 
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StageContext", layer: int, window: int,
-                  attend: Callable) -> torch.Tensor:
+                  attend: Callable, scale: float) -> torch.Tensor:
     """q (n, h, d), k / v (n, kvh, d) of the real tokens -> (n, h * d): the keys and values written to
     the cache, then each row attending over its own keys (``attend(q, k, v, mask)``, (1, heads, len,
     d) views): its new tokens (fresh prompts; causal masking by the kernel unless the layer's
-    ``window`` cuts the row), or the columns of its cache row its queries see, with its mask."""
+    ``window`` cuts the row), or the columns of its cache row its queries see, with its mask. With
+    ``ctx.packed`` (fresh prompts on a GPU) all rows in one :func:`attend_packed` call instead."""
     cache = ctx.cache
     if cache is not None:
         rows, cols = ctx.real_cells
         cache.k[layer][rows, :, cols] = k
         cache.v[layer][rows, :, cols] = v
+    if ctx.packed is not None:
+        return attend_packed(q, k, v, ctx.packed, window, scale)
     outs = []
     for (a, e), (row, end, views) in zip(ctx.spans, ctx.row_keys):
         if a == e:  # nothing new in this row
