@@ -241,6 +241,13 @@ class Block(nn.Module):
         return self.mlp(x, ctx.lora, layer) if isinstance(self.mlp, MLP) else self.mlp(x)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding`` without its random initialisation (the loader fills the table): its
+    ``normal_`` on the meta device goes through ``torch._refs``, whose import of ``torch._dynamo``
+    took ~1 s of every run's start."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class StageModel(nn.Module):
     """embed? + layers[first:last] + head? of one model. Layer ``i`` here is global ``first + i``.
 
@@ -254,10 +261,10 @@ class StageModel(nn.Module):
         self.spec, self.first, self.last = spec, first, last
         self.has_embed, self.has_head, self.row_tile = has_embed, has_head, row_tile
         s, tile = spec, row_tile
-        self.embed = nn.Embedding(s.vocab_size, s.word_dim) if has_embed else None
+        self.embed = _embedding(s.vocab_size, s.word_dim) if has_embed else None
         self.proj_in = nn.Linear(s.word_dim, s.hidden_size, bias=False) if has_embed and s.embed_dim else None
         learned = has_embed and s.position == "learned"
-        self.pos_embed = nn.Embedding(s.max_positions + s.learned_pos_offset, s.hidden_size) if learned else None
+        self.pos_embed = _embedding(s.max_positions + s.learned_pos_offset, s.hidden_size) if learned else None
         self.embed_norm = make_norm(s, s.hidden_size, tile) if has_embed and s.embed_norm else None
         self.layers = nn.ModuleList(Block(s, i, tile) for i in range(first, last))
         self.final_norm = make_norm(s, s.hidden_size, tile) if has_head and s.final_norm else None
