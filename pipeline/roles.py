@@ -147,6 +147,18 @@ def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
     return 1024 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
 
 
+def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
+    """Prompt tokens a pass of scoring prompts alone computes (echo, ``max_tokens`` 0: no decode rows).
+
+    A scoring file is prefill passes only, and a pipeline pays about one pass at each end (the last
+    stage waits for the first pass to come through, the first stage for the last pass to leave): with
+    1024-token passes that was ~18% of the benchmark's scoring file at P = 2 on 2 CPU cores (4.1-4.5 s,
+    stages busy 80-87%, 14 passes); at most 512 tokens 3.8-4.0 s (87-92%), 256 3.8-3.9 s (89-94%;
+    P = 1: 3.6 s). Generation keeps :func:`pass_prefill_tokens`: there smaller passes admitted prompts
+    more slowly (512: 48.8 s against 47.0-47.4). One stage and GPUs keep their prefill cap."""
+    return 256 if pipeline_size > 1 and not gpu else pass_prefill_tokens(pipeline_size, gpu)
+
+
 def make_link(info, stage):
     from comm.p2p import Messenger
     from pipeline.link import Link
@@ -178,7 +190,8 @@ def first_rank(plan, opts, info, stage):
     chunk = prefill_chunk(plan, opts, info.pipeline_size, gpu)
     sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
                       prefix=PrefixCache(block, opts.budget) if block else None, chunk=chunk,
-                      prefill_tokens=pass_prefill_tokens(info.pipeline_size, gpu))
+                      prefill_tokens=pass_prefill_tokens(info.pipeline_size, gpu),
+                      scoring_tokens=pass_scoring_tokens(info.pipeline_size, gpu))
     models = None
     if plan.adapters:
         from pipeline.driver import ModelNames

@@ -85,7 +85,8 @@ class Scheduler:
     <= this many tokens (at least one); the rest stay queued and join its free rows in the next
     passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
     first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
-    the others (``roles.pass_prefill_tokens``). A pass over 32 prompts padded to 500 tokens holds activations far beyond the CPU's
+    the others (``roles.pass_prefill_tokens``); a pass of scoring prompts alone, by ``scoring_tokens``
+    (``roles.pass_scoring_tokens``). A pass over 32 prompts padded to 500 tokens holds activations far beyond the CPU's
     caches (the MLP's alone: 262 MB in float32) and computes attention over the padding: the
     benchmark's scoring file took 6.2 s in such passes against 5.0 s with passes of at most 8192
     cells, while its generation file wants the 32 rows for decoding. It also keeps prefill passes
@@ -98,9 +99,12 @@ class Scheduler:
     """
 
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
-                 headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS, chunk: int = 0):
+                 headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS, chunk: int = 0,
+                 scoring_tokens: int | None = None):
         self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
         self.prefill_tokens = prefill_tokens  # prompt tokens one pass computes (at least one prompt's part)
+        # ... when the pass holds only scoring prompts (no decoding rows, no chunks it continues)
+        self.scoring_tokens = scoring_tokens or prefill_tokens
         self.chunk = chunk  # prompt tokens a pass computes of a chunkable group (driver: --prefill-chunk; 0: all)
         self.spare = 1 if prefix is not None else 0  # columns
         self.headroom = headroom
@@ -217,14 +221,19 @@ class Scheduler:
         work = self._work(g)
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
-    def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0)) -> bool:
-        """``g`` joins this pass's prefill within ``prefill_tokens``: the pass computes every new
-        prompt to the longest one's length, so the cost is rows x the longest; ``held``: (rows,
-        longest) of the chunked prompts the pass continues. Always true for the first prompt."""
+    def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
+        """``g`` joins this pass's prefill within its cap: the pass computes every new prompt to the
+        longest one's length, so the cost is rows x the longest; ``held``: (rows, longest) of the
+        chunked prompts the pass continues; ``decoding``: the slot has rows decoding in this pass. A
+        pass of scoring prompts alone is capped by ``scoring_tokens``, any other by ``prefill_tokens``.
+        Always true for the first prompt."""
         if not chosen and not held[0]:
             return True
-        rows = held[0] + sum(x.width for x in chosen) + g.width
-        return rows * max(held[1], *(self._pass_work(x) for x in (*chosen, g))) <= self.prefill_tokens
+        groups = (*chosen, g)
+        rows = held[0] + sum(x.width for x in groups)
+        scoring = not decoding and not held[0] and not any(x.max_tokens for x in groups)
+        return rows * max(held[1], *(self._pass_work(x) for x in groups)) <= (
+            self.scoring_tokens if scoring else self.prefill_tokens)
 
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The leading ``groups`` that fit one pass's prefill (at least one)."""
@@ -253,7 +262,7 @@ class Scheduler:
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
-            if not self._fits_pass(chosen, g, held):
+            if not self._fits_pass(chosen, g, held, bool(slot.decoding)):
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue

@@ -233,3 +233,39 @@ def test_a_pass_computes_at_most_its_prefill_tokens_chunks_included():
         s.on_reply(0, full, list(ps.decode_rows))  # a row decodes one token, then finishes
     assert s.idle() and sorted(done) == list(range(12)) and all(done[g] == 150 + g for g in done)
     assert first_pass.alloc == (12, 163) and len(first_pass.prefill) == 4  # 4 chunks of 64: 8 prompts wait
+
+
+def test_passes_of_scoring_prompts_alone_take_the_smaller_cap():
+    """A pass holding only scoring prompts (max_tokens 0: prefill only) computes at most
+    ``scoring_tokens`` (a pipeline pays about one pass at each end of a scoring file, so its passes
+    are small); a pass with a generating prompt, or beside rows decoding, keeps ``prefill_tokens``.
+    Every prompt runs, each in exactly one pass."""
+    s = Scheduler(budget=100_000, num_slots=2, max_rows=16, prefill_tokens=1024, scoring_tokens=256)
+    for gid in range(20):
+        s.submit(Group(gid, prompt_len=60 + gid, max_tokens=0))
+    seen = []
+    for _ in range(100):
+        for sid in (0, 1):
+            ps = s.next_pass(sid)
+            if ps is None:
+                continue
+            lens = [s.groups[gid].prompt_len for gid, _ in ps.prefill]
+            assert len(lens) * max(lens) <= 256 or len(lens) == 1
+            seen += [gid for gid, _ in ps.prefill]
+            s.on_reply(sid, [], [r for _, r in ps.prefill])
+        if s.idle():
+            break
+    assert sorted(seen) == list(range(20))
+    mixed = Scheduler(budget=100_000, num_slots=1, max_rows=16, prefill_tokens=1024, scoring_tokens=256)
+    mixed.submit(Group(0, prompt_len=100, max_tokens=5))
+    for gid in range(1, 8):
+        mixed.submit(Group(gid, prompt_len=100, max_tokens=0))
+    assert len(mixed.next_pass(0).prefill) == 8  # a generating prompt among them: 800 <= 1024
+    beside = Scheduler(budget=100_000, num_slots=1, max_rows=16, prefill_tokens=1024, scoring_tokens=256)
+    beside.submit(Group(0, prompt_len=1000, max_tokens=5))
+    for gid in range(1, 8):
+        beside.submit(Group(gid, prompt_len=100, max_tokens=0))
+    ps = beside.next_pass(0)
+    assert [gid for gid, _ in ps.prefill] == [0]  # 2 x 1000 > 1024: the scoring prompts wait
+    beside.on_reply(0, [r for _, r in ps.prefill], [])  # it decodes from now on
+    assert len(beside.next_pass(0).prefill) == 7  # beside a decoding row: 700 <= the prefill cap
