@@ -136,15 +136,17 @@ def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
 
     A pipeline of CPU stages wants passes of even length: a pass of 45 prompts' 64-token chunks
     (2880 tokens) took ~1.9 s on a stage where a 64-row decode step takes ~0.1 s, and while it ran the
-    other stage ran out of work. At most 1024 tokens a pass measured best on the benchmark's generation
-    file at P = 2 (2 cores: 47.0-47.4 s against 53.3 s with 8192 counting chunks, 48.8 s with 512), the
-    stages busy 91-94%. One stage has no one to wait for: it keeps
+    other stage ran out of work. On the benchmark's generation file at P = 2 (2 cores) 1024 or 2048
+    tokens a pass measured alike (44.6-47.4 s, stages busy 91-94%) against 53.3 s with 8192 counting
+    chunks and 48.8 s with 512; on its mixed file (generation and echo scoring) 2048 did better
+    (53.9-55.0 s against 54.6-59.0 s with 1024, busy 87%), as fewer of its whole scoring prompts
+    wait a pass for room. One stage has no one to wait for: it keeps
     :data:`~pipeline.schedule.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
     computes a few hundred tokens in about a decode step's time, so its passes are far more even,
     and what cap pays there is for a GPU run to tell."""
     from pipeline.schedule import PREFILL_TOKENS
 
-    return 1024 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
+    return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
 
 
 def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
