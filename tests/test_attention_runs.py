@@ -256,3 +256,43 @@ def test_fresh_prompts_on_a_gpu_attend_in_one_packed_call(name, tmp_path, monkey
     offsets = [0, 9, 11, 16, 41]  # the four prompts' real tokens, packed
     assert (offsets, offsets, 25, 25, (-1, 0) if name == "llama-gqa" else (3, 0), True) in seen
     assert {s[4] for s in seen} == windows and all(s[5] for s in seen)  # GQA: 4 query heads, 2 K/V heads
+
+
+def _cuda_flash() -> bool:
+    from pipeline.models import unpad
+
+    return torch.cuda.is_available() and unpad.packed_kernel(torch.device("cuda"), torch.bfloat16, 16) is not None
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-sliding"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_flash(), reason="needs a CUDA GPU with FlashAttention (the packed kernel's only device)"))])
+@torch.inference_mode()
+def test_packed_prefill_equals_row_by_row(name, device, tmp_path, monkeypatch):
+    """The packed call and the row-by-row loop give the same hidden states for a ragged prefill: on a
+    GPU with the real variable-length kernel in bfloat16 (the first GPU run checks it), on the CPU
+    with its documented semantics in float32."""
+    from pipeline.loading import build_stage
+    from pipeline.models import unpad
+
+    model_type, overrides = {**FAMILIES, **SLIDING}[name]
+    gpu = device == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    real = unpad.packed_kernel(torch.device(device), dtype, 16)
+    kernel = real if gpu else _varlen_reference([])
+    stage = build_stage(random_hf_model(tmp_path, model_type, **overrides), 0, 3, True, True, dtype, device)[0]
+    dev, b, t = torch.device(device), len(PROMPTS), max(map(len, PROMPTS))
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, : len(p)] = torch.tensor(p)
+    seg = Segment(torch.arange(b, device=dev), torch.zeros(b, dtype=torch.long, device=dev), t, t, all_rows=True,
+                  fresh=True, prefill=True, host_rows=list(range(b)), host_start=[0] * b, lens=[len(p) for p in PROMPTS])
+    calls = []
+    monkeypatch.setattr(unpad, "packed_kernel", lambda *a: lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    packed = stage(ids.to(dev), seg, stage.new_cache(b, t))
+    assert len(calls) == 3  # one call per layer
+    monkeypatch.setattr(unpad, "packed_kernel", lambda *a: None)
+    rows = stage(ids.to(dev), seg, stage.new_cache(b, t))
+    tol = 3e-2 if gpu else 1e-5
+    for i, p in enumerate(PROMPTS):
+        torch.testing.assert_close(packed[i, : len(p)].float(), rows[i, : len(p)].float(), atol=tol, rtol=tol)
