@@ -157,7 +157,9 @@ def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
     1024-token passes that was ~18% of the benchmark's scoring file at P = 2 on 2 CPU cores (4.1-4.5 s,
     stages busy 80-87%, 14 passes); at most 512 tokens 3.8-4.0 s (87-92%), 256 3.8-3.9 s (89-94%;
     P = 1: 3.6 s). Generation keeps :func:`pass_prefill_tokens`: there smaller passes admitted prompts
-    more slowly (512: 48.8 s against 47.0-47.4). One stage and GPUs keep their prefill cap."""
+    more slowly (512: 48.8 s against 44.6-47.4 with 1024-2048). One stage and GPUs keep their prefill
+    cap. On a tiny model, where a pass's fixed cost dominates, the smaller passes cost a little (the
+    default model's helm_scoring.jsonl at P = 2: 0.5 -> 0.6 s)."""
     return 256 if pipeline_size > 1 and not gpu else pass_prefill_tokens(pipeline_size, gpu)
 
 

@@ -244,7 +244,8 @@ class Block(nn.Module):
 def _embedding(rows: int, dim: int) -> nn.Embedding:
     """``nn.Embedding`` without its random initialisation (the loader fills the table): its
     ``normal_`` on the meta device goes through ``torch._refs``, whose import of ``torch._dynamo``
-    took ~1 s of every run's start."""
+    took ~0.7 s of a stage's start (ranks that load a tokenizer still import it, through
+    transformers' model configs)."""
     return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
