@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.loading import build_stage
+from pipeline.models import native
 from pipeline.models.int8 import (
+    eager_quantize_tokens,
     quantize_tokens,
     Int8Linear,
     choose_kernels,
@@ -94,6 +96,67 @@ def test_tokens_round_to_the_nearest_step_of_their_row(dtype):
     xf = x.float()
     assert ((q.float() * scale - xf).abs() <= scale * 0.5 * (1 + 1e-5)).all()
     assert (q.float() - torch.round(xf / scale)).abs().max() <= 1  # ties may round either way
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: the eager operators run instead")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_native_quantization_is_the_eager_one_bit_for_bit(dtype, rows):
+    """The C pass computes exactly the eager operators' values and scales: rows of every magnitude
+    (an all-zero row, a row of one huge value, values that land on a rounding tie), a row view with
+    a stride (the halves of a fused projection), widths that are not a multiple of the vector size."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 131 + 6, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, :5] = torch.tensor([127.0, 0.5, -0.5, 1.5, -127.0])  # ties of x / scale + 128 (scale 1)
+    if rows > 1:
+        x[1] = 0
+    if rows > 2:
+        x[2] = 0
+        x[2, 3] = -3e38
+    x = x.to(dtype)
+    for view in (x, x[:, 131 : 2 * 131]):  # contiguous, and a strided row view
+        assert native.usable(view)
+        for unsigned in (True, False):
+            q, s = quantize_tokens(view, unsigned)
+            q0, s0 = eager_quantize_tokens(view, unsigned)
+            assert q.dtype == q0.dtype and torch.equal(q, q0) and torch.equal(s, s0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_row_scaling_is_the_eager_one(dtype):
+    """The product's per-row rescale (and bias) in one pass: bit for bit without a bias, to float32
+    rounding with one (the eager ``addcmul`` may fuse its multiply-add)."""
+    g = torch.Generator().manual_seed(4)
+    acc, s, bias = torch.randn(9, 70, generator=g) * 1e3, torch.rand(9, 1, generator=g), torch.randn(70, generator=g)
+    got = native.scale_rows(acc.clone(), s, None, dtype)
+    assert got.dtype == dtype and torch.equal(got, (acc * s).to(dtype))
+    torch.testing.assert_close(native.scale_rows(acc.clone(), s, bias, dtype), torch.addcmul(bias, acc, s).to(dtype),
+                               rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-3)
+
+
+def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplog):
+    """A failed build is logged once and the int8 path runs on eager operators, with the same results."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    native.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert native.library() is None and not native.usable(torch.ones(2, 3))
+        assert "could not build the native int8 helpers" in caplog.text
+        x = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+        q, s = quantize_tokens(x)
+        q0, s0 = eager_quantize_tokens(x)
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+        monkeypatch.setenv("CC", "cc")
+        monkeypatch.setenv("DIST_RUNNER_NATIVE", "0")
+        native.library.cache_clear()
+        assert native.library() is None  # turned off
+    finally:
+        native.library.cache_clear()
+
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_against_the_fake_quantized_product(bias):

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("int8", "onednn", "dequantize")
@@ -141,7 +143,17 @@ def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tens
     profile, and this form measured 10-30% off each projection): the row's range from two reductions
     (no ``abs`` copy), then ``x / scale + 128.5`` truncated by the cast to uint8, which rounds to
     nearest in one step (ties upward) where ``round`` + ``clamp`` + ``add`` took three; int8 values
-    are the same bytes with the top bit flipped (``u ^ 128`` viewed as int8 is ``u - 128``)."""
+    are the same bytes with the top bit flipped (``u ^ 128`` viewed as int8 is ``u - 128``).
+
+    On a CPU with a C compiler, one pass of :mod:`pipeline.models.native` instead, bit for bit the same."""
+    if native.usable(x):
+        u, scale = native.quantize_rows_u8(x)
+        return (u if unsigned else u.bitwise_xor_(128).view(torch.int8)), scale
+    return eager_quantize_tokens(x, unsigned)
+
+
+def eager_quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tokens` in PyTorch operators (any device and dtype)."""
     xf = x.float()
     top = torch.maximum(xf.amax(1, keepdim=True), xf.amin(1, keepdim=True).neg_())
     top = top.clamp_(min=1e-30)  # an all-zero row: values 0 (127 / top stays finite: 0 * inf would be NaN)
@@ -168,6 +180,8 @@ def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor) -> torch.Ten
     xu, s = quantize_tokens(x, unsigned=True)  # (rows, in) uint8, (rows, 1)
     y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, m.scale, zero_points(m.out_features), None, 1.0, 0,
                                            torch.float32, "none", [], "")  # acc * weight scale, float32
+    if native.usable(y) and x.dtype in (torch.float32, torch.bfloat16):
+        return native.scale_rows(y, s, None if m.bias is None else m.bias.float(), x.dtype)
     y = y.mul_(s) if m.bias is None else torch.addcmul(m.bias.float(), y, s)
     return y.to(x.dtype)
 

@@ -1,0 +1,123 @@
+"""The element-wise loops of the CPU int8 path (``native.c``), compiled once per machine and loaded
+with ctypes; eager PyTorch when they cannot be.
+
+Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
+In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
+inputs they took as long as oneDNN's int8 product itself (AVX-512 Xeon, 1 thread, 32 rows of 768
+to 2304 in bfloat16: 197 us a projection, 94 of them the product). One C loop each does the same
+arithmetic in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the
+eager results, which ``tests/test_quantize.py`` asserts): 133 us. torch.compile was tried first:
+its fused kernel is as fast, but each compiled call costs ~17 us of guards and wrappers, more
+than it saves at these sizes.
+
+The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+into ``~/.cache/dist-inference-runner/kernels`` under a name from a hash of the source, the flags
+and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
+kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
+No compiler, or a failed build: logged once, and every caller falls back to its eager code.
+``DIST_RUNNER_NATIVE=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-std=c11", "-fPIC", "-shared")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dist-inference-runner" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, no compiler, or the build failed: logged once)."""
+    if os.environ.get("DIST_RUNNER_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.info("no C compiler found: the int8 path's quantization runs in eager PyTorch operators (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("could not build the native int8 helpers with %s (%s%s): using eager PyTorch operators", compiler,
+                    e, ": " + detail.decode(errors="replace")[-500:] if detail else "")
+        return None
+    lib.quantize_rows_u8.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR]
+    lib.quantize_rows_u8.restype = None
+    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
+    lib.scale_rows.restype = None
+    return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: a CPU float32 / bfloat16 matrix with contiguous rows."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(1) == 1
+            and library() is not None)
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, in) -> uint8 (rows, in) with zero point 128 and float32 scales (rows, 1): what
+    :func:`pipeline.models.int8.quantize_tokens` computes with ``unsigned=True``. Needs :func:`usable`."""
+    rows, cols = x.shape
+    u = torch.empty(rows, cols, dtype=torch.uint8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    library().quantize_rows_u8(x.data_ptr(), rows, cols, x.stride(0), _DTYPES[x.dtype], u.data_ptr(), scale.data_ptr())
+    return u, scale
+
+
+def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(acc * s + bias).to(dtype)`` for a contiguous float32 ``acc`` (rows, out), ``s`` (rows, 1) and
+    a float32 ``bias`` (out,) or None; float32 results overwrite ``acc``."""
+    rows, cols = acc.shape
+    out = acc if dtype == torch.float32 else torch.empty(rows, cols, dtype=dtype)
+    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if bias is None else bias.data_ptr(),
+                         _DTYPES[dtype], out.data_ptr())
+    return out
