@@ -32,6 +32,8 @@ from collections import Counter, OrderedDict
 
 import torch
 
+from .models.kv_cache import zeroed
+
 MAX_SHARE = 2  # the pool takes at most budget / MAX_SHARE cells
 RECENT = 4096  # digests of recently admitted prompts remembered as evidence of sharing
 
@@ -224,8 +226,8 @@ class PrefixStore:
             if blocks == 0:
                 return
         layers, _, kvh, _, d = like_k.shape
-        k = like_k.new_zeros(layers, kvh, blocks * self.block_size, d)
-        v = torch.zeros_like(k)
+        k = zeroed((layers, kvh, blocks * self.block_size, d), like_k.dtype, like_k.device)
+        v = zeroed(k.shape, k.dtype, k.device)
         h = like_k.new_zeros(blocks * self.block_size, hidden) if self.keep_hidden else None
         n = self.capacity * self.block_size
         if n:

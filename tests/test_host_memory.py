@@ -44,3 +44,41 @@ def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
     assert kept_after_free("system")[0] < 50  # glibc's default: the tensor's mmap is unmapped when freed
     kept, held = kept_after_free("keep")
     assert kept >= held - 10  # kept in the heap: the next pass's tensors reuse mapped pages
+
+
+# A 256 MiB KV cache on the CPU: resident memory after allocating it, after one row writes 1 MiB of it,
+# and after it is freed, in MiB above the start; and what that row and an unwritten row read.
+CACHE_PROBE = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch
+from pipeline.host_memory import keep_freed_memory
+from pipeline.models.kv_cache import zeroed
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+keep_freed_memory()  # as CPU stages run
+before = rss_mib()
+cache = zeroed((2, 8, 4, 4096, 256), torch.float32, "cpu")  # layers, rows, kv heads, columns, head dim
+allocated = rss_mib() - before
+cache[0, 3, :, :256] = 1.0  # one row's first 256 columns of one layer: 1 MiB
+used = rss_mib() - before
+written, unwritten = float(cache[0, 3, :, :300].sum()), float(cache[1, 5, :, :300].abs().sum())
+del cache
+print(round(allocated), round(used), round(rss_mib() - before), written, unwritten)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/statm")
+def test_a_cpu_cache_holds_only_the_pages_its_rows_write():
+    """A micro-batch's cache is sized for its longest possible rows; on the CPU allocating it touches
+    no memory (torch.zeros wrote every page up front), rows cost the pages they use, unwritten cells
+    read zero, and the memory goes back to the system when the cache is freed."""
+    p = subprocess.run([sys.executable, "-c", CACHE_PROBE.format(repo=str(REPO))], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    allocated, used, after, written, unwritten = p.stdout.split()
+    assert float(written) == 4 * 256 * 256 and float(unwritten) == 0
+    assert int(allocated) < 8 and int(used) < 16 and int(after) < 8, p.stdout

@@ -139,7 +139,7 @@ def test_native_row_scaling_is_the_eager_one(dtype):
 
 def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplog):
     """A failed build is logged once and the int8 path runs on eager operators, with the same results."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("DIST_INFER_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     native.library.cache_clear()
     try:

@@ -37,6 +37,7 @@ from torch import nn
 
 from .decoder import Segment
 from .hf_forward import UnsupportedModel, forward_extras
+from .kv_cache import zeroed
 from .logits import float32_linear
 
 
@@ -128,8 +129,8 @@ class HFKVCache:
         """Layer ``i``'s keys and values; ``like`` (b, kv_heads, t, head_dim) gives their shape."""
         if self.k[i] is None:
             shape = (self.rows, like.shape[1], self.cols, like.shape[3])
-            self.k[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-            self.v[i] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            self.k[i] = zeroed(shape, like.dtype, self.device)
+            self.v[i] = zeroed(shape, like.dtype, self.device)
         return self.k[i], self.v[i]
 
     def fork(self, src: int, dsts: list[int], ncols: int) -> None:

@@ -11,7 +11,7 @@ its fused kernel is as fast, but each compiled call costs ~17 us of guards and w
 than it saves at these sizes.
 
 The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
-into ``~/.cache/dist-inference-runner/kernels`` under a name from a hash of the source, the flags
+into :func:`cache_dir` under a name from a hash of the source, the flags
 and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
 kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
 No compiler, or a failed build: logged once, and every caller falls back to its eager code.
@@ -42,7 +42,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dist-inference-runner" / "kernels"
+    """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (as the benchmarks' models)."""
+    root = os.environ.get("DIST_INFER_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "dist-inference-runner") / "kernels"
 
 
 def _cpu_flags() -> str:
