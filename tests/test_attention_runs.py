@@ -6,7 +6,9 @@ match HF (GQA, ALiBi, soft-capping with sliding windows, longrope) and the one-c
 import pytest
 import torch
 
-from pipeline.models import decoder, sdpa
+import torch.nn.functional as F
+
+from pipeline.models import decoder, native, sdpa
 from pipeline.models.decoder import Segment
 from pipeline.models.sdpa import kv_runs
 from tests.utils import assert_hf_parity, random_hf_model, stage_chain
@@ -75,7 +77,9 @@ def test_gpu_splits_only_for_large_savings():
 
 @pytest.fixture
 def always_split(monkeypatch):
-    """Calls cost ~nothing: every segment with differing lengths splits. Returns the runs chosen."""
+    """Calls cost ~nothing: every segment with differing lengths splits (decode steps in runs, as on a
+    GPU, not through the CPU's native decode kernel). Returns the runs chosen."""
+    monkeypatch.setattr(native, "DECODE_DTYPES", ())
     monkeypatch.setitem(sdpa.CALL_BYTES, "cpu", 1)
     seen = []
 
@@ -120,6 +124,60 @@ def test_runs_over_scattered_rows_match_one_gathered_call(tmp_path, monkeypatch,
     assert always_split[-1] == [(0, 1, 10), (1, 2, 31), (2, 3, 6), (3, 4, 26)]
     monkeypatch.setattr(decoder, "kv_runs", lambda *args: None)
     torch.testing.assert_close(split, step(), atol=1e-5, rtol=1e-5)
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: decode attention runs in runs")
+
+
+def _per_row_reference(q, k, v, rows, ends, window, scale):
+    """Each row alone: SDPA over exactly its own columns, in float32."""
+    g = q.shape[1] // k.shape[1]
+    out = []
+    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist())):
+        f = max(0, e - window) if window else 0
+        kk, vv = k[r, :, f:e].float().repeat_interleave(g, 0), v[r, :, f:e].float().repeat_interleave(g, 0)
+        out.append(F.scaled_dot_product_attention(q[i : i + 1].float(), kk[None], vv[None], scale=scale))
+    return torch.cat(out)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d,window", [(4, 4, 16, 0), (8, 2, 64, 0), (6, 3, 40, 5)])
+def test_native_decode_attention_matches_each_row_alone(dtype, heads, kv_heads, d, window):
+    """The CPU decode kernel: one query per row against its own cache row's columns (GQA, a sliding
+    window, rows out of order, a row of one column, q as the strided view the layers pass)."""
+    g = torch.Generator().manual_seed(heads * d + window)
+    k, v = (torch.randn(7, kv_heads, 50, d, generator=g).to(dtype) for _ in range(2))
+    rows, ends = torch.tensor([5, 0, 3, 6, 1]), torch.tensor([50, 1, 17, 9, 33])
+    q = torch.randn(5, 1, heads, d, generator=g).to(dtype).transpose(1, 2)  # (b, h, 1, d), not contiguous
+    got = native.decode_attention(q, k, v, rows, ends, window, d**-0.5)
+    assert got.shape == (5, heads, 1, d) and got.dtype == dtype
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: output rounding
+    torch.testing.assert_close(got.float(), _per_row_reference(q, k, v, rows, ends, window, d**-0.5), **tol)
+
+
+@pytest.fixture
+def native_decode(monkeypatch):
+    """Counts the layers' calls of the native decode kernel."""
+    calls = []
+    real = native.decode_attention
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(native, "decode_attention", spy)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["llama-gqa", "phi3-longrope", "mistral-sliding", "gemma3-sliding"])
+def test_native_decode_matches_hf(name, tmp_path, native_decode):
+    """float32 CPU stages decode through the native kernel, and the tokens and logprobs are HF's."""
+    model_type, overrides = {**FAMILIES, **SLIDING}[name]
+    path = random_hf_model(tmp_path, model_type, **overrides)
+    assert_hf_parity(path, PROMPTS, stages=2)
+    assert native_decode  # the decode steps really went through it
 
 
 SLIDING = {"mistral-sliding": ("mistral", dict(GQA, sliding_window=4)),

@@ -76,3 +76,6 @@ class StageContext:
     # fresh prompts on a GPU: (variable-length kernel, int32 cumulative offsets of the rows' real
     # tokens, longest row) for one packed attention call per layer instead (``unpad.packed_layout``)
     packed: tuple | None = None
+    # one query per row on a CPU: (cache row, columns read) per row as int64 tensors, for one native
+    # call per layer over per-row lengths (``native.decode_attention``); masks and runs are then unused
+    decode: tuple[torch.Tensor, torch.Tensor] | None = None

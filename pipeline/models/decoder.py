@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
+from . import native
 from .context import Segment, StageContext  # noqa: F401 (Segment re-exported)
 from .kv_cache import KVCache
 from .logits import float32_linear
@@ -106,6 +107,8 @@ class Attention(nn.Module):
             cache.v[layer][seg.rows[:, None], :, cols] = v.transpose(1, 2)
         if self.tile:
             out = self._attend_rows(q, k, v, seg, ctx, layer)
+        elif ctx.decode is not None:
+            out = native.decode_attention(q, cache.k[layer], cache.v[layer], *ctx.decode, self.window, self.scale)
         else:
             mask = ctx.masks.get(self.window)  # None: a plain causal layout
             if ctx.runs is not None:  # consecutive cache rows: views, each run its own columns
@@ -339,8 +342,13 @@ class StageModel(nn.Module):
             lora = self.adapters.rows(seg.adapters, pos.device, seg.lens if real is not None else None)
         if self.row_tile:
             return StageContext(cache, {}, rope, slopes, lora)
-        keys = torch.arange(kv, device=pos.device)
         plain = slopes is None and not self.spec.attn_softcap  # the kernel's causal flag can mask
+        if (cache is not None and seg.t == 1 and not seg.fresh and real is None and plain
+                and native.decode_usable(cache.k, dtype)):
+            rows, starts, _ = seg.host()  # decode on a CPU: each row's own columns, no masks or runs
+            ends = [min(s0 + 1, cache.cols) for s0 in starts]
+            return StageContext(cache, {}, rope, None, lora, decode=(torch.tensor(rows), torch.tensor(ends)))
+        keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows if real is None else ():  # a padded layout: (b, t) masks
             if seg.fresh and not window and plain:

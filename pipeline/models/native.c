@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -88,5 +89,120 @@ void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, co
                 for (int64_t c = 0; c < cols; c++) o[c] = a[c] * sr;
             }
         }
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the maximum), vectorizable: 2^n * p(r) with
+ * n = round(x / ln 2) and r = x - n ln 2 (Cody-Waite), p a degree-6 polynomial; relative error
+ * about 2e-7 on [-87, 0], 0 below. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+/* element e of row c of a (rows, d) block in float32 or bfloat16 */
+#define AT(p, c, e) (dtype == 1 ? bf16_to_f32(((const uint16_t *)(p))[(c) * d + (e)]) : ((const float *)(p))[(c) * d + (e)])
+
+/* One query per row against that row's own cached keys and values (decode), every row and head of
+ * a layer in one call, threads over (row, kv head) pairs.
+ *   q      (rows, heads, d) at strides (q_row, q_head, 1)
+ *   k, v   the layer's cache (cache rows, kv_heads, cols, d), contiguous
+ *   cache_row[i], end[i]: row i reads cache row cache_row[i], columns [max(0, end - window), end)
+ *                (window 0: from column 0)
+ *   out    (rows, heads, d) contiguous; dtype 0 float32, 1 bfloat16 (q, k, v and out alike)
+ * Keys go four at a time through one vector loop over d (four independent sums), values likewise.
+ * Scores, softmax and sums in float32; exp as exp_nonpositive. */
+static inline __attribute__((always_inline)) void decode_task(
+    int64_t task, const void *q, int64_t heads, int64_t q_row, int64_t q_head, const void *k, const void *v,
+    int64_t kv_heads, int64_t cols, int64_t d, const int64_t *cache_row, const int64_t *end, int64_t window,
+    float scale, const int dtype, void *out) {
+    const int64_t g = heads / kv_heads;
+    const size_t esize = dtype == 1 ? 2 : 4;
+    {
+        const int64_t i = task / kv_heads, kh = task % kv_heads;
+        const int64_t stop = end[i], first = window > 0 && stop > window ? stop - window : 0, n = stop - first;
+        const char *kb = (const char *)k + ((cache_row[i] * kv_heads + kh) * cols + first) * d * esize;
+        const char *vb = (const char *)v + ((cache_row[i] * kv_heads + kh) * cols + first) * d * esize;
+        float qf[d], acc[d];
+        const size_t sbytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
+        float *heap = sbytes > (64 << 10) ? (float *)malloc(sbytes) : NULL; /* long rows: off the thread's stack */
+        float *s = heap ? heap : (float *)__builtin_alloca(sbytes);
+        for (int64_t j = 0; j < g; j++) {
+            const int64_t off = i * q_row + (kh * g + j) * q_head;
+            for (int64_t e = 0; e < d; e++)
+                qf[e] = (dtype == 1 ? bf16_to_f32(((const uint16_t *)q)[off + e]) : ((const float *)q)[off + e]) * scale;
+            float top = -INFINITY;
+            int64_t c = 0;
+            for (; c + 4 <= n; c += 4) {
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                for (int64_t e = 0; e < d; e++) {
+                    d0 = fmaf(qf[e], AT(kb, c, e), d0);
+                    d1 = fmaf(qf[e], AT(kb, c + 1, e), d1);
+                    d2 = fmaf(qf[e], AT(kb, c + 2, e), d2);
+                    d3 = fmaf(qf[e], AT(kb, c + 3, e), d3);
+                }
+                s[c] = d0, s[c + 1] = d1, s[c + 2] = d2, s[c + 3] = d3;
+            }
+            for (; c < n; c++) {
+                float d0 = 0.0f;
+#pragma omp simd reduction(+ : d0)
+                for (int64_t e = 0; e < d; e++) d0 = fmaf(qf[e], AT(kb, c, e), d0);
+                s[c] = d0;
+            }
+            for (c = 0; c < n; c++) top = s[c] > top ? s[c] : top;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (c = 0; c < n; c++) {
+                s[c] = exp_nonpositive(s[c] - top);
+                sum += s[c];
+            }
+            for (int64_t e = 0; e < d; e++) acc[e] = 0.0f;
+            for (c = 0; c + 4 <= n; c += 4) {
+                const float p0 = s[c], p1 = s[c + 1], p2 = s[c + 2], p3 = s[c + 3];
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++)
+                    acc[e] = fmaf(p3, AT(vb, c + 3, e), fmaf(p2, AT(vb, c + 2, e),
+                             fmaf(p1, AT(vb, c + 1, e), fmaf(p0, AT(vb, c, e), acc[e]))));
+            }
+            for (; c < n; c++) {
+                const float p0 = s[c];
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) acc[e] = fmaf(p0, AT(vb, c, e), acc[e]);
+            }
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int64_t o = (i * heads + kh * g + j) * d;
+            if (dtype == 1) {
+                for (int64_t e = 0; e < d; e++) ((uint16_t *)out)[o + e] = f32_to_bf16(acc[e] * inv);
+            } else {
+                for (int64_t e = 0; e < d; e++) ((float *)out)[o + e] = acc[e] * inv;
+            }
+        }
+        free(heap);
+    }
+}
+
+void decode_attention(const void *q, int64_t rows, int64_t heads, int64_t q_row, int64_t q_head, const void *k,
+                      const void *v, int64_t kv_heads, int64_t cols, int64_t d, const int64_t *cache_row,
+                      const int64_t *end, int64_t window, float scale, int dtype, void *out) {
+    if (dtype == 1) { /* the element type a compile-time constant in each loop */
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * kv_heads; task++)
+            decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, 1, out);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * kv_heads; task++)
+            decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, 0, out);
     }
 }

@@ -1,5 +1,7 @@
-"""The element-wise loops of the CPU int8 path (``native.c``), compiled once per machine and loaded
-with ctypes; eager PyTorch when they cannot be.
+"""CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
+when they cannot be: the element-wise loops around the int8 product, and decode attention over
+per-row lengths (float32; threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
+``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so the process keeps one pool).
 
 Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
 In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
@@ -36,8 +38,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-std=c11", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-std=c11", "-fPIC",
+         "-shared")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DECODE_DTYPES = (torch.float32,)  # where decode_attention measured faster (bfloat16: level with the flash kernel)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -96,6 +100,9 @@ def library() -> ctypes.CDLL | None:
     lib.quantize_rows_u8.restype = None
     lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
     lib.scale_rows.restype = None
+    lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
+                                     ctypes.c_float, ctypes.c_int, _PTR]
+    lib.decode_attention.restype = None
     return lib
 
 
@@ -123,3 +130,22 @@ def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dt
     library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if bias is None else bias.data_ptr(),
                          _DTYPES[dtype], out.data_ptr())
     return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor,
+                     window: int, scale: float) -> torch.Tensor:
+    """One query per row against its own cached keys: q (b, heads, 1, d) with unit stride in d; k / v
+    one layer's contiguous cache (cache rows, kv heads, cols, d) of q's dtype (float32 / bfloat16);
+    ``rows`` / ``ends`` int64 (b,): each row's cache row and the columns it reads, ``[0, end)`` or
+    the last ``window`` of them. Returns (b, heads, 1, d) in q's dtype. Threads: PyTorch's OpenMP pool."""
+    b, heads, _, d = q.shape
+    out = torch.empty(b, heads, 1, d, dtype=q.dtype)
+    library().decode_attention(q.data_ptr(), b, heads, q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.shape[1],
+                               k.shape[2], d, rows.data_ptr(), ends.data_ptr(), window, scale, _DTYPES[q.dtype],
+                               out.data_ptr())
+    return out
+
+
+def decode_usable(cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_attention` serves a decode step over ``cache`` in ``dtype``."""
+    return cache.device.type == "cpu" and dtype in DECODE_DTYPES and cache.dtype == dtype and library() is not None
