@@ -79,7 +79,7 @@ def test_gpu_splits_only_for_large_savings():
 def always_split(monkeypatch):
     """Calls cost ~nothing: every segment with differing lengths splits (decode steps in runs, as on a
     GPU, not through the CPU's native decode kernel). Returns the runs chosen."""
-    monkeypatch.setattr(native, "DECODE_DTYPES", ())
+    monkeypatch.setattr(native, "decode_dtypes", lambda: ())
     monkeypatch.setitem(sdpa.CALL_BYTES, "cpu", 1)
     seen = []
 

@@ -156,6 +156,7 @@ def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplo
         assert native.library() is None  # turned off
     finally:
         native.library.cache_clear()
+        native.decode_dtypes.cache_clear()
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -111,6 +111,36 @@ static inline float exp_nonpositive(float x) {
     return p * two_n.f;
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* s[c] = scale * (q . key c) for n keys of d bfloat16 each (d % 32 == 0), with the AVX512-BF16 dot
+ * product (pairs of bf16 products summed into float32 lanes), four keys at a time. */
+static void scores_bf16(const uint16_t *q, const uint16_t *k, int64_t n, int64_t d, float scale, float *s) {
+    int64_t c = 0;
+    for (; c + 4 <= n; c += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + e);
+            a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k + c * d + e));
+            a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k + (c + 1) * d + e));
+            a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k + (c + 2) * d + e));
+            a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k + (c + 3) * d + e));
+        }
+        s[c] = _mm512_reduce_add_ps(a0) * scale;
+        s[c + 1] = _mm512_reduce_add_ps(a1) * scale;
+        s[c + 2] = _mm512_reduce_add_ps(a2) * scale;
+        s[c + 3] = _mm512_reduce_add_ps(a3) * scale;
+    }
+    for (; c < n; c++) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q + e), (__m512bh)_mm512_loadu_si512(k + c * d + e));
+        s[c] = _mm512_reduce_add_ps(a0) * scale;
+    }
+}
+#endif
+
 /* element e of row c of a (rows, d) block in float32 or bfloat16 */
 #define AT(p, c, e) (dtype == 1 ? bf16_to_f32(((const uint16_t *)(p))[(c) * d + (e)]) : ((const float *)(p))[(c) * d + (e)])
 
@@ -144,6 +174,13 @@ static inline __attribute__((always_inline)) void decode_task(
                 qf[e] = (dtype == 1 ? bf16_to_f32(((const uint16_t *)q)[off + e]) : ((const float *)q)[off + e]) * scale;
             float top = -INFINITY;
             int64_t c = 0;
+#ifdef __AVX512BF16__
+            if (dtype == 1 && d % 32 == 0) { /* bf16 pairs straight into float32 sums: no conversion pass */
+                scores_bf16(((const uint16_t *)q) + i * q_row + (kh * g + j) * q_head, (const uint16_t *)kb, n, d,
+                            scale, s);
+                c = n;
+            }
+#endif
             for (; c + 4 <= n; c += 4) {
                 float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
@@ -205,4 +242,13 @@ void decode_attention(const void *q, int64_t rows, int64_t heads, int64_t q_row,
         for (int64_t task = 0; task < rows * kv_heads; task++)
             decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, 0, out);
     }
+}
+
+/* 1 when this build computes bfloat16 decode scores with the AVX512-BF16 dot product */
+int has_bf16_dot(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
 }

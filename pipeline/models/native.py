@@ -41,7 +41,6 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-std=c11", "-fPIC",
          "-shared")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-DECODE_DTYPES = (torch.float32,)  # where decode_attention measured faster (bfloat16: level with the flash kernel)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -103,6 +102,7 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
                                      ctypes.c_float, ctypes.c_int, _PTR]
     lib.decode_attention.restype = None
+    lib.has_bf16_dot.restype = ctypes.c_int
     return lib
 
 
@@ -146,6 +146,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     return out
 
 
+@functools.cache
+def decode_dtypes() -> tuple[torch.dtype, ...]:
+    """Where :func:`decode_attention` measured faster than PyTorch's kernels: float32 (against batched
+    matmuls over runs of rows); bfloat16 only with the AVX512-BF16 dot product (against the flash
+    kernel; with a float32 conversion pass instead it measured level, so flash stays)."""
+    lib = library()
+    if lib is None:
+        return ()
+    return (torch.float32, torch.bfloat16) if lib.has_bf16_dot() else (torch.float32,)
+
+
 def decode_usable(cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`decode_attention` serves a decode step over ``cache`` in ``dtype``."""
-    return cache.device.type == "cpu" and dtype in DECODE_DTYPES and cache.dtype == dtype and library() is not None
+    return (cache.device.type == "cpu" and cache.dtype == dtype and dtype in decode_dtypes()
+            and library() is not None)
