@@ -145,7 +145,7 @@ def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplo
     try:
         with caplog.at_level("WARNING"):
             assert native.library() is None and not native.usable(torch.ones(2, 3))
-        assert "could not build the native int8 helpers" in caplog.text
+        assert "could not build the native CPU loops" in caplog.text
         x = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
         q, s = quantize_tokens(x)
         q0, s0 = eager_quantize_tokens(x)
@@ -154,6 +154,28 @@ def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplo
         monkeypatch.setenv("DIST_RUNNER_NATIVE", "0")
         native.library.cache_clear()
         assert native.library() is None  # turned off
+    finally:
+        native.library.cache_clear()
+        native.decode_dtypes.cache_clear()
+
+
+@needs_native
+def test_a_compiler_without_openmp_keeps_the_loops_but_not_decode_attention(tmp_path, monkeypatch):
+    """A compiler that refuses -fopenmp: the loops are built again without it (int8's helpers still
+    run), and decode attention stays with PyTorch's kernels."""
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "no OpenMP here" >&2; exit 1; }; done\n'
+                  'exec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("DIST_INFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(cc))
+    native.library.cache_clear()
+    native.decode_dtypes.cache_clear()
+    try:
+        lib = native.library()
+        assert lib is not None and lib.has_openmp() == 0 and native.decode_dtypes() == ()
+        x = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
+        assert all(torch.equal(a, b) for a, b in zip(quantize_tokens(x), eager_quantize_tokens(x)))
     finally:
         native.library.cache_clear()
         native.decode_dtypes.cache_clear()

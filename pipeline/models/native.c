@@ -252,3 +252,12 @@ int has_bf16_dot(void) {
     return 0;
 #endif
 }
+
+/* 1 when built with OpenMP (decode_attention then uses the process's OpenMP threads) */
+int has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -16,8 +16,9 @@ The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-
 into :func:`cache_dir` under a name from a hash of the source, the flags
 and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
 kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
-No compiler, or a failed build: logged once, and every caller falls back to its eager code.
-``DIST_RUNNER_NATIVE=0`` turns the kernels off.
+A compiler without OpenMP: built again without it, and decode attention stays with PyTorch's
+kernels (single-threaded it is unmeasured against them). No compiler, or a failed build: logged
+once, and every caller falls back to its PyTorch code. ``DIST_RUNNER_NATIVE=0`` turns the loops off.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
@@ -71,7 +72,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -86,14 +87,19 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        log.info("no C compiler found: the int8 path's quantization runs in eager PyTorch operators (slower)")
+        log.info("no C compiler found: int8's quantization and CPU decode attention run in PyTorch operators (slower)")
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("could not build the native int8 helpers with %s (%s%s): using eager PyTorch operators", compiler,
-                    e, ": " + detail.decode(errors="replace")[-500:] if detail else "")
+    lib = None
+    for flags in (FLAGS, tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)):  # then without OpenMP
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            error = f"{e}{': ' + detail.decode(errors='replace')[-500:] if detail else ''}"
+    if lib is None:
+        log.warning("could not build the native CPU loops (int8 helpers, decode attention) with %s (%s): using "
+                    "PyTorch operators", compiler, error)
         return None
     lib.quantize_rows_u8.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR]
     lib.quantize_rows_u8.restype = None
@@ -102,7 +108,7 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
                                      ctypes.c_float, ctypes.c_int, _PTR]
     lib.decode_attention.restype = None
-    lib.has_bf16_dot.restype = ctypes.c_int
+    lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
     return lib
 
 
@@ -152,7 +158,7 @@ def decode_dtypes() -> tuple[torch.dtype, ...]:
     matmuls over runs of rows); bfloat16 only with the AVX512-BF16 dot product (against the flash
     kernel; with a float32 conversion pass instead it measured level, so flash stays)."""
     lib = library()
-    if lib is None:
+    if lib is None or not lib.has_openmp():  # built without OpenMP: one thread against PyTorch's pool, unmeasured
         return ()
     return (torch.float32, torch.bfloat16) if lib.has_bf16_dot() else (torch.float32,)
 
