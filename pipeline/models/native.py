@@ -1,6 +1,6 @@
 """CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
 when they cannot be: the element-wise loops around the int8 product, and decode attention over
-per-row lengths (float32; threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
+per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
 ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so the process keeps one pool).
 
 Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
@@ -39,8 +39,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-std=c11", "-fPIC",
-         "-shared")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+FLAGS = ("-O3", "-march=native", *(("-mprefer-vector-width=512",) if _X86 else ()), "-ffp-contract=off", "-fopenmp",
+         "-std=c11", "-fPIC", "-shared")  # 512-bit vectors: gcc's AVX-512 default is 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
