@@ -245,10 +245,8 @@ class Block(nn.Module):
 
 
 def _embedding(rows: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding`` without its random initialisation (the loader fills the table): its
-    ``normal_`` on the meta device goes through ``torch._refs``, whose import of ``torch._dynamo``
-    took ~0.7 s of a stage's start (ranks that load a tokenizer still import it, through
-    transformers' model configs)."""
+    """``nn.Embedding`` without its random initialisation (the loader fills the table): its ``normal_``
+    on the meta device imports ``torch._dynamo`` via ``torch._refs``, ~0.7 s of a stage's start."""
     return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
@@ -346,8 +344,8 @@ class StageModel(nn.Module):
         if (cache is not None and seg.t == 1 and not seg.fresh and real is None and plain
                 and native.decode_usable(cache.k, dtype)):
             rows, starts, _ = seg.host()  # decode on a CPU: each row's own columns, no masks or runs
-            ends = [min(s0 + 1, cache.cols) for s0 in starts]
-            return StageContext(cache, {}, rope, None, lora, decode=(torch.tensor(rows), torch.tensor(ends)))
+            ends = torch.tensor([min(s0 + 1, cache.cols) for s0 in starts])
+            return StageContext(cache, {}, rope, None, lora, decode=(torch.tensor(rows), ends))
         keys = torch.arange(kv, device=pos.device)
         masks = {}
         for window in self.windows if real is None else ():  # a padded layout: (b, t) masks
