@@ -142,7 +142,10 @@ static void scores_bf16(const uint16_t *q, const uint16_t *k, int64_t n, int64_t
 #endif
 
 /* element e of row c of a (rows, d) block in float32 or bfloat16 */
-#define AT(p, c, e) (dtype == 1 ? bf16_to_f32(((const uint16_t *)(p))[(c) * d + (e)]) : ((const float *)(p))[(c) * d + (e)])
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int dtype) {
+    return dtype == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+#define AT(p, c, e) load((p), (c) * d + (e), dtype)
 
 /* One query per row against that row's own cached keys and values (decode), every row and head of
  * a layer in one call, threads over (row, kv head) pairs.
@@ -171,7 +174,7 @@ static inline __attribute__((always_inline)) void decode_task(
         for (int64_t j = 0; j < g; j++) {
             const int64_t off = i * q_row + (kh * g + j) * q_head;
             for (int64_t e = 0; e < d; e++)
-                qf[e] = (dtype == 1 ? bf16_to_f32(((const uint16_t *)q)[off + e]) : ((const float *)q)[off + e]) * scale;
+                qf[e] = load(q, off + e, dtype) * scale;
             float top = -INFINITY;
             int64_t c = 0;
 #ifdef __AVX512BF16__

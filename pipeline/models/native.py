@@ -1,7 +1,8 @@
 """CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
 when they cannot be: the element-wise loops around the int8 product, and decode attention over
-per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
-``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so the process keeps one pool).
+per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch
+has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
+the process keeps one pool).
 
 Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
 In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
@@ -47,9 +48,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
-    """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (as the benchmarks' models)."""
-    root = os.environ.get("DIST_INFER_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "dist-inference-runner") / "kernels"
+    """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (the project's cache root)."""
+    from examples.default_model import cache_root
+
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:
