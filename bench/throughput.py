@@ -456,7 +456,8 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
     else:
         p = 1 if base == "runner1" else 2
         threads = max(1, cores // p)
-        runner_args = [*runner_args, *(["--quantize", "int8"] if name.endswith("-int8") else []),
+        int8 = ["--quantize", "int8", "--kv-cache-dtype", "int8"]  # int8 weights, activations and KV cache
+        runner_args = [*runner_args, *(int8 if name.endswith("-int8") else []),
                        *(["--dtype", "bfloat16"] if name.endswith("-bf16") else [])]
         env["OMP_NUM_THREADS"] = str(threads)
         args = [str(RUNNER), "--model-name", str(model_dir), "--infer-data", str(wdir / "gen.jsonl"), str(wdir / "score.jsonl"),

@@ -73,6 +73,7 @@ class RunOptions:
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
     quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see README). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
+    kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see README).", choices=("auto", "int8"))
     cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see README).")
     trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
@@ -249,6 +250,9 @@ def check_options(opts: RunOptions) -> list[str]:
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
     problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
+    if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
+        problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
+                        "cache: drop --kv-cache-dtype or use --backend auto")
     if opts.max_pending < 1 or opts.max_request_bytes < 1:
         problems.append("--max-pending and --max-request-bytes must be at least 1")
     return problems

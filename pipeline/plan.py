@@ -63,6 +63,21 @@ class RunPlan:
         return self.ranges[self.stage]
 
 
+def _check_kv_cache_dtype(opts: RunOptions, spec, device: torch.device) -> None:
+    """--kv-cache-dtype int8 where it runs: a native family on CPU stages, head dims in whole float32 words."""
+    if opts.kv_cache_dtype != "int8":
+        return
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"--kv-cache-dtype int8 needs a native family; {spec.family} runs on transformers' own layers "
+                         "(--backend auto/transformers) and their cache: drop --kv-cache-dtype")
+    if device.type != "cpu":
+        raise UsageError("--kv-cache-dtype int8 runs on CPU stages only (its decode attention is the native CPU "
+                         "kernel; a GPU would dequantize the cache every step): drop --kv-cache-dtype")
+    if spec.head_dim % 4:
+        raise UsageError(f"--kv-cache-dtype int8 keeps a float32 scale after each head's values, which needs a head "
+                         f"dimension divisible by 4 (this model's is {spec.head_dim}): drop --kv-cache-dtype")
+
+
 def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: int | None = None) -> RunPlan:
     """The plan of this process (``env``: torchrun's variables; default ``os.environ``)."""
     env = os.environ if env is None else env
@@ -81,6 +96,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                              "layers (--backend auto/transformers), which are not quantized: drop --quantize")
         all_inputs = resolve_inputs(opts, env)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _check_kv_cache_dtype(opts, spec, device)
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
@@ -91,6 +107,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
     if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
         fingerprint["quantize"] = opts.quantize
+    if opts.kv_cache_dtype != "auto":
+        fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: str(a.path.resolve()) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
@@ -104,8 +122,11 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: some stage is always "
                         f"idle; use at least {pipeline}")
     name = Path(opts.model_name).name if opts.model_name else _default_model_name()
-    if opts.quantize != "none":  # every result's "model" says the weights are quantized
-        name = f"{name}:{opts.quantize}"
+    precision = [opts.quantize] if opts.quantize != "none" else []
+    if opts.kv_cache_dtype != "auto":
+        precision.append(f"kv-{opts.kv_cache_dtype}")
+    if precision:  # every result's "model" says what is quantized
+        name = f"{name}:{','.join(precision)}"
     if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
         layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
                            for i, (a, b) in enumerate(ranges))

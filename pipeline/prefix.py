@@ -217,9 +217,10 @@ class PrefixStore:
     def capacity(self) -> int:
         return 0 if self.k is None else self.k.shape[2] // self.block_size
 
-    def resize(self, blocks: int, like_k: torch.Tensor, hidden: int) -> None:
+    def resize(self, blocks: int, like_k: torch.Tensor, hidden: int, dtype: torch.dtype | None = None) -> None:
         """Grow to ``blocks`` keeping the content, or drop everything for 0 (the cache tensor
-        ``like_k`` (layers, rows, kv_heads, cols, head_dim) gives shapes, dtype and device)."""
+        ``like_k`` (layers, rows, kv_heads, cols, head_dim) gives shapes, dtype and device; the
+        hidden states are kept in ``dtype``, default like_k's: the compute dtype of an int8 cache)."""
         if blocks == 0 or blocks < self.capacity:  # a reset (rank 0 dropped every block), maybe growing again
             self.k = self.v = self.h = self.lp = self.top_v = self.top_i = None
             self.scored, self.top_k = [], 0
@@ -228,7 +229,7 @@ class PrefixStore:
         layers, _, kvh, _, d = like_k.shape
         k = zeroed((layers, kvh, blocks * self.block_size, d), like_k.dtype, like_k.device)
         v = zeroed(k.shape, k.dtype, k.device)
-        h = like_k.new_zeros(blocks * self.block_size, hidden) if self.keep_hidden else None
+        h = like_k.new_zeros(blocks * self.block_size, hidden, dtype=dtype) if self.keep_hidden else None
         n = self.capacity * self.block_size
         if n:
             k[:, :, :n], v[:, :, :n] = self.k, self.v

@@ -35,6 +35,7 @@ def load_stage(plan, opts, info):
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
              "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+    model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
     if info.device.type == "cpu":
@@ -57,16 +58,18 @@ def load_stage(plan, opts, info):
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
     """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
     faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
-    from pipeline.models.int8 import choose_kernels
+    from pipeline.models.int8 import choose_kernels, fuse_prologues
 
     t0 = time.perf_counter()
     chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    fused = fuse_prologues(model)
     model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
                        "kernels": {shape: c["kernel"] for shape, c in chosen.items()}}
-    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s", stage,
-             time.perf_counter() - t0, opts.max_micro_batch_size,
+    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s; %d projections "
+             "quantize their norm or activation in the same pass", stage, time.perf_counter() - t0,
+             opts.max_micro_batch_size,
              "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
-                       for shape, c in chosen.items()))
+                       for shape, c in chosen.items()), fused)
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:

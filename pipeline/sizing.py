@@ -17,12 +17,14 @@ from .partition import gib, memory_sizes, parse_stage_memory
 
 
 def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
-                adapter_layers: list[int] | None = None, int8: bool = False) -> tuple[list[int], int, int]:
+                adapter_layers: list[int] | None = None, int8: bool = False,
+                kv_int8: bool = False) -> tuple[list[int], int, int]:
     """(bytes per layer, embedding-side bytes, head-side bytes) in the run's dtype.
 
     A layer's bytes are its weights, its keys and values for ``--budget`` cells (the micro-batch
     caches and the prefix pool together never exceed the budget) and its adapters' factors. ``int8``
-    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row."""
+    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row;
+    ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
     size = torch.empty((), dtype=dtype).element_size()
     layers = [0] * spec.num_layers
     first = last = 0
@@ -35,6 +37,8 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
         else:
             last += nbytes
     kv = 2 * budget * _kv_width(config, spec) * size
+    if kv_int8:  # the plan allows it only for native families (a DecoderSpec)
+        kv = 2 * budget * spec.num_kv_heads * (spec.head_dim + 4)
     extra = adapter_layers or [0] * spec.num_layers
     return [w + kv + a for w, a in zip(layers, extra)], first, last
 
@@ -123,7 +127,7 @@ def memory_layout(value: str, config: dict, spec, opts, pipeline: int, local_wor
     memory, how = stage_memory(value, pipeline, local_world, device)
     budget = planned_budget(opts.budget, device)
     costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, budget, adapter_layers,
-                                     opts.quantize == "int8")
+                                     opts.quantize == "int8", opts.kv_cache_dtype == "int8")
     costs = costs[:depth]
     sizes = memory_sizes(costs, first, last, memory)
     lines, i = [f"stage sizes from --stage-memory {value}" + (f" ({how})" if how else "") + ":"], 0

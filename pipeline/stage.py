@@ -60,12 +60,13 @@ class Stage:
         """The stage's weights and compute dtype, with --quantize the int8 kernel chosen per (in x out)
         shape at load (``StageModel.quantized``), on a CPU stage the linear kernel (``--cpu-linear``);
         for the run summary."""
+        kv = {"kv_cache": "int8"} if getattr(self.model, "kv_int8", False) else {}
         quantized = getattr(self.model, "quantized", None)
         if quantized:
-            return quantized
+            return quantized | kv
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         kernel = getattr(self.model, "cpu_linear", None)  # --cpu-linear on a CPU stage: which one ran
-        return {"weights": dtype, "compute_dtype": dtype} | ({"linear": kernel} if kernel else {})
+        return {"weights": dtype, "compute_dtype": dtype} | ({"linear": kernel} if kernel else {}) | kv
 
     def mark(self) -> float:
         """The start of a span for :meth:`clock` (on CUDA an event is recorded on the stream too)."""
@@ -88,7 +89,8 @@ class Stage:
         x_dec, x_pre = unpack(hdr, x)
         cache = self._cache(hdr)
         if hdr.prefix_grow is not None:
-            self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size)
+            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())  # an int8 cache's hidden
+            self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size, dtype)
         self.peak_cells = max(self.peak_cells, self.kv_cells)
         outs = []
         with torch.inference_mode():

@@ -161,15 +161,17 @@ def merge_summaries(output, shares: int) -> None:
 
 def precision_note(stage_precision: list[dict]) -> str:
     """One phrase for the summary line: ``float32``, or ``int8 weights, float32 compute, kernels:
-    stage 0 dequantize, stage 1 int8`` (a stage's kernels joined with + when its shapes differ)."""
+    stage 0 dequantize, stage 1 int8`` (a stage's kernels joined with + when its shapes differ), with
+    ``int8 KV cache`` after the compute dtype under --kv-cache-dtype int8."""
     if not stage_precision:
         return ""
     first = stage_precision[0]
+    kv = f", {first['kv_cache']} KV cache" if "kv_cache" in first else ""
     if "kernels" not in first:
-        return first["weights"]
+        return first["weights"] + kv
     kernels = ", ".join(f"stage {i} {'+'.join(sorted(set(p.get('kernels', {}).values()))) or '-'}"
                         for i, p in enumerate(stage_precision))
-    return f"{first['weights']} weights, {first['compute_dtype']} compute, kernels: {kernels}"
+    return f"{first['weights']} weights, {first['compute_dtype']} compute{kv}, kernels: {kernels}"
 
 
 def peak_rss_mb() -> float:

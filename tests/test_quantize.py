@@ -137,6 +137,44 @@ def test_native_row_scaling_is_the_eager_one(dtype):
                                rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-3)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_prologues_quantize_what_the_eager_operators_compute(dtype):
+    """RMSNorm (weight, eps) and SiLU(gate) * up computed inside the quantizing pass: the same values
+    and scales as the eager operators followed by the quantization, to float rounding (a value may
+    land one step over when it sits on a rounding boundary)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(9, 2 * 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(dtype)
+    w, eps = torch.rand(96, generator=g) + 0.5, 1e-5
+    xf = x.float()
+    normed = xf[:, :96] * torch.rsqrt(xf[:, :96].pow(2).mean(-1, keepdim=True) + eps) * w
+    for prologue, inp, ref, weight in (("rms", x[:, :96], normed, w), ("silu_gate", x, F.silu(xf[:, :96]) * xf[:, 96:], None)):
+        u, s = native.quantize_rows_u8_fused(inp, prologue, weight, eps)
+        u0, s0 = eager_quantize_tokens(ref, unsigned=True)
+        torch.testing.assert_close(s, s0, rtol=1e-5, atol=0)
+        assert (u.int() - u0.int()).abs().max() <= 1
+
+
+@needs_native
+@needs_onednn
+def test_fused_prologues_leave_the_stage_outputs_unchanged(peaked):
+    """fuse_prologues on a stage with oneDNN int8 products: both norms and the gated activation of each
+    layer move into the quantization (three projections a layer), the norms stay parameters, and the
+    logits equal the unfused stage's to float rounding."""
+    from pipeline.models.int8 import DeferredNorm, fuse_prologues
+
+    model = build_stage(peaked, 0, 2, True, True, quantize="int8")[0]
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.set_kernel("onednn")
+    before, params = chain_logits([model], PROMPTS), len(list(model.parameters()))
+    assert fuse_prologues(model) == 3 * len(model.layers)
+    assert all(isinstance(b.n1, DeferredNorm) and isinstance(b.n2, DeferredNorm) for b in model.layers)
+    assert len(list(model.parameters())) == params
+    for x, ref in zip(chain_logits([model], PROMPTS), before):
+        torch.testing.assert_close(x, ref, atol=2e-3, rtol=1e-3)  # a value one int8 step over, at most
+
+
 def test_without_a_compiler_the_eager_operators_run(tmp_path, monkeypatch, caplog):
     """A failed build is logged once and the int8 path runs on eager operators, with the same results."""
     monkeypatch.setenv("DIST_INFER_CACHE", str(tmp_path))
@@ -320,14 +358,20 @@ def test_plan_names_the_precision(peaked):
 
 
 def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
-    """Greedy generations and echo scoring through the runner: int8 at P = 1 and P = 2 against
-    float32 at P = 1. A float32 output is another run's for --quantize int8 (refused, not skipped)."""
+    """Greedy generations and echo scoring through the runner: int8 weights at P = 1 and P = 2, an
+    int8 KV cache (P = 1), both (P = 2), against float32 at P = 1; two prompts share a prefix (the
+    prefix pool keeps int8 records too). A float32 output is another run's for --quantize int8
+    (refused, not skipped)."""
+    shared = "the quick brown fox jumps over the lazy dog and runs far away into the woods, " * 2
     tok_text = ["once upon a time", "the quick brown fox", "in the beginning", "hello there, friend"]
+    tok_text += [shared + "then", shared + "and so"]  # a shared prefix: the pool's blocks, copied into rows
     reqs = [{"prompt": t, "max_tokens": 8, "temperature": 0} for t in tok_text]
     reqs += [{"prompt": t, "echo": True, "max_tokens": 0, "logprobs": 1} for t in tok_text]
     data = write_jsonl(tmp_path / "req.jsonl", reqs)
     common = ["--model-name", peaked, "--infer-data", data, "--no-progress", "--num-threads", "1"]
-    runs = {"float32": ([], 1), "int8-p1": (["--quantize", "int8"], 1), "int8-p2": (["--quantize", "int8"], 2)}
+    kv8 = ["--kv-cache-dtype", "int8"]
+    runs = {"float32": ([], 1), "int8-p1": (["--quantize", "int8"], 1), "int8-p2": (["--quantize", "int8"], 2),
+            "kv8-p1": (kv8, 1), "int8-kv8-p2": (["--quantize", "int8", *kv8], 2)}
     out = {}
     for name, (flags, nproc) in runs.items():
         path = tmp_path / f"{name}.jsonl"
@@ -337,18 +381,22 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
         else:
             r = run_torchrun(args, nproc, timeout=180)
             assert r.returncode == 0, r.stderr[-3000:]
-            assert "int8 weights, float32 compute, kernels: stage 0 " in r.stderr and ", stage 1 " in r.stderr
+            kv = "int8 KV cache, " if "--kv-cache-dtype" in flags else ""
+            assert f"int8 weights, float32 compute, {kv}kernels: stage 0 " in r.stderr and ", stage 1 " in r.stderr
         out[name] = (read_jsonl(path), json.loads(Path(f"{path}.summary.json").read_text()))
     base, base_summary = out["float32"]
     linear = "onednn" if why_not(torch.device("cpu"), torch.float32, False, "none") is None else "plain"
     assert base_summary["stage_precision"] == [{"weights": "float32", "compute_dtype": "float32", "linear": linear}]
-    for name in ("int8-p1", "int8-p2"):
+    suffix = {"int8-p1": ":int8", "int8-p2": ":int8", "kv8-p1": ":kv-int8", "int8-kv8-p2": ":int8,kv-int8"}
+    for name in suffix:
         lines, summary = out[name]
-        assert [s["weights"] for s in summary["stage_precision"]] == ["int8"] * runs[name][1]
-        assert all(set(s["kernels"].values()) <= {"int8", "onednn", "dequantize"} for s in summary["stage_precision"])
+        precision = summary["stage_precision"]
+        assert [s["weights"] for s in precision] == ["float32" if name == "kv8-p1" else "int8"] * runs[name][1]
+        assert all(set(s.get("kernels", {}).values()) <= {"int8", "onednn", "dequantize"} for s in precision)
+        assert [s.get("kv_cache") for s in precision] == ["int8" if "kv8" in name else None] * runs[name][1]
         for a, b in zip(lines, base):
             ra, rb = a["result"], b["result"]
-            assert ra["model"] == rb["model"] + ":int8"
+            assert ra["model"] == rb["model"] + suffix[name]
             ca, cb = ra["choices"][0], rb["choices"][0]
             assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]  # greedy tokens and echoed prompts
             assert ca["text"] == cb["text"]

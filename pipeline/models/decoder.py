@@ -102,9 +102,8 @@ class Attention(nn.Module):
         v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         cache = ctx.cache
         if cache is not None:
-            cols = seg.positions.clamp(max=cache.cols - 1)  # (b, t)
-            cache.k[layer][seg.rows[:, None], :, cols] = k.transpose(1, 2)
-            cache.v[layer][seg.rows[:, None], :, cols] = v.transpose(1, 2)
+            cache.store(layer, seg.rows[:, None], seg.positions.clamp(max=cache.cols - 1), k.transpose(1, 2),
+                        v.transpose(1, 2))
         if self.tile:
             out = self._attend_rows(q, k, v, seg, ctx, layer)
         elif ctx.decode is not None:
@@ -112,14 +111,12 @@ class Attention(nn.Module):
         else:
             mask = ctx.masks.get(self.window)  # None: a plain causal layout
             if ctx.runs is not None:  # consecutive cache rows: views, each run its own columns
-                ck, cv = cache.k[layer], cache.v[layer]
-                out = torch.cat([self._attend(q[i:j], ck[r : r + j - i, :, :n], cv[r : r + j - i, :, :n],
+                out = torch.cat([self._attend(q[i:j], *cache.read(layer, slice(r, r + j - i), slice(n), q.dtype),
                                               mask[i:j, ..., :n]) for i, j, r, n in ctx.runs])
             else:
                 if cache is not None and not seg.fresh:
                     sel = slice(None) if seg.all_rows else seg.rows
-                    k = cache.k[layer][sel, :, : seg.kv_len]
-                    v = cache.v[layer][sel, :, : seg.kv_len]
+                    k, v = cache.read(layer, sel, slice(seg.kv_len), q.dtype)
                 out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
         y = self._rows(self.o, out)
@@ -172,9 +169,9 @@ class Attention(nn.Module):
             values = [v[i : i + 1, :, : lens[i]] for i in range(len(rows))]
         else:  # a sliding row reads only the columns its first query can see
             firsts = [max(0, s0 - w + 1) if w else 0 for s0 in starts]
-            ck, cv = ctx.cache.k[layer], ctx.cache.v[layer]
-            keys = [ck[r : r + 1, :, f : s0 + n] for r, f, s0, n in zip(rows, firsts, starts, lens)]
-            values = [cv[r : r + 1, :, f : s0 + n] for r, f, s0, n in zip(rows, firsts, starts, lens)]
+            kvs = [ctx.cache.read(layer, slice(r, r + 1), slice(f, s0 + n), q.dtype)
+                   for r, f, s0, n in zip(rows, firsts, starts, lens)]
+            keys, values = [k for k, _ in kvs], [v for _, v in kvs]
         return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
                            scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
 
@@ -193,6 +190,8 @@ class MLP(nn.Module):
 
     def _mlp(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
         h = self.up(x)
+        if getattr(self.down, "prologue", None) == "silu_gate":  # int8 down: act(gate) * up as it quantizes
+            return self.down(h)
         if lora is not None:  # never with tiles: --batch-invariant refuses adapters
             h = lora.add(layer, "mlp.up", x, h)
         act = (lambda a: fixed_elementwise(self.act, a)) if self.tile else self.act  # tile: x is (rows, w)
@@ -262,6 +261,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.spec, self.first, self.last = spec, first, last
         self.has_embed, self.has_head, self.row_tile = has_embed, has_head, row_tile
+        self.kv_int8 = False  # --kv-cache-dtype int8: caches of int8 records (.kv_cache)
         s, tile = spec, row_tile
         self.embed = _embedding(s.vocab_size, s.word_dim) if has_embed else None
         self.proj_in = nn.Linear(s.word_dim, s.hidden_size, bias=False) if has_embed and s.embed_dim else None
@@ -290,7 +290,7 @@ class StageModel(nn.Module):
 
     def new_cache(self, rows: int, cols: int) -> KVCache:
         p = next(self.parameters())
-        return KVCache(len(self.layers), rows, cols, self.spec, p.dtype, p.device)
+        return KVCache(len(self.layers), rows, cols, self.spec, p.dtype, p.device, self.kv_int8)
 
     def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return map_rows(layer, x, self.row_tile) if self.row_tile else layer(x)
@@ -362,7 +362,7 @@ class StageModel(nn.Module):
         runs = None
         if cache is not None and not seg.fresh and real is None:  # rows reading the cache: columns each needs
             rows, starts, _ = seg.host()
-            cell = 2 * self.spec.num_kv_heads * self.spec.head_dim * cache.k.element_size()
+            cell = 2 * self.spec.num_kv_heads * cache.k.shape[-1] * cache.k.element_size()
             runs = kv_runs(rows, [s0 + seg.t for s0 in starts], kv, cell, pos.device.type)
             runs = None if runs is None else [(i, j, rows[i], n) for i, j, n in runs]  # + the first cache row
         packed = None if real is None else packed_layout(seg, pos.device, dtype, self.spec.head_dim, plain)

@@ -72,6 +72,8 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel = "dequantize"
         self.packed = None  # kernel "onednn": oneDNN's prepacked copy of the weight (an opaque tensor)
+        self.prologue = None  # what the quantizing pass computes first (fuse_prologues): "rms" or "silu_gate"
+        self.norm_weight, self.norm_eps = None, 0.0  # "rms": the deferred norm's float32 weight and eps
 
     def set_kernel(self, kernel: str) -> None:
         """Use ``kernel`` from now on. ``onednn`` reorders the weight once and frees the plain copy
@@ -98,8 +100,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (m, in)
-        y = (onednn_mm(flat, self, self.packed) if self.kernel == "onednn" else int8_mm(flat, self)
-             if self.kernel == "int8" else dequantized_mm(flat, self))
+        if self.prologue is not None:  # the kernel is onednn, the library loaded (fuse_prologues)
+            xu, s = native.quantize_rows_u8_fused(flat, self.prologue, self.norm_weight, self.norm_eps)
+            y = onednn_mm(flat, self, self.packed, (xu, s))
+        else:
+            y = (onednn_mm(flat, self, self.packed) if self.kernel == "onednn" else int8_mm(flat, self)
+                 if self.kernel == "int8" else dequantized_mm(flat, self))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -175,9 +181,11 @@ def zero_points(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long)
 
 
-def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor) -> torch.Tensor:
-    """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout)."""
-    xu, s = quantize_tokens(x, unsigned=True)  # (rows, in) uint8, (rows, 1)
+def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor,
+              quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout);
+    ``quantized``: x's uint8 values and scales already computed (x then only gives the dtype)."""
+    xu, s = quantize_tokens(x, unsigned=True) if quantized is None else quantized  # (rows, in) uint8, (rows, 1)
     y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, m.scale, zero_points(m.out_features), None, 1.0, 0,
                                            torch.float32, "none", [], "")  # acc * weight scale, float32
     if native.usable(y) and x.dtype in (torch.float32, torch.bfloat16):
@@ -252,3 +260,52 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
             m.set_kernel(best)
         chosen[f"{k}x{n}"] = {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
     return chosen
+
+
+class DeferredNorm(nn.Module):
+    """A norm whose one reader, an int8 projection, applies it while quantizing: passes x through
+    (the norm stays a child, so the stage's parameters are unchanged)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def fuse_prologues(model: nn.Module) -> int:
+    """On a CPU stage whose projections run oneDNN's int8 product, move what feeds each projection
+    into its quantizing pass (one C loop, :func:`pipeline.models.native.quantize_rows_u8_fused`):
+    the input RMSNorm of ``attn.qkv`` and of ``mlp.up`` (pre-norm layers, where the norm's output has
+    no other reader) and SiLU(gate) * up of a gated MLP's ``down``. The float tensors in between
+    are never written, and four to six eager operators a projection go (decode micro-batches spend
+    about as long in them as in the product). Returns how many projections took a prologue."""
+    from .decoder import MLP, Block, Norm
+
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if native.library() is None or dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    fused = 0
+
+    def onednn(lin) -> bool:
+        return isinstance(lin, Int8Linear) and lin.kernel == "onednn"
+
+    def take_norm(lin: Int8Linear, norm) -> bool:
+        if not (isinstance(norm, Norm) and norm.kind == "rms" and not norm.tile and onednn(lin)):
+            return False
+        lin.prologue, lin.norm_eps = "rms", float(norm.eps)
+        lin.norm_weight = (norm.weight.detach().float() + norm.offset).contiguous()
+        return True
+
+    for block in model.modules():
+        if not isinstance(block, Block) or block.spec.parallel_residual or not block.spec.pre_norm:
+            continue
+        if take_norm(block.attn.qkv, block.n1):
+            block.n1, fused = DeferredNorm(block.n1), fused + 1
+        if isinstance(block.mlp, MLP) and block.n2 is not None and take_norm(block.mlp.up, block.n2):
+            block.n2, fused = DeferredNorm(block.n2), fused + 1
+        mlp = block.mlp
+        if isinstance(mlp, MLP) and mlp.gated and block.spec.activation == "silu" and onednn(mlp.down):
+            mlp.down.prologue, fused = "silu_gate", fused + 1
+    return fused

@@ -8,6 +8,11 @@
  * results are bit-for-bit those of pipeline.models.int8's eager code, which the tests assert).
  *
  * dtype codes: 0 float32, 1 bfloat16.
+ *
+ * The int8 KV cache (--kv-cache-dtype int8) keeps each (token, kv head) as a record of d + 4 bytes:
+ * d int8 values, then their float32 scale (max |x| / 127; the values are x / scale rounded to nearest
+ * even), which kv_store_i8 writes and decode_attention reads (pipeline/models/kv_cache.py has the
+ * same arithmetic in PyTorch).
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,9 +34,30 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* x (rows, cols), row stride `stride` elements -> out (rows, cols) uint8 = x / scale + 128 rounded
- * to nearest (ties up), scale[r] = max |x[r]| / 127 (at least 1e-30 / 127).
- * As the eager code: top = max(max x, -min x); factor = (1 / top) * 127; u = (uint8)(x * factor + 128.5). */
+/* One row of float32 -> uint8 = x / scale + 128 rounded to nearest (ties up), *scale = max |x| / 127
+ * (at least 1e-30 / 127). As the eager code: top = max(max x, -min x); factor = (1 / top) * 127;
+ * u = (uint8)(x * factor + 128.5). */
+static inline void quantize_row(const float *xf, int64_t cols, uint8_t *o, float *scale) {
+    float hi = -INFINITY, lo = INFINITY;
+#pragma omp simd reduction(max : hi) reduction(min : lo)
+    for (int64_t c = 0; c < cols; c++) {
+        hi = xf[c] > hi ? xf[c] : hi;
+        lo = xf[c] < lo ? xf[c] : lo;
+    }
+    float top = hi > -lo ? hi : -lo;
+    if (!(top >= 1e-30f)) top = 1e-30f;
+    float factor = (1.0f / top) * 127.0f;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; c++) {
+        float t = xf[c] * factor;
+        t = t + 128.5f; /* in [1.5, 255.5]: truncation rounds x * factor to nearest */
+        o[c] = (uint8_t)(int32_t)t;
+    }
+    *scale = top / 127.0f;
+}
+
+/* x (rows, cols), row stride `stride` elements -> out (rows, cols) uint8 and scale (rows): quantize_row
+ * of each row, bit for bit the eager pipeline.models.int8.quantize_tokens. */
 void quantize_rows_u8(const void *x, int64_t rows, int64_t cols, int64_t stride, int dtype, uint8_t *out,
                       float *scale) {
     float buf[dtype == 1 ? cols : 1];
@@ -43,23 +69,7 @@ void quantize_rows_u8(const void *x, int64_t rows, int64_t cols, int64_t stride,
             for (int64_t c = 0; c < cols; c++) buf[c] = bf16_to_f32(xb[c]);
             xf = buf;
         }
-        float hi = -INFINITY, lo = INFINITY;
-#pragma omp simd reduction(max : hi) reduction(min : lo)
-        for (int64_t c = 0; c < cols; c++) {
-            hi = xf[c] > hi ? xf[c] : hi;
-            lo = xf[c] < lo ? xf[c] : lo;
-        }
-        float top = hi > -lo ? hi : -lo;
-        if (!(top >= 1e-30f)) top = 1e-30f;
-        float factor = (1.0f / top) * 127.0f;
-        uint8_t *o = out + r * cols;
-#pragma omp simd
-        for (int64_t c = 0; c < cols; c++) {
-            float t = xf[c] * factor;
-            t = t + 128.5f; /* in [1.5, 255.5]: truncation rounds x * factor to nearest */
-            o[c] = (uint8_t)(int32_t)t;
-        }
-        scale[r] = top / 127.0f;
+        quantize_row(xf, cols, out + r * cols, scale + r);
     }
 }
 
@@ -94,10 +104,11 @@ void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, co
 
 /* exp(x) for x <= 0 (softmax after subtracting the maximum), vectorizable: 2^n * p(r) with
  * n = round(x / ln 2) and r = x - n ln 2 (Cody-Waite), p a degree-6 polynomial; relative error
- * about 2e-7 on [-87, 0], 0 below. */
-static inline float exp_nonpositive(float x) {
+ * about 2e-7 on [-87, 0]. n is rounded by adding and subtracting 1.5 * 2^23 (to nearest even):
+ * gcc does not vectorize floorf without -fno-trapping-math, and this loop runs once per key. */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -109,6 +120,43 @@ static inline float exp_nonpositive(float x) {
     p = p * r * r + r + 1.0f;
     union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
     return p * two_n.f;
+}
+
+/* What feeds an int8 projection, computed in float32 and quantized in the same pass (the float
+ * input is never written):
+ *   prologue 1, RMSNorm: x (rows, cols) -> x * rsqrt(mean(x^2) + eps) * w[c]
+ *   prologue 2, SiLU-gated: x (rows, 2 cols) = [gate | up] -> silu(gate) * up
+ * x in `dtype` with row stride `stride`; out (rows, cols) uint8, scale (rows) as quantize_rows_u8. */
+void quantize_rows_u8_fused(const void *x, int64_t rows, int64_t cols, int64_t stride, int dtype, int prologue,
+                            const float *w, float eps, uint8_t *out, float *scale) {
+    const int64_t width = prologue == 2 ? 2 * cols : cols;
+    float in[width], buf[cols];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xf = (const float *)x + r * stride;
+        if (dtype == 1) {
+            const uint16_t *xb = (const uint16_t *)x + r * stride;
+#pragma omp simd
+            for (int64_t c = 0; c < width; c++) in[c] = bf16_to_f32(xb[c]);
+            xf = in;
+        }
+        if (prologue == 1) {
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t c = 0; c < cols; c++) ss += xf[c] * xf[c];
+            const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) buf[c] = xf[c] * inv * w[c];
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) buf[c] = exp_nonpositive(-fabsf(xf[c])); /* e^-|g| */
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) { /* sigmoid(g) = 1 / (1 + e^-g), or e^g / (1 + e^g) below 0 */
+                const float g = xf[c], t = buf[c];
+                buf[c] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * xf[cols + c];
+            }
+        }
+        quantize_row(buf, cols, out + r * cols, scale + r);
+    }
 }
 
 #ifdef __AVX512BF16__
@@ -141,32 +189,137 @@ static void scores_bf16(const uint16_t *q, const uint16_t *k, int64_t n, int64_t
 }
 #endif
 
-/* element e of row c of a (rows, d) block in float32 or bfloat16 */
+/* The scale stored after the d int8 values of a record */
+static inline float record_scale(const int8_t *rec, int64_t d) {
+    float s;
+    memcpy(&s, rec + d, 4);
+    return s;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 int8 values from p as float32 lanes */
+static inline __m512 i8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* s[c] = (qf . key c) * key c's scale, n int8 records of d + 4 bytes (d % 16 == 0), four keys at a time */
+static void scores_i8(const float *qf, const int8_t *k, int64_t n, int64_t d, float *s) {
+    const int64_t rs = d + 4;
+    int64_t c = 0;
+    for (; c + 4 <= n; c += 4) {
+        const int8_t *k0 = k + c * rs;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 16) {
+            const __m512 qv = _mm512_loadu_ps(qf + e);
+            a0 = _mm512_fmadd_ps(qv, i8x16(k0 + e), a0);
+            a1 = _mm512_fmadd_ps(qv, i8x16(k0 + rs + e), a1);
+            a2 = _mm512_fmadd_ps(qv, i8x16(k0 + 2 * rs + e), a2);
+            a3 = _mm512_fmadd_ps(qv, i8x16(k0 + 3 * rs + e), a3);
+        }
+        s[c] = _mm512_reduce_add_ps(a0) * record_scale(k0, d);
+        s[c + 1] = _mm512_reduce_add_ps(a1) * record_scale(k0 + rs, d);
+        s[c + 2] = _mm512_reduce_add_ps(a2) * record_scale(k0 + 2 * rs, d);
+        s[c + 3] = _mm512_reduce_add_ps(a3) * record_scale(k0 + 3 * rs, d);
+    }
+    for (; c < n; c++) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + e), i8x16(k + c * rs + e), a0);
+        s[c] = _mm512_reduce_add_ps(a0) * record_scale(k + c * rs, d);
+    }
+}
+
+/* acc (d) += sum over c of p[c] * value c's scale * value c, n int8 records (d % 16 == 0) */
+static void values_i8(const float *p, const int8_t *v, int64_t n, int64_t d, float *acc) {
+    const int64_t rs = d + 4;
+    int64_t c = 0;
+    for (; c + 4 <= n; c += 4) {
+        const int8_t *v0 = v + c * rs;
+        const __m512 p0 = _mm512_set1_ps(p[c] * record_scale(v0, d));
+        const __m512 p1 = _mm512_set1_ps(p[c + 1] * record_scale(v0 + rs, d));
+        const __m512 p2 = _mm512_set1_ps(p[c + 2] * record_scale(v0 + 2 * rs, d));
+        const __m512 p3 = _mm512_set1_ps(p[c + 3] * record_scale(v0 + 3 * rs, d));
+        for (int64_t e = 0; e < d; e += 16) {
+            __m512 a = _mm512_loadu_ps(acc + e);
+            a = _mm512_fmadd_ps(p0, i8x16(v0 + e), a);
+            a = _mm512_fmadd_ps(p1, i8x16(v0 + rs + e), a);
+            a = _mm512_fmadd_ps(p2, i8x16(v0 + 2 * rs + e), a);
+            a = _mm512_fmadd_ps(p3, i8x16(v0 + 3 * rs + e), a);
+            _mm512_storeu_ps(acc + e, a);
+        }
+    }
+    for (; c < n; c++) {
+        const __m512 p0 = _mm512_set1_ps(p[c] * record_scale(v + c * rs, d));
+        for (int64_t e = 0; e < d; e += 16)
+            _mm512_storeu_ps(acc + e, _mm512_fmadd_ps(p0, i8x16(v + c * rs + e), _mm512_loadu_ps(acc + e)));
+    }
+}
+#endif
+
+/* Quantize n tokens' keys or values into the int8 cache: x (n, kv_heads, d) in `dtype` at strides
+ * (x_tok, x_head, 1); token i goes to cache row rows[i], column cols_at[i] of the layer's cache
+ * (cache rows, kv_heads, cols, d + 4) int8. Each (token, head): scale = max |x| / 127, values
+ * x * (127 / max |x|) rounded to nearest even (0 for an all-zero vector). */
+void kv_store_i8(const void *x, int64_t n, int64_t kv_heads, int64_t d, int64_t x_tok, int64_t x_head, int dtype,
+                 int8_t *cache, int64_t cols, const int64_t *rows, const int64_t *cols_at) {
+    float xf[d];
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t off = i * x_tok + h * x_head;
+            if (dtype == 1) {
+                for (int64_t e = 0; e < d; e++) xf[e] = bf16_to_f32(((const uint16_t *)x)[off + e]);
+            } else {
+                memcpy(xf, (const float *)x + off, sizeof(float) * d);
+            }
+            float top = 0.0f;
+#pragma omp simd reduction(max : top)
+            for (int64_t e = 0; e < d; e++) top = fabsf(xf[e]) > top ? fabsf(xf[e]) : top;
+            const float inv = top > 0.0f ? 127.0f / top : 0.0f, scale = top / 127.0f;
+            int8_t *rec = cache + ((rows[i] * kv_heads + h) * cols + cols_at[i]) * (d + 4);
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) rec[e] = (int8_t)nearbyintf(xf[e] * inv);
+            memcpy(rec + d, &scale, 4);
+        }
+    }
+}
+
+/* element i of a float32 or bfloat16 block */
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int dtype) {
     return dtype == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
-#define AT(p, c, e) load((p), (c) * d + (e), dtype)
+/* element e of key / value c in a block of the cache: float32 / bfloat16 rows of d, or int8 records
+ * of d + 4 bytes (kv8) */
+static inline __attribute__((always_inline)) float kv_at(const void *p, int64_t c, int64_t e, int64_t d,
+                                                         const int dtype, const int kv8) {
+    return kv8 ? (float)((const int8_t *)p)[c * (d + 4) + e] : load(p, c * d + e, dtype);
+}
+#define AT(p, c, e) kv_at((p), (c), (e), d, dtype, kv8)
+/* key / value c's scale: an int8 record's, else 1 */
+#define SCALE(p, c) (kv8 ? record_scale((const int8_t *)(p) + (c) * (d + 4), d) : 1.0f)
 
 /* One query per row against that row's own cached keys and values (decode), every row and head of
  * a layer in one call, threads over (row, kv head) pairs.
  *   q      (rows, heads, d) at strides (q_row, q_head, 1)
- *   k, v   the layer's cache (cache rows, kv_heads, cols, d), contiguous
+ *   k, v   the layer's cache (cache rows, kv_heads, cols, d), contiguous, in q's dtype; with kv8 the
+ *          int8 cache (cache rows, kv_heads, cols, d + 4) of records (kv_store_i8)
  *   cache_row[i], end[i]: row i reads cache row cache_row[i], columns [max(0, end - window), end)
  *                (window 0: from column 0)
- *   out    (rows, heads, d) contiguous; dtype 0 float32, 1 bfloat16 (q, k, v and out alike)
- * Keys go four at a time through one vector loop over d (four independent sums), values likewise.
+ *   out    (rows, heads, d) contiguous; dtype 0 float32, 1 bfloat16 (q and out alike)
+ * Keys go four at a time through one vector loop over d (four independent sums), values likewise;
+ * an int8 key's scale multiplies its score, an int8 value's its softmax weight.
  * Scores, softmax and sums in float32; exp as exp_nonpositive. */
 static inline __attribute__((always_inline)) void decode_task(
     int64_t task, const void *q, int64_t heads, int64_t q_row, int64_t q_head, const void *k, const void *v,
     int64_t kv_heads, int64_t cols, int64_t d, const int64_t *cache_row, const int64_t *end, int64_t window,
-    float scale, const int dtype, void *out) {
+    float scale, const int dtype, const int kv8, void *out) {
     const int64_t g = heads / kv_heads;
-    const size_t esize = dtype == 1 ? 2 : 4;
+    const size_t record = kv8 ? (size_t)d + 4 : (size_t)d * (dtype == 1 ? 2 : 4);
     {
         const int64_t i = task / kv_heads, kh = task % kv_heads;
         const int64_t stop = end[i], first = window > 0 && stop > window ? stop - window : 0, n = stop - first;
-        const char *kb = (const char *)k + ((cache_row[i] * kv_heads + kh) * cols + first) * d * esize;
-        const char *vb = (const char *)v + ((cache_row[i] * kv_heads + kh) * cols + first) * d * esize;
+        const char *kb = (const char *)k + ((cache_row[i] * kv_heads + kh) * cols + first) * record;
+        const char *vb = (const char *)v + ((cache_row[i] * kv_heads + kh) * cols + first) * record;
         float qf[d], acc[d];
         const size_t sbytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
         float *heap = sbytes > (64 << 10) ? (float *)malloc(sbytes) : NULL; /* long rows: off the thread's stack */
@@ -178,9 +331,15 @@ static inline __attribute__((always_inline)) void decode_task(
             float top = -INFINITY;
             int64_t c = 0;
 #ifdef __AVX512BF16__
-            if (dtype == 1 && d % 32 == 0) { /* bf16 pairs straight into float32 sums: no conversion pass */
+            if (dtype == 1 && !kv8 && d % 32 == 0) { /* bf16 pairs straight into float32 sums: no conversion */
                 scores_bf16(((const uint16_t *)q) + i * q_row + (kh * g + j) * q_head, (const uint16_t *)kb, n, d,
                             scale, s);
+                c = n;
+            }
+#endif
+#ifdef __AVX512F__
+            if (kv8 && d % 16 == 0) {
+                scores_i8(qf, (const int8_t *)kb, n, d, s);
                 c = n;
             }
 #endif
@@ -193,13 +352,14 @@ static inline __attribute__((always_inline)) void decode_task(
                     d2 = fmaf(qf[e], AT(kb, c + 2, e), d2);
                     d3 = fmaf(qf[e], AT(kb, c + 3, e), d3);
                 }
-                s[c] = d0, s[c + 1] = d1, s[c + 2] = d2, s[c + 3] = d3;
+                s[c] = d0 * SCALE(kb, c), s[c + 1] = d1 * SCALE(kb, c + 1);
+                s[c + 2] = d2 * SCALE(kb, c + 2), s[c + 3] = d3 * SCALE(kb, c + 3);
             }
             for (; c < n; c++) {
                 float d0 = 0.0f;
 #pragma omp simd reduction(+ : d0)
                 for (int64_t e = 0; e < d; e++) d0 = fmaf(qf[e], AT(kb, c, e), d0);
-                s[c] = d0;
+                s[c] = d0 * SCALE(kb, c);
             }
             for (c = 0; c < n; c++) top = s[c] > top ? s[c] : top;
             float sum = 0.0f;
@@ -209,15 +369,23 @@ static inline __attribute__((always_inline)) void decode_task(
                 sum += s[c];
             }
             for (int64_t e = 0; e < d; e++) acc[e] = 0.0f;
-            for (c = 0; c + 4 <= n; c += 4) {
-                const float p0 = s[c], p1 = s[c + 1], p2 = s[c + 2], p3 = s[c + 3];
+            c = 0;
+#ifdef __AVX512F__
+            if (kv8 && d % 16 == 0) {
+                values_i8(s, (const int8_t *)vb, n, d, acc);
+                c = n;
+            }
+#endif
+            for (; c + 4 <= n; c += 4) {
+                const float p0 = s[c] * SCALE(vb, c), p1 = s[c + 1] * SCALE(vb, c + 1);
+                const float p2 = s[c + 2] * SCALE(vb, c + 2), p3 = s[c + 3] * SCALE(vb, c + 3);
 #pragma omp simd
                 for (int64_t e = 0; e < d; e++)
                     acc[e] = fmaf(p3, AT(vb, c + 3, e), fmaf(p2, AT(vb, c + 2, e),
                              fmaf(p1, AT(vb, c + 1, e), fmaf(p0, AT(vb, c, e), acc[e]))));
             }
             for (; c < n; c++) {
-                const float p0 = s[c];
+                const float p0 = s[c] * SCALE(vb, c);
 #pragma omp simd
                 for (int64_t e = 0; e < d; e++) acc[e] = fmaf(p0, AT(vb, c, e), acc[e]);
             }
@@ -233,18 +401,25 @@ static inline __attribute__((always_inline)) void decode_task(
     }
 }
 
+/* kv8: k and v are int8 record caches (see decode_task) */
 void decode_attention(const void *q, int64_t rows, int64_t heads, int64_t q_row, int64_t q_head, const void *k,
                       const void *v, int64_t kv_heads, int64_t cols, int64_t d, const int64_t *cache_row,
-                      const int64_t *end, int64_t window, float scale, int dtype, void *out) {
-    if (dtype == 1) { /* the element type a compile-time constant in each loop */
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * kv_heads; task++)
-            decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, 1, out);
+                      const int64_t *end, int64_t window, float scale, int dtype, int kv8, void *out) {
+    const int64_t tasks = rows * kv_heads;
+#define TASKS(DT, KV8)                                                                                          \
+    _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t task = 0; task < tasks; task++)            \
+        decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, DT, KV8, out)
+    /* the element types compile-time constants in each loop */
+    if (dtype == 1 && kv8) {
+        TASKS(1, 1);
+    } else if (dtype == 1) {
+        TASKS(1, 0);
+    } else if (kv8) {
+        TASKS(0, 1);
     } else {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * kv_heads; task++)
-            decode_task(task, q, heads, q_row, q_head, k, v, kv_heads, cols, d, cache_row, end, window, scale, 0, out);
+        TASKS(0, 0);
     }
+#undef TASKS
 }
 
 /* 1 when this build computes bfloat16 decode scores with the AVX512-BF16 dot product */

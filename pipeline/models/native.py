@@ -106,11 +106,16 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.quantize_rows_u8.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR]
     lib.quantize_rows_u8.restype = None
+    lib.quantize_rows_u8_fused.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR, ctypes.c_float,
+                                           _PTR, _PTR]
+    lib.quantize_rows_u8_fused.restype = None
     lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
     lib.scale_rows.restype = None
     lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
-                                     ctypes.c_float, ctypes.c_int, _PTR]
+                                     ctypes.c_float, ctypes.c_int, ctypes.c_int, _PTR]
     lib.decode_attention.restype = None
+    lib.kv_store_i8.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, _PTR, _PTR]
+    lib.kv_store_i8.restype = None
     lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
     return lib
 
@@ -131,6 +136,23 @@ def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u, scale
 
 
+def quantize_rows_u8_fused(x: torch.Tensor, prologue: str, weight: torch.Tensor | None,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_u8` of what feeds a projection, computed in float32 in the same pass:
+    ``prologue`` "rms": x (rows, in) RMS-normalized and scaled by ``weight`` (float32, in); "silu_gate":
+    x (rows, 2 in) = [gate | up] -> silu(gate) * up. Needs :func:`usable` and contiguous rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, width = x.shape
+    cols = width // 2 if prologue == "silu_gate" else width
+    u = torch.empty(rows, cols, dtype=torch.uint8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    library().quantize_rows_u8_fused(x.data_ptr(), rows, cols, x.stride(0), _DTYPES[x.dtype],
+                                     1 if prologue == "rms" else 2, None if weight is None else weight.data_ptr(),
+                                     eps, u.data_ptr(), scale.data_ptr())
+    return u, scale
+
+
 def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``(acc * s + bias).to(dtype)`` for a contiguous float32 ``acc`` (rows, out), ``s`` (rows, 1) and
     a float32 ``bias`` (out,) or None; float32 results overwrite ``acc``."""
@@ -144,15 +166,25 @@ def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dt
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor,
                      window: int, scale: float) -> torch.Tensor:
     """One query per row against its own cached keys: q (b, heads, 1, d) with unit stride in d; k / v
-    one layer's contiguous cache (cache rows, kv heads, cols, d) of q's dtype (float32 / bfloat16);
-    ``rows`` / ``ends`` int64 (b,): each row's cache row and the columns it reads, ``[0, end)`` or
-    the last ``window`` of them. Returns (b, heads, 1, d) in q's dtype. Threads: PyTorch's OpenMP pool."""
+    one layer's contiguous cache (cache rows, kv heads, cols, d) of q's dtype (float32 / bfloat16), or
+    int8 records (cache rows, kv heads, cols, d + 4) (:mod:`.kv_cache`); ``rows`` / ``ends`` int64
+    (b,): each row's cache row and the columns it reads, ``[0, end)`` or the last ``window`` of them.
+    Returns (b, heads, 1, d) in q's dtype. Threads: PyTorch's OpenMP pool."""
     b, heads, _, d = q.shape
     out = torch.empty(b, heads, 1, d, dtype=q.dtype)
     library().decode_attention(q.data_ptr(), b, heads, q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.shape[1],
                                k.shape[2], d, rows.data_ptr(), ends.data_ptr(), window, scale, _DTYPES[q.dtype],
-                               out.data_ptr())
+                               int(k.dtype == torch.int8), out.data_ptr())
     return out
+
+
+def kv_store_i8(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """Quantize x (n, kv heads, d) (float32 / bfloat16, unit stride in d) into one layer's int8 record
+    cache (cache rows, kv heads, cols, d + 4) at cache row ``rows[i]``, column ``cols[i]`` (int64, n):
+    what :func:`pipeline.models.kv_cache.quantize_records` computes, bit for bit."""
+    n, kvh, d = x.shape
+    library().kv_store_i8(x.data_ptr(), n, kvh, d, x.stride(0), x.stride(1), _DTYPES[x.dtype], cache.data_ptr(),
+                          cache.shape[2], rows.data_ptr(), cols.data_ptr())
 
 
 @functools.cache
@@ -167,6 +199,9 @@ def decode_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def decode_usable(cache: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`decode_attention` serves a decode step over ``cache`` in ``dtype``."""
-    return (cache.device.type == "cpu" and cache.dtype == dtype and dtype in decode_dtypes()
-            and library() is not None)
+    """Whether :func:`decode_attention` serves a decode step over ``cache`` with queries in ``dtype``:
+    a cache in ``dtype`` where it measured faster (:func:`decode_dtypes`); an int8 record cache
+    always (the alternative dequantizes every row's columns into a copy each step)."""
+    if cache.device.type != "cpu" or library() is None:
+        return False
+    return dtype in _DTYPES if cache.dtype == torch.int8 else cache.dtype == dtype and dtype in decode_dtypes()

@@ -130,8 +130,7 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "Stage
     cache = ctx.cache
     if cache is not None:
         rows, cols = ctx.real_cells
-        cache.k[layer][rows, :, cols] = k
-        cache.v[layer][rows, :, cols] = v
+        cache.store(layer, rows, cols, k, v)
     if ctx.packed is not None:
         return attend_packed(q, k, v, ctx.packed, window, scale)
     outs = []
@@ -142,6 +141,6 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "Stage
         if end == e - a:  # a fresh prompt: its keys are its new tokens
             kr, vr = k[a:e].transpose(0, 1)[None], v[a:e].transpose(0, 1)[None]
         else:
-            kr, vr = cache.k[layer][row : row + 1, :, first:end], cache.v[layer][row : row + 1, :, first:end]
+            kr, vr = cache.read(layer, slice(row, row + 1), slice(first, end), q.dtype)
         outs.append(attend(q[a:e].transpose(0, 1)[None], kr, vr, mask)[0].transpose(0, 1))  # (len, h, d)
     return torch.cat(outs).flatten(1)
