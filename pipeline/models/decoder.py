@@ -124,13 +124,9 @@ class Attention(nn.Module):
 
     def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
         """New prompt tokens, unpadded (n real tokens, row after row): each row attends over its own
-        keys only, as views (its new tokens, or its cache row when it resumes after cached tokens: a
-        later prefill chunk, a prefix from the pool), causally (within the layer's window; with ALiBi
-        biases or soft-capping where the model has them), never a padded (b, t) batch. Causal
-        attention costs a row its length squared, so a padded batch of mixed lengths did ~2.5x the
-        work (measured, 12 heads of 64: 16 prompts of 8..488 tokens, 2 threads, 51 ms padded against
-        24 ms row by row; 32 chunks of up to 64 tokens after 0..450 cached, 1 thread, 34 against 14
-        ms; bfloat16 alike)."""
+        keys only (its new tokens, or its cache row when it resumes after cached tokens), causally
+        (within its window; ALiBi, soft-capping), never a padded (b, t) batch, which did ~2.5x the work
+        (16 prompts of 8..488 tokens, 2 threads: 51 ms padded, 24 ms row by row)."""
         s = self.spec
         q, k, v = self._heads(qkv, ctx)  # (n, h, d), (n, kvh, d), (n, kvh * d)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
@@ -146,18 +142,24 @@ class Attention(nn.Module):
         Rotary tables are (b, 1, t, rd/2) for (b, t, ...) or (n, 1, rd/2) for the real tokens (n, ...)."""
         s = self.spec
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        if not s.qk_norm and self.rope_key in ctx.rope:  # q and k side by side: one rotation for both
+            heads = (s.num_heads, s.num_kv_heads)
+            qk = self._rotate(qkv[..., : s.q_dim + s.kv_dim].unflatten(-1, (sum(heads), s.head_dim)), ctx)
+            return *qk.split(heads, dim=-2), v
         if s.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.unflatten(-1, (s.num_heads, s.head_dim)), k.unflatten(-1, (s.num_kv_heads, s.head_dim))
         if s.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_key in ctx.rope:
-            cos, sin = ctx.rope[self.rope_key]
-            if cos.dim() == 4:  # (b, 1, t, rd/2) against (b, t, h, d)
-                cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
-            rope = s.local_rope if self.rope_key == "local" else s.rope
-            q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
+            q, k = self._rotate(q, ctx), self._rotate(k, ctx)
         return q, k, v
+
+    def _rotate(self, x: torch.Tensor, ctx: "StageContext") -> torch.Tensor:
+        cos, sin = ctx.rope[self.rope_key]
+        if cos.dim() == 4:  # (b, 1, t, rd/2) against (b, t, h, d)
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+        return apply_rope(x, cos, sin, self.spec.local_rope if self.rope_key == "local" else self.spec.rope)
 
     def _attend_rows(self, q, k, v, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         """Batch-invariant attention: each row with exactly its own keys (a sliding layer: its window)."""
@@ -251,10 +253,8 @@ def _embedding(rows: int, dim: int) -> nn.Embedding:
 
 class StageModel(nn.Module):
     """embed? + layers[first:last] + head? of one model. Layer ``i`` here is global ``first + i``.
-
     ``row_tile`` > 0 selects batch-invariant kernels (:mod:`.invariant`): every row-wise op runs
-    on calls of exactly that many rows and attention runs one row at a time.
-    """
+    on calls of exactly that many rows and attention runs one row at a time."""
 
     def __init__(self, spec: DecoderSpec, first: int, last: int, has_embed: bool, has_head: bool,
                  row_tile: int = 0):
