@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pipeline.models import native
 from pipeline.models.decoder import Segment
 from pipeline.models.kv_cache import KVCache, dequantize_records, quantize_records
 from pipeline.options import RunOptions, UsageError, check_options
 from pipeline.plan import make_plan
+from tests.test_attention_runs import _per_row_reference
 from tests.utils import random_hf_model, stage_chain
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: the PyTorch forms run instead")
@@ -54,17 +54,6 @@ def test_native_store_writes_the_records_bit_for_bit(dtype):
     assert torch.equal(cache, want)
 
 
-def _reference(q, k, v, rows, ends, window, scale):
-    """Each row alone over its dequantized columns, SDPA in float32."""
-    k, v = dequantize_records(k, torch.float32), dequantize_records(v, torch.float32)
-    g, out = q.shape[1] // k.shape[1], []
-    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist())):
-        f = max(0, e - window) if window else 0
-        kk, vv = k[r, :, f:e].repeat_interleave(g, 0), v[r, :, f:e].repeat_interleave(g, 0)
-        out.append(F.scaled_dot_product_attention(q[i : i + 1].float(), kk[None], vv[None], scale=scale))
-    return torch.cat(out)
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d,window", [(4, 4, 16, 0), (8, 2, 64, 0), (6, 3, 40, 5)])
@@ -78,7 +67,8 @@ def test_native_decode_over_records_matches_each_row_alone(dtype, heads, kv_head
     got = native.decode_attention(q, k, v, rows, ends, window, d**-0.5)
     assert got.shape == (5, heads, 1, d) and got.dtype == dtype
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)  # bf16: output rounding
-    torch.testing.assert_close(got.float(), _reference(q, k, v, rows, ends, window, d**-0.5), **tol)
+    k, v = dequantize_records(k, torch.float32), dequantize_records(v, torch.float32)  # each row alone over these
+    torch.testing.assert_close(got.float(), _per_row_reference(q, k, v, rows, ends, window, d**-0.5), **tol)
 
 
 def _decode_logprobs(chain, prompts, tokens):

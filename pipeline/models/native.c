@@ -56,21 +56,23 @@ static inline void quantize_row(const float *xf, int64_t cols, uint8_t *o, float
     *scale = top / 127.0f;
 }
 
+/* `width` elements of x from element `offset` on, as float32: x itself, or converted from bfloat16
+ * into buf */
+static inline const float *as_f32(const void *x, int64_t offset, int64_t width, int dtype, float *buf) {
+    if (dtype != 1) return (const float *)x + offset;
+    const uint16_t *xb = (const uint16_t *)x + offset;
+#pragma omp simd
+    for (int64_t c = 0; c < width; c++) buf[c] = bf16_to_f32(xb[c]);
+    return buf;
+}
+
 /* x (rows, cols), row stride `stride` elements -> out (rows, cols) uint8 and scale (rows): quantize_row
  * of each row, bit for bit the eager pipeline.models.int8.quantize_tokens. */
 void quantize_rows_u8(const void *x, int64_t rows, int64_t cols, int64_t stride, int dtype, uint8_t *out,
                       float *scale) {
     float buf[dtype == 1 ? cols : 1];
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xf = (const float *)x + r * stride;
-        if (dtype == 1) {
-            const uint16_t *xb = (const uint16_t *)x + r * stride;
-#pragma omp simd
-            for (int64_t c = 0; c < cols; c++) buf[c] = bf16_to_f32(xb[c]);
-            xf = buf;
-        }
-        quantize_row(xf, cols, out + r * cols, scale + r);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(as_f32(x, r * stride, cols, dtype, buf), cols, out + r * cols, scale + r);
 }
 
 /* out (rows, cols) in `dtype` = acc (rows, cols) float32 * s[r] (+ bias[c], float32, may be NULL).
@@ -132,13 +134,7 @@ void quantize_rows_u8_fused(const void *x, int64_t rows, int64_t cols, int64_t s
     const int64_t width = prologue == 2 ? 2 * cols : cols;
     float in[width], buf[cols];
     for (int64_t r = 0; r < rows; r++) {
-        const float *xf = (const float *)x + r * stride;
-        if (dtype == 1) {
-            const uint16_t *xb = (const uint16_t *)x + r * stride;
-#pragma omp simd
-            for (int64_t c = 0; c < width; c++) in[c] = bf16_to_f32(xb[c]);
-            xf = in;
-        }
+        const float *xf = as_f32(x, r * stride, width, dtype, in);
         if (prologue == 1) {
             float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -301,15 +297,10 @@ static void values_i8(const float *p, const int8_t *v, int64_t n, int64_t d, flo
  * x * (127 / max |x|) rounded to nearest even (0 for an all-zero vector). */
 void kv_store_i8(const void *x, int64_t n, int64_t kv_heads, int64_t d, int64_t x_tok, int64_t x_head, int dtype,
                  int8_t *cache, int64_t cols, const int64_t *rows, const int64_t *cols_at) {
-    float xf[d];
+    float buf[d];
     for (int64_t i = 0; i < n; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t off = i * x_tok + h * x_head;
-            if (dtype == 1) {
-                for (int64_t e = 0; e < d; e++) xf[e] = bf16_to_f32(((const uint16_t *)x)[off + e]);
-            } else {
-                memcpy(xf, (const float *)x + off, sizeof(float) * d);
-            }
+            const float *xf = as_f32(x, i * x_tok + h * x_head, d, dtype, buf);
             float top = 0.0f;
 #pragma omp simd reduction(max : top)
             for (int64_t e = 0; e < d; e++) top = fabsf(xf[e]) > top ? fabsf(xf[e]) : top;
