@@ -154,3 +154,17 @@ def test_refused_before_loading(tmp_path, monkeypatch):
         make_plan(RunOptions(model_name=odd, kv_cache_dtype="int8"), env=ENV, cpu_count=1)
     plan = make_plan(RunOptions(model_name=generic, kv_cache_dtype="int8"), env=ENV, cpu_count=1)
     assert plan.fingerprint["kv_cache_dtype"] == "int8" and plan.model_name.endswith(":kv-int8")
+
+
+def test_batch_invariant_stages_over_an_int8_cache_repeat_a_row_exactly(tmp_path):
+    """--batch-invariant with --kv-cache-dtype int8: quantization is per token and head, so a row's
+    decode log-probabilities are the same bits alone as beside other rows (the invariant path reads
+    the cache through dequantized copies)."""
+    path = random_hf_model(tmp_path, "llama", **GQA)
+    chain = stage_chain(path, [(0, 2), (2, 3)], batch_invariant=True)
+    for st in chain:
+        st.kv_int8 = True
+    tokens = [torch.tensor([7, 8, 9, 10]) + step for step in range(4)]
+    together = _decode_logprobs(chain, PROMPTS, tokens)
+    alone = _decode_logprobs(chain, PROMPTS[2:3], [t[2:3] for t in tokens])
+    assert torch.equal(together[:, 2], alone[:, 0])
