@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .models.kv_cache import int8_layer_bytes
 from .models.spec import DecoderSpec
 
 CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
@@ -32,8 +33,8 @@ def kv_cell_bytes(model) -> int:
     """Bytes of keys + values one token position takes on this stage (0: a stage without layers)."""
     itemsize = next(model.parameters()).element_size()
     spec = getattr(model, "spec", None)
-    if isinstance(spec, DecoderSpec) and getattr(model, "kv_int8", False):  # int8 records: head_dim + 4 bytes
-        return 2 * len(model.layers) * spec.num_kv_heads * (spec.head_dim + 4)
+    if isinstance(spec, DecoderSpec) and getattr(model, "kv_int8", False):  # --kv-cache-dtype int8 records
+        return len(model.layers) * int8_layer_bytes(spec)
     if isinstance(spec, DecoderSpec):
         kv_dim = spec.kv_dim
     else:  # the generic stage: transformers' config

@@ -12,6 +12,7 @@ import os
 import torch
 
 from .budget import CPU_BUDGET
+from .models.kv_cache import int8_layer_bytes
 from .models import DecoderSpec
 from .partition import gib, memory_sizes, parse_stage_memory
 
@@ -38,7 +39,7 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
             last += nbytes
     kv = 2 * budget * _kv_width(config, spec) * size
     if kv_int8:  # the plan allows it only for native families (a DecoderSpec)
-        kv = 2 * budget * spec.num_kv_heads * (spec.head_dim + 4)
+        kv = budget * int8_layer_bytes(spec)
     extra = adapter_layers or [0] * spec.num_layers
     return [w + kv + a for w, a in zip(layers, extra)], first, last
 

@@ -55,6 +55,11 @@ def dequantize_records(records: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return (records[..., :d].float() * records[..., d:].contiguous().view(torch.float32)).to(dtype)
 
 
+def int8_layer_bytes(spec: DecoderSpec) -> int:
+    """Bytes of int8 keys + values one token position takes in one layer: a record per KV head each."""
+    return 2 * spec.num_kv_heads * (spec.head_dim + 4)
+
+
 class KVCache:
     """Preallocated keys/values of one micro-batch on one stage: (layers, rows, kv_heads, cols, head_dim)
     in the compute dtype, or with ``int8`` records (layers, rows, kv_heads, cols, head_dim + 4)."""
