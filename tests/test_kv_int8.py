@@ -168,3 +168,23 @@ def test_batch_invariant_stages_over_an_int8_cache_repeat_a_row_exactly(tmp_path
     together = _decode_logprobs(chain, PROMPTS, tokens)
     alone = _decode_logprobs(chain, PROMPTS[2:3], [t[2:3] for t in tokens])
     assert torch.equal(together[:, 2], alone[:, 0])
+
+
+def test_budget_and_stage_memory_count_int8_records(tmp_path):
+    """A cached position costs 2 x layers x kv_heads x (head_dim + 4) bytes with an int8 cache, in
+    --budget auto and in --stage-memory's plan alike (float32: 4 bytes a value)."""
+    from pipeline.budget import kv_cell_bytes
+    from pipeline.loading import read_config
+    from pipeline.models import spec_from_config
+    from pipeline.sizing import model_costs
+
+    path = random_hf_model(tmp_path, "llama", **GQA)  # 3 layers, 2 KV heads of 16
+    stage = stage_chain(path, [(0, 3)])[0]
+    assert kv_cell_bytes(stage) == 2 * 3 * 2 * 16 * 4
+    stage.kv_int8 = True
+    assert kv_cell_bytes(stage) == 2 * 3 * 2 * (16 + 4)
+    cfg = read_config(path)
+    spec = spec_from_config(cfg)
+    floats = model_costs(cfg, spec, None, "auto", torch.float32, 100)[0]
+    int8s = model_costs(cfg, spec, None, "auto", torch.float32, 100, kv_int8=True)[0]
+    assert [f - i for f, i in zip(floats, int8s)] == [100 * 2 * 2 * (16 * 4 - 20)] * 3
