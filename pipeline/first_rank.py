@@ -88,15 +88,17 @@ class FirstRank:
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
         inflight, release = 0, []
+        ahead = self.link is not None  # several stages: a slot computing prompts has a second pass in flight
         while True:
             d.fill()
             for slot in sched.slots:
-                ps = None if slot.inflight else sched.next_pass(slot.sid)
+                busy = bool(slot.inflight)
+                ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
                 if ps is None:
                     continue
                 hdr, dec, pre = d.build(ps, release)
                 release = []
-                self._launch_pass(hdr, dec, pre)
+                self._launch_pass(hdr, dec, pre, busy)
                 inflight += 1
                 d.fill()
             if inflight == 0:
@@ -129,11 +131,12 @@ class FirstRank:
                           error_kinds=dict(d.error_kinds), prompt_tokens=s.prompt_tokens,
                           generated_tokens=s.completion_tokens, seconds=time.perf_counter() - t0, summary=s)
 
-    def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None) -> None:
+    def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
+                     ahead: bool = False) -> None:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
-        self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None])))
+        self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None]), ahead))
 
     def _down(self, msg: Message, x: torch.Tensor | None = None) -> None:
         """To the next stage; with P = 1 straight to the last stage's handler."""

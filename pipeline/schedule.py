@@ -47,9 +47,10 @@ class Slot:
     cols: int = 0
     row_group: list[int | None] = field(default_factory=list)  # gid per row, None = free
     row_len: list[int] = field(default_factory=list)  # tokens in the cache per row
-    decoding: set[int] = field(default_factory=set)  # rows waiting for their next decode step
+    decoding: set[int] = field(default_factory=set)  # rows whose next token is known and not yet fed
     prefilling: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed (chunked prefill)
-    inflight: bool = False
+    inflight: int = 0  # passes sent and not answered yet
+    fed: deque[list[int]] = field(default_factory=deque)  # the decode rows of each of them, oldest first
 
     @property
     def allocated(self) -> bool:
@@ -319,9 +320,20 @@ class Scheduler:
         if free < want <= free + self.prefix.cells:
             self.prefix.reset()
 
-    def next_pass(self, sid: int) -> Pass | None:
-        """The next pass for an idle slot, or None when it has nothing to do now."""
+    def next_pass(self, sid: int, ahead: bool = False) -> Pass | None:
+        """The next pass for an idle slot, or None when it has nothing to do now.
+
+        ``ahead``: a second pass for a slot whose pass in flight decodes no row (it only computes
+        prompts), continuing its chunked prompts: nothing in it waits for the reply. A pipeline's
+        first stage then need not wait for the last: while micro-batches compute long prompts chunk by
+        chunk (the start of a file) a slot decoding beside them made passes of a few tens of
+        milliseconds against seconds, and the first stage waited for every answer (see
+        ``first_rank.FirstRank``)."""
         slot = self.slots[sid]
+        if ahead:
+            if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
+                return None
+            return self._build(slot, None, [], self._resume(slot)[0])
         assert not slot.inflight
         alloc, resume = None, {}
         if not slot.allocated and self.queue:
@@ -350,6 +362,11 @@ class Scheduler:
             self.queue.remove(g)
         if not slot.allocated:
             return None
+        return self._build(slot, alloc, new, resume)
+
+    def _build(self, slot: Slot, alloc: tuple[int, int] | None, new: list[Group], resume: dict[int, int]) -> Pass | None:
+        """The pass: every row with a token to feed decodes, ``new`` groups enter free rows, ``resume``
+        continues chunked prompts."""
         decode_rows = sorted(slot.decoding)
         decode_start = [slot.row_len[r] if r in slot.decoding else 0 for r in range(slot.rows)]
         prefill, forks, rows_of = [], [], {}
@@ -366,8 +383,10 @@ class Scheduler:
         prefill += [(slot.row_group[r], r) for r in resume]
         if not decode_rows and not prefill:
             return None
-        slot.inflight = True
-        return Pass(sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume)
+        slot.inflight += 1
+        slot.fed.append(decode_rows)
+        slot.decoding = set()
+        return Pass(slot.sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume)
 
     def prefilled(self, sid: int, row: int, done: int) -> None:
         """The pass being built computes the prompt of ``row`` up to token ``done``: the rest of the
@@ -383,10 +402,10 @@ class Scheduler:
     def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> None:
         """After a pass: ``continuing`` rows got a token to feed next; ``finished`` rows are done."""
         slot = self.slots[sid]
-        slot.inflight = False
-        for r in slot.decoding:
+        slot.inflight -= 1
+        for r in slot.fed.popleft():
             slot.row_len[r] += 1  # the token fed this pass is now in the cache
-        slot.decoding = set(continuing)
+        slot.decoding.update(continuing)
         for r in finished:
             slot.decoding.discard(r)
             slot.prefilling.pop(r, None)  # serve mode: a client left mid-prompt
@@ -394,6 +413,6 @@ class Scheduler:
             slot.row_group[r] = None
             if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
                 del self.groups[gid]
-        if all(g is None for g in slot.row_group):
+        if all(g is None for g in slot.row_group) and not slot.inflight:
             slot.rows = slot.cols = 0
             slot.row_group, slot.row_len, slot.decoding, slot.prefilling = [], [], set(), {}

@@ -75,8 +75,9 @@ class Stage:
             self._start.record()
         return time.perf_counter()
 
-    def step(self, hdr: PassHeader, x: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output."""
+    def step(self, hdr: PassHeader, x: torch.Tensor | None, ahead: bool = False) -> torch.Tensor | None:
+        """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output. ``ahead``
+        (rank 0, for the trace): the slot's previous pass is still in flight."""
         t0 = self.mark()
         self.release(hdr.release)
         if hdr.alloc:
@@ -106,7 +107,8 @@ class Stage:
                         self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
-        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill))
+        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
+                   **({"ahead": True} if ahead else {}))
         return pack(outs)
 
     def prepare(self, msg: Allocate) -> None:

@@ -2,10 +2,13 @@
 torchrun vs the seed's per-rank launch, the shared request files, tiny budgets, bad flags."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
-from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl, run_legacy, run_single, run_torchrun)
+from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl,
+                         run_legacy, run_single, run_torchrun, write_jsonl)
 
 PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
            "a", "Passage: The office is east of the hallway. The bedroom is west of the garden. The garden is"]
@@ -158,3 +161,24 @@ def test_bad_flags_fail_fast_with_a_fix(model_dir, flags, message, capsys):
 def test_bad_flag_exit_code_of_the_process(model_dir):
     p = run_single(["--model-name", model_dir, "--infer-data", "/nonexistent.jsonl"], timeout=120)
     assert p.returncode == 2 and "no such file" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_chunked_long_prompts_at_p2_run_ahead_and_match_hf(model_dir, tmp_path):
+    """Long prompts computed 32 tokens a pass at P = 2: a micro-batch that only computes prompts has its
+    next chunks' pass in flight before the last stage answers the previous one (the first stage does
+    not wait), and every answer still equals HF's greedy tokens and logprobs."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (150, 170, 190, 210, 160, 200)]
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": p, "max_tokens": 3, "temperature": 0, "logprobs": 1}
+                                                 for p in prompts])
+    out = tmp_path / "out.jsonl"
+    p = run_torchrun(["--model-name", model_dir, "--infer-data", path, "--output-path", str(out), "--profiling",
+                      "--prefill-chunk", "32", "--max-micro-batch-size", "2"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    trace = json.loads(Path(f"{out}.trace-rank0.json").read_text())["traceEvents"]
+    assert any(e["name"] == "forward" and e["args"].get("ahead") for e in trace)
+    for line, ids in zip(read_jsonl(out), prompts, strict=True):
+        tokens, lps = hf_greedy(model_dir, ids, 3)
+        choice = line["result"]["choices"][0]
+        assert choice["text"] == local_tokenizer().decode(tokens)
+        assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], lps, strict=True)) < 1e-4

@@ -269,3 +269,36 @@ def test_passes_of_scoring_prompts_alone_take_the_smaller_cap():
     assert [gid for gid, _ in ps.prefill] == [0]  # 2 x 1000 > 1024: the scoring prompts wait
     beside.on_reply(0, [r for _, r in ps.prefill], [])  # it decodes from now on
     assert len(beside.next_pass(0).prefill) == 7  # beside a decoding row: 700 <= the prefill cap
+
+
+def test_a_slot_computing_prompts_only_runs_a_second_pass_ahead():
+    """``next_pass(ahead=True)``: while a slot's pass in flight decodes no row, a second pass continues
+    its chunked prompts without waiting for the answer (a pipeline's first stage keeps computing); not
+    a third, not while a pass in flight decodes, not with tokens to feed. Replies come in order: a row
+    whose last chunk was in the first pass decodes once both are answered, from its prompt's end."""
+    s = Scheduler(budget=10_000, num_slots=1, max_rows=4, chunk=32, prefill_tokens=64)
+    s.submit(Group(0, prompt_len=100, max_tokens=3, chunkable=True))
+    s.submit(Group(1, prompt_len=40, max_tokens=3, chunkable=True))
+    first = s.next_pass(0)
+    row0, row1 = first.rows_of[0][0], first.rows_of[1][0]
+    s.prefilled(0, row0, 32)
+    s.prefilled(0, row1, 32)
+    second = s.next_pass(0, ahead=True)
+    assert second.decode_rows == [] and second.admitted == [] and second.resume == {row0: 32, row1: 32}
+    s.prefilled(0, row0, 64)
+    s.prefilled(0, row1, 40)  # group 1's last chunk
+    assert s.next_pass(0, ahead=True) is None  # two in flight at most
+    s.on_reply(0, [], [])  # the first pass: nothing sampled
+    third = s.next_pass(0, ahead=True)  # the second is still in flight and decodes nothing
+    assert third.resume == {row0: 64} and third.decode_rows == []
+    s.prefilled(0, row0, 96)
+    s.on_reply(0, [row1], [])  # the second pass: group 1 sampled its first token
+    assert s.next_pass(0, ahead=True) is None  # a token to feed: the next pass waits for the answers
+    s.on_reply(0, [], [])
+    ps = s.next_pass(0)
+    assert ps.decode_rows == [row1] and ps.decode_start[row1] == 40 and ps.resume == {row0: 96}
+    s.prefilled(0, row0, 100)
+    assert s.next_pass(0, ahead=True) is None  # the pass in flight decodes: its answer comes first
+    s.on_reply(0, [row0, row1], [])
+    ps = s.next_pass(0)
+    assert ps.decode_rows == [row0, row1] and ps.decode_start[row0] == 100 and ps.decode_start[row1] == 41
