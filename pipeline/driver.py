@@ -176,7 +176,8 @@ class Driver:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
         slot = self.sched.slots[ps.slot]
         feed = self.last_token.setdefault(ps.slot, {})
-        layout = decode_layout(ps.decode_rows, slot.rows) if ps.decode_rows else []
+        # a dense decode segment writes column 0 of its idle rows: not beside a prompt's earlier chunks
+        layout = decode_layout(ps.decode_rows, slot.rows, dense=not slot.prefilling) if ps.decode_rows else []
         hdr = PassHeader(ps.slot, slot.rows, list(ps.alloc) if ps.alloc else None, release, ps.decode_rows, layout,
                          [ps.decode_start[r] for r in layout], errors=self.take_errors())
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
@@ -275,6 +276,7 @@ class ModelNames:
                            f"adapters {', '.join(repr(a) for a in self.adapters)}", "model", reason="model")
 
 
-def decode_layout(decode_rows: list[int], slot_rows: int) -> list[int]:
-    """Rows the decode segment computes: every row of the slot (no cache gather) unless few are live."""
-    return list(range(slot_rows)) if 2 * len(decode_rows) >= slot_rows else list(decode_rows)
+def decode_layout(decode_rows: list[int], slot_rows: int, dense: bool = True) -> list[int]:
+    """Rows the decode segment computes: every row of the slot (no cache gather) unless few are live
+    or ``dense`` is false (an idle row holds keys that its column 0 must keep: a chunked prompt's)."""
+    return list(range(slot_rows)) if dense and 2 * len(decode_rows) >= slot_rows else list(decode_rows)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_greedy, local_tokenizer, read_jsonl,
-                         run_legacy, run_single, run_torchrun, write_jsonl)
+                         run_inprocess, run_legacy, run_single, run_torchrun, write_jsonl)
 
 PROMPTS = ["The kitchen is north of the hallway.", "Question: where is the garden?\nAnswer:",
            "a", "Passage: The office is east of the hallway. The bedroom is west of the garden. The garden is"]
@@ -179,6 +179,24 @@ def test_chunked_long_prompts_at_p2_run_ahead_and_match_hf(model_dir, tmp_path):
     assert any(e["name"] == "forward" and e["args"].get("ahead") for e in trace)
     for line, ids in zip(read_jsonl(out), prompts, strict=True):
         tokens, lps = hf_greedy(model_dir, ids, 3)
+        choice = line["result"]["choices"][0]
+        assert choice["text"] == local_tokenizer().decode(tokens)
+        assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], lps, strict=True)) < 1e-4
+
+
+def test_a_chunked_prompt_beside_decoding_rows_matches_hf(model_dir, tmp_path):
+    """A 200-token prompt computed 32 tokens a pass in a micro-batch whose other row already decodes:
+    the decode segment must not touch the cache row holding its earlier chunks (a dense segment, every
+    slot row, writes column 0 of idle rows); its answer equals HF's."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (40, 200)]
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": p, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+                                              for p in prompts])
+    out = tmp_path / "out.jsonl"
+    assert run_inprocess(["--model-name", model_dir, "--infer-data", path, "--output-path", str(out),
+                          "--prefill-chunk", "32", "--max-micro-batch-size", "2", "--no-progress"]) == 0
+    for line, ids in zip(read_jsonl(out), prompts, strict=True):
+        tokens, lps = hf_greedy(model_dir, ids, 6)
         choice = line["result"]["choices"][0]
         assert choice["text"] == local_tokenizer().decode(tokens)
         assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], lps, strict=True)) < 1e-4
