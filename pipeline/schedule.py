@@ -87,16 +87,13 @@ class Scheduler:
     passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
     first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
     the others (``roles.pass_prefill_tokens``); a pass of scoring prompts alone, by ``scoring_tokens``
-    (``roles.pass_scoring_tokens``). A pass over 32 prompts padded to 500 tokens holds activations far beyond the CPU's
-    caches (the MLP's alone: 262 MB in float32) and computes attention over the padding: the
-    benchmark's scoring file took 6.2 s in such passes against 5.0 s with passes of at most 8192
-    cells, while its generation file wants the 32 rows for decoding. It also keeps prefill passes
-    nearer decode passes in length, which the stages of a pipeline need.
+    (``roles.pass_scoring_tokens``). Bigger passes hold activations far beyond the CPU's caches (32
+    prompts of 500 tokens: the MLP's alone 262 MB in float32); the benchmark's scoring file took
+    6.2 s against 5.0 s with at most 8192 a pass.
 
-    ``headroom`` (serve mode): requests arrive one by one, so a new micro-batch gets free rows sized
-    for recent requests (the largest need of the last 64), within its share of the budget; and a
-    request longer than every micro-batch drains only one of them (the one with the fewest rows in
-    use) while the others keep taking requests, instead of stopping every refill.
+    ``headroom`` (serve mode): a new micro-batch gets free rows sized for recent requests (the largest
+    need of the last 64) within its share of the budget; a request longer than every micro-batch
+    drains only the one with the fewest rows in use while the others keep taking requests.
     """
 
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
@@ -156,14 +153,11 @@ class Scheduler:
         return g.prompt_len - min(hits, g.prompt_len - 1)
 
     def _share(self, window: list[Group]) -> int | None:
-        """File mode with several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0,
-        one pass each) a new slot may compute: half an even share of the look-ahead window's scoring
-        work (a prompt whose leading blocks an earlier one in the window computes counts only its
-        rest), so that work spreads over at least two passes per slot and the stages work at once.
-        Without it one micro-batch could take nearly every prompt of a scoring file (multiple choice:
-        22 of 24 contexts in the first pass) while the others wait for the blocks it computes, and the
-        stages would take turns. Generating groups are not limited: their slots live for many passes,
-        and fewer rows would make every decode step less efficient."""
+        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
+        new slot may compute: half an even share of the window's scoring work (a prompt counts only
+        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
+        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
+        wait for its blocks. Generating groups are not limited (fewer rows: slower decode steps)."""
         if len(self.slots) == 1 or self.headroom:
             return None
         total, seen = 0, set()
@@ -238,12 +232,10 @@ class Scheduler:
 
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The leading ``groups`` that fit one pass's prefill (at least one)."""
-        out = []
-        for g in groups:
-            if not self._fits_pass(out, g):
-                break
-            out.append(g)
-        return out
+        n = 1
+        while n < len(groups) and self._fits_pass(groups[:n], groups[n]):
+            n += 1
+        return groups[:n]
 
     def _resume(self, slot: Slot) -> tuple[dict[int, int], tuple[int, int]]:
         """The chunked prompts this pass continues (row -> tokens computed), oldest first, within
@@ -274,11 +266,8 @@ class Scheduler:
         return chosen
 
     def _head_blocked(self) -> bool:
-        """The oldest queued group cannot start anywhere now: stop refilling so slots drain.
-
-        Without this a long request could wait behind an endless stream of short refills,
-        and the ordered writer would have to hold every later result in memory.
-        """
+        """The oldest queued group cannot start anywhere now: stop refilling so slots drain (else a long
+        request could wait behind endless short refills, the ordered writer holding every later result)."""
         if not self.queue:
             return False
         head = self.queue[0]
@@ -287,12 +276,9 @@ class Scheduler:
         return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def _refill_limit(self, slot: Slot) -> int | None:
-        """Most new tokens a group may have to join this allocated slot now (None: any).
-
-        While the oldest queued group is blocked its slot(s) drain for it: in file mode every slot
-        takes nothing (0). In serve mode only one slot drains (the one with the fewest rows in use),
-        and it still takes groups that end no later than its longest running row (backfill), so the
-        drain is never delayed by them."""
+        """Most new tokens a group may have to join this allocated slot now (None: any). While the
+        oldest queued group is blocked, file mode: every slot drains for it (0); serve mode: only the
+        slot with the fewest rows in use, taking groups that end before its longest row (backfill)."""
         if not self._head_blocked():
             self.draining = None
             return None
@@ -321,14 +307,9 @@ class Scheduler:
             self.prefix.reset()
 
     def next_pass(self, sid: int, ahead: bool = False) -> Pass | None:
-        """The next pass for an idle slot, or None when it has nothing to do now.
-
-        ``ahead``: a second pass for a slot whose pass in flight decodes no row (it only computes
-        prompts), continuing its chunked prompts: nothing in it waits for the reply. A pipeline's
-        first stage then need not wait for the last: while micro-batches compute long prompts chunk by
-        chunk (the start of a file) a slot decoding beside them made passes of a few tens of
-        milliseconds against seconds, and the first stage waited for every answer (see
-        ``first_rank.FirstRank``)."""
+        """The next pass for an idle slot, or None when it has nothing to do now. ``ahead``: a second
+        pass in flight for a slot whose pass in flight decodes no row, continuing its chunked prompts
+        (nothing in it waits for the answer; README "Passes ahead")."""
         slot = self.slots[sid]
         if ahead:
             if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
