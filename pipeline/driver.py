@@ -176,8 +176,10 @@ class Driver:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
         slot = self.sched.slots[ps.slot]
         feed = self.last_token.setdefault(ps.slot, {})
-        # a dense decode segment writes column 0 of its idle rows: not beside a prompt's earlier chunks
-        layout = decode_layout(ps.decode_rows, slot.rows, dense=not slot.prefilling) if ps.decode_rows else []
+        # a dense decode segment writes column 0 of its idle rows: not beside a prompt's earlier chunks,
+        # nor beside rows decoding in another pass of the slot
+        dense = not slot.prefilling and not ps.split
+        layout = decode_layout(ps.decode_rows, slot.rows, dense) if ps.decode_rows else []
         hdr = PassHeader(ps.slot, slot.rows, list(ps.alloc) if ps.alloc else None, release, ps.decode_rows, layout,
                          [ps.decode_start[r] for r in layout], errors=self.take_errors())
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None

@@ -92,15 +92,18 @@ class FirstRank:
         while True:
             d.fill()
             for slot in sched.slots:
-                busy = bool(slot.inflight)
-                ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
-                if ps is None:
-                    continue
-                hdr, dec, pre = d.build(ps, release)
-                release = []
-                self._launch_pass(hdr, dec, pre, busy)
-                inflight += 1
-                d.fill()
+                while True:  # one pass, or at the end of a file the passes its decode rows split over
+                    busy = bool(slot.inflight)
+                    ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
+                    if ps is None:
+                        break
+                    hdr, dec, pre = d.build(ps, release)
+                    release = []
+                    self._launch_pass(hdr, dec, pre, busy)
+                    inflight += 1
+                    d.fill()
+                    if not ps.split:
+                        break
             if inflight == 0:
                 if d.exhausted and not sched.queue:
                     break

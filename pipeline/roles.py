@@ -198,7 +198,7 @@ def first_rank(plan, opts, info, stage):
     sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
                       prefix=PrefixCache(block, opts.budget) if block else None, chunk=chunk,
                       prefill_tokens=pass_prefill_tokens(info.pipeline_size, gpu),
-                      scoring_tokens=pass_scoring_tokens(info.pipeline_size, gpu))
+                      scoring_tokens=pass_scoring_tokens(info.pipeline_size, gpu), stages=info.pipeline_size)
     models = None
     if plan.adapters:
         from pipeline.driver import ModelNames

@@ -13,66 +13,11 @@ Nothing here imports torch.distributed or runs a model (tests/test_schedule.py).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+
+from .batches import Group, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
 
 
 PREFILL_TOKENS = 8192  # prompt tokens a pass admits; more wait for the slot's next passes (see Scheduler)
-
-
-@dataclass
-class Group:
-    gid: int
-    prompt_len: int
-    max_tokens: int
-    width: int = 1  # rows: best_of candidates
-    digests: tuple[bytes, ...] = ()  # the prompt's prefix-cache block digests (empty: cache off or short)
-    priority: bool = False  # serve mode: interactive requests go ahead of batch lines
-    chunkable: bool = False  # its prompt may be computed over several passes (driver: --prefill-chunk)
-
-    @property
-    def key(self) -> bytes | None:
-        """Digest of the prompt's first block: prompts sharing it share a prefix."""
-        return self.digests[0] if self.digests else None
-
-    @property
-    def need(self) -> int:
-        """Cache columns a row of this group may fill."""
-        return self.prompt_len + self.max_tokens
-
-
-@dataclass
-class Slot:
-    sid: int
-    rows: int = 0
-    cols: int = 0
-    row_group: list[int | None] = field(default_factory=list)  # gid per row, None = free
-    row_len: list[int] = field(default_factory=list)  # tokens in the cache per row
-    decoding: set[int] = field(default_factory=set)  # rows whose next token is known and not yet fed
-    prefilling: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed (chunked prefill)
-    inflight: int = 0  # passes sent and not answered yet
-    fed: deque[list[int]] = field(default_factory=deque)  # the decode rows of each of them, oldest first
-
-    @property
-    def allocated(self) -> bool:
-        return self.rows > 0
-
-    def free_rows(self) -> list[int]:
-        return [r for r, g in enumerate(self.row_group) if g is None]
-
-
-@dataclass
-class Pass:
-    """One trip of a slot through the pipeline."""
-
-    slot: int
-    alloc: tuple[int, int] | None  # (rows, cols) to (re)allocate before the pass
-    decode_rows: list[int]  # rows whose last token is fed this pass (all other rows are idle)
-    decode_start: list[int]  # cache column per slot row for the decode segment (0 for idle rows)
-    prefill: list[tuple[int, int]]  # (gid, lead row): admitted groups, then prompts resuming (``resume``)
-    forks: list[tuple[int, list[int]]]  # (lead row, other rows of the group)
-    admitted: list[int]  # gids admitted in this pass
-    rows_of: dict[int, list[int]]  # gid -> its rows, for admitted groups
-    resume: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed by earlier passes
 
 
 class Scheduler:
@@ -98,8 +43,9 @@ class Scheduler:
 
     def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
                  headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS, chunk: int = 0,
-                 scoring_tokens: int | None = None):
+                 scoring_tokens: int | None = None, stages: int = 1):
         self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
+        self.stages = stages  # pipeline stages: at the end of a file decode rows split over passes (parts)
         self.prefill_tokens = prefill_tokens  # prompt tokens one pass computes (at least one prompt's part)
         # ... when the pass holds only scoring prompts (no decoding rows, no chunks it continues)
         self.scoring_tokens = scoring_tokens or prefill_tokens
@@ -200,13 +146,20 @@ class Scheduler:
         share = self._share(window)
         scoring = (lambda g: 0 if g.max_tokens else self._work(g)) if share is not None else (lambda g: 0)
         chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
+        most = self.max_rows
+        if len(self.slots) > 1 and not self.headroom and len(self.queue) < self.window:
+            # the queue is the rest of the file: an even share of its rows for each free micro-batch, so
+            # that a pipeline's last micro-batches are alike (40 prompts in 32 + 8 rows at P = 2: the
+            # stages took turns on the 8-row passes)
+            most = min(most, max(seed.width, -(-sum(g.width for g in self.queue) // sum(
+                not s.allocated for s in self.slots))))
         for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
             if self._same_new_prefix(g, chosen) or self._uneven(g, chosen):
                 continue
             if scoring(g) and work + scoring(g) > share:
                 continue
-            if rows + g.width <= self.max_rows and (rows + g.width) * new_cols <= cap:
+            if rows + g.width <= most and (rows + g.width) * new_cols <= cap:
                 chosen.append(g)
                 rows, cols, work = rows + g.width, new_cols, work + scoring(g)
         return chosen
@@ -312,6 +265,9 @@ class Scheduler:
         (nothing in it waits for the answer; README "Passes ahead")."""
         slot = self.slots[sid]
         if ahead:
+            parts = self.parts()
+            if parts > 1 and slot.decoding and slot.inflight < parts:  # the other rows' share
+                return self._build(slot, None, [], {}, parts)
             if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
                 return None
             return self._build(slot, None, [], self._resume(slot)[0])
@@ -343,13 +299,26 @@ class Scheduler:
             self.queue.remove(g)
         if not slot.allocated:
             return None
-        return self._build(slot, alloc, new, resume)
+        return self._build(slot, alloc, new, resume, self.parts())
 
-    def _build(self, slot: Slot, alloc: tuple[int, int] | None, new: list[Group], resume: dict[int, int]) -> Pass | None:
-        """The pass: every row with a token to feed decodes, ``new`` groups enter free rows, ``resume``
-        continues chunked prompts."""
+    def parts(self) -> int:
+        """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
+        queued) with fewer micro-batches holding rows than there are stages: enough that every stage
+        has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time)."""
+        active = sum(s.allocated for s in self.slots)
+        if self.headroom or self.queue or not active or active >= self.stages:
+            return 1
+        return -(-self.stages // active)
+
+    def _build(self, slot: Slot, alloc: tuple[int, int] | None, new: list[Group], resume: dict[int, int],
+               parts: int = 1) -> Pass | None:
+        """The pass: rows with a token to feed decode (with ``parts`` > 1 a share of the slot's live
+        rows), ``new`` groups enter free rows, ``resume`` continues chunked prompts."""
         decode_rows = sorted(slot.decoding)
-        decode_start = [slot.row_len[r] if r in slot.decoding else 0 for r in range(slot.rows)]
+        if parts > 1:
+            decode_rows = decode_rows[: -(-sum(g is not None for g in slot.row_group) // parts)]
+        fed = set(decode_rows)
+        decode_start = [slot.row_len[r] if r in fed else 0 for r in range(slot.rows)]
         prefill, forks, rows_of = [], [], {}
         free = slot.free_rows()
         for g in new:
@@ -366,8 +335,9 @@ class Scheduler:
             return None
         slot.inflight += 1
         slot.fed.append(decode_rows)
-        slot.decoding = set()
-        return Pass(slot.sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume)
+        slot.decoding -= fed
+        return Pass(slot.sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume,
+                    split=parts > 1 and bool(decode_rows))
 
     def prefilled(self, sid: int, row: int, done: int) -> None:
         """The pass being built computes the prompt of ``row`` up to token ``done``: the rest of the

@@ -48,11 +48,18 @@ def _check_against_hf(model_dir, out_path):
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_greedy_parity_with_hf(model_dir, requests_file, tmp_path, stages):
+    """P = 2 and 3: the five requests share one micro-batch, whose decode rows then split over a pass
+    per stage in flight together (the end of a file, ``Scheduler.parts``)."""
     out = tmp_path / "out.jsonl"
-    args = ["--model-name", model_dir, "--infer-data", str(requests_file), "--output-path", str(out)]
+    args = ["--model-name", model_dir, "--infer-data", str(requests_file), "--output-path", str(out), "--profiling"]
     proc = run_single(args) if stages == 1 else run_torchrun(args, stages)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_against_hf(model_dir, out)
+    forward = [e for e in json.loads(Path(f"{out}.trace-rank0.json").read_text())["traceEvents"]
+               if e["name"] == "forward"]
+    split = [e for e in forward if e["args"]["decode"] and e["args"].get("ahead")]
+    assert (len(split) >= STEPS - 1) == (stages > 1)
+    assert all(e["args"]["decode"] <= -(-len(PROMPTS + [0]) // stages) for e in forward if stages > 1)
     top = read_jsonl(out)[0]["result"]["choices"][0]["logprobs"]["top_logprobs"]
     assert all(len(t) <= 2 for t in top) and len(top) == STEPS
 

@@ -302,3 +302,57 @@ def test_a_slot_computing_prompts_only_runs_a_second_pass_ahead():
     s.on_reply(0, [row0, row1], [])
     ps = s.next_pass(0)
     assert ps.decode_rows == [row0, row1] and ps.decode_start[row0] == 100 and ps.decode_start[row1] == 41
+
+
+def test_the_end_of_a_file_splits_decode_rows_over_passes_for_every_stage():
+    """Nothing queued and fewer micro-batches holding rows than stages: a slot's decode rows split
+    over passes in flight together (half each with one slot at P = 2), each row in one of them; the
+    rows keep decoding from the right columns until they finish. Not while requests are queued, not
+    with one stage, not in serve mode."""
+    s = Scheduler(budget=10_000, num_slots=3, max_rows=8, stages=2)
+    s.submit(Group(0, prompt_len=10, max_tokens=4, width=5))  # best_of 5: five rows in one micro-batch
+    first = s.next_pass(0)
+    assert not first.split and s.parts() == 2  # one slot holds everything
+    rows = first.rows_of[0]
+    s.on_reply(0, rows, [])  # every row sampled its first token
+    a = s.next_pass(0)
+    b = s.next_pass(0, ahead=True)
+    assert a.split and b.split and s.next_pass(0, ahead=True) is None  # two in flight at most
+    assert len(a.decode_rows) == 3 and len(b.decode_rows) == 2 and not set(a.decode_rows) & set(b.decode_rows)
+    assert all(a.decode_start[r] == 10 for r in a.decode_rows) and all(b.decode_start[r] == 10 for r in b.decode_rows)
+    s.on_reply(0, a.decode_rows, [])
+    c = s.next_pass(0, ahead=True)  # a's rows again, while b is in flight
+    assert c.decode_rows == a.decode_rows and all(c.decode_start[r] == 11 for r in c.decode_rows)
+    s.on_reply(0, [], b.decode_rows)  # b's rows finish
+    d = s.next_pass(0, ahead=True)
+    assert d is None  # c's rows are all in flight
+    s.on_reply(0, c.decode_rows, [])
+    e = s.next_pass(0)
+    assert e.decode_rows == a.decode_rows[:2] and all(e.decode_start[r] == 12 for r in e.decode_rows)  # 3 live / 2
+    for other in (Scheduler(budget=10_000, num_slots=3, max_rows=8, stages=1),
+                  Scheduler(budget=10_000, num_slots=3, max_rows=8, stages=2, headroom=True)):
+        other.submit(Group(0, prompt_len=10, max_tokens=4, width=2))
+        ps = other.next_pass(0)
+        other.on_reply(0, [r for rows in ps.rows_of.values() for r in rows], [])
+        assert other.parts() == 1 and len(other.next_pass(0).decode_rows) == 2
+    queued = Scheduler(budget=10_000, num_slots=3, max_rows=1, stages=2)
+    for gid in range(5):
+        queued.submit(Group(gid, prompt_len=10, max_tokens=4))
+    queued.next_pass(0)
+    assert queued.parts() == 1  # requests wait: the other micro-batches will take them
+
+
+def test_the_rest_of_a_file_spreads_evenly_over_free_micro_batches():
+    """Once the queue holds the rest of the file (shorter than the look-ahead window), a new micro-batch
+    takes an even share of its rows (40 prompts at P = 2: 14 + 13 + 13, not 32 + 8 with one idle), so
+    the pipeline's micro-batches stay alike; with more input to come, or one micro-batch, they fill."""
+    s = Scheduler(budget=100_000, num_slots=3, max_rows=32)
+    for gid in range(40):
+        s.submit(Group(gid, prompt_len=400 + gid, max_tokens=64))
+    assert [s.next_pass(sid).alloc[0] for sid in range(3)] == [14, 13, 13]
+    full = Scheduler(budget=100_000, num_slots=3, max_rows=32, window=16)
+    one = Scheduler(budget=100_000, num_slots=1, max_rows=32)
+    for sched in (full, one):
+        for gid in range(40):
+            sched.submit(Group(gid, prompt_len=400 + gid, max_tokens=64))
+        assert sched.next_pass(0).alloc[0] == (16 if sched is full else 32)  # (the window bounds its look-ahead)
