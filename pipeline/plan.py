@@ -119,8 +119,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     slots = opts.num_micro_batches or (pipeline + 1 if pipeline > 1 and device.type == "cpu" else pipeline)
     warnings = []
     if slots < pipeline:
-        warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: some stage is always "
-                        f"idle; use at least {pipeline}")
+        warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
+                        f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
     name = Path(opts.model_name).name if opts.model_name else _default_model_name()
     precision = [opts.quantize] if opts.quantize != "none" else []
     if opts.kv_cache_dtype != "auto":
