@@ -103,7 +103,7 @@ class Scheduler:
         new slot may compute: half an even share of the window's scoring work (a prompt counts only
         what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
         work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
-        wait for its blocks. Generating groups are not limited (fewer rows: slower decode steps)."""
+        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
         if len(self.slots) == 1 or self.headroom:
             return None
         total, seen = 0, set()
