@@ -37,8 +37,12 @@ class Slot:
     row_len: list[int] = field(default_factory=list)  # tokens in the cache per row
     decoding: set[int] = field(default_factory=set)  # rows whose next token is known and not yet fed
     prefilling: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed (chunked prefill)
-    inflight: int = 0  # passes sent and not answered yet
-    fed: deque[list[int]] = field(default_factory=deque)  # the decode rows of each of them, oldest first
+    fed: deque[list[int]] = field(default_factory=deque)  # decode rows of each pass in flight, oldest first
+
+    @property
+    def inflight(self) -> int:
+        """Passes sent and not answered yet."""
+        return len(self.fed)
 
     @property
     def allocated(self) -> bool:

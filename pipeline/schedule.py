@@ -333,7 +333,6 @@ class Scheduler:
         prefill += [(slot.row_group[r], r) for r in resume]
         if not decode_rows and not prefill:
             return None
-        slot.inflight += 1
         slot.fed.append(decode_rows)
         slot.decoding -= fed
         return Pass(slot.sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume,
@@ -353,7 +352,6 @@ class Scheduler:
     def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> None:
         """After a pass: ``continuing`` rows got a token to feed next; ``finished`` rows are done."""
         slot = self.slots[sid]
-        slot.inflight -= 1
         for r in slot.fed.popleft():
             slot.row_len[r] += 1  # the token fed this pass is now in the cache
         slot.decoding.update(continuing)
