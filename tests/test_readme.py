@@ -1,17 +1,23 @@
-"""The README, run command by command in order on a fresh copy of the repository, as a new user would.
+"""The README and the docs pages, run command by command in order on a fresh copy of the repository,
+as a new user would.
 
-Every indented code block of README.md that holds a shell command is preceded by a marker comment
-(invisible when rendered):
+Every indented code block of README.md and of every docs/**/*.md page that holds a shell command is
+preceded by a marker comment (invisible when rendered):
 
     <!-- readme-test: run [line N] [expect "TEXT"]... (note) -->   run the block (or only its line N)
     <!-- readme-test: skip (why) -->                                 do not run it
 
-A command block without a marker fails the test, so a new README command must be classified. The
-runnable blocks run in README order, each in its own bash, in a copy of the repository's tracked
-files; each must exit 0 and print every ``expect`` text. The only changes to the commands:
+A command block without a marker fails the test, so a new command in the manual must be classified. The
+runnable blocks run in the order of ``PAGES`` (the README first, then the docs pages; within a page
+top to bottom), each in its own bash, in one copy of the repository's tracked files, so a block may
+use what an earlier block of its page or of an earlier page wrote; each must exit 0 and print every
+``expect`` text. The only changes to the commands:
 ``/tmp/`` becomes a private folder and the fixed ports (29400, 29511; torchrun's default 29500
 through ``PET_MASTER_PORT``) become free ones, so concurrent test runs do not collide. Scheduler
 submissions are skipped (tests/test_launch.py runs the scripts with stub srun/blaunch).
+
+The pages also link each other: the README links every docs page, every page says in one line what
+it is for and links back to the README, and every relative link and anchor resolves.
 """
 
 from __future__ import annotations
@@ -28,13 +34,43 @@ import pytest
 
 from tests.utils import REPO, free_port, read_jsonl
 
+# Every page whose commands run, in the order they run. A new docs page must be added here (the test
+# below fails otherwise). Dependencies: docs/usage/scale.md's blocks build on one another (split ->
+# drain -> rerun over the folder -> merge) and are all on that page; the final assertions of
+# test_commands_run_in_order name the files the pages leave behind.
+PAGES = (
+    "README.md",
+    "docs/usage/default-model.md",
+    "docs/usage/models.md",  # examples/output_requests_opt.jsonl
+    "docs/usage/flags.md",
+    "docs/usage/formats.md",
+    "docs/usage/serve.md",
+    "docs/usage/stage-sizes.md",
+    "docs/usage/scale.md",  # local/legacy/dp/two-node outputs, queries/, merged_output.jsonl
+    "docs/usage/lora.md",
+    "docs/usage/quantization.md",
+    "docs/usage/recovery.md",
+    "docs/usage/gpus.md",
+    "docs/design/architecture.md",
+    "docs/design/scheduler.md",
+    "docs/design/prefix-cache.md",
+    "docs/design/chunked-prefill.md",
+    "docs/design/attention-and-cpu-kernels.md",
+    "docs/design/host-memory.md",
+    "docs/design/gpu-notes.md",
+    "docs/design/determinism.md",
+    "docs/benchmarks.md",
+    "docs/performance-log.md",
+    "docs/testing.md",
+)
+
 MARKER = re.compile(r"<!-- readme-test: (run|skip)\b(.*?)-->")
 COMMAND = re.compile(r"^(python|torchrun|pip|bash|for |[A-Z_]+=\S* |sbatch|bsub|launch/)")
 
 
 @dataclass
 class Block:
-    line: int  # 1-based line of the README where the block starts
+    line: int  # 1-based line of the page where the block starts
     text: list[str]
     action: str | None = None  # run | skip | None (no marker)
     only_line: int | None = None
@@ -71,11 +107,61 @@ def is_command(block: Block) -> bool:
     return bool(COMMAND.match(block.text[0]))
 
 
-def test_every_readme_command_block_is_marked():
-    blocks = [b for b in readme_blocks((REPO / "README.md").read_text()) if is_command(b)]
-    unmarked = [f"README.md:{b.line}: {b.text[0]}" for b in blocks if b.action is None]
+def page_blocks(root: Path = REPO) -> list[tuple[str, Block]]:
+    """Every page's indented code blocks, pages in ``PAGES`` order, as (page, block)."""
+    return [(page, b) for page in PAGES for b in readme_blocks((root / page).read_text())]
+
+
+def test_every_page_is_listed():
+    pages = {"README.md"} | {p.relative_to(REPO).as_posix() for p in (REPO / "docs").rglob("*.md")}
+    assert len(set(PAGES)) == len(PAGES)
+    assert pages == set(PAGES), "add new docs pages to PAGES (in an order that keeps their commands' dependencies)"
+
+
+def test_every_command_block_is_marked():
+    blocks = [(page, b) for page, b in page_blocks() if is_command(b)]
+    unmarked = [f"{page}:{b.line}: {b.text[0]}" for page, b in blocks if b.action is None]
     assert unmarked == [], "mark these with <!-- readme-test: run --> or <!-- readme-test: skip (why) -->"
-    assert sum(b.action == "run" for b in blocks) >= 10
+    assert sum(b.action == "run" for _, b in blocks) >= 10
+    assert any(b.action == "run" for page, b in blocks if page == "README.md")  # the quick start
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(x.lstrip("#")) for x in path.read_text().splitlines() if re.match(r"#{1,6} ", x)}
+
+
+def test_pages_link_each_other():
+    readme_links = {(REPO / m).resolve() for m in
+                    (x.split("#")[0] for x in LINK.findall((REPO / "README.md").read_text())) if m}
+    broken = []
+    for page in PAGES:
+        path = REPO / page
+        lines = path.read_text().splitlines()
+        for target in LINK.findall(path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # an external address
+            file, _, frag = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.is_file() or (frag and dest.suffix == ".md" and frag not in anchors(dest)):
+                broken.append(f"{page}: {target}")
+        if page == "README.md":
+            continue
+        assert path.resolve() in readme_links, f"README.md does not link {page}"
+        assert lines[0].startswith("# ") and not lines[1].strip(), f"{page}: a title, then a blank line"
+        purpose = lines[2]
+        assert purpose.strip() and not lines[3].strip(), f"{page}: line 3 says in one line what the page is for"
+        back = [(path.parent / x.split("#")[0]).resolve() for x in LINK.findall(purpose)]
+        assert (REPO / "README.md").resolve() in back, f"{page}: its purpose line links back to the README"
+    assert broken == [], "links that do not resolve"
 
 
 def fresh_copy(dest: Path) -> Path:
@@ -90,7 +176,7 @@ def fresh_copy(dest: Path) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")
-def test_readme_commands_run_in_order(tmp_path):
+def test_commands_run_in_order(tmp_path):
     repo = fresh_copy(tmp_path / "clone")
     private = tmp_path / "tmp"
     private.mkdir()
@@ -99,7 +185,7 @@ def test_readme_commands_run_in_order(tmp_path):
            "DIST_INFER_PROGRESS_SECONDS": "600"}
     env.pop("DIST_INFER_FAULT", None)
     ran = []
-    for block in readme_blocks((repo / "README.md").read_text()):
+    for page, block in page_blocks(repo):
         if block.action != "run":
             continue
         lines = [block.text[block.only_line - 1]] if block.only_line else block.text
@@ -107,13 +193,13 @@ def test_readme_commands_run_in_order(tmp_path):
         script = script.replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}").replace("PORT=29511", f"PORT={free_port()}")
         p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, capture_output=True,
                            text=True, timeout=300)
-        shown = f"README.md:{block.line}:\n{script}\n--- exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        shown = f"{page}:{block.line}:\n{script}\n--- exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
         assert p.returncode == 0, shown
         for text in block.expect:
             assert text in p.stdout + p.stderr, f"expected {text!r}\n{shown}"
-        ran.append(block.line)
+        ran.append((page, block.line))
     assert len(ran) >= 10
-    # what the README says the commands leave behind
+    # what the README and the docs pages say the commands leave behind
     quick = read_jsonl(repo / "examples" / "output_requests.jsonl")
     opt = read_jsonl(repo / "examples" / "output_requests_opt.jsonl")
     assert len(quick) == len(opt) == 6 and quick[0]["result"]["model"] != opt[0]["result"]["model"]
