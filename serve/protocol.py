@@ -82,7 +82,7 @@ class GuardedH11(H11Protocol):
             return False
         oldest = min(waiting, key=lambda c: c._waiting_since)
         log.info("connection cap (%d) reached: closing the connection idle longest", self.limits.max_connections)
-        oldest.transport.close()
+        oldest.drop()
         oldest.connections.discard(oldest)
         return True
 
@@ -109,18 +109,26 @@ class GuardedH11(H11Protocol):
         """One sweep's look at this connection: close it when one of its clocks ran out."""
         if self.transport.is_closing():
             return
+        if self._write_paused_since is not None and now - self._write_paused_since > self.limits.send_timeout:
+            log.info("a client left its output unread for %d s: closing its connection", self.limits.send_timeout)
+            self.transport.abort()
+            return
         if self._waiting_since is not None:
             if now - self._waiting_since > self._head_deadline:
-                self.transport.close()
-            return
-        if self._write_paused_since is not None and now - self._write_paused_since > self.limits.send_timeout:
-            log.info("a client left %d s of output unread: closing its connection", self.limits.send_timeout)
-            self.transport.abort()
+                self.drop()
             return
         reading = self.conn.their_state is h11.SEND_BODY and not self.flow.read_paused
         if reading and self.cycle is not None and not self.cycle.response_started \
                 and now - self._last_read > self.limits.body_timeout:
             self.send_408()
+
+    def drop(self) -> None:
+        """Close now: gracefully when nothing waits to be sent, else at once (output left unread must
+        not keep the socket open)."""
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self.transport.close()
 
     def send_408(self) -> None:
         body = b"the request body stopped arriving"
