@@ -21,8 +21,8 @@ MULTIPART_SLACK = 64 << 10  # an upload's body holds the file plus part headers 
 class BodyTooLarge(Exception):
     """Raised from ``receive`` when a body passes its limit; the guard answers 413."""
 
-    def __init__(self, limit: int):
-        super().__init__(f"the request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, flag: str):
+        super().__init__(f"the request body exceeds the limit of {limit} bytes ({flag})")
         self.limit = limit
 
 
@@ -40,9 +40,10 @@ class Guard:
             return await _answer(*refused, scope, receive, send)
         upload = scope["path"] == UPLOAD_ROUTE and scope["method"] == "POST"
         limit = self.max_upload_bytes + MULTIPART_SLACK if upload else self.max_request_bytes
+        flag = "--max-upload-bytes" if upload else "--max-request-bytes"
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > limit:
-            return await _answer(413, f"the request body of {size} bytes exceeds the limit of {limit} bytes",
+            return await _answer(413, f"the request body of {size} bytes exceeds the limit of {limit} bytes ({flag})",
                                  "body_too_large", scope, receive, send)
         started, seen = False, 0
 
@@ -52,7 +53,7 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, flag)
             return message
 
         async def watched(message):
