@@ -251,7 +251,7 @@ class TestTight:
 @pytest.fixture(scope="class")
 def wide(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide")
-    s = Server(d, ["--header-timeout", "3", "--send-timeout", "4", "--body-timeout", "3"])
+    s = Server(d, ["--header-timeout", "3", "--send-timeout", "4", "--body-timeout", "3"], nofile=256)
     try:
         s.start()
         yield s
@@ -308,7 +308,7 @@ class TestWide:
                 time.sleep(0.2)
 
         def idle() -> None:
-            socks = [socket.create_connection(("127.0.0.1", wide.port)) for _ in range(60)]
+            socks = [socket.create_connection(("127.0.0.1", wide.port)) for _ in range(300)]  # > 256 open files
             for s in socks:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             stop.wait(20)
@@ -330,7 +330,7 @@ class TestWide:
 
         def oversized() -> None:
             for _ in range(2):
-                send_chunked(wide.port, "/v1/completions", 20 << 20)
+                send_chunked(wide.port, "/v1/completions", 40 << 20)
 
         def unread() -> None:
             s = socket.socket()
@@ -342,7 +342,8 @@ class TestWide:
             stop.wait(20)
             s.close()
 
-        bad = [threading.Thread(target=f) for f in (watch, idle, slow, slow, oversized, oversized, unread, unread)]
+        bad = [threading.Thread(target=f) for f in (watch, idle, slow, slow, oversized, oversized, oversized, unread,
+                                                    unread)]
         for t in bad:
             t.start()
         time.sleep(1.0)
@@ -357,6 +358,7 @@ class TestWide:
             t.join(60)
         assert len(results) == 3, "a well-behaved client failed"
         loaded = statistics.median(x for r in results for x in r)
+        print(f"baseline {baseline:.2f} s, under load {loaded:.2f} s, RSS {rss0:.0f} -> peak {peak[0]:.0f} MiB")
         assert loaded < 10 * baseline + 5, (loaded, baseline)  # 3 clients at once, a loaded machine: generous
-        assert peak[0] - rss0 < 200, (rss0, peak[0])  # two 8 MiB bodies at most, never the 20 MiB ones
+        assert peak[0] - rss0 < 80, (rss0, peak[0])  # three 8 MiB bodies at most, never the 40 MiB ones
         wait_for(lambda: wide.pending() == 0, 60, "requests still counted after every client left")
