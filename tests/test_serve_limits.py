@@ -140,6 +140,27 @@ def test_host_and_origin_allow_lists():
     assert client(guarded_app(), socket.gethostname() + ".invalid").get("/health").status_code == 403
 
 
+def test_server_app_answers_allowed_origins_with_cors(tmp_path):
+    """The server's app (create_app): --allowed-origins get CORS headers and preflights; others 403."""
+    from serve.app import ServeState, create_app
+    from serve.auth import Keys, make_access
+    from serve.batches import BatchStore
+    from serve.source import RequestSource
+
+    state = ServeState(RequestSource(4, 16), BatchStore(tmp_path), "m", Keys({"sk": "a"}), 1000,
+                       access=make_access("127.0.0.1", None, "https://ui.example"), allowed_origins="https://ui.example")
+    c = client(create_app(state))
+    ui = {"Origin": "https://ui.example", "Authorization": "Bearer sk"}
+    r = c.get("/v1/models", headers=ui)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = c.options("/v1/completions", headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and "POST" in r.headers["access-control-allow-methods"]
+    assert c.get("/v1/models", headers={**ui, "Origin": "https://evil.example"}).status_code == 403
+    r = c.post("/v1/completions", content=b'{"prompt": "x"}', headers={**ui, "Content-Type": "text/plain"})
+    assert r.status_code == 415
+
+
 def test_json_only_bodies_and_keys():
     c = client(guarded_app(keys={"sk-a": "alice", "sk-b": "bob"}))
     auth = {"Authorization": "Bearer sk-b"}
