@@ -96,14 +96,14 @@ def _media_refusal(path: str, headers: dict) -> tuple[int, str, str] | None:
     (cancelling a batch) needs no type."""
     kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+    got = kind or "no Content-Type"
     if path == UPLOAD_ROUTE:
         if kind == "multipart/form-data":
             return None
-        return 415, f"POST {UPLOAD_ROUTE} takes multipart/form-data, got {kind or 'no Content-Type'}", "unsupported_media_type"
+        return 415, f"POST {UPLOAD_ROUTE} takes multipart/form-data, got {got}", "unsupported_media_type"
     if kind == "application/json" or kind.endswith("+json") or (not kind and not has_body):
         return None
-    return 415, f"the body must be JSON sent with 'Content-Type: application/json', got {kind or 'no Content-Type'}", \
-        "unsupported_media_type"
+    return 415, f"the body must be JSON sent with 'Content-Type: application/json', got {got}", "unsupported_media_type"
 
 
 async def _answer(status: int, message: str, code: str, scope, receive, send) -> None:

@@ -10,7 +10,6 @@ import json
 import resource
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -62,11 +61,15 @@ class Server:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def rss_mib(self) -> float:
+    def rss_mib(self, field: str = "VmRSS") -> float:
+        """Resident memory (``VmHWM``: its peak since :meth:`reset_peak`)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
+        raise AssertionError(f"no {field}")
+
+    def reset_peak(self) -> None:
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
     def pending(self) -> int:
         return httpx.get(self.url("/health"), timeout=10).json()["pending"]
@@ -288,8 +291,9 @@ class TestWide:
         assert done[:1] == ["small"] and "big" in done, done
 
     def test_load(self, wide):
-        """Slow, idle, oversized and unread clients beside well-behaved ones: the well-behaved keep their
-        usual latency (a generous factor of the baseline measured here) and the server's memory stays bounded."""
+        """Slow, idle (300, over the open-file limit), oversized and unread clients beside well-behaved
+        ones: every well-behaved request keeps its usual latency (a generous factor of the slowest
+        measured alone here) and the server's peak memory stays bounded."""
         def latencies(k: int) -> list[float]:
             out = []
             for i in range(k):
@@ -299,19 +303,16 @@ class TestWide:
             return out
 
         latencies(2)  # warm
-        baseline = statistics.median(latencies(6))
-        rss0, peak, stop = wide.rss_mib(), [0.0], threading.Event()
-
-        def watch() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], wide.rss_mib())
-                time.sleep(0.2)
+        baseline = max(latencies(6))
+        stop = threading.Event()
+        wide.reset_peak()
+        rss0 = wide.rss_mib()
 
         def idle() -> None:
             socks = [socket.create_connection(("127.0.0.1", wide.port)) for _ in range(300)]  # > 256 open files
             for s in socks:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-            stop.wait(20)
+            stop.wait(120)
             for s in socks:
                 s.close()
 
@@ -339,11 +340,10 @@ class TestWide:
             body = json.dumps({"prompt": "Unread", "max_tokens": 500, "n": 4, "logprobs": 5, "stream": True}).encode()
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            stop.wait(20)
+            stop.wait(120)
             s.close()
 
-        bad = [threading.Thread(target=f) for f in (watch, idle, slow, slow, oversized, oversized, oversized, unread,
-                                                    unread)]
+        bad = [threading.Thread(target=f) for f in (idle, slow, slow, oversized, oversized, oversized, unread, unread)]
         for t in bad:
             t.start()
         time.sleep(1.0)
@@ -357,8 +357,8 @@ class TestWide:
         for t in bad:
             t.join(60)
         assert len(results) == 3, "a well-behaved client failed"
-        loaded = statistics.median(x for r in results for x in r)
-        print(f"baseline {baseline:.2f} s, under load {loaded:.2f} s, RSS {rss0:.0f} -> peak {peak[0]:.0f} MiB")
+        loaded, peak = max(x for r in results for x in r), wide.rss_mib("VmHWM")
+        print(f"slowest request alone {baseline:.2f} s, under load {loaded:.2f} s; RSS {rss0:.0f} -> peak {peak:.0f} MiB")
         assert loaded < 10 * baseline + 5, (loaded, baseline)  # 3 clients at once, a loaded machine: generous
-        assert peak[0] - rss0 < 80, (rss0, peak[0])  # three 8 MiB bodies at most, never the 40 MiB ones
+        assert peak - rss0 < 100, (rss0, peak)  # three 8 MiB bodies at most (each joined once), never 40 MiB
         wait_for(lambda: wide.pending() == 0, 60, "requests still counted after every client left")
