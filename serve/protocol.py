@@ -48,9 +48,12 @@ class Limits:
 
 def connection_cap(flag: int) -> int:
     """--max-connections, or 0: the soft open-file limit minus FD_RESERVE (at least 16)."""
-    if flag:
-        return flag
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if flag:
+        if flag > soft - FD_RESERVE:
+            log.warning("--max-connections %d is near or above the open-file limit (%d): connections past the limit "
+                        "wait unaccepted; raise it (ulimit -n) or lower --max-connections", flag, soft)
+        return flag
     return max(16, min(soft, 1 << 16) - FD_RESERVE)
 
 
