@@ -143,6 +143,14 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
+RECEIVED: list[int] = []  # the stopping signal, once received (serve mode exits 128 + it after draining)
+
+
+def stopped_code() -> int:
+    """Serve mode's exit code: 128 + the signal that stopped it (143 for SIGTERM), as file mode's."""
+    return 128 + RECEIVED[0] if RECEIVED else 0
+
+
 def watch_signals(rank: int, serving: bool = False) -> None:
     """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive.
 
@@ -162,6 +170,7 @@ def watch_signals(rank: int, serving: bool = False) -> None:
     def wait() -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
+        RECEIVED.append(sig)
         if serving:
             from serve.source import STOPPING
 
@@ -227,13 +236,13 @@ def execute(plan, opts) -> int:
         if not info.is_first:
             last_output = serve_rank(plan, opts, info, stage)
             clean = True
-            return 0
+            return stopped_code() if opts.serve is not None else 0
         if opts.serve is not None:
             from serve.run import run_server
 
             run_server(plan, opts, info, stage, first_rank)
             clean = True
-            return 0
+            return stopped_code()
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
         reports = first_rank(plan, opts, info, stage).drive(jobs)

@@ -98,17 +98,22 @@ class Driver:
         finally:
             self.encode_seconds += time.perf_counter() - t0
 
-    def _encode(self, req: Request, prompt) -> list[int]:
+    def encode_prompts(self, req: Request, tok) -> list[list[int]]:
+        """Every prompt's ids with tokenizer ``tok`` (serve mode: on a tokenizing thread, with its own copy)."""
+        return [self._encode(req, prompt, tok) for prompt in req.prompts]
+
+    def _encode(self, req: Request, prompt, tok=None) -> list[int]:
+        tok = tok or self.tok
         if req.kind == "chat":
-            if not getattr(self.tok, "chat_template", None):
+            if not getattr(tok, "chat_template", None):
                 raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
-            ids = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             return list(ids)
         if isinstance(prompt, str):
-            ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+            ids = tok(prompt, add_special_tokens=True)["input_ids"]
             if not ids:  # empty prompt: start from BOS, or EOS for GPT-2 style tokenizers
-                start = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
+                start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
                 ids = [start]
             return list(ids)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -116,21 +121,23 @@ class Driver:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
         return prompt
 
-    def submit_live(self, req: Request) -> list[int]:
+    def submit_live(self, req: Request, ids: list[list[int]] | None = None) -> list[int]:
         """Serve mode: an HTTP request's groups go ahead of queued batch lines; returns their gids.
-        Raises :class:`RequestError` when it cannot run (context window, vocabulary, budget)."""
-        groups = self._groups(req, live=True)
+        ``ids``: its prompts tokenized already (off this thread). Raises :class:`RequestError` when it
+        cannot run (context window, vocabulary, budget)."""
+        groups = self._groups(req, live=True, ids=ids)
         for g in groups:
             self.sched.submit(g)
         return [g.gid for g in groups]
 
-    def _groups(self, req: Request, live: bool = False) -> list[Group]:
+    def _groups(self, req: Request, live: bool = False, ids: list[list[int]] | None = None) -> list[Group]:
         p = req.params
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
+        encoded = ids
         for i, prompt in enumerate(req.prompts):
-            ids = self._tokenize(req, prompt)
+            ids = encoded[i] if encoded is not None else self._tokenize(req, prompt)
             note = None
             if len(ids) + p.max_tokens > self.max_positions:
                 keep = self.max_positions - p.max_tokens

@@ -99,10 +99,22 @@ class RunOptions:
     # serve mode
     serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
     served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
-    api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY).")
+    api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY). Visible in ps: prefer --api-key-file or the environment variable.")
     serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
     max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
-    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes (larger: 413); uploaded files may be 64x larger.")
+    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes, chunked bodies included (larger: 413).")
+    # serve mode: limits where clients reach (serve/limits.py, serve/protocol.py, serve/auth.py)
+    api_key_file: str | None = _opt(None, "Serve mode: file of API keys, one a line as KEY, NAME:KEY or 'KEY NAME' (# comments); each key's name identifies its holder. Not with --api-key.")
+    max_upload_bytes: int = _opt(200_000_000, "Serve mode: largest uploaded file (POST /v1/files) in bytes, streamed to --serve-dir with a running count (larger: 413); OpenAI's limit for batch input files is 200 MB.")
+    max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.")
+    max_prompts_per_request: int = _opt(2048, "Serve mode: most prompts in one completions request (more: 400).")
+    max_connections: int = _opt(0, "Serve mode: open HTTP connections at most; beyond it the oldest connection still waiting for a request head is closed, or the new one gets 503. 0 = the open-file limit minus 64.")
+    header_timeout: int = _opt(10, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.")
+    body_timeout: int = _opt(30, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.")
+    keep_alive_timeout: int = _opt(5, "Serve mode: seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
+    send_timeout: int = _opt(60, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.")
+    allowed_hosts: str | None = _opt(None, "Serve mode: comma-separated Host header names accepted besides localhost, IP addresses and the --serve host (and this machine's names when bound beyond loopback); * accepts any (others: 403, against DNS rebinding).")
+    allowed_origins: str | None = _opt(None, "Serve mode: comma-separated browser origins (scheme://host[:port]) allowed to call the API, with CORS headers; * allows any. A request with another Origin gets 403 (same-origin pages on an accepted host are allowed).")
     config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
 
     @property
@@ -253,8 +265,30 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
         problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
                         "cache: drop --kv-cache-dtype or use --backend auto")
-    if opts.max_pending < 1 or opts.max_request_bytes < 1:
-        problems.append("--max-pending and --max-request-bytes must be at least 1")
+    problems += _serve_limit_problems(opts)
+    return problems
+
+
+def _serve_limit_problems(opts: RunOptions) -> list[str]:
+    """Serve mode's limits and keys (serve/limits.py, serve/auth.py): positive numbers, a readable key file."""
+    problems = []
+    for name in ("max_pending", "max_request_bytes", "max_upload_bytes", "max_pending_rows", "max_prompts_per_request",
+                 "header_timeout", "body_timeout", "keep_alive_timeout", "send_timeout"):
+        if getattr(opts, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(opts, name)}")
+    if opts.max_connections < 0:
+        problems.append(f"--max-connections must be 0 (the open-file limit minus 64) or more, got {opts.max_connections}")
+    if opts.api_key and opts.api_key_file:
+        problems.append("--api-key and --api-key-file both set the keys: pass only one (the file keeps keys out of ps)")
+    if opts.api_key_file:
+        try:
+            read_key_file(opts.api_key_file)
+        except ValueError as e:
+            problems.append(str(e))
+    for flag in ("allowed_hosts", "allowed_origins"):
+        value = getattr(opts, flag)
+        if value is not None and not [v for v in value.split(",") if v.strip()]:
+            problems.append(f"--{flag.replace('_', '-')} is empty: give comma-separated values, or * for any")
     return problems
 
 
@@ -321,6 +355,44 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", name):
         raise ValueError(f"--lora {value}: the name {name!r} may hold only letters, digits and . _ : / -")
     return name, path
+
+
+def read_key_file(path: str) -> dict[str, str]:
+    """--api-key-file: {key: name}. One key a line: ``KEY``, ``NAME:KEY`` or ``KEY NAME``; blank lines and
+    ``#`` comments skipped; a key without a name is named ``key-`` + the first 12 hex digits of its SHA-256
+    (stable across edits of the file). ValueError saying what is wrong (never the key itself)."""
+    import hashlib
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    keys: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) == 2:
+            key, name = parts
+        elif len(parts) == 1 and ":" in line:
+            name, key = line.split(":", 1)
+        elif len(parts) == 1:
+            key, name = line, "key-" + hashlib.sha256(line.encode()).hexdigest()[:12]
+        else:
+            raise ValueError(f"--api-key-file {path}: line {number} has {len(parts)} words; expected KEY, NAME:KEY or "
+                             "'KEY NAME'")
+        if not key or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", name):
+            raise ValueError(f"--api-key-file {path}: line {number}: a key and a name of letters, digits, '.', '_', "
+                             "'-' (at most 64) are needed")
+        if key in keys:
+            raise ValueError(f"--api-key-file {path}: line {number} repeats a key given before")
+        if name in keys.values():
+            raise ValueError(f"--api-key-file {path}: line {number}: the name {name!r} is given twice")
+        keys[key] = name
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no keys in it (one a line: KEY, NAME:KEY or 'KEY NAME')")
+    return keys
 
 
 def serve_address(spec: str) -> tuple[str, int]:

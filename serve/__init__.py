@@ -1,7 +1,12 @@
 """Serve mode: an OpenAI-compatible HTTP API (FastAPI + uvicorn) in front of rank 0's driver.
 
-- :mod:`serve.source`  the thread-safe handoff between HTTP handlers and the pipeline loop;
-- :mod:`serve.engine`  rank 0's loop: live requests first, then the lines of the running batch;
-- :mod:`serve.batches` the Batch API's files and batches, kept in ``--serve-dir``;
-- :mod:`serve.app`     the HTTP endpoints; :mod:`serve.sse` the streamed chunk format.
+- :mod:`serve.source`   the thread-safe handoff between HTTP handlers and the pipeline loop, admission;
+- :mod:`serve.engine`   rank 0's loop: live requests first, then the lines of the running batch;
+- :mod:`serve.batches`  the Batch API's files and batches, kept in ``--serve-dir``;
+- :mod:`serve.app`      the HTTP endpoints; :mod:`serve.sse` the streamed chunk format;
+- :mod:`serve.guard`    checks before any handler: Host/Origin, keys, media type, body size;
+- :mod:`serve.auth`     API keys and their names, the Host/Origin allow-lists;
+- :mod:`serve.intake`   per-request caps before tokenizing, tokenizing on worker threads;
+- :mod:`serve.protocol` the connection cap and the header/body/send timeouts (uvicorn's h11 protocol);
+- :mod:`serve.upload`   ``POST /v1/files`` parsed and written to disk as it arrives.
 """

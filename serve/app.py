@@ -7,12 +7,11 @@ answer; every error is an OpenAI error object ``{"error": {"message", "type", "p
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from fastapi import FastAPI, Request
@@ -22,13 +21,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.requests import RequestError, parse_body
 
+from .auth import Access, Keys, origin_list
 from .batches import BatchStore, StoreError
-from .source import Busy, Live, RequestSource, Unavailable
+from .guard import Guard
+from .intake import Caps, Tokenizing, check_caps, rows_of
+from .source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
 from .sse import DONE, ChunkMaker, event
 
 log = logging.getLogger(__name__)
 
-UPLOAD_FACTOR = 64  # uploaded files may be this many times --max-request-bytes
+MAX_HEAD = 16 << 10  # bytes of a request head (line and headers); more: 400 (h11's limit, uvicorn's default)
 
 
 @dataclass
@@ -36,10 +38,15 @@ class ServeState:
     source: RequestSource
     store: BatchStore
     model: str
-    api_key: str | None
+    keys: Keys
     max_request_bytes: int
+    max_upload_bytes: int = 200_000_000
     created: int = 0
     adapters: tuple[str, ...] = ()  # LoRA adapters (--lora): served under their own names
+    access: Access = field(default_factory=lambda: Access({"localhost"}))
+    allowed_origins: str | None = None  # --allowed-origins as given (CORS headers)
+    caps: Caps | None = None  # per-request caps checked before tokenizing (None: none)
+    tokenizing: Tokenizing | None = None  # None: the pipeline thread tokenizes (tests of the engine alone)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -55,9 +62,15 @@ def ok(obj: dict) -> Response:
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="dist_inference_runner", docs_url=None, redoc_url=None, openapi_url=None)
     state.created = state.created or int(time.time())
-    upload_limit = state.max_request_bytes * UPLOAD_FACTOR
 
-    app.add_middleware(Guard, state=state, upload_limit=upload_limit)
+    app.add_middleware(Guard, keys=state.keys, access=state.access, max_request_bytes=state.max_request_bytes,
+                       max_upload_bytes=state.max_upload_bytes)
+    origins = origin_list(state.allowed_origins)
+    if origins:  # browsers may call from these origins: preflights answered, CORS headers on answers
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -92,30 +105,8 @@ def create_app(state: ServeState) -> FastAPI:
 
     from .files_routes import add_batch_routes
 
-    add_batch_routes(app, state, upload_limit)
+    add_batch_routes(app, state)
     return app
-
-
-class Guard:
-    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers):
-    the API key on /v1 endpoints, and the body size limit from Content-Length."""
-
-    def __init__(self, app, state: ServeState, upload_limit: int):
-        self.app, self.state, self.upload_limit = app, state, upload_limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path = scope["path"]
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            if self.state.api_key and path.startswith("/v1") and not _authorized(headers, self.state.api_key):
-                return await error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key")(scope, receive, send)
-            limit = self.upload_limit if path == "/v1/files" else self.state.max_request_bytes
-            size = headers.get("content-length", "")
-            if size.isdigit() and int(size) > limit:
-                return await error(413, f"the request body of {size} bytes exceeds the limit of {limit} bytes",
-                                   code="body_too_large")(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 def _model(state: ServeState, name: str) -> dict:
@@ -127,11 +118,6 @@ def _model(state: ServeState, name: str) -> dict:
 
 def _served(state: ServeState) -> str:
     return ", ".join(repr(m) for m in (state.model, *state.adapters))
-
-
-def _authorized(headers: dict, key: str) -> bool:
-    got = headers.get("authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
 
 
 async def read_json(request: Request, limit: int):
@@ -157,26 +143,51 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         stream, include_usage = _stream_options(body)
         if stream and req.params.best_of != req.params.n:
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
+        if state.caps is not None:  # refused before tokenizing: too many prompts or rows, text over the window
+            check_caps(req, state.caps)
     except RequestError as e:
         return error(400, e.message, e.kind, e.param)
     req.stream = stream
     loop = asyncio.get_running_loop()
-    live = Live(req, loop, loop.create_future(), stream, asyncio.Queue() if stream else None,
-                loop.create_future() if stream else None)
+    live = Live(req, loop, loop.create_future(), stream, asyncio.Queue(STREAM_BUFFER) if stream else None,
+                loop.create_future() if stream else None, rows=rows_of(req))
     try:
-        state.source.submit(live)
+        state.source.admit(live)
     except Busy as e:
         return error(429, str(e), "rate_limit_error", code="too_many_pending", headers={"Retry-After": "1"})
     except Unavailable as e:
         return error(503, str(e), "server_error")
-    if stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
+    streaming = False
+    try:
+        response = await _run(state, request, live, body, chat, include_usage)
+        streaming = isinstance(response, _Stream)
+        return response
+    finally:
+        if not streaming:  # a stream is released when its response ends
+            state.source.release(live)
+
+
+async def _run(state: ServeState, request: Request, live: Live, body: dict, chat: bool,
+               include_usage: bool) -> Response:
+    """Tokenize (off the pipeline thread), hand to the pipeline thread, answer or stream."""
+    if state.tokenizing is not None:
+        try:
+            live.prompt_ids = await state.tokenizing(live.req)
+        except RequestError as e:
+            return error(400, e.message, e.kind, e.param)
+        except Exception as e:  # noqa: BLE001 - a prompt the tokenizer cannot take is this request's error
+            return error(400, f"the prompt could not be tokenized: {type(e).__name__}: {e}",
+                         param="messages" if chat else "prompt")
+    state.source.submit(live)
+    if live.stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
         await asyncio.wait({live.accepted, live.future}, return_when=asyncio.FIRST_COMPLETED)
         if not live.accepted.done() and live.future.result()[0] == "error":
             _, status, err = live.future.result()
             return error(status, err["message"], err["type"], err.get("param"))
         model = body["model"] if body.get("model") in state.adapters else state.model
         maker = ChunkMaker(chat, model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
-        return StreamingResponse(_events(state, live, maker, include_usage), media_type="text/event-stream")
+        return _Stream(_events(state, live, maker, include_usage), lambda: _closed(state, live),
+                       media_type="text/event-stream")
     value = await _wait(state, request, live)
     if value is None:
         return error(499, "the client closed the connection")
@@ -184,6 +195,27 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         _, status, err = value
         return error(status, err["message"], err["type"], err.get("param"))
     return ok(value[1]["result"])
+
+
+class _Stream(StreamingResponse):
+    """A stream that calls ``on_close`` however it ends (sent, client gone, cancelled before it began)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _closed(state: ServeState, live: Live) -> None:
+    """A stream's response ended: rows still running are freed, and it stops counting against admission."""
+    if not live.future.done():
+        state.source.cancel(live)
+    state.source.release(live)
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -239,11 +271,20 @@ async def _events(state: ServeState, live: Live, maker: ChunkMaker, include_usag
 class HttpThread:
     """uvicorn in a daemon thread; the pipeline keeps the main thread."""
 
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, limits=None, keep_alive: int = 5):
+        """``limits``: serve.protocol.Limits (connection cap and timeouts); None: uvicorn's defaults."""
         import uvicorn
 
+        extra = {}
+        if limits is not None:
+            from .protocol import protocol_class
+
+            # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
+            # by the protocol, which closes idle connections first)
+            extra = {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                                lifespan="off")
+                                lifespan="off", timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEAD,
+                                **extra)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
 

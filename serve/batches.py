@@ -14,6 +14,7 @@ the folder must be on a filesystem every rank sees. All methods are thread-safe.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -56,12 +57,17 @@ class BatchStore:
         self.batches = {p.stem: orjson.loads(p.read_bytes()) for p in self.batches_dir.glob("*.json")}
 
     # -- files ------------------------------------------------------------------------------
-    def add_file(self, data: bytes, filename: str, purpose: str, fid: str | None = None) -> dict:
+    def add_file(self, data: bytes | Path, filename: str, purpose: str, fid: str | None = None) -> dict:
+        """``data``: the bytes, or a file written in ``files_dir`` (an upload, streamed there) moved into place."""
         fid = fid or "file-" + uuid.uuid4().hex[:24]
-        obj = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        obj = {"id": fid, "object": "file", "bytes": size, "created_at": int(time.time()),
                "filename": Path(filename or "upload.jsonl").name[:255], "purpose": purpose, "status": "processed",
                "expires_at": None, "status_details": None}
-        write_atomic(self.files_dir / fid, data)
+        if isinstance(data, Path):
+            os.replace(data, self.files_dir / fid)
+        else:
+            write_atomic(self.files_dir / fid, data)
         with self.lock:
             self._save(self.files_dir, obj)
             self.files[fid] = obj

@@ -82,10 +82,11 @@ class ServeRank(FirstRank):
                 self.source.resolve(item, ("error", 503, _error("the server is shutting down", "server_error")))
                 continue
             try:
-                item.gids = self.driver.submit_live(item.req)
+                item.gids = self.driver.submit_live(item.req, item.prompt_ids)  # tokenized on the HTTP side
             except RequestError as e:
                 self.source.resolve(item, ("error", 400, e.to_dict()))
                 continue
+            item.prompt_ids = None  # the driver keeps them now
             self.live[item.req.index] = item
             self.source.accept(item)
 

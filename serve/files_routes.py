@@ -8,8 +8,9 @@ from fastapi.responses import FileResponse
 from .batches import StoreError
 
 
-def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
+def add_batch_routes(app: FastAPI, state) -> None:
     from .app import error, ok, read_json
+    from .upload import receive_upload
 
     store = state.store
 
@@ -19,19 +20,16 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
 
     @app.post("/v1/files")
     async def upload(request: Request):
+        """The body streamed into the store's folder, counted against --max-upload-bytes as it comes."""
+        up = await receive_upload(request.headers.get("content-type", ""), request.stream(), store.files_dir,
+                                  state.max_upload_bytes)
         try:
-            form = await request.form(max_part_size=upload_limit)
-        except Exception as e:  # noqa: BLE001 - a malformed multipart body
-            return error(400, f"expected a multipart/form-data body with 'file' and 'purpose': {e}")
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose != "batch":
-            return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
-        if upload is None or isinstance(upload, str):
-            return error(400, "'file' is required (a JSONL file of Batch API requests)", param="file")
-        data = await upload.read()
-        if len(data) > upload_limit:
-            return error(413, f"the file of {len(data)} bytes exceeds the limit of {upload_limit} bytes")
-        return ok(store.add_file(data, upload.filename or "upload.jsonl", purpose))
+            purpose = up.fields.get("purpose")
+            if purpose != "batch":
+                return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
+            return ok(store.add_file(up.path, up.filename or "upload.jsonl", purpose))
+        finally:
+            up.discard()  # nothing left once the store took it
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import sys
 import tempfile
 
+from .auth import API_KEY_ENVS, loopback
+
 log = logging.getLogger("serve")
 
-API_KEY_ENV = "DIST_INFER_API_KEY"
+API_KEY_ENV = API_KEY_ENVS[0]
+_loopback = loopback  # tests import it from here
 
 
 def run_server(plan, opts, info, stage, first_rank) -> None:
@@ -18,27 +19,36 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     from pipeline.options import serve_address
 
     from .app import HttpThread, ServeState, create_app
+    from .auth import load_keys, make_access
     from .batches import BatchStore
     from .engine import ServeRank
+    from .intake import Caps, Tokenizing, max_token_bytes
+    from .protocol import Limits, connection_cap
     from .source import RequestSource
 
     host, port = serve_address(opts.serve)
-    api_key = opts.api_key or os.environ.get(API_KEY_ENV) or None
-    if not api_key and not _loopback(host):
+    keys = load_keys(opts.api_key, getattr(opts, "api_key_file", None))
+    if not keys and not loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use it; "
-                    "pass --api-key or set %s", host, API_KEY_ENV)
+                    "pass --api-key-file or set %s", host, API_KEY_ENV)
     root = opts.serve_dir
     if root is None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
     fr = first_rank(plan, opts, info, stage)
     fr.driver.sched.headroom = True
-    source, store = RequestSource(opts.max_pending), BatchStore(root)
+    source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root)
     name = opts.served_model_name or plan.model_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
-    adapters = tuple(a.name for a in plan.adapters)
-    http = HttpThread(create_app(ServeState(source, store, name, api_key, opts.max_request_bytes, adapters=adapters)),
-                      host, port)
+    driver = fr.driver
+    caps = Caps(opts.max_prompts_per_request, opts.max_pending_rows, driver.max_positions, max_token_bytes(driver.tok),
+                opts.truncate_prompts)
+    tokenizing = Tokenizing(driver.tok, driver.encode_prompts)
+    state = ServeState(source, store, name, keys, opts.max_request_bytes, opts.max_upload_bytes,
+                       adapters=tuple(a.name for a in plan.adapters), access=make_access(host, opts.allowed_hosts,
+                       opts.allowed_origins), allowed_origins=opts.allowed_origins, caps=caps, tokenizing=tokenizing)
+    limits = Limits(connection_cap(opts.max_connections), opts.header_timeout, opts.body_timeout, opts.send_timeout)
+    http = HttpThread(create_app(state), host, port, limits, opts.keep_alive_timeout)
     http.start()
     bound = http.server.servers[0].sockets[0].getsockname()[1] if http.server.servers else port
     print(f"serving {name} on http://{host}:{bound}/v1 (P = {info.pipeline_size})", file=sys.stderr, flush=True)
@@ -46,13 +56,5 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
         engine.serve()
     finally:
         http.stop()
+        tokenizing.close()
     log.info("server stopped")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -19,8 +19,11 @@ from tasks.requests import Request
 STOPPING = threading.Event()  # set by SIGTERM/SIGINT in serve mode: stop accepting, drain, exit
 
 
+STREAM_BUFFER = 512  # text deltas a stream holds for a client that does not read; later ones wait for the end
+
+
 class Busy(Exception):
-    """More than --max-pending interactive requests are waiting: HTTP 429."""
+    """More than --max-pending interactive requests (or --max-pending-rows rows) are waiting: HTTP 429."""
 
 
 class Unavailable(Exception):
@@ -39,27 +42,55 @@ class Live:
     accepted: asyncio.Future | None = None  # streaming: set once tokenized and queued (else `future` errs)
     gids: list[int] = field(default_factory=list)  # its scheduler groups (pipeline thread only)
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters sent (pipeline thread)
+    rows: int = 1  # prompts x best_of: what it counts against --max-pending-rows
+    prompt_ids: list[list[int]] | None = None  # its prompts, tokenized off the pipeline thread
+    admitted: bool = False  # counted in pending/rows until released (source lock)
+    overflow: bool = False  # its stream buffer filled: later deltas wait for the final chunk (HTTP loop)
 
 
 class RequestSource:
-    def __init__(self, max_pending: int):
-        self.max_pending = max_pending
+    """Admission counts requests (--max-pending) and rows (--max-pending-rows) from :meth:`admit` until
+    :meth:`release`: a plain request until it is answered or its client left, a stream until its last
+    byte is sent or its client left (an unread stream keeps counting)."""
+
+    def __init__(self, max_pending: int, max_rows: int | None = None):
+        self.max_pending, self.max_rows = max_pending, max_rows
         self.inbox: queue.Queue = queue.Queue()  # Live, or ("cancel", Live)
-        self.pending = 0  # accepted and not yet answered
+        self.pending = 0  # admitted and not yet released
+        self.rows = 0  # their rows
         self._lock = threading.Lock()
         self._index = itertools.count()
         self.stopping = STOPPING
 
     # -- HTTP thread --------------------------------------------------------------------------
-    def submit(self, live: Live) -> None:
+    def admit(self, live: Live) -> None:
+        """Count a request in (Busy, Unavailable when it cannot be); it gets its arrival number."""
         with self._lock:
             if self.stopping.is_set():
                 raise Unavailable("the server is shutting down")
             if self.pending >= self.max_pending:
                 raise Busy(f"more than --max-pending {self.max_pending} requests are waiting; retry shortly")
+            if self.max_rows is not None and self.pending and self.rows + live.rows > self.max_rows:
+                raise Busy(f"more than --max-pending-rows {self.max_rows} rows (prompts x best_of) are waiting; "
+                           "retry shortly")
             self.pending += 1
+            self.rows += live.rows
+            live.admitted = True
             live.req.index = next(self._index)
+
+    def submit(self, live: Live) -> None:
+        """Hand an admitted request (admitted here if it was not) to the pipeline thread."""
+        if not live.admitted:
+            self.admit(live)
         self.inbox.put(live)
+
+    def release(self, live: Live) -> None:
+        """It no longer counts against admission (idempotent)."""
+        with self._lock:
+            if live.admitted:
+                live.admitted = False
+                self.pending -= 1
+                self.rows -= live.rows
 
     def cancel(self, live: Live) -> None:
         """The client left: free its rows (the pipeline thread does it at its next turn)."""
@@ -78,14 +109,14 @@ class RequestSource:
         return items
 
     def resolve(self, live: Live, value: tuple) -> None:
-        with self._lock:
-            self.pending -= 1
+        """Its answer; a plain request is released with it (a stream when its response ends)."""
+        if not live.stream:
+            self.release(live)
         live.loop.call_soon_threadsafe(_set_result, live.future, value)
 
     def forget(self, live: Live) -> None:
         """A cancelled request: no answer is owed."""
-        with self._lock:
-            self.pending -= 1
+        self.release(live)
 
     def accept(self, live: Live) -> None:
         if live.accepted is not None:
@@ -93,7 +124,17 @@ class RequestSource:
 
     def emit(self, live: Live, choice: int, text: str, logprobs: dict | None = None) -> None:
         if live.events is not None and text:
-            live.loop.call_soon_threadsafe(live.events.put_nowait, (choice, text, logprobs))
+            live.loop.call_soon_threadsafe(_put, live, (choice, text, logprobs))
+
+
+def _put(live: Live, item: tuple) -> None:
+    """A delta into a stream's bounded buffer. Once it is full (the client does not read), the deltas
+    that follow are not kept: the final chunk of each choice carries all text and logprobs not sent
+    (serve.sse), so the stream stays whole while its buffer stays bounded."""
+    if live.overflow or live.events.full():
+        live.overflow = True
+        return
+    live.events.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -213,7 +213,7 @@ def test_streamed_logprobs(server):
 
 def test_bad_requests(server):
     h = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers=h)
+    r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers={**h, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "temperature": 9}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
