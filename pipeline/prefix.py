@@ -292,6 +292,18 @@ class PrefixStore:
             if self.keep_hidden:
                 self.scored[bid] = -1  # new content: not scored yet
 
+    def save_pass(self, slot: int, prefill: list, cache, out: torch.Tensor | None) -> None:
+        """Keep the blocks each prompt of a pass saves (its :class:`~pipeline.messages.Prefill` items'
+        ``save``); the last stage keeps their final hidden states too (``out``: (b, t, hidden), from
+        each prompt's first computed token). A block whose first positions an earlier chunk computed
+        gets those from what that chunk kept (:meth:`chunk_hidden`)."""
+        for i, p in enumerate(prefill):
+            h, start = (out[i] if out is not None else None), p.cached
+            if h is not None and (p.partial or p.resumed):
+                h, start = self.chunk_hidden((slot, p.row), h, p.cached, p.len, p.resumed, p.partial)
+            if p.save:
+                self.save(cache, p.row, p.save, h, start)
+
     def chunk_hidden(self, key: tuple[int, int], h: torch.Tensor, start: int, end: int, resumed: bool,
                      partial: bool) -> tuple[torch.Tensor, int]:
         """Last stage: the final hidden states ``h`` (t >= end - start, hidden) of prompt positions
@@ -303,7 +315,7 @@ class PrefixStore:
         if held is not None and start - held.shape[0] == start // self.block_size * self.block_size:
             h, start = torch.cat([held, h]), start - held.shape[0]
         first = end // self.block_size * self.block_size  # the unfinished block's first position
-        if partial and first >= start:
+        if partial and start <= first < end:
             self.tails[key] = h[first - start :].clone()
         return h, start
 

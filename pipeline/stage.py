@@ -103,25 +103,12 @@ class Stage:
             if x_pre is not None:
                 outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
                 if self.prefix is not None:
-                    self._save_blocks(hdr, cache, outs[-1])
+                    self.prefix.save_pass(hdr.slot, hdr.prefill, cache, outs[-1] if self.model.has_head else None)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
                    **({"ahead": True} if ahead else {}))
         return pack(outs)
-
-    def _save_blocks(self, hdr: PassHeader, cache: KVCache, out: torch.Tensor) -> None:
-        """Keep the blocks each prompt saves in the prefix pool. The last stage keeps their final hidden
-        states too (``out``: (b, t, hidden)); a block whose first positions an earlier chunk computed
-        gets those from what that chunk kept (:meth:`PrefixStore.chunk_hidden`)."""
-        for i, p in enumerate(hdr.prefill):
-            h, start = None, p.cached
-            if self.prefix.keep_hidden and (p.partial or p.resumed):
-                h, start = self.prefix.chunk_hidden((hdr.slot, p.row), out[i], p.cached, p.len, p.resumed, p.partial)
-            elif self.prefix.keep_hidden:
-                h = out[i]
-            if p.save:
-                self.prefix.save(cache, p.row, p.save, h, start)
 
     def prepare(self, msg: Allocate) -> None:
         """Allocate a slot's cache ahead of the pass that needs it, after freeing what that pass
