@@ -140,9 +140,9 @@ class Stage:
         for sid in slots:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
+            # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
         if self.prefix is not None and slots:
             self.prefix.forget(slots)
-            # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
 
     def clock(self, what: str, t0: float, **args) -> None:
         """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""

@@ -6,6 +6,7 @@ own tokens into its first columns, every saved block must hold its tokens, and e
 prefix with an earlier one must find all of its full blocks, whatever the chunk and block sizes
 (chunks not a multiple of blocks, chunks shorter than a block, a prefix ending mid-chunk)."""
 
+import json
 from collections import deque
 
 import orjson
