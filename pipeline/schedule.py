@@ -272,12 +272,15 @@ class Scheduler:
     def _pool_yields(self) -> None:
         """Drop the prefix pool when it stands between the budget and the oldest request (with no
         slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
-        drain there, and a pool grown while traffic was light would keep every new slot small)."""
+        drain there, and a pool grown while traffic was light would keep every new slot small). The
+        share is at most what the pool leaves at its largest: with one micro-batch (P = 1) the whole
+        budget was the share, and the pool was dropped before every request that came alone."""
         if self.prefix is None or not self.prefix.cells:
             return
         free, want = self.budget - self.used, self.cells(self.queue[0])
         if self.headroom:
-            want = max(want, self.budget // len(self.slots))
+            most = self.prefix.max_blocks * self.prefix.block_size
+            want = max(want, min(self.budget // len(self.slots), self.budget - most))
         elif any(s.allocated for s in self.slots):
             return
         if free < want <= free + self.prefix.cells:

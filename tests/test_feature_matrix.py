@@ -243,8 +243,10 @@ def assert_effects(lines: list[dict], run: dict, summary: dict | None) -> None:
     if summary is not None:
         assert summary["cached_prompt_tokens"] == sum(cached)
         assert summary["data_group_size"] == run["data"] and summary["pipeline_size"] == run["stages"]
-        precision = summary["stage_precision"]
-        assert len(precision) == run["stages"]
+        groups = summary.get("data_groups", [summary])  # several pipelines: one summary each, merged
+        assert len(groups) == run["data"] and sum(g["requests"] for g in groups) == len(reqs)
+        precision = [p for g in groups for p in g["stage_precision"]]
+        assert len(precision) == run["stages"] * run["data"]
         for p in precision:
             assert (p["weights"] == "int8") == run["int8"], p
             assert (p.get("kv_cache") == "int8") == run["kv8"], p
