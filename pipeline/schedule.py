@@ -269,18 +269,27 @@ class Scheduler:
         left = [self.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in self.groups]
         return max(left, default=1) - 1
 
+    @property
+    def slot_share(self) -> int:
+        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget,
+        but no more than the prefix pool leaves at its largest (one micro-batch took the whole budget,
+        and the pool never had room to grow)."""
+        share = self.budget // len(self.slots)
+        if self.prefix is not None:
+            share = min(share, self.budget - self.prefix.max_blocks * self.prefix.block_size)
+        return share
+
     def _pool_yields(self) -> None:
         """Drop the prefix pool when it stands between the budget and the oldest request (with no
         slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
         drain there, and a pool grown while traffic was light would keep every new slot small). The
-        share is at most what the pool leaves at its largest: with one micro-batch (P = 1) the whole
-        budget was the share, and the pool was dropped before every request that came alone."""
+        share (:attr:`slot_share`) leaves the pool room: with one micro-batch (P = 1) it was the whole
+        budget, and the pool was dropped before every request that came alone."""
         if self.prefix is None or not self.prefix.cells:
             return
         free, want = self.budget - self.used, self.cells(self.queue[0])
         if self.headroom:
-            most = self.prefix.max_blocks * self.prefix.block_size
-            want = max(want, min(self.budget // len(self.slots), self.budget - most))
+            want = max(want, self.slot_share)
         elif any(s.allocated for s in self.slots):
             return
         if free < want <= free + self.prefix.cells:
@@ -306,7 +315,7 @@ class Scheduler:
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
                 if self.headroom:  # free rows with room for recent requests, within this slot's share
-                    cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
+                    cap = min(self.budget - self.used, max(self.slot_share, rows * cols))
                     typical = max(self.recent, default=0)
                     cols = max(cols, min(typical + self.spare, cap // max(rows, 1)), cap // self.max_rows)
                     rows = max(rows, min(self.max_rows, cap // cols))

@@ -179,10 +179,15 @@ def test_serve_mode_prefix_pool_yields_to_a_new_micro_batch():
 
 
 def test_serve_mode_one_micro_batch_keeps_its_prefix_pool_between_requests():
-    """P = 1 serves with one micro-batch: a request arriving alone keeps the pool (at most half the
-    budget) and finds its prefix there (the pool used to yield to a share of the whole budget)."""
+    """P = 1 serves with one micro-batch: it sizes its free rows to what the pool leaves at its largest
+    (it took the whole budget: the pool never grew), and a request arriving alone keeps the pool and
+    finds its prefix there (the pool used to yield to a share of the whole budget)."""
     from pipeline.prefix import PrefixCache
 
+    s = Scheduler(budget=400, num_slots=1, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
+    s.submit(Group(0, 10, 10))
+    alloc = s.next_pass(0).alloc
+    assert alloc[0] * alloc[1] <= 200 and s.slot_share == 200
     s = Scheduler(budget=400, num_slots=1, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
     s.prefix.capacity = s.prefix.max_blocks  # 200 cells, holding earlier requests' blocks
     s.submit(Group(0, 10, 10))
