@@ -103,11 +103,8 @@ class Scheduler:
         """``g``'s first block that is not resident will be computed by a group chosen for this pass or by
         a prompt being computed chunk by chunk (``coming``, :meth:`_coming`): ``g`` waits and then loads
         it (and, by the chain, the rest of that shared prefix) instead of computing it beside them."""
-        if self.prefix is None or not g.digests:
-            return False
-        i = self.prefix.hits(g.digests)
-        if i == len(g.digests):
-            return False
+        if self.prefix is None or (i := self.prefix.hits(g.digests)) == len(g.digests):
+            return False  # no cache, or every block resident (or none: a prompt shorter than a block)
         d = g.digests[i]
         return d in coming or any(i < len(c.digests) and c.digests[i] == d for c in chosen)
 
