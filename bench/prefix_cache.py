@@ -3,16 +3,20 @@
     python bench/prefix_cache.py               # hidden 512 x 8 layers Llama, ~5 min on 2 cores
     python bench/prefix_cache.py --quick       # the throughput benchmark's 5M Llama, ~1 min
     python bench/prefix_cache.py --mixed       # also: the cost of the cache on a file that shares nothing
+    python bench/prefix_cache.py --systems runner2,runner3 --prefix-tokens 600 --questions 24
+                                               # default flags (chunked prefill at P > 1) against cache off
 
-- **few-shot generation** (``gen.jsonl``): one few-shot prefix of about 1k tokens (bAbI-style
-  passages with answers) before each of N short questions, greedy, ``max_tokens`` 8;
+- **few-shot generation** (``gen.jsonl``): one few-shot prefix of about 1k tokens (``--prefix-tokens``;
+  bAbI-style passages with answers) before each of N short questions (``--questions``), greedy,
+  ``max_tokens`` 8;
 - **multiple-choice scoring** (``score.jsonl``): contexts of ~150 tokens with 4 continuations each,
   every continuation its own echo-scoring request (``echo: true, max_tokens: 0, logprobs: 1``, as
   lm-eval sends them), interleaved (continuation j of every context, then j + 1).
 
 Systems (each in its own process, one after the other, through bench/throughput.py's runner):
-``hf`` (generate in batches of 32 / a plain forward), the runner at P = 1 and P = 2 with
-``--prefix-cache off`` and ``on``. Figures: generated tokens/s on the few-shot file, scored prompt
+``hf`` (generate in batches of 32 / a plain forward), the runner at P = 1, 2 or 3 (``runner1``,
+``runner2``, ``runner3``) with ``--prefix-cache off`` and ``on``, every other flag at its default (so
+at P > 1 with chunked prefill). Figures: generated tokens/s on the few-shot file, scored prompt
 tokens/s on the multiple-choice file (the runner's own per-file summary lines; HF times its loops),
 the ratio cache on / off, and whether the answers agree (greedy text equal, logprobs within 1e-3).
 
@@ -58,7 +62,7 @@ def passage(rng: random.Random) -> str:
 def build_workload(wdir: Path, prof: dict, tok) -> dict:
     rng = random.Random(7)
     shots = ""
-    while len(tok(shots)["input_ids"]) < 1000:
+    while len(tok(shots)["input_ids"]) < prof.get("prefix_tokens", 1000):
         shots += passage(rng)
     gen = []
     for _ in range(prof["questions"]):
@@ -108,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--mixed", action="store_true", help="also the mixed workload without shared prefixes")
     ap.add_argument("--repeat", type=int, default=2, help="runs per mode on the mixed workload (best kept)")
+    ap.add_argument("--prefix-tokens", type=int, default=1000, help="tokens of the few-shot prefix (about)")
+    ap.add_argument("--questions", type=int, default=None, help="few-shot questions (default: the profile's)")
     args = ap.parse_args(argv)
     from examples.default_model import build_tokenizer, cache_root
 
     profile = "quick" if args.quick else "full"
-    prof = PROFILES[profile]
+    prof = dict(PROFILES[profile], prefix_tokens=args.prefix_tokens)
+    if args.questions:
+        prof["questions"] = args.questions
     model_dir = build_model(cache_root() / "bench", dict(prof))
-    wdir = REPO / "bench" / "results" / f"prefix-{profile}"
+    wdir = REPO / "bench" / "results" / f"prefix-{profile}-{args.prefix_tokens}x{prof['questions']}"
     info = build_workload(wdir, prof, build_tokenizer())
     print(f"[bench] model {model_dir}; workload {info}", file=sys.stderr)
     results = {}
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, r in rows.items():
         print(f"{k:<14}{r['gen_tok_s'] or 0:>11.1f}{r['score_tok_s'] or 0:>14.1f}")
     summary = {}
-    for p in ("runner1", "runner2"):
+    for p in [s for s in args.systems.split(",") if s.startswith("runner")]:
         if f"{p}-on" in rows:
             on, off = rows[f"{p}-on"], rows[f"{p}-off"]
             summary[p] = {"few-shot gen on/off": round(on["gen_tok_s"] / off["gen_tok_s"], 2),

@@ -454,7 +454,7 @@ def run_system(name: str, model_dir: Path, wdir: Path, cores: int, timeout: floa
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model-dir", str(model_dir),
                "--work-dir", str(wdir), "--cores", str(cores), "--worker-out", str(sysdir / "result.json")]
     else:
-        p = 1 if base == "runner1" else 2
+        p = int(base.removeprefix("runner") or 1)  # runner1, runner2, runner3: the pipeline size
         threads = max(1, cores // p)
         int8 = ["--quantize", "int8", "--kv-cache-dtype", "int8"]  # int8 weights, activations and KV cache
         runner_args = [*runner_args, *(int8 if name.endswith("-int8") else []),

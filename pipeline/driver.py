@@ -207,9 +207,9 @@ class Driver:
                         ids, g.digests, room, pinned, saving, self.chunk if g.chunkable else 0)
                 item.len = self._chunk_end(g, item.cached)
                 item.partial = item.len < len(ids)
-                if item.resumed and self.shared.get(g.gid):  # the blocks this chunk computes
-                    item.save = self.prefix.plan_chunk(g.digests, item.cached, item.len, self.shared[g.gid], room,
-                                                       pinned, saving)
+                if item.resumed and self.prefix is not None:  # the shared blocks this chunk completes
+                    item.save = self.prefix.plan_chunk(g.digests, item.cached, item.len, self.shared.get(g.gid, 0),
+                                                       room, pinned, saving)
                 self.sched.prefilled(ps.slot, item.row, item.len)
             if self.prefix is not None:
                 hdr.prefix_grow = self.prefix.take_grow()

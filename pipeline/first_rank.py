@@ -92,7 +92,8 @@ class FirstRank:
         while True:
             d.fill()
             for slot in sched.slots:
-                while True:  # one pass, or at the end of a file the passes its decode rows split over
+                while True:  # one pass, then a second one ahead of its answer if it computes prompts only
+                    # (Scheduler.next_pass(ahead=True)), or at the end of a file the passes its decode rows split over
                     busy = bool(slot.inflight)
                     ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
                     if ps is None:
@@ -102,8 +103,6 @@ class FirstRank:
                     self._launch_pass(hdr, dec, pre, busy)
                     inflight += 1
                     d.fill()
-                    if not ps.split:
-                        break
             if inflight == 0:
                 if d.exhausted and not sched.queue:
                     break

@@ -125,12 +125,13 @@ class Head:
             hiddens.append(h_decode)
             targets += [[r] for r in decode_rows]
         for i, item in enumerate(prefill):
+            g = self.groups.get(item.gid)
+            req = self.requests.get((g.meta.live, g.meta.req)) if g is not None and not item.resumed else None
+            if req is not None:  # the pool's tokens (a chunked prompt's first pass loads them)
+                req.cached_tokens += item.cached
             if item.partial:  # chunked prefill: the prompt's next part comes in a later pass
                 continue
-            g = self.groups[item.gid]
             n = item.len - item.cached
-            if not item.resumed:
-                self.requests[(g.meta.live, g.meta.req)].cached_tokens += item.cached
             if g.params.echo:
                 g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item, pool)
             if g.params.max_tokens == 0:

@@ -110,7 +110,8 @@ class PrefixCache:
         cached ones (chunked prefill); blocks past them are saved by the passes that compute them
         (:meth:`plan_chunk`: a block is registered only with its contents written by the pass that
         registers it). Shared blocks: how many of the prompt's leading blocks are worth keeping
-        (another prompt has shown them), for those later passes.
+        (another prompt has shown them), for those later passes. A block already registered (another
+        group of this pass saves it, or it outlived an evicted block before it) is not saved twice.
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
@@ -147,22 +148,28 @@ class PrefixCache:
     def plan_chunk(self, digests: list[bytes], start: int, end: int, shared: int, room: int, pinned: set[int],
                    saving: set[int]) -> list[list[int]]:
         """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id]
-        to save for each of its first ``shared`` blocks (see :meth:`plan`) that lies wholly in that
-        range and is not resident yet. ``room``, ``pinned``, ``saving``: as for :meth:`plan`."""
+        to save for each block that this pass completes (its last token lies in that range; its first
+        ones may lie in an earlier chunk: chunk ends need not be block ends) and that is shared: one of
+        the prompt's first ``shared`` blocks (see :meth:`plan`) or one a prompt queued since shows. A
+        block registered meanwhile (another prompt computed it) is not saved twice. ``room``,
+        ``pinned``, ``saving``: as for :meth:`plan`."""
         self._room = room
         saves = []
-        for b in range(-(-start // self.block_size), min(shared, end // self.block_size)):
+        for b in range(start // self.block_size, min(len(digests), end // self.block_size)):
             d = digests[b]
-            if d in self.blocks:  # another prompt computed it meanwhile
-                self.blocks.move_to_end(d)
-                continue
+            if b >= shared and self.pending[d] <= 0:
+                break  # nobody else shows this block (nor, by the chain, any later one)
             if not self._keep(b, d, pinned, saving, saves):
                 break
         return saves
 
     def _keep(self, b: int, d: bytes, pinned: set[int], saving: set[int], saves: list[list[int]]) -> bool:
         """Register block ``b`` of a prompt (digest ``d``) in a pool block the pass being built writes;
-        False when the pool has no block to give."""
+        False when the pool has no block to give. A registered block stays where it is (same digest,
+        same keys and values): re-registering it would lose its pool block."""
+        if d in self.blocks:
+            self.blocks.move_to_end(d)
+            return True
         bid = self._allocate(pinned)
         if bid is None:
             return False
@@ -212,6 +219,9 @@ class PrefixStore:
         self.lp = self.top_v = self.top_i = None
         self.top_k = 0
         self.scored: list[int] = []
+        # Chunked prefill (last stage): (slot, row) -> final hidden states of the positions of a prompt's
+        # unfinished last block computed so far, for the pass that completes and saves the block
+        self.tails: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def capacity(self) -> int:
@@ -277,9 +287,42 @@ class PrefixStore:
             self.k[:, :, bid * bs : (bid + 1) * bs] = cache.k[:, row, :, b * bs : (b + 1) * bs]
             self.v[:, :, bid * bs : (bid + 1) * bs] = cache.v[:, row, :, b * bs : (b + 1) * bs]
             if self.h is not None and h is not None:
+                assert b * bs >= offset, "a block begun by an earlier chunk needs its hidden states (chunk_hidden)"
                 self.h[bid * bs : (bid + 1) * bs] = h[b * bs - offset : (b + 1) * bs - offset]
             if self.keep_hidden:
                 self.scored[bid] = -1  # new content: not scored yet
+
+    def save_pass(self, slot: int, prefill: list, cache, out: torch.Tensor | None) -> None:
+        """Keep the blocks each prompt of a pass saves (its :class:`~pipeline.messages.Prefill` items'
+        ``save``); the last stage keeps their final hidden states too (``out``: (b, t, hidden), from
+        each prompt's first computed token). A block whose first positions an earlier chunk computed
+        gets those from what that chunk kept (:meth:`chunk_hidden`)."""
+        for i, p in enumerate(prefill):
+            h, start = (out[i] if out is not None else None), p.cached
+            if h is not None and (p.partial or p.resumed):
+                h, start = self.chunk_hidden((slot, p.row), h, p.cached, p.len, p.resumed, p.partial)
+            if p.save:
+                self.save(cache, p.row, p.save, h, start)
+
+    def chunk_hidden(self, key: tuple[int, int], h: torch.Tensor, start: int, end: int, resumed: bool,
+                     partial: bool) -> tuple[torch.Tensor, int]:
+        """Last stage: the final hidden states ``h`` (t >= end - start, hidden) of prompt positions
+        ``start..end-1`` of the row ``key`` = (slot, row), preceded by those of the same block that the
+        prompt's previous chunk kept (``resumed``); keeps those of its own unfinished last block when
+        more chunks follow (``partial``). Returns (hidden states, the prompt position of the first)."""
+        h = h[: end - start]
+        held = self.tails.pop(key, None) if resumed else None
+        if held is not None and start - held.shape[0] == start // self.block_size * self.block_size:
+            h, start = torch.cat([held, h]), start - held.shape[0]
+        first = end // self.block_size * self.block_size  # the unfinished block's first position
+        if partial and start <= first < end:
+            self.tails[key] = h[first - start :].clone()
+        return h, start
+
+    def forget(self, slots: list[int]) -> None:
+        """Released slots' rows keep no hidden states for chunks that will not come."""
+        for key in [k for k in self.tails if k[0] in slots]:
+            del self.tails[key]
 
     def hidden(self, blocks: list[int], cached: int) -> torch.Tensor:
         """Final hidden states of the first ``cached`` prompt tokens held in ``blocks``."""

@@ -86,10 +86,27 @@ class Scheduler:
         """KV cells the group's rows take: its columns (and the spare one) per row."""
         return (g.need + self.spare) * g.width
 
-    def _same_new_prefix(self, g: Group, chosen: list[Group]) -> bool:
-        """``g`` starts with a block that a group already chosen for this pass will compute."""
-        return (g.key is not None and not self.prefix.resident(g.key)
-                and any(c.key == g.key for c in chosen))
+    def _coming(self) -> set[bytes]:
+        """Digests of the blocks that prompts computed chunk by chunk have not completed yet (the block
+        holding the next token to compute, and every later one)."""
+        if self.prefix is None or not self.chunk:
+            return set()
+        bs, out = self.prefix.block_size, set()
+        for s in self.slots:
+            for row, done in s.prefilling.items():
+                g = self.groups.get(s.row_group[row])
+                if g is not None:
+                    out.update(g.digests[done // bs :])
+        return out
+
+    def _waits(self, g: Group, chosen: list[Group], coming: set[bytes]) -> bool:
+        """``g``'s first block that is not resident will be computed by a group chosen for this pass or by
+        a prompt being computed chunk by chunk (``coming``, :meth:`_coming`): ``g`` waits and then loads
+        it (and, by the chain, the rest of that shared prefix) instead of computing it beside them."""
+        if self.prefix is None or (i := self.prefix.hits(g.digests)) == len(g.digests):
+            return False  # no cache, or every block resident (or none: a prompt shorter than a block)
+        d = g.digests[i]
+        return d in coming or any(i < len(c.digests) and c.digests[i] == d for c in chosen)
 
     def _work(self, g: Group) -> int:
         """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
@@ -136,13 +153,17 @@ class Scheduler:
 
     # -- building passes --------------------------------------------------------------------
     def _pack(self, available: int) -> list[Group]:
-        """Groups for a new slot: the oldest queued group plus the most similar ones that fit."""
-        seed = self.queue[0]
+        """Groups for a new slot: the oldest queued group that need not wait for blocks being computed
+        (:meth:`_waits`) plus the most similar ones that fit."""
+        coming = self._coming()
+        window = list(self.queue)[: self.window]
+        seed = next((g for g in window if not self._waits(g, [], coming)), None)
+        if seed is None:
+            return []
         target = max(self.budget // len(self.slots), self.cells(seed))
         cap = min(available, target)
         if self.cells(seed) > cap:
             return []
-        window = list(self.queue)[: self.window]
         share = self._share(window)
         scoring = (lambda g: 0 if g.max_tokens else self._work(g)) if share is not None else (lambda g: 0)
         chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
@@ -153,9 +174,9 @@ class Scheduler:
             # stages took turns on the 8-row passes)
             most = min(most, max(seed.width, -(-sum(g.width for g in self.queue) // sum(
                 not s.allocated for s in self.slots))))
-        for g in sorted(window[1:], key=lambda g: abs(g.need - seed.need)):
+        for g in sorted((g for g in window if g is not seed), key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
-            if self._same_new_prefix(g, chosen) or self._uneven(g, chosen):
+            if self._waits(g, chosen, coming) or self._uneven(g, chosen):
                 continue
             if scoring(g) and work + scoring(g) > share:
                 continue
@@ -204,7 +225,7 @@ class Scheduler:
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
-        chosen = []
+        chosen, coming = [], self._coming()
         for g in list(self.queue)[: self.window]:
             if free == 0:
                 break
@@ -212,7 +233,7 @@ class Scheduler:
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue
-            if (g.width <= free and g.need + self.spare <= slot.cols and not self._same_new_prefix(g, chosen)
+            if (g.width <= free and g.need + self.spare <= slot.cols and not self._waits(g, chosen, coming)
                     and not self._uneven(g, chosen)):
                 chosen.append(g)
                 free -= g.width
@@ -245,15 +266,27 @@ class Scheduler:
         left = [self.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in self.groups]
         return max(left, default=1) - 1
 
+    @property
+    def slot_share(self) -> int:
+        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget,
+        but no more than the prefix pool leaves at its largest (one micro-batch took the whole budget,
+        and the pool never had room to grow)."""
+        share = self.budget // len(self.slots)
+        if self.prefix is not None:
+            share = min(share, self.budget - self.prefix.max_blocks * self.prefix.block_size)
+        return share
+
     def _pool_yields(self) -> None:
         """Drop the prefix pool when it stands between the budget and the oldest request (with no
         slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
-        drain there, and a pool grown while traffic was light would keep every new slot small)."""
+        drain there, and a pool grown while traffic was light would keep every new slot small). The
+        share (:attr:`slot_share`) leaves the pool room: with one micro-batch (P = 1) it was the whole
+        budget, and the pool was dropped before every request that came alone."""
         if self.prefix is None or not self.prefix.cells:
             return
         free, want = self.budget - self.used, self.cells(self.queue[0])
         if self.headroom:
-            want = max(want, self.budget // len(self.slots))
+            want = max(want, self.slot_share)
         elif any(s.allocated for s in self.slots):
             return
         if free < want <= free + self.prefix.cells:
@@ -279,7 +312,7 @@ class Scheduler:
             if new:
                 rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
                 if self.headroom:  # free rows with room for recent requests, within this slot's share
-                    cap = min(self.budget - self.used, max(self.budget // len(self.slots), rows * cols))
+                    cap = min(self.budget - self.used, max(self.slot_share, rows * cols))
                     typical = max(self.recent, default=0)
                     cols = max(cols, min(typical + self.spare, cap // max(rows, 1)), cap // self.max_rows)
                     rows = max(rows, min(self.max_rows, cap // cols))

@@ -102,9 +102,8 @@ class Stage:
                     self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
                 outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
-                for i, p in enumerate(hdr.prefill):
-                    if p.save:
-                        self.prefix.save(cache, p.row, p.save, outs[-1][i] if self.model.has_head else None, p.cached)
+                if self.prefix is not None:
+                    self.prefix.save_pass(hdr.slot, hdr.prefill, cache, outs[-1] if self.model.has_head else None)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
@@ -142,6 +141,8 @@ class Stage:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
             # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
+        if self.prefix is not None and slots:
+            self.prefix.forget(slots)
 
     def clock(self, what: str, t0: float, **args) -> None:
         """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""

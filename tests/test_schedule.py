@@ -178,6 +178,25 @@ def test_serve_mode_prefix_pool_yields_to_a_new_micro_batch():
     assert s.prefix.cells == 0 and b.alloc[0] == 4  # the pool was dropped, the slot got its share
 
 
+def test_serve_mode_one_micro_batch_keeps_its_prefix_pool_between_requests():
+    """P = 1 serves with one micro-batch: it sizes its free rows to what the pool leaves at its largest
+    (it took the whole budget: the pool never grew), and a request arriving alone keeps the pool and
+    finds its prefix there (the pool used to yield to a share of the whole budget)."""
+    from pipeline.prefix import PrefixCache
+
+    s = Scheduler(budget=400, num_slots=1, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
+    s.submit(Group(0, 10, 10))
+    alloc = s.next_pass(0).alloc
+    assert alloc[0] * alloc[1] <= 200 and s.slot_share == 200
+    s = Scheduler(budget=400, num_slots=1, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
+    s.prefix.capacity = s.prefix.max_blocks  # 200 cells, holding earlier requests' blocks
+    s.submit(Group(0, 10, 10))
+    assert s.next_pass(0).alloc and s.prefix.cells == 200
+    s.submit(Group(1, 150, 100))  # needs more than the pool leaves: the pool gives way
+    s.on_reply(0, [], [0])
+    assert s.next_pass(0).alloc and s.prefix.cells == 0
+
+
 def test_a_chunked_prompt_resumes_in_its_slots_next_passes_then_decodes():
     """Scheduler.prefilled: a row whose prompt is not all computed is resumed (``Pass.resume``) by
     the slot's next passes, samples nothing in between, and decodes once its last chunk is in."""
