@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
 
     try:
         plan = make_plan(opts)
+        check_serve_dir(opts)
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
     if rank == 0:
@@ -96,6 +97,18 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
             log.exception("rank %d failed: %s", rank, e)
         log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
         _hard_exit(1)
+
+
+def check_serve_dir(opts) -> None:
+    """--serve-dir is trusted only when it is this user's and closed to others (serve.state_dir): refused
+    before anything loads."""
+    if opts.serve is None or opts.serve_dir is None:
+        return
+    from serve.state_dir import serve_dir_problem
+
+    problem = serve_dir_problem(opts.serve_dir)
+    if problem:
+        raise UsageError(problem)
 
 
 def out_of_memory_advice(opts) -> str:

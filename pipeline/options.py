@@ -103,6 +103,12 @@ class RunOptions:
     serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
     max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
     max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes (larger: 413); uploaded files may be 64x larger.")
+    # serve mode: the Batch API's storage (per API key) and the state folder
+    key_storage_bytes: int = _opt(10 << 30, "Serve mode: bytes of files (uploads and batch outputs) one API key may keep; an upload beyond it gets 413.")
+    key_max_files: int = _opt(1000, "Serve mode: files one API key may keep; an upload beyond it gets 429.")
+    file_expiry_hours: int = _opt(720, "Serve mode: an uploaded file is deleted this long after its upload, unless it sets its own expires_after (1 hour to 30 days).")
+    batch_retention_hours: int = _opt(720, "Serve mode: an ended batch's output and error files, and its record, are deleted this long after it ended.")
+    min_free_disk_bytes: int = _opt(256 << 20, "Serve mode: below this much free space in --serve-dir, batches pause (interactive requests go on) until space is freed.")
     config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
 
     @property
@@ -255,6 +261,17 @@ def check_options(opts: RunOptions) -> list[str]:
                         "cache: drop --kv-cache-dtype or use --backend auto")
     if opts.max_pending < 1 or opts.max_request_bytes < 1:
         problems.append("--max-pending and --max-request-bytes must be at least 1")
+    problems += _serve_state_problems(opts)
+    return problems
+
+
+def _serve_state_problems(opts: RunOptions) -> list[str]:
+    """The Batch API's storage flags (--serve-dir itself: serve.state_dir, checked by the entry point)."""
+    problems = [f"--{name.replace('_', '-')} must be at least 1" for name in
+                ("key_storage_bytes", "key_max_files", "file_expiry_hours", "batch_retention_hours")
+                if getattr(opts, name) < 1]
+    if opts.min_free_disk_bytes < 0:
+        problems.append("--min-free-disk-bytes must be 0 or more")
     return problems
 
 

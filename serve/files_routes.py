@@ -1,11 +1,23 @@
-"""The Batch API endpoints: ``/v1/files`` and ``/v1/batches`` (state in :class:`serve.batches.BatchStore`)."""
+"""The Batch API endpoints: ``/v1/files`` and ``/v1/batches`` (state in :class:`serve.batches.BatchStore`).
+
+Every call acts for the API key that made it (:func:`owner_of`): a key lists, reads, cancels and
+deletes only its own files and batches; another key's ids answer 404, as ids that do not exist.
+"""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 
-from .batches import StoreError
+from .batch_checks import CheckError, check_expires_after
+from .batches import StoreError, owner_slug
+
+
+def owner_of(request: Request) -> str:
+    """The store's name for the key that authenticated ``request`` (the authentication middleware sets
+    ``request.state.key_name``; without keys, or for the unnamed key, everyone is "default")."""
+    return owner_slug(getattr(request.state, "key_name", None))
 
 
 def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
@@ -15,7 +27,7 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
 
     @app.exception_handler(StoreError)
     async def store_error(request, exc: StoreError):  # an unknown id (404) or a request the store refuses
-        return error(exc.status, exc.message, param=exc.param)
+        return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
 
     @app.post("/v1/files")
     async def upload(request: Request):
@@ -28,29 +40,35 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
             return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
         if upload is None or isinstance(upload, str):
             return error(400, "'file' is required (a JSONL file of Batch API requests)", param="file")
+        try:
+            expires = check_expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
+        except CheckError as e:
+            return error(400, e.message, param=e.param)
         data = await upload.read()
         if len(data) > upload_limit:
             return error(413, f"the file of {len(data)} bytes exceeds the limit of {upload_limit} bytes")
-        return ok(store.add_file(data, upload.filename or "upload.jsonl", purpose))
+        owner = owner_of(request)
+        return ok(await run_in_threadpool(store.add_file, owner, data, upload.filename or "upload.jsonl", purpose,
+                                          None, expires))
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,
+    async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,
                          order: str = "desc"):
         if order not in ("asc", "desc"):
             return error(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
-        return ok(store.list_files(purpose, max(1, min(limit, 10000)), after, order))
+        return ok(store.list_files(owner_of(request), purpose, max(1, min(limit, 10000)), after, order))
 
     @app.delete("/v1/files/{fid}")
-    async def delete_file(fid: str):
-        return ok(store.delete_file(fid))
+    async def delete_file(request: Request, fid: str):
+        return ok(store.delete_file(owner_of(request), fid))
 
     @app.get("/v1/files/{fid}")
-    async def get_file(fid: str):
-        return ok(store.file(fid))
+    async def get_file(request: Request, fid: str):
+        return ok(store.file(owner_of(request), fid))
 
     @app.get("/v1/files/{fid}/content")
-    async def file_content(fid: str):
-        return FileResponse(store.file_path(fid), media_type="application/jsonl")
+    async def file_content(request: Request, fid: str):
+        return FileResponse(store.file_path(owner_of(request), fid), media_type="application/jsonl")
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
@@ -58,18 +76,19 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
             body = await read_json(request, state.max_request_bytes)
             if not isinstance(body, dict):
                 raise StoreError("the body must be a JSON object")
-            return ok(store.create_batch(body))
+            # reads the whole input file (up to 50,000 lines): off the event loop
+            return ok(await run_in_threadpool(store.create_batch, owner_of(request), body))
         except StoreError as e:
-            return error(400 if e.status == 404 else e.status, e.message, param=e.param)
+            return error(400 if e.status == 404 else e.status, e.message, e.kind, param=e.param, code=e.code)
 
     @app.get("/v1/batches")
-    async def list_batches(after: str | None = None, limit: int = 20):
-        return ok(store.list_batches(after, max(1, min(limit, 100))))
+    async def list_batches(request: Request, after: str | None = None, limit: int = 20):
+        return ok(store.list_batches(owner_of(request), after, max(1, min(limit, 100))))
 
     @app.get("/v1/batches/{bid}")
-    async def get_batch(bid: str):
-        return ok(store.batch(bid))
+    async def get_batch(request: Request, bid: str):
+        return ok(store.batch(owner_of(request), bid))
 
     @app.post("/v1/batches/{bid}/cancel")
-    async def cancel_batch(bid: str):
-        return ok(store.cancel(bid))
+    async def cancel_batch(request: Request, bid: str):
+        return ok(store.cancel(owner_of(request), bid))

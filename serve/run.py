@@ -27,15 +27,17 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     if not api_key and not _loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use it; "
                     "pass --api-key or set %s", host, API_KEY_ENV)
+    os.umask(0o077)  # prompts and results: this user's only (the state folder is 0700, its files 0600)
     root = opts.serve_dir
     if root is None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
     fr = first_rank(plan, opts, info, stage)
     fr.driver.sched.headroom = True
-    source, store = RequestSource(opts.max_pending), BatchStore(root)
+    source, store = RequestSource(opts.max_pending), BatchStore(root, store_limits(opts))
     name = opts.served_model_name or plan.model_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
+    engine.fingerprint = plan.fingerprint
     adapters = tuple(a.name for a in plan.adapters)
     http = HttpThread(create_app(ServeState(source, store, name, api_key, opts.max_request_bytes, adapters=adapters)),
                       host, port)
@@ -47,6 +49,14 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     finally:
         http.stop()
     log.info("server stopped")
+
+
+def store_limits(opts):
+    """The Batch API's per-key quotas and lifetimes from the flags."""
+    from .batches import StoreLimits
+
+    return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
+                       int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)
 
 
 def _loopback(host: str) -> bool:
