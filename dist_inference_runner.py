@@ -11,12 +11,15 @@ The seed's per-rank launch works too:
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+
+START_PPID = os.getppid()  # the launcher, read first thing: a rank must not outlive it (comm.lifeline)
+
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     setup_logging(rank)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
+        watch_launcher()
     from pipeline.plan import make_plan
 
     try:
@@ -189,6 +193,16 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         _hard_exit(128 + sig)
 
     threading.Thread(target=wait, name="signals", daemon=True).start()
+
+
+def watch_launcher() -> None:
+    """A rank started by torchrun or launch/legacy_per_rank.sh exits (SIGTERM's way) when that launcher
+    is gone, even after ``kill -9`` of it (comm.lifeline)."""
+    from comm.lifeline import launcher_pid, watch_launcher as watch
+
+    expected = launcher_pid(os.environ, START_PPID)
+    if expected is not None:
+        watch(expected)
 
 
 def run(opts) -> int:

@@ -113,16 +113,21 @@ def reference(llama_2l, tmp_path_factory):
     """File mode's answers to REQUESTS and to the batch file (P = 1)."""
     d = tmp_path_factory.mktemp("serve_ref")
     src = write_jsonl(d / "r.jsonl", REQUESTS)
-    batch = write_jsonl(d / "b.jsonl", batch_lines())
+    batch = write_jsonl(d / "b.jsonl", batch_lines(chat=True))
     for path in (src, batch):
         res = run_single(["--model-name", llama_2l, "--infer-data", path, "--num-threads", "1", "--no-progress"], timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     return read_jsonl(d / "output_r.jsonl"), read_jsonl(d / "output_b.jsonl")
 
 
-def batch_lines(extra: int = 0) -> list[dict]:
+CHAT_LINE = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+
+
+def batch_lines(extra: int = 0, chat: bool = False) -> list[dict]:
+    """Completion lines (a batch holds one endpoint's requests, as OpenAI's; file mode mixes them: ``chat``)."""
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": r} for i, r in enumerate(REQUESTS)]
-    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": CHAT})
+    if chat:
+        lines.append(CHAT_LINE)
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})
     lines += [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/completions",
                "body": {"prompt": f"Line {i} of a long batch", "max_tokens": 40, "temperature": 0.7, "seed": i}}
@@ -336,6 +341,14 @@ def test_batch_api(server, reference, tmp_path):
     assert f.id not in [x.id for x in client.files.list()]
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
+    chat = client.files.create(file=("chat.jsonl", (json.dumps(CHAT_LINE) + "\n").encode()), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="differs from the batch's endpoint"):
+        client.batches.create(input_file_id=chat.id, endpoint="/v1/completions", completion_window="24h")
+    done = wait_batch(client, client.batches.create(input_file_id=chat.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+    got = batch_bodies(client.files.content(done.output_file_id).text)["chat"]["response"]["body"]["choices"]
+    assert_consistent_results(as_lines([{"choices": got}]),
+                              as_lines([{"choices": ref["chat"]["response"]["body"]["choices"]}]))
 
 
 def test_batch_cancel(server):
