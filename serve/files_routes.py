@@ -14,6 +14,9 @@ from .batch_checks import CheckError, check_expires_after
 from .batches import StoreError, owner_slug
 
 
+STORAGE_FULL = "the server could not store this (its disk is full); try again later"
+
+
 def owner_of(request: Request) -> str:
     """The store's name for the key that authenticated ``request`` (the authentication middleware sets
     ``request.state.key_name``; without keys, or for the unnamed key, everyone is "default")."""
@@ -48,8 +51,11 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
         if len(data) > upload_limit:
             return error(413, f"the file of {len(data)} bytes exceeds the limit of {upload_limit} bytes")
         owner = owner_of(request)
-        return ok(await run_in_threadpool(store.add_file, owner, data, upload.filename or "upload.jsonl", purpose,
-                                          None, expires))
+        try:
+            return ok(await run_in_threadpool(store.add_file, owner, data, upload.filename or "upload.jsonl",
+                                              purpose, None, expires))
+        except OSError:  # a full disk: the server goes on, the client may retry (no path in the message)
+            return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
 
     @app.get("/v1/files")
     async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,
@@ -78,6 +84,8 @@ def add_batch_routes(app: FastAPI, state, upload_limit: int) -> None:
                 raise StoreError("the body must be a JSON object")
             # reads the whole input file (up to 50,000 lines): off the event loop
             return ok(await run_in_threadpool(store.create_batch, owner_of(request), body))
+        except OSError:
+            return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
         except StoreError as e:
             return error(400 if e.status == 404 else e.status, e.message, e.kind, param=e.param, code=e.code)
 

@@ -348,3 +348,21 @@ def test_a_running_batch_expires_with_its_answers_and_a_full_disk_pauses(tmp_pat
     monkeypatch.setattr(store, "disk_low", lambda: True)
     eng._batch_step()
     assert eng.batch is None
+
+
+def test_a_full_disk_answers_503_and_the_server_goes_on(tmp_path, monkeypatch):
+    import errno
+
+    from tasks import files
+
+    client, store = make_client(tmp_path / "state")
+    real = files.write_atomic
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
+
+    monkeypatch.setattr("serve.batches.write_atomic", full)
+    r = upload(client, "a", [line("1")])
+    assert r.status_code == 503 and str(tmp_path) not in r.text
+    monkeypatch.setattr("serve.batches.write_atomic", real)
+    assert upload(client, "a", [line("1")]).status_code == 200
