@@ -366,3 +366,21 @@ def test_a_full_disk_answers_503_and_the_server_goes_on(tmp_path, monkeypatch):
     assert r.status_code == 503 and str(tmp_path) not in r.text
     monkeypatch.setattr("serve.batches.write_atomic", real)
     assert upload(client, "a", [line("1")]).status_code == 200
+
+
+def test_ended_batches_and_their_outputs_go_after_the_retention(tmp_path, monkeypatch):
+    client, store = make_client(tmp_path / "state", retention_s=3600)
+    fid = upload(client, "a", [line("r0")]).json()["id"]
+    b = create(client, "a", fid).json()
+    journal(store, b["id"], [answered("r0")])
+    store.fail(b["id"], "stop")
+    got = client.get(f"/v1/batches/{b['id']}", headers={"X-Test-Key": "a"}).json()
+    out = client.get(f"/v1/files/{got['output_file_id']}", headers={"X-Test-Key": "a"}).json()
+    assert out["expires_at"] == out["created_at"] + 3600
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 3601)
+    store.sweep()
+    assert client.get(f"/v1/batches/{b['id']}", headers={"X-Test-Key": "a"}).status_code == 404
+    assert client.get(f"/v1/files/{got['output_file_id']}", headers={"X-Test-Key": "a"}).status_code == 404
+    left = sorted(p.name for p in (tmp_path / "state" / "keys" / "a").rglob("*") if p.is_file())
+    assert left == [fid, f"{fid}.json"]  # the upload keeps its own, longer expiry
