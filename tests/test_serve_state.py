@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
-import pytest
 from fastapi.testclient import TestClient
 
 from serve import batch_checks
