@@ -368,7 +368,7 @@ class BatchStore:
             why = message or "This request could not be executed before the completion window expired."
             bad += unanswered_lines(inp, len(answered), code, why)
         key = b["id"].split("_", 1)[1]
-        if ok or status == "completed":
+        if ok or status in ("completed", "cancelled"):  # a cancelled batch always has its (maybe empty) output
             b["output_file_id"] = self.add_file(b["_owner"], b"".join(ok), f"{b['id']}_output.jsonl",
                                                 "batch_output", fid=f"file-{key}-output")["id"]
         if bad:

@@ -32,7 +32,8 @@ SWEEP_EVERY = 60.0  # seconds between deletions of expired files and batches
 SETTINGS_CHANGED = ("the server was restarted with other settings (model, seed or dtype) than this batch started "
                     "with; its answered requests are in the output file, the others in the error file: resubmit those")
 WRITE_FAILED = "the server could not write this batch's results; the requests answered before are in the output file"
-DISK_FULL = "the server's disk filled up while writing this batch's results; the answered requests are in the output file"
+DISK_FULL = ("the server's disk filled up while writing this batch's results; the answered requests are in the "
+             "output file")
 
 
 @dataclass

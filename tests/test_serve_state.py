@@ -99,7 +99,8 @@ def test_quotas_per_key(tmp_path):
 
 def test_files_expire(tmp_path, monkeypatch):
     client, store = make_client(tmp_path / "state", file_expiry_s=7200)
-    bad = upload(client, "a", [line("1")], **{"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"})
+    bad = upload(client, "a", [line("1")], **{"expires_after[anchor]": "last_active_at",
+                                              "expires_after[seconds]": "3600"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "expires_after"
     assert upload(client, "a", [line("1")], **{"expires_after[anchor]": "created_at",
                                               "expires_after[seconds]": "60"}).status_code == 400
@@ -160,7 +161,8 @@ def answered(cid, error=False):
 
 
 def contents(client, key, fid) -> list[dict]:
-    return [json.loads(x) for x in client.get(f"/v1/files/{fid}/content", headers={"X-Test-Key": key}).text.splitlines()]
+    text = client.get(f"/v1/files/{fid}/content", headers={"X-Test-Key": key}).text
+    return [json.loads(x) for x in text.splitlines()]
 
 
 def test_failed_and_expired_batches_deliver_what_they_answered(tmp_path, monkeypatch):
@@ -339,7 +341,8 @@ def test_a_running_batch_expires_with_its_answers_and_a_full_disk_pauses(tmp_pat
     out.write_bytes(jsonl([answered("r0")]))
     eng._closed(Closed(True, None))
     got = client.get(f"/v1/batches/{b['id']}", headers={"X-Test-Key": "a"}).json()
-    assert got["status"] == "expired" and [x["custom_id"] for x in contents(client, "a", got["output_file_id"])] == ["r0"]
+    assert got["status"] == "expired"
+    assert [x["custom_id"] for x in contents(client, "a", got["output_file_id"])] == ["r0"]
     assert [(x["custom_id"], x["error"]["code"]) for x in contents(client, "a", got["error_file_id"])] == [
         ("r1", "batch_expired"), ("r2", "batch_expired")]
     # a full disk never opens the next batch
