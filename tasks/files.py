@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterator
@@ -59,9 +60,16 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = 
 
 def input_fingerprint(path: str | os.PathLike) -> str:
     """Size and a BLAKE2b hash of the whole file: a journal or output is only taken for this input's
-    (an edit anywhere in the file is another input). About 1 s per GB on one core (README)."""
+    (an edit anywhere in the file is another input). About 0.5 s per 100 MB on one core, once per
+    process and version of the file (remembered by path, size and modification time)."""
+    st = os.stat(path)
+    return _fingerprint(os.fspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         while chunk := f.read(FINGERPRINT_CHUNK):
             h.update(chunk)
-    return f"{os.path.getsize(path)}:{h.hexdigest()}"
+    return f"{size}:{h.hexdigest()}"
