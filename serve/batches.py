@@ -108,6 +108,9 @@ class BatchStore:
         for path in sorted(self._dir(owner, "files").glob("*.json")):
             obj = self._read(path, ("purpose", "bytes", "created_at"))
             if obj is not None:
+                if not isinstance(obj.get("expires_at"), int):  # written by a version without expiry
+                    life = self.limits.retention_s if obj["purpose"] == "batch_output" else self.limits.file_expiry_s
+                    obj["expires_at"] = int(obj["created_at"]) + life
                 self.files[obj["id"]] = dict(obj, _owner=owner)
         for path in sorted(self._dir(owner, "batches").glob("*.json")):
             obj = self._read(path, ("status", "endpoint", "request_counts", "created_at"))

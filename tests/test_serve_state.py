@@ -386,3 +386,18 @@ def test_ended_batches_and_their_outputs_go_after_the_retention(tmp_path, monkey
     assert client.get(f"/v1/files/{got['output_file_id']}", headers={"X-Test-Key": "a"}).status_code == 404
     left = sorted(p.name for p in (tmp_path / "state" / "keys" / "a").rglob("*") if p.is_file())
     assert left == [fid, f"{fid}.json"]  # the upload keeps its own, longer expiry
+
+
+def test_state_of_an_earlier_version_is_read(tmp_path):
+    """Records written before keys and expiry (top-level folders, "expires_at": null) load as the
+    unnamed key's, with the default expiry."""
+    root = tmp_path / "state"
+    (root / "files").mkdir(parents=True)
+    (root / "files" / "file-old").write_bytes(jsonl([line("a")]))
+    (root / "files" / "file-old.json").write_bytes(orjson.dumps(
+        {"id": "file-old", "object": "file", "bytes": 10, "created_at": int(time.time()), "filename": "a.jsonl",
+         "purpose": "batch", "status": "processed", "expires_at": None, "status_details": None}))
+    client, store = make_client(root, file_expiry_s=7200)
+    got = client.get("/v1/files/file-old").json()
+    assert got["expires_at"] == got["created_at"] + 7200
+    assert create(client, "", "file-old").status_code == 200
