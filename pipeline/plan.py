@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from comm.dist import resolve_layout
-from tasks.files import input_fingerprint
-from tasks.writer import journal_path, output_problem
+from tasks.writer import input_id, journal_path, output_problem
 
 from .loading import CheckpointError, check_weights_present, read_config
 from .models import DecoderSpec
@@ -187,7 +186,7 @@ def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dic
         output = output_for(path, output_path, len(inputs) > 1)
         if not Path(output).exists() and not any(journal_path(output, d, shares).exists() for d in range(shares)):
             continue  # nothing written yet: no need to hash the input (a whole-file hash) on every rank
-        complete, problem = output_problem(output, dict(fingerprint, input=input_fingerprint(path)), shares)
+        complete, problem = output_problem(output, dict(fingerprint, input=input_id(path, output)), shares)
         if problem:
             raise UsageError(problem)
         if complete:

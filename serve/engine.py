@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.driver import input_fingerprint, read_lines
+from pipeline.driver import read_lines
 from pipeline.first_rank import FirstRank
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
 from tasks.requests import RequestError
-from tasks.writer import journal_path, journal_problem
+from tasks.writer import input_id, journal_path, journal_problem
 
 from .batches import BatchJob, BatchStore
 from .source import Live, RequestSource
@@ -205,15 +205,15 @@ class ServeRank(FirstRank):
         if Path(job.output).exists():  # complete: the server stopped before the batch was marked so
             self._store(self.batches.finish, job.id)
             return
-        input_id = input_fingerprint(job.input)
+        ident = input_id(job.input, job.output)
         if self.fingerprint is not None:
-            problem = journal_problem(journal_path(job.output), dict(self.fingerprint, input=input_id))
+            problem = journal_problem(journal_path(job.output), dict(self.fingerprint, input=ident))
             if problem:
                 log.error("batch %s: %s; it fails with its answered lines delivered", job.id, problem)
                 self._store(self.batches.fail, job.id, SETTINGS_CHANGED)
                 return
         self.batch = BatchRun(job)
-        self._down(OpenFile(job.input, job.output, job.total, input_id))
+        self._down(OpenFile(job.input, job.output, job.total, ident))
         self.owed += 1
 
     def _store(self, method, *args):

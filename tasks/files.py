@@ -73,3 +73,11 @@ def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
         while chunk := f.read(FINGERPRINT_CHUNK):
             h.update(chunk)
     return f"{size}:{h.hexdigest()}"
+
+
+def legacy_input_fingerprint(path: str | os.PathLike) -> str:
+    """What versions before the whole-file hash recorded: size and a SHA-256 of the first MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return f"{os.path.getsize(path)}:{h.hexdigest()[:16]}"

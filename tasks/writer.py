@@ -14,9 +14,11 @@ output counts as this run's (skipped) only when that record matches.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +27,7 @@ import orjson
 
 from comm.faults import FINALIZE
 
-from .files import atomic_path, write_atomic
+from .files import atomic_path, input_fingerprint, legacy_input_fingerprint, write_atomic
 from .shards import index_of, share_of, share_size
 
 
@@ -45,6 +47,33 @@ class JournalMismatch(RuntimeError):
 # how the lines were shared among pipelines changes the journals' layout, not the finished lines
 NOT_IN_RESULTS = ("data_group_size",)
 HOW_TO_REPLACE = "pass --overwrite to recompute it, or --output-path to write this run's results elsewhere"
+
+
+_LEGACY_INPUT = re.compile(r"^\d+:[0-9a-f]{16}$")
+
+
+def input_id(path: str | os.PathLike, output: str | os.PathLike) -> str:
+    """The input's fingerprint for ``output``'s journal and record: the whole-file hash, except that a
+    journal or complete output recorded by an earlier version (size + first MiB) keeps that id while it
+    still matches the file, so a job started before an upgrade resumes, or is skipped, after it."""
+    for recorded in _recorded_inputs(Path(output)):
+        if _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
+            return recorded
+    return input_fingerprint(path)
+
+
+def _recorded_inputs(output: Path) -> list[str]:
+    found = []
+    metas = [record_path(output), *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]
+    for meta in metas:
+        try:
+            obj = json.loads(meta.read_text())
+            value = obj["run"]["input"] if meta == record_path(output) else obj["input"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, str):
+            found.append(value)
+    return found
 
 
 def record_path(output: str | os.PathLike) -> Path:

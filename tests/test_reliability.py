@@ -332,3 +332,23 @@ def test_a_full_disk_keeps_the_journal_a_prefix_and_loses_nothing(tmp_path, monk
     assert ow.flush() == 0 and ow.gave_up
     assert not ow.close(4)
     assert (tmp_path / "out.jsonl.partial").read_text().splitlines() == ['{"i":0}', '{"i":1}', '{"i":2}']
+
+
+def test_outputs_and_journals_of_the_earlier_fingerprint_are_still_this_input(tmp_path):
+    """Recorded by a version that hashed size + first MiB: while that still matches the file the old id
+    is kept (a job started before an upgrade resumes or is skipped after it); a changed file is not."""
+    from tasks.files import input_fingerprint, legacy_input_fingerprint
+    from tasks.writer import input_id
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    out = tmp_path / "output_a.jsonl"
+    assert input_id(src, out) == input_fingerprint(src)
+    old = legacy_input_fingerprint(src)
+    (tmp_path / "output_a.jsonl.partial.json").write_text(json.dumps({"input": old, "seed": 1}))
+    assert input_id(src, out) == old
+    (tmp_path / "output_a.jsonl.partial.json").unlink()
+    (tmp_path / "output_a.jsonl.summary.json").write_text(json.dumps({"run": {"input": old}}))
+    assert input_id(src, out) == old
+    src.write_text('{"prompt": "y"}\n')
+    assert input_id(src, out) == input_fingerprint(src)
