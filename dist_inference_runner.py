@@ -11,12 +11,15 @@ The seed's per-rank launch works too:
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+
+START_PPID = os.getppid()  # the launcher, read first thing: a rank must not outlive it (comm.lifeline)
+
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -60,10 +63,12 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     setup_logging(rank)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
+        watch_launcher()
     from pipeline.plan import make_plan
 
     try:
         plan = make_plan(opts)
+        check_serve_dir(opts)
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
     if rank == 0:
@@ -96,6 +101,18 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
             log.exception("rank %d failed: %s", rank, e)
         log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
         _hard_exit(1)
+
+
+def check_serve_dir(opts) -> None:
+    """--serve-dir is trusted only when it is this user's and closed to others (serve.state_dir): refused
+    before anything loads."""
+    if opts.serve is None or opts.serve_dir is None:
+        return
+    from serve.state_dir import serve_dir_problem
+
+    problem = serve_dir_problem(opts.serve_dir)
+    if problem:
+        raise UsageError(problem)
 
 
 def out_of_memory_advice(opts) -> str:
@@ -185,6 +202,16 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         _hard_exit(128 + sig)
 
     threading.Thread(target=wait, name="signals", daemon=True).start()
+
+
+def watch_launcher() -> None:
+    """A rank started by torchrun or launch/legacy_per_rank.sh exits (SIGTERM's way) when that launcher
+    is gone, even after ``kill -9`` of it (comm.lifeline)."""
+    from comm.lifeline import launcher_pid, watch_launcher as watch
+
+    expected = launcher_pid(os.environ, START_PPID)
+    if expected is not None:
+        watch(expected)
 
 
 def run(opts) -> int:

@@ -47,6 +47,8 @@ args=(--infer-data "$DATA")
 [[ -n $LOG_DIR ]] && mkdir -p "$LOG_DIR"
 
 pids=()
+# every rank exits when this script is gone, even after kill -9 of it (the runner's comm/lifeline.py)
+export DIST_INFER_LAUNCHER_PID=$$
 # shellcheck disable=SC2329 # invoked by the trap below
 stop_ranks() {
     local code=$1  # 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM

@@ -18,8 +18,9 @@ import torch
 from comm.faults import DRIVE
 from tasks.output_file import FileSummary
 from tasks.shards import index_of
+from tasks.writer import input_id
 
-from .driver import Driver, input_fingerprint, read_lines
+from .driver import Driver, read_lines
 from .link import Link
 from .messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from .stage import Stage, allocate_ahead, pack
@@ -65,7 +66,7 @@ class FirstRank:
         for job in jobs:
             total = sum(1 for _ in read_lines(job.input))
             self.stage.busy, self.stage.peak_cells = 0.0, self.stage.kv_cells
-            self._down(OpenFile(job.input, job.output, total, input_fingerprint(job.input)))
+            self._down(OpenFile(job.input, job.output, total, input_id(job.input, job.output)))
             opened = self._reply()
             assert isinstance(opened, Opened)
             if opened.error:

@@ -115,6 +115,12 @@ class RunOptions:
     send_timeout: int = _opt(60, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.")
     allowed_hosts: str | None = _opt(None, "Serve mode: comma-separated Host header names accepted besides localhost, IP addresses and the --serve host (and this machine's names when bound beyond loopback); * accepts any (others: 403, against DNS rebinding).")
     allowed_origins: str | None = _opt(None, "Serve mode: comma-separated browser origins (scheme://host[:port]) allowed to call the API, with CORS headers; * allows any. A request with another Origin gets 403 (same-origin pages on an accepted host are allowed).")
+    # serve mode: the Batch API's storage (per API key) and the state folder
+    key_storage_bytes: int = _opt(10 << 30, "Serve mode: bytes of files (uploads and batch outputs) one API key may keep; an upload beyond it gets 413.")
+    key_max_files: int = _opt(1000, "Serve mode: files one API key may keep; an upload beyond it gets 429.")
+    file_expiry_hours: int = _opt(720, "Serve mode: an uploaded file is deleted this long after its upload, unless it sets its own expires_after (1 hour to 30 days).")
+    batch_retention_hours: int = _opt(720, "Serve mode: an ended batch's output and error files, and its record, are deleted this long after it ended.")
+    min_free_disk_bytes: int = _opt(256 << 20, "Serve mode: below this much free space in --serve-dir, batches pause (interactive requests go on) until space is freed.")
     config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
 
     @property
@@ -266,6 +272,7 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
                         "cache: drop --kv-cache-dtype or use --backend auto")
     problems += _serve_limit_problems(opts)
+    problems += _serve_state_problems(opts)
     return problems
 
 
@@ -289,6 +296,16 @@ def _serve_limit_problems(opts: RunOptions) -> list[str]:
         value = getattr(opts, flag)
         if value is not None and not [v for v in value.split(",") if v.strip()]:
             problems.append(f"--{flag.replace('_', '-')} is empty: give comma-separated values, or * for any")
+    return problems
+
+
+def _serve_state_problems(opts: RunOptions) -> list[str]:
+    """The Batch API's storage flags (--serve-dir itself: serve.state_dir, checked by the entry point)."""
+    problems = [f"--{name.replace('_', '-')} must be at least 1" for name in
+                ("key_storage_bytes", "key_max_files", "file_expiry_hours", "batch_retention_hours")
+                if getattr(opts, name) < 1]
+    if opts.min_free_disk_bytes < 0:
+        problems.append("--min-free-disk-bytes must be 0 or more")
     return problems
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from comm.dist import resolve_layout
-from tasks.files import input_fingerprint
-from tasks.writer import output_problem
+from tasks.writer import input_id, journal_path, output_problem
 
 from .loading import CheckpointError, check_weights_present, read_config
 from .models import DecoderSpec
@@ -95,6 +94,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers), which are not quantized: drop --quantize")
         all_inputs = resolve_inputs(opts, env)
+        check_outputs_distinct(all_inputs, opts.output_path)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         _check_kv_cache_dtype(opts, spec, device)
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
@@ -184,7 +184,9 @@ def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dic
     done = []
     for path in inputs:
         output = output_for(path, output_path, len(inputs) > 1)
-        complete, problem = output_problem(output, dict(fingerprint, input=input_fingerprint(path)), shares)
+        if not Path(output).exists() and not any(journal_path(output, d, shares).exists() for d in range(shares)):
+            continue  # nothing written yet: no need to hash the input (a whole-file hash) on every rank
+        complete, problem = output_problem(output, dict(fingerprint, input=input_id(path, output)), shares)
         if problem:
             raise UsageError(problem)
         if complete:
@@ -260,6 +262,18 @@ def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
             raise UsageError(f"--infer-data {spec}: matches no .jsonl files")
         files += found
     return files
+
+
+def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
+    """Two inputs whose results would go to one output file (the same file name under --output-path DIR,
+    or one file given twice): refused before anything runs, since one would overwrite or resume the other."""
+    seen: dict[str, str] = {}
+    for path in inputs:
+        output = str(Path(output_for(path, output_path, len(inputs) > 1)).resolve())
+        if output in seen:
+            raise UsageError(f"--infer-data: {seen[output]} and {path} would both write {output} (the output is named "
+                             "after the input's file name); rename one of them, or run them separately")
+        seen[output] = path
 
 
 def output_for(input_path: str, output_path: str | None, several: bool) -> str:

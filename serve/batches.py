@@ -1,21 +1,32 @@
-"""The Batch API's state in ``--serve-dir``: uploaded files, batches, their outputs.
+"""The Batch API's state in ``--serve-dir``: uploaded files, batches, their outputs, per API key.
 
     DIR/files/<file id>          an uploaded file's bytes (always under a generated id)
     DIR/files/<file id>.json     its OpenAI file object
     DIR/batches/<batch id>.json  the batch object (status, times, counts, output file ids)
     DIR/batches/<batch id>/output.jsonl   the batch's results: the journaled writer's output
                                           (``output.jsonl.partial`` while it runs)
+    DIR/keys/<key name>/files, .../batches   the same for each named API key (``--api-key-file``);
+                                          the unnamed (or only) key keeps the folders above
 
-Every state change is written atomically before it is reported, so a server killed at any moment
-and started again on the same folder finds each unfinished batch and resumes it from its journal
-(the writer's exactly-once guarantee). Rank 0 reads the outputs, so with P > 1 over several nodes
-the folder must be on a filesystem every rank sees. All methods are thread-safe.
+Each key sees only its own files and batches: another key's ids answer 404, as ids that do not
+exist. A key may hold ``--key-storage-bytes`` and ``--key-max-files`` (uploads and outputs alike);
+uploads expire after ``--file-expiry-hours`` (or their ``expires_after``), a batch's output and
+error files ``--batch-retention-hours`` after it ended, together with the batch's record.
+
+Every state change is written atomically and durably (fsync before rename) before it is reported,
+so a server killed at any moment and started again on the same folder finds each unfinished batch
+and resumes it from its journal. A record that cannot be read (a power loss, a hand edit, a planted
+file naming paths outside the folder) is logged and set aside, never stops the server. Rank 0 reads
+the outputs, so with P > 1 over several nodes the folder must be on a filesystem every rank sees.
+All methods are thread-safe.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import logging
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -27,9 +38,28 @@ import orjson
 from tasks.files import write_atomic
 from tasks.writer import journal_path
 
+from .batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
+from .state_dir import FILE_MODE, make_private_dir
+
+log = logging.getLogger(__name__)
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+ENDED = ("completed", "failed", "cancelled", "expired")
 _ID = re.compile(r"^(file|batch)[-_][A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_OWNER = "default"  # the key without a name (or no key): the top-level files/ and batches/
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """Per-key quotas and lifetimes (flags --key-storage-bytes ... --min-free-disk-bytes)."""
+
+    max_bytes: int = 10 << 30
+    max_files: int = 1000
+    file_expiry_s: int = 30 * 86400
+    retention_s: int = 30 * 86400
+    min_free_bytes: int = 256 << 20
 
 
 @dataclass
@@ -41,135 +71,260 @@ class BatchJob:
 
 
 class StoreError(ValueError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
+
+
+def owner_slug(name: str | None) -> str:
+    """A key's name -> its folder name under keys/ (names that are not plain get a hash)."""
+    name = name or DEFAULT_OWNER
+    return name if _NAME.match(name) else "h-" + hashlib.sha256(name.encode()).hexdigest()[:24]
+
+
+def valid_id(value) -> bool:
+    return isinstance(value, str) and bool(_ID.match(value))
 
 
 class BatchStore:
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.files_dir, self.batches_dir = self.root / "files", self.root / "batches"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.batches_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: str | Path, limits: StoreLimits | None = None):
+        self.root = make_private_dir(Path(root))
+        self.limits = limits or StoreLimits()
         self.lock = threading.RLock()
-        self.files = {p.stem: orjson.loads(p.read_bytes()) for p in self.files_dir.glob("*.json")}
-        self.batches = {p.stem: orjson.loads(p.read_bytes()) for p in self.batches_dir.glob("*.json")}
+        self.files: dict[str, dict] = {}  # id -> file object (+ "_owner", not saved: the folder says it)
+        self.batches: dict[str, dict] = {}
+        self._disk_checked, self._disk_low = 0.0, False
+        # uploads stream into this folder (serve/upload.py) and move into their key's folder when complete;
+        # a crash mid-upload leaves a .part file there, removed at the next start
+        self.uploads_dir = make_private_dir(self.root / "uploads")
+        for part in self.uploads_dir.glob("*.part"):
+            part.unlink(missing_ok=True)
+        owners = [DEFAULT_OWNER] + sorted(p.name for p in (self.root / "keys").glob("*") if p.is_dir())
+        for owner in owners:
+            self._load(owner)
 
-    # -- files ------------------------------------------------------------------------------
-    def add_file(self, data: bytes | Path, filename: str, purpose: str, fid: str | None = None) -> dict:
-        """``data``: the bytes, or a file written in ``files_dir`` (an upload, streamed there) moved into place."""
-        fid = fid or "file-" + uuid.uuid4().hex[:24]
-        size = data.stat().st_size if isinstance(data, Path) else len(data)
-        obj = {"id": fid, "object": "file", "bytes": size, "created_at": int(time.time()),
-               "filename": Path(filename or "upload.jsonl").name[:255], "purpose": purpose, "status": "processed",
-               "expires_at": None, "status_details": None}
-        if isinstance(data, Path):
-            os.replace(data, self.files_dir / fid)
-        else:
-            write_atomic(self.files_dir / fid, data)
-        with self.lock:
-            self._save(self.files_dir, obj)
-            self.files[fid] = obj
+    # -- folders and records ---------------------------------------------------------------
+    def _dir(self, owner: str, kind: str) -> Path:
+        base = self.root if owner == DEFAULT_OWNER else self.root / "keys" / owner
+        return make_private_dir(base / kind)
+
+    def _load(self, owner: str) -> None:
+        for path in sorted(self._dir(owner, "files").glob("*.json")):
+            obj = self._read(path, ("purpose", "bytes", "created_at"))
+            if obj is not None:
+                if not isinstance(obj.get("expires_at"), int):  # written by a version without expiry
+                    life = self.limits.retention_s if obj["purpose"] == "batch_output" else self.limits.file_expiry_s
+                    obj["expires_at"] = int(obj["created_at"]) + life
+                self.files[obj["id"]] = dict(obj, _owner=owner)
+        for path in sorted(self._dir(owner, "batches").glob("*.json")):
+            obj = self._read(path, ("status", "endpoint", "request_counts", "created_at"))
+            if obj is not None and not valid_id(obj.get("input_file_id")):
+                log.error("%s: its input_file_id %r is not a file id; the batch is marked failed", path,
+                          str(obj.get("input_file_id"))[:80])
+                obj = None
+            if obj is None and valid_id(path.stem):  # the batch is reported failed, its answered lines delivered
+                obj = self._damaged_batch(path, owner)
+            if obj is not None:
+                self.batches[obj["id"]] = dict(obj, _owner=owner)
+
+    @staticmethod
+    def _read(path: Path, needs: tuple[str, ...]) -> dict | None:
+        """The record at ``path``, or None (logged) when it is unreadable, torn or names ids that are not ids."""
+        try:
+            obj = orjson.loads(path.read_bytes())
+            assert isinstance(obj, dict) and obj.get("id") == path.stem and valid_id(path.stem)
+            assert all(k in obj for k in needs)
+            for key in ("output_file_id", "error_file_id"):
+                assert obj.get(key) is None or valid_id(obj[key])
+            return obj
+        except (OSError, orjson.JSONDecodeError, AssertionError):
+            log.error("%s: not a valid record (empty, torn by a power loss, or edited); set aside", path)
+            return None
+
+    def _damaged_batch(self, path: Path, owner: str) -> dict:
+        now = int(path.stat().st_mtime)
+        obj = {"id": path.stem, "object": "batch", "endpoint": None, "errors": None, "input_file_id": None,
+               "completion_window": "24h", "status": "failed", "output_file_id": None, "error_file_id": None,
+               "created_at": now, "in_progress_at": None, "expires_at": now + 86400, "finalizing_at": None,
+               "completed_at": None, "failed_at": now, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None, "_owner": owner}
+        self._end(obj, "failed", "the server could not read this batch's record after a restart (it was damaged); "
+                                 "the requests answered before are in the output file")
         return obj
 
-    def file(self, fid: str) -> dict:
+    def _save(self, obj: dict) -> None:
+        folder = self._dir(obj["_owner"], "batches" if obj["object"] == "batch" else "files")
+        write_atomic(folder / f"{obj['id']}.json", orjson.dumps(self.public(obj)), mode=FILE_MODE)
+
+    @staticmethod
+    def public(b: dict) -> dict:
+        return {k: v for k, v in b.items() if not k.startswith("_")}
+
+    # -- files ------------------------------------------------------------------------------
+    def add_file(self, owner: str, data: bytes | Path, filename: str, purpose: str, fid: str | None = None,
+                 expires_after: int | None = None) -> dict:
+        """Store an upload (``data``: its bytes, or a file to move in) under a new id, within the key's quota."""
+        fid = fid or "file-" + uuid.uuid4().hex[:24]
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        now = int(time.time())
+        life = expires_after or (self.limits.retention_s if purpose == "batch_output" else self.limits.file_expiry_s)
+        obj = {"id": fid, "object": "file", "bytes": size, "created_at": now,
+               "filename": Path(filename or "upload.jsonl").name[:255], "purpose": purpose, "status": "processed",
+               "expires_at": now + life, "status_details": None, "_owner": owner}
         with self.lock:
-            if not _ID.match(fid) or fid not in self.files:
-                raise StoreError(f"no file with id {fid!r}", 404, "file_id")
-            return dict(self.files[fid])
+            if purpose == "batch":  # outputs always land: their key made room before it created the batch
+                self._check_quota(owner, size)
+            path = self._dir(owner, "files") / fid
+            if isinstance(data, Path):
+                data.chmod(FILE_MODE)
+                data.replace(path)
+            else:
+                write_atomic(path, data, mode=FILE_MODE)
+            self._save(obj)
+            self.files[fid] = obj
+        return self.public(obj)
 
-    def file_path(self, fid: str) -> Path:
-        self.file(fid)
-        return self.files_dir / fid
+    def _check_quota(self, owner: str, size: int) -> None:
+        mine = [f for f in self.files.values() if f["_owner"] == owner]
+        used = sum(f["bytes"] for f in mine)
+        if len(mine) + 1 > self.limits.max_files:
+            raise StoreError(f"this API key holds {len(mine)} files, the most the server keeps per key "
+                             f"({self.limits.max_files}); delete some (DELETE /v1/files/ID) first", 429, "file",
+                             "insufficient_quota", "files_quota_exceeded")
+        if used + size > self.limits.max_bytes:
+            raise StoreError(f"this file of {size} bytes would bring this API key's stored bytes to {used + size}, "
+                             f"over the server's {self.limits.max_bytes} per key; delete some files first", 413,
+                             "file", "insufficient_quota", "storage_quota_exceeded")
 
-    def list_files(self, purpose: str | None, limit: int, after: str | None, order: str) -> dict:
+    def _own_file(self, owner: str, fid: str) -> dict:
+        f = self.files.get(fid) if valid_id(fid) else None
+        if f is None or f["_owner"] != owner or f["expires_at"] <= time.time():
+            raise StoreError(f"no file with id {fid[:80]!r}", 404, "file_id", code="not_found")
+        return f
+
+    def file(self, owner: str, fid: str) -> dict:
         with self.lock:
-            files = sorted(self.files.values(), key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
-        files = [f for f in files if purpose is None or f["purpose"] == purpose]
-        if after:
-            ids = [f["id"] for f in files]
-            files = files[ids.index(after) + 1:] if after in ids else []
-        page = [dict(f) for f in files[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit}
+            return self.public(self._own_file(owner, fid))
 
-    def delete_file(self, fid: str) -> dict:
+    def file_path(self, owner: str, fid: str) -> Path:
+        with self.lock:
+            f = self._own_file(owner, fid)
+            path = self._dir(owner, "files") / f["id"]
+        if not path.is_file():
+            raise StoreError(f"the content of file {fid} is gone from the server's storage", 404, "file_id",
+                             code="not_found")
+        return path
+
+    def list_files(self, owner: str, purpose: str | None, limit: int, after: str | None, order: str) -> dict:
+        with self.lock:
+            now = time.time()
+            files = sorted((f for f in self.files.values() if f["_owner"] == owner and f["expires_at"] > now),
+                           key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
+            files = [self.public(f) for f in files if purpose is None or f["purpose"] == purpose]
+        return _page(files, after, limit)
+
+    def delete_file(self, owner: str, fid: str) -> dict:
         """Remove a file (not the input of an unfinished batch: a restart resumes from it)."""
         with self.lock:
-            self.file(fid)
+            self._own_file(owner, fid)
             users = [b["id"] for b in self.batches.values() if b["input_file_id"] == fid and b["status"] in ACTIVE]
             if users:
                 raise StoreError(f"the file {fid} is the input of batch {users[0]}, which has not finished; "
                                  "cancel the batch or wait for it", 400, "file_id")
-            del self.files[fid]
-            for path in (self.files_dir / f"{fid}.json", self.files_dir / fid):
-                path.unlink(missing_ok=True)
+            self._remove_file(fid)
         return {"id": fid, "object": "file", "deleted": True}
 
+    def _remove_file(self, fid: str) -> None:
+        f = self.files.pop(fid)
+        folder = self._dir(f["_owner"], "files")
+        for path in (folder / f"{fid}.json", folder / fid):
+            path.unlink(missing_ok=True)
+
     # -- batches ----------------------------------------------------------------------------
-    def create_batch(self, body: dict) -> dict:
+    def create_batch(self, owner: str, body: dict) -> dict:
+        """Validate as OpenAI does (endpoint, window, metadata, the input file's purpose and lines), then queue."""
         fid, endpoint = body.get("input_file_id"), body.get("endpoint")
-        if endpoint not in ENDPOINTS:
-            raise StoreError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", 400, "endpoint")
-        if not isinstance(fid, str):
-            raise StoreError("'input_file_id' is required", 400, "input_file_id")
-        window = body.get("completion_window", "24h")
-        metadata = body.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise StoreError("'metadata' must be an object", 400, "metadata")
-        path = self.file_path(fid)
-        with open(path, "rb") as f:
-            total = sum(1 for line in f if line.strip())
+        try:
+            if endpoint not in ENDPOINTS:
+                raise CheckError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {str(endpoint)[:80]!r}",
+                                 "endpoint", "invalid_endpoint")
+            if not isinstance(fid, str):
+                raise CheckError("'input_file_id' is required", "input_file_id")
+            window = check_window(body.get("completion_window", "24h"))
+            metadata = check_metadata(body.get("metadata"))
+            with self.lock:
+                f = self._own_file(owner, fid)
+            if f["purpose"] != "batch":
+                raise CheckError(f"the file {fid} has purpose {f['purpose']!r}; a batch's input must be a file "
+                                 "uploaded with purpose 'batch'", "input_file_id", "invalid_input_file")
+            total = check_input(self.file_path(owner, fid), endpoint)
+        except CheckError as e:
+            raise StoreError(e.message, 400, e.param, code=e.code) from None
         now = int(time.time())
         obj = {"id": "batch_" + uuid.uuid4().hex[:24], "object": "batch", "endpoint": endpoint, "errors": None,
-               "input_file_id": fid, "completion_window": window, "status": "validating", "output_file_id": None,
-               "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + 86400,
+               "input_file_id": fid, "completion_window": "24h", "status": "validating", "output_file_id": None,
+               "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + window,
                "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata}
+               "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata, "_owner": owner}
         with self.lock:
-            self._save(self.batches_dir, obj)
+            self._save(obj)
             self.batches[obj["id"]] = obj
-        return dict(obj)
+            return self._copy(obj)
 
-    def batch(self, bid: str) -> dict:
-        with self.lock:
-            if not _ID.match(bid) or bid not in self.batches:
-                raise StoreError(f"no batch with id {bid!r}", 404, "batch_id")
-            return orjson.loads(orjson.dumps(self.public(self.batches[bid])))
+    def _own_batch(self, owner: str, bid: str) -> dict:
+        b = self.batches.get(bid) if valid_id(bid) else None
+        if b is None or b["_owner"] != owner:
+            raise StoreError(f"no batch with id {bid[:80]!r}", 404, "batch_id", code="not_found")
+        return b
 
-    def list_batches(self, after: str | None, limit: int) -> dict:
-        with self.lock:
-            ordered = sorted(self.batches.values(), key=lambda b: (-b["created_at"], b["id"]))
-        if after:
-            ids = [b["id"] for b in ordered]
-            ordered = ordered[ids.index(after) + 1:] if after in ids else []
-        page = [self.public(b) for b in ordered[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+    def _copy(self, b: dict) -> dict:
+        return orjson.loads(orjson.dumps(self.public(b)))
 
-    def cancel(self, bid: str) -> dict:
+    def batch(self, owner: str, bid: str) -> dict:
         with self.lock:
-            b = self.batches.get(bid) if _ID.match(bid) else None
-            if b is None:
-                raise StoreError(f"no batch with id {bid!r}", 404, "batch_id")
+            return self._copy(self._own_batch(owner, bid))
+
+    def list_batches(self, owner: str, after: str | None, limit: int) -> dict:
+        with self.lock:
+            mine = sorted((b for b in self.batches.values() if b["_owner"] == owner),
+                          key=lambda b: (-b["created_at"], b["id"]))
+            data = [self._copy(b) for b in mine]
+        return _page(data, after, limit)
+
+    def cancel(self, owner: str, bid: str) -> dict:
+        with self.lock:
+            b = self._own_batch(owner, bid)
             if b["status"] in ("validating", "in_progress", "finalizing"):
                 b.update(status="cancelling", cancelling_at=int(time.time()))
-                self._save(self.batches_dir, b)
-            return self.batch(bid)
+                self._save(b)
+            return self._copy(b)
 
     # -- the engine's side ------------------------------------------------------------------
     def next_job(self) -> BatchJob | None:
-        """The oldest unfinished batch (a restarted server resumes it from its journal)."""
+        """The oldest unfinished batch (a restarted server resumes it from its journal); batches whose
+        window passed before they ran end ``expired`` here, cancelled ones that never ran ``cancelled``."""
         with self.lock:
             active = sorted((b for b in self.batches.values() if b["status"] in ACTIVE), key=lambda b: b["created_at"])
-            if not active:
-                return None
-            b = active[0]
-            out = self.batches_dir / b["id"] / "output.jsonl"
-            out.parent.mkdir(exist_ok=True)
-            return BatchJob(b["id"], str(self.files_dir / b["input_file_id"]), str(out), b["request_counts"]["total"])
+            for b in active:
+                if b["status"] == "cancelling" and b["in_progress_at"] is None:
+                    self._end(b, "cancelled")
+                elif self.is_expired(b["id"]):
+                    self._end(b, "expired")
+                else:
+                    out = self._output(b)
+                    inp = self._dir(b["_owner"], "files") / b["input_file_id"]
+                    make_private_dir(out.parent)
+                    return BatchJob(b["id"], str(inp), str(out), b["request_counts"]["total"])
+            return None
+
+    def _output(self, b: dict) -> Path:
+        return self._dir(b["_owner"], "batches") / b["id"] / "output.jsonl"
+
+    def is_expired(self, bid: str) -> bool:
+        with self.lock:
+            return self.batches[bid]["expires_at"] <= time.time()
 
     def cancel_requested(self, bid: str) -> bool:
         with self.lock:
@@ -178,7 +333,8 @@ class BatchStore:
     def started(self, bid: str, skip: int) -> None:
         """The batch's journal is open with ``skip`` lines answered before."""
         failed = 0
-        journal = journal_path(self.batches_dir / bid / "output.jsonl")
+        with self.lock:
+            journal = journal_path(self._output(self.batches[bid]))
         if skip and journal.exists():
             with open(journal, "rb") as f:
                 failed = sum(1 for _, line in zip(range(skip), f) if orjson.loads(line).get("error") is not None)
@@ -188,7 +344,7 @@ class BatchStore:
             b["request_counts"].update(completed=skip - failed, failed=failed)
             if b["status"] == "validating":
                 b.update(status="in_progress", in_progress_at=int(time.time()))
-            self._save(self.batches_dir, b)
+            self._save(b)
 
     def progress(self, bid: str, completed: int, failed: int) -> None:
         with self.lock:
@@ -196,40 +352,87 @@ class BatchStore:
             ok, bad = b.get("_before", [0, 0])
             b["request_counts"].update(completed=ok + completed, failed=bad + failed)
 
-    def finish(self, bid: str) -> None:
-        """The output is complete: split it into the output and error files, mark the batch done."""
+    def finish(self, bid: str, expired: bool = False) -> None:
+        """The output is written (every line, or those before a cancel or the window's end): deliver it."""
         with self.lock:
             b = self.batches[bid]
-        out = self.batches_dir / bid / "output.jsonl"
-        ok, bad = [], []
-        with open(out, "rb") as f:
-            for line in f:
-                if line.strip():
-                    (bad if orjson.loads(line).get("error") is not None else ok).append(line)
-        key = bid.split("_", 1)[1]
-        out_obj = self.add_file(b"".join(ok), f"{bid}_output.jsonl", "batch_output", fid=f"file-{key}-output")
-        err_obj = self.add_file(b"".join(bad), f"{bid}_errors.jsonl", "batch_output", fid=f"file-{key}-errors") if bad else None
-        now = int(time.time())
-        with self.lock:
-            cancelled = b["status"] == "cancelling"
-            b.pop("_before", None)
-            b["request_counts"].update(completed=len(ok), failed=len(bad))
-            b.update(status="cancelled" if cancelled else "completed", output_file_id=out_obj["id"],
-                     error_file_id=err_obj["id"] if err_obj else None, finalizing_at=now,
-                     **({"cancelled_at": now} if cancelled else {"completed_at": now}))
-            self._save(self.batches_dir, b)
+            status = "expired" if expired else "cancelled" if b["status"] == "cancelling" else "completed"
+            self._end(b, status)
 
     def fail(self, bid: str, message: str) -> None:
+        """The batch cannot go on: what it answered is delivered, the rest listed in its error file."""
         with self.lock:
-            b = self.batches[bid]
-            b.pop("_before", None)
-            b.update(status="failed", failed_at=int(time.time()),
-                     errors={"object": "list", "data": [{"code": "server_error", "message": message}]})
-            self._save(self.batches_dir, b)
+            self._end(self.batches[bid], "failed", message)
 
-    def public(self, b: dict) -> dict:
-        return {k: v for k, v in b.items() if not k.startswith("_")}
+    def _end(self, b: dict, status: str, message: str | None = None) -> None:
+        """Deliver a batch's answered lines (output and error files, as OpenAI does for every end) and
+        mark it ``status``; the requests a failed or expired batch never ran get error lines of their own."""
+        answered = self._answered(b)
+        ok = [line for line in answered if orjson.loads(line).get("error") is None]
+        bad = [line for line in answered if orjson.loads(line).get("error") is not None]
+        inp = self._dir(b["_owner"], "files") / b["input_file_id"] if valid_id(b["input_file_id"]) else None
+        code = {"failed": "batch_failed", "expired": "batch_expired"}.get(status)
+        if code and inp is not None and inp.is_file():
+            why = message or "This request could not be executed before the completion window expired."
+            bad += unanswered_lines(inp, len(answered), code, why)
+        key = b["id"].split("_", 1)[1]
+        if ok or status in ("completed", "cancelled"):  # a cancelled batch always has its (maybe empty) output
+            b["output_file_id"] = self.add_file(b["_owner"], b"".join(ok), f"{b['id']}_output.jsonl",
+                                                "batch_output", fid=f"file-{key}-output")["id"]
+        if bad:
+            b["error_file_id"] = self.add_file(b["_owner"], b"".join(bad), f"{b['id']}_errors.jsonl",
+                                               "batch_output", fid=f"file-{key}-errors")["id"]
+        now = int(time.time())
+        b.pop("_before", None)
+        b["request_counts"].update(completed=len(ok), failed=len(bad))
+        b.update(status=status, finalizing_at=b.get("finalizing_at") or now, **{f"{status}_at": now})
+        if message:
+            b["errors"] = {"object": "list", "data": [{"code": code or "server_error", "message": message,
+                                                       "param": None, "line": None}]}
+        self._save(b)
+        shutil.rmtree(self._output(b).parent, ignore_errors=True)  # delivered: the journal is not needed
 
-    @staticmethod
-    def _save(folder: Path, obj: dict) -> None:
-        write_atomic(folder / f"{obj['id']}.json", orjson.dumps({k: v for k, v in obj.items() if not k.startswith("_")}))
+    def _answered(self, b: dict) -> list[bytes]:
+        """The batch's complete result lines so far: its output, else its journal (a torn last line is left out)."""
+        out = self._output(b)
+        for path in (out, journal_path(out)):
+            if path.is_file():
+                data = path.read_bytes()
+                return [line + b"\n" for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
+        return []
+
+    def disk_low(self) -> bool:
+        """Less than the --min-free-disk-bytes left where the state lives (checked at most once a second):
+        batches pause (interactive requests go on), so a full disk never ends the server."""
+        now = time.monotonic()
+        if now - self._disk_checked >= 1.0:
+            self._disk_checked = now
+            low = shutil.disk_usage(self.root).free < self.limits.min_free_bytes
+            if low != self._disk_low:
+                (log.error if low else log.warning)(
+                    "%s: %s", self.root, f"less than {self.limits.min_free_bytes} bytes free: batches pause" if low
+                    else "disk space is back: batches go on")
+            self._disk_low = low
+        return self._disk_low
+
+    def sweep(self) -> None:
+        """Delete expired files, and ended batches (with their output files) past --batch-retention-hours."""
+        now = time.time()
+        with self.lock:
+            busy = {b["input_file_id"] for b in self.batches.values() if b["status"] in ACTIVE}
+            for fid in [f["id"] for f in self.files.values() if f["expires_at"] <= now and f["id"] not in busy]:
+                self._remove_file(fid)
+            for b in [b for b in self.batches.values() if b["status"] in ENDED]:
+                ended = max(b.get(f"{s}_at") or 0 for s in ENDED)
+                if ended + self.limits.retention_s <= now:
+                    del self.batches[b["id"]]
+                    (self._dir(b["_owner"], "batches") / f"{b['id']}.json").unlink(missing_ok=True)
+
+
+def _page(items: list[dict], after: str | None, limit: int) -> dict:
+    if after:
+        ids = [x["id"] for x in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from pipeline.driver import input_fingerprint, read_lines
+from pipeline.driver import read_lines
 from pipeline.first_rank import FirstRank
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
 from tasks.requests import RequestError
+from tasks.writer import input_id, journal_path, journal_problem
 
 from .batches import BatchJob, BatchStore
 from .source import Live, RequestSource
@@ -25,6 +27,13 @@ from .source import Live, RequestSource
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE = 20.0  # seconds in-flight requests get to finish after SIGTERM
+SWEEP_EVERY = 60.0  # seconds between deletions of expired files and batches
+# what a client reads when its batch cannot go on (the server's log has the details, with paths)
+SETTINGS_CHANGED = ("the server was restarted with other settings (model, seed or dtype) than this batch started "
+                    "with; its answered requests are in the output file, the others in the error file: resubmit those")
+WRITE_FAILED = "the server could not write this batch's results; the requests answered before are in the output file"
+DISK_FULL = ("the server's disk filled up while writing this batch's results; the answered requests are in the "
+             "output file")
 
 
 @dataclass
@@ -33,6 +42,7 @@ class BatchRun:
     opened: bool = False
     closing: bool = False
     cancelled: bool = False
+    expiring: bool = False  # its completion window passed: no more lines, it ends "expired"
     skip: int = 0  # lines journaled before this run
     done: int = 0  # results written in this run
 
@@ -46,6 +56,8 @@ class ServeRank(FirstRank):
         self.drops: dict[int, set[int]] = {}  # slot -> live requests to forget with its next pass
         self.release: list[int] = []
         self.batch: BatchRun | None = None
+        self.fingerprint: dict | None = None  # the run's (pipeline.plan): a batch's journal resumes only under it
+        self._swept = 0.0
 
     def serve(self) -> None:
         """Until SIGTERM: then stop taking work, let in-flight requests finish (bounded), stop every rank."""
@@ -156,40 +168,76 @@ class ServeRank(FirstRank):
     # -- the running batch --------------------------------------------------------------------
     def _batch_step(self) -> None:
         d, b = self.driver, self.batch
+        if time.monotonic() - self._swept >= SWEEP_EVERY:
+            self._swept = time.monotonic()
+            self._store(self.batches.sweep)
         if b is None:
-            job = self.batches.next_job()
-            if job is not None:
-                self.batch = BatchRun(job)
-                self._down(OpenFile(job.input, job.output, job.total, input_fingerprint(job.input)))
-                self.owed += 1
+            if not self.batches.disk_low():  # a full disk pauses batches; interactive requests go on
+                self._open_next()
             return
         if not b.opened or b.closing:
             return
-        if not b.cancelled and self.batches.cancel_requested(b.job.id):
-            b.cancelled, d.lines = True, None
+        if not (b.cancelled or b.expiring):
+            if self.batches.cancel_requested(b.job.id):
+                b.cancelled, d.lines = True, None
+            elif self.batches.is_expired(b.job.id):
+                log.warning("batch %s: its completion window passed; it ends expired with what it answered", b.job.id)
+                b.expiring, d.lines = True, None
+        if d.lines is not None and self.batches.disk_low():
+            return  # paused: no new lines until there is space again (those in flight finish)
         d.fill()
         errors = sum(d.error_kinds.values())
         self.batches.progress(b.job.id, b.done, errors)
         if d.exhausted and b.done + errors == d.requests_read:
-            total = b.skip + d.requests_read if b.cancelled else b.job.total
+            total = b.skip + d.requests_read if (b.cancelled or b.expiring) else b.job.total
             self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, 0.0, [], d.take_errors(),
                                  busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb()))
             self.owed += 1
             b.closing = True
 
+    def _open_next(self) -> None:
+        """Start the next batch, unless its journal was written under other settings (a restart with
+        another --seed, --dtype or model folder): then it fails with its answered lines delivered, since
+        mixing two settings' answers in one output is what a journal's fingerprint exists to prevent, and
+        re-running from scratch would throw away what was answered."""
+        job = self._store(self.batches.next_job)
+        if job is None:
+            return
+        if Path(job.output).exists():  # complete: the server stopped before the batch was marked so
+            self._store(self.batches.finish, job.id)
+            return
+        ident = input_id(job.input, job.output)
+        if self.fingerprint is not None:
+            problem = journal_problem(journal_path(job.output), dict(self.fingerprint, input=ident))
+            if problem:
+                log.error("batch %s: %s; it fails with its answered lines delivered", job.id, problem)
+                self._store(self.batches.fail, job.id, SETTINGS_CHANGED)
+                return
+        self.batch = BatchRun(job)
+        self._down(OpenFile(job.input, job.output, job.total, ident))
+        self.owed += 1
+
+    def _store(self, method, *args):
+        """A store call that writes: a full disk (or any OSError) is logged, never ends the server."""
+        try:
+            return method(*args)
+        except OSError as e:
+            log.error("batch state: %s (%s); batches wait for the disk", e, getattr(method, "__name__", method))
+            return None
+
     def _opened(self, msg: Opened) -> None:
         b = self.batch
         if msg.error:
             log.error("batch %s: %s", b.job.id, msg.error)
-            self.batches.fail(b.job.id, msg.error)
+            self._store(self.batches.fail, b.job.id, WRITE_FAILED)
             self.batch = None
         elif msg.skip is None:  # its output is complete (the server stopped before the batch was marked so)
-            self.batches.finish(b.job.id)
+            self._store(self.batches.finish, b.job.id)
             self.batch = None
         else:
             b.opened, b.skip = True, msg.skip
             self.driver.start(read_lines(b.job.input, skip=msg.skip))
-            self.batches.started(b.job.id, msg.skip)
+            self._store(self.batches.started, b.job.id, msg.skip)
             if msg.skip:
                 log.info("batch %s: resuming after %d answered requests", b.job.id, msg.skip)
 
@@ -197,9 +245,9 @@ class ServeRank(FirstRank):
         b, self.batch = self.batch, None
         self.driver.lines = None
         if msg.complete:
-            self.batches.finish(b.job.id)
+            self._store(self.batches.finish, b.job.id, b.expiring and not b.cancelled)
         else:
-            self.batches.fail(b.job.id, "the writer did not receive every result")
+            self._store(self.batches.fail, b.job.id, DISK_FULL if self.batches.disk_low() else WRITE_FAILED)
 
 
 def _error(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

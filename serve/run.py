@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 
@@ -31,15 +32,17 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     if not keys and not loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use it; "
                     "pass --api-key-file or set %s", host, API_KEY_ENV)
+    os.umask(0o077)  # prompts and results: this user's only (the state folder is 0700, its files 0600)
     root = opts.serve_dir
     if root is None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
     fr = first_rank(plan, opts, info, stage)
     fr.driver.sched.headroom = True
-    source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root)
+    source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root, store_limits(opts))
     name = opts.served_model_name or plan.model_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
+    engine.fingerprint = plan.fingerprint
     driver = fr.driver
     caps = Caps(opts.max_prompts_per_request, opts.max_pending_rows, driver.max_positions, max_token_bytes(driver.tok),
                 opts.truncate_prompts)
@@ -58,3 +61,11 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
         http.stop()
         tokenizing.close()
     log.info("server stopped")
+
+
+def store_limits(opts):
+    """The Batch API's per-key quotas and lifetimes from the flags."""
+    from .batches import StoreLimits
+
+    return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
+                       int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)

@@ -13,8 +13,13 @@ output counts as this run's (skipped) only when that record matches.
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
+import logging
 import os
+import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,8 +27,17 @@ import orjson
 
 from comm.faults import FINALIZE
 
-from .files import atomic_path
+from .files import atomic_path, input_fingerprint, legacy_input_fingerprint, write_atomic
 from .shards import index_of, share_of, share_size
+
+
+log = logging.getLogger(__name__)
+
+JOURNAL_SYNC_S = 1.0  # the journal is fsynced at most this long after a line is written (and at close)
+# a full disk: lines wait in memory for space, up to this many bytes; beyond it the file gives up (its
+# journal keeps every line written before, so a rerun or the Batch API's partial output has them)
+DISK_FULL_HOLD_BYTES = 64 << 20
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class JournalMismatch(RuntimeError):
@@ -33,6 +47,33 @@ class JournalMismatch(RuntimeError):
 # how the lines were shared among pipelines changes the journals' layout, not the finished lines
 NOT_IN_RESULTS = ("data_group_size",)
 HOW_TO_REPLACE = "pass --overwrite to recompute it, or --output-path to write this run's results elsewhere"
+
+
+_LEGACY_INPUT = re.compile(r"^\d+:[0-9a-f]{16}$")
+
+
+def input_id(path: str | os.PathLike, output: str | os.PathLike) -> str:
+    """The input's fingerprint for ``output``'s journal and record: the whole-file hash, except that a
+    journal or complete output recorded by an earlier version (size + first MiB) keeps that id while it
+    still matches the file, so a job started before an upgrade resumes, or is skipped, after it."""
+    for recorded in _recorded_inputs(Path(output)):
+        if _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
+            return recorded
+    return input_fingerprint(path)
+
+
+def _recorded_inputs(output: Path) -> list[str]:
+    found = []
+    metas = [record_path(output), *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]
+    for meta in metas:
+        try:
+            obj = json.loads(meta.read_text())
+            value = obj["run"]["input"] if meta == record_path(output) else obj["input"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, str):
+            found.append(value)
+    return found
 
 
 def record_path(output: str | os.PathLike) -> Path:
@@ -118,7 +159,11 @@ class OrderedWriter:
         self.share, self.shares = share, shares
         self.pending: dict[int, bytes] = {}
         self.written = 0  # lines in the journal
+        self.write_error: str | None = None  # set while the disk is full (lines wait), or for good (gave up)
+        self.gave_up = False
         self._file = None
+        self._size = 0  # bytes of whole lines in the journal: a failed write is cut back to it
+        self._synced = 0.0
 
     def open(self, overwrite: bool = False) -> int | None:
         """Prepare the journal; returns how many of this share's lines are already done, or None
@@ -138,8 +183,10 @@ class OrderedWriter:
                 raise JournalMismatch(problem)
             self.written = _count_and_trim(self.journal)
         else:
-            self.meta.write_text(json.dumps(self.fingerprint, sort_keys=True))
-        self._file = open(self.journal, "ab")
+            write_atomic(self.meta, json.dumps(self.fingerprint, sort_keys=True))
+        self._file = open(self.journal, "ab", buffering=0)  # unbuffered: a failed write leaves nothing behind
+        self._size = self.journal.stat().st_size
+        self._synced = time.monotonic()
         return self.written
 
     def _index_of(self, k: int) -> int:
@@ -150,22 +197,58 @@ class OrderedWriter:
         self.pending[index] = orjson.dumps(line) + b"\n"
 
     def flush(self) -> int:
-        """Write every line that is now contiguous; returns how many were written."""
-        out = []
-        while self._index_of(self.written) in self.pending:
-            out.append(self.pending.pop(self._index_of(self.written)))
-            self.written += 1
-        if out:
-            self._file.write(b"".join(out))
-            self._file.flush()
+        """Write every line that is now contiguous; returns how many were written. The journal is
+        fsynced at most JOURNAL_SYNC_S after a write. A full disk loses nothing: the lines wait (see
+        :meth:`_write`)."""
+        if self.gave_up:
+            self.pending.clear()
+            return 0
+        out, k = [], self.written
+        while self._index_of(k) in self.pending:
+            out.append(self.pending[self._index_of(k)])
+            k += 1
+        if not out or not self._write(b"".join(out)):
+            return 0
+        for i in range(self.written, k):
+            del self.pending[self._index_of(i)]
+        self.written = k
+        if time.monotonic() - self._synced >= JOURNAL_SYNC_S:
+            os.fsync(self._file.fileno())
+            self._synced = time.monotonic()
         return len(out)
+
+    def _write(self, data: bytes) -> bool:
+        """Append ``data`` whole, or leave the journal as it was. On a full disk the lines stay pending
+        (retried at the next flush, when space may be back) up to DISK_FULL_HOLD_BYTES, then the file
+        gives up: :meth:`close` reports it incomplete and the journal holds every line written before."""
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as e:
+            os.ftruncate(self._file.fileno(), self._size)  # no torn line: the journal stays a prefix
+            if e.errno not in DISK_FULL:
+                raise
+            if self.write_error is None:
+                log.error("%s: the disk is full; results wait in memory until space is freed", self.journal)
+            self.write_error = "the disk is full"
+            if sum(map(len, self.pending.values())) > DISK_FULL_HOLD_BYTES:
+                log.error("%s: the disk stayed full; this file stops here (%d lines journaled)",
+                          self.journal, self.written)
+                self.gave_up = True
+                self.pending.clear()
+            return False
+        self._size += len(data)
+        if self.write_error is not None:
+            log.warning("%s: space is back, results are written again", self.journal)
+            self.write_error = None
+        return True
 
     def close(self, total_lines: int) -> bool:
         """Finish the journal (flushed and synced); True when every line of the share is in it.
         The caller writes the file's summary (the record of this run), then :meth:`publish`."""
         self.flush()
         expected = share_size(self.share, total_lines, self.shares)
-        self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         return self.written == expected

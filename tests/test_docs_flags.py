@@ -67,8 +67,8 @@ def literal(cell: str):
     """The value a default cell states, or None when it describes one computed at run time."""
     if cell in ("off", "none"):
         return False
-    if m := re.fullmatch(r"(\d+)(?: (MiB|MB))?(?: = .*)?", cell):
-        return int(m.group(1)) * {"MiB": 2**20, "MB": 10**6, None: 1}[m.group(2)]
+    if m := re.fullmatch(r"(\d+)(?: (MiB|GiB|MB))?(?: = .*| \(.*\))?", cell):
+        return int(m.group(1)) * {"MiB": 2**20, "GiB": 2**30, "MB": 10**6, None: 1}[m.group(2)]
     if re.fullmatch(r"[a-z0-9_]+", cell) and cell not in ("all",):
         return cell
     return None

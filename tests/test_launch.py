@@ -506,3 +506,118 @@ def test_lsf_job_name_convention(stubs, shards, tmp_path):
     assert p.returncode == 0 and (log / "blaunch.args").exists()
     p = run_script("lsf_pipeline.bsub", {**env, "LSB_JOBID": ""}, tmp_path, timeout=30)
     assert p.returncode != 0 and "run this through bsub" in p.stderr
+
+
+# ---------------------------------------------------------------- ranks end with their launcher
+
+DEFAULT_MODEL = str(REPO / "examples" / "tiny-llama-default")
+
+
+def _launch_and_kill_launcher(cmd: list[str], env: dict, marker: str, log: Path, ready, port: int | None = None):
+    """Start ``cmd`` (a launcher of 2 ranks, in a session of its own), wait until ``ready(log)``, SIGKILL
+    the launcher alone, and check every rank (found by ``marker`` on its command line) is gone within a
+    bounded time, and ``port`` (serve mode) free again."""
+    with open(log, "w") as log_f:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready(log.read_text()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        ranks = [p for p in alive(marker) if p != proc.pid]
+        assert len(ranks) >= 2, (ranks, log.read_text()[-2000:])
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: what timeout -s KILL or an OOM kill does
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(p in alive(marker) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(p in alive(marker) for p in ranks), "ranks outlived their launcher by 60 s:\n" + \
+            log.read_text()[-3000:]
+        if port is not None:
+            import socket
+
+            with socket.socket() as s:  # nobody holds the port any more
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+        assert "SIGTERM received" in log.read_text()  # they took SIGTERM's way out
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill_marked(marker)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "legacy"])
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path, launcher):
+    """kill -9 of torchrun (or of launch/legacy_per_rank.sh) in file mode: every rank exits (parent-death
+    signal, parent check), the journal keeps what finished."""
+    marker = f"orphan_marker_{os.getpid()}_{time.monotonic_ns()}"
+    data = write_jsonl(tmp_path / f"{marker}.jsonl",
+                       [{"prompt": f"Once upon a time {i}", "max_tokens": 200, "temperature": 0} for i in range(400)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = ["--model-name", DEFAULT_MODEL, "--infer-data", str(data), "--num-threads", "1", "--no-progress"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(REPO / "dist_inference_runner.py"), *args]
+    else:
+        cmd = ["bash", str(LAUNCH / "legacy_per_rank.sh"), "--model-name", DEFAULT_MODEL, "--num-threads", "1",
+               "--no-progress"]
+        env.update(DATA=str(data), NPROC="2", PORT=str(free_port()), PYTHON=sys.executable)
+    journal = tmp_path / f"output_{marker}.jsonl.partial"
+    _launch_and_kill_launcher(cmd, env, marker, tmp_path / "log.txt",
+                              lambda _: journal.exists() and journal.stat().st_size > 0)
+    assert journal.read_bytes().endswith(b"\n")
+
+
+def test_a_server_stops_when_torchrun_is_killed(tmp_path):
+    """kill -9 of torchrun in serve mode: rank 0 stops answering and frees the port, every rank exits."""
+    marker = f"orphan_serve_{os.getpid()}_{time.monotonic_ns()}"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(REPO / "dist_inference_runner.py"), "--model-name", DEFAULT_MODEL,
+           "--serve", str(port), "--serve-dir", str(tmp_path / marker), "--num-threads", "1", "--no-progress"]
+    _launch_and_kill_launcher(cmd, env, marker, tmp_path / "log.txt", lambda text: "serving " in text, port)
+
+
+def test_launcher_watch_without_the_kernel_signal(tmp_path):
+    """The watchdog alone (what non-Linux systems get): a child whose parent dies stops within seconds."""
+    script = tmp_path / "tree.py"
+    script.write_text(f"""
+import os, signal, subprocess, sys, time
+sys.path.insert(0, {str(REPO)!r})
+if sys.argv[1:] == ["child"]:
+    from comm.lifeline import watch_launcher
+    watch_launcher(os.getppid(), poll_s=0.1, kernel=False)
+    print("watching", flush=True)
+    time.sleep(60)
+    sys.exit(3)
+child = subprocess.Popen([sys.executable, __file__, "child"], stdout=sys.stdout)
+print(child.pid, flush=True)
+time.sleep(60)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "watching"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] \
+                if Path(f"/proc/{child}/stat").exists() else "Z"
+            if state == "Z":
+                break
+            time.sleep(0.1)
+        state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] \
+            if Path(f"/proc/{child}/stat").exists() else "gone"
+        assert state in ("Z", "gone"), "the child outlived its parent by 20 s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -40,14 +40,14 @@ CHAT = {"messages": [{"role": "user", "content": "Say something"}], "max_tokens"
 class Server:
     """The runner in serve mode as a process group (torchrun for P > 1)."""
 
-    def __init__(self, model: str, nproc: int, serve_dir: Path, log: Path):
-        self.model, self.nproc, self.serve_dir, self.log = model, nproc, serve_dir, log
+    def __init__(self, model: str, nproc: int, serve_dir: Path, log: Path, extra: tuple[str, ...] = ()):
+        self.model, self.nproc, self.serve_dir, self.log, self.extra = model, nproc, serve_dir, log, list(extra)
         self.port, self.proc = free_port(), None
 
     def start(self) -> None:
         args = [str(RUNNER), "--model-name", self.model, "--serve", str(self.port), "--served-model-name", NAME,
                 "--serve-dir", str(self.serve_dir), "--api-key", KEY, "--max-pending", "40",
-                "--max-request-bytes", "200000", "--num-threads", "1", "--no-progress"]
+                "--max-request-bytes", "200000", "--num-threads", "1", "--no-progress", *self.extra]
         if self.nproc > 1:
             args = ["-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc), "--master-addr", "127.0.0.1",
                     "--master-port", str(free_port()), *args]
@@ -113,16 +113,21 @@ def reference(llama_2l, tmp_path_factory):
     """File mode's answers to REQUESTS and to the batch file (P = 1)."""
     d = tmp_path_factory.mktemp("serve_ref")
     src = write_jsonl(d / "r.jsonl", REQUESTS)
-    batch = write_jsonl(d / "b.jsonl", batch_lines())
+    batch = write_jsonl(d / "b.jsonl", batch_lines(chat=True))
     for path in (src, batch):
         res = run_single(["--model-name", llama_2l, "--infer-data", path, "--num-threads", "1", "--no-progress"], timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     return read_jsonl(d / "output_r.jsonl"), read_jsonl(d / "output_b.jsonl")
 
 
-def batch_lines(extra: int = 0) -> list[dict]:
+CHAT_LINE = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+
+
+def batch_lines(extra: int = 0, chat: bool = False) -> list[dict]:
+    """Completion lines (a batch holds one endpoint's requests, as OpenAI's; file mode mixes them: ``chat``)."""
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": r} for i, r in enumerate(REQUESTS)]
-    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": CHAT})
+    if chat:
+        lines.append(CHAT_LINE)
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 0}})
     lines += [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/completions",
                "body": {"prompt": f"Line {i} of a long batch", "max_tokens": 40, "temperature": 0.7, "seed": i}}
@@ -336,6 +341,14 @@ def test_batch_api(server, reference, tmp_path):
     assert f.id not in [x.id for x in client.files.list()]
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
+    chat = client.files.create(file=("chat.jsonl", (json.dumps(CHAT_LINE) + "\n").encode()), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="differs from the batch's endpoint"):
+        client.batches.create(input_file_id=chat.id, endpoint="/v1/completions", completion_window="24h")
+    done = wait_batch(client, client.batches.create(input_file_id=chat.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+    got = batch_bodies(client.files.content(done.output_file_id).text)["chat"]["response"]["body"]["choices"]
+    assert_consistent_results(as_lines([{"choices": got}]),
+                              as_lines([{"choices": ref["chat"]["response"]["body"]["choices"]}]))
 
 
 def test_batch_cancel(server):
@@ -371,6 +384,38 @@ def test_batch_survives_sigkill(server):
     out = batch_bodies(client.files.content(done.output_file_id).text)
     errs = batch_bodies(client.files.content(done.error_file_id).text)
     assert sorted([*out, *errs]) == sorted(x["custom_id"] for x in lines) and set(errs) == {"bad"}
+
+
+def test_restart_with_another_seed_delivers_the_answered_lines(llama_2l, tmp_path):
+    """A server killed mid-batch and started again with another --seed: the batch fails with the lines
+    it answered in its output file and the others listed in its error file; no server path shown."""
+    s = Server(llama_2l, 1, tmp_path / "state", tmp_path / "server.log")
+    try:
+        s.start()
+        client = s.client()
+        lines = batch_lines(extra=60)
+        f = client.files.create(file=("big.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch.id).request_counts.completed < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.kill(signal.SIGKILL)
+        s.extra = ["--seed", "7"]
+        s.start()
+        client = s.client()
+        done = wait_batch(client, batch.id)
+        assert done.status == "failed", done
+        message = done.errors.data[0].message
+        assert "other settings" in message and str(tmp_path) not in message and "/" not in message
+        out = batch_bodies(client.files.content(done.output_file_id).text)
+        errs = batch_bodies(client.files.content(done.error_file_id).text)
+        assert out and sorted([*out, *errs]) == sorted(x["custom_id"] for x in lines)
+        assert errs[lines[-1]["custom_id"]]["error"]["code"] == "batch_failed"
+        assert done.request_counts.completed == len(out) and done.request_counts.failed == len(errs)
+    finally:
+        s.kill()
 
 
 def test_sigterm_stops_every_rank(server):
