@@ -164,7 +164,7 @@ class TestTight:
         assert complete(tight, headers=AUTH).status_code == 200
 
     def test_upload_streamed_with_a_cap(self, tight):
-        files = tight.folder / "state" / "files"
+        files = tight.folder / "state" / "uploads"  # where uploads stream before they move to their key's folder
         r = httpx.post(tight.url("/v1/files"), headers=AUTH, data={"purpose": "batch"},
                        files={"file": ("big.jsonl", b"x" * 1_500_000)}, timeout=60)
         assert r.status_code == 413 and "--max-upload-bytes" in r.json()["error"]["message"]
