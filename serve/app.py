@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.requests import RequestError, parse_body
+from tasks.requests import RequestError, json_problem, parse_body
 
 from .batches import BatchStore, StoreError
 from .source import Busy, Live, RequestSource, Unavailable
@@ -141,7 +141,7 @@ async def read_json(request: Request, limit: int):
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise StoreError(f"the body is not valid JSON: {e}", 400) from None
+        raise StoreError(f"the body is not valid JSON: {json_problem(body, e)}", 400) from None
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
