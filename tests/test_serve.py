@@ -13,15 +13,15 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.utils import RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, write_jsonl
 
-openai = pytest.importorskip("openai")
-try:  # the openai package's HTTP client (httpx, or its fork httpx2 in newer openai releases)
+try:  # the HTTP client the openai package (a declared test dependency) brings: httpx, or its fork httpx2
     import httpx
 except ImportError:
-    httpx = pytest.importorskip("httpx2")
+    import httpx2 as httpx
 
 KEY = "sk-test-serve"
 NAME = "tiny"
