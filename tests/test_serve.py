@@ -215,6 +215,7 @@ def test_bad_requests(server):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url("/v1/completions"), content=b'{"prompt": "x"', headers=h)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"] == "the body is not valid JSON: it ends before the JSON value is complete (column 15)"
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "temperature": 9}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "model": "other"}, headers=h)
