@@ -124,7 +124,7 @@ def test_adapters_on_fused_projections(tmp_path, family, overrides, targets):
     refs = [model, merged(model, a, tmp_path / "ma"), merged(model, b, tmp_path / "mb")]
     chain, _ = with_adapters(model, [(0, 1), (1, 3)], [("a", a), ("b", b)])
     rows = [1, 0, 2]
-    for prompt, k, ours in zip(PROMPTS, rows, chain_logits(chain, PROMPTS[:3], adapters=rows), strict=True):
+    for prompt, k, ours in zip(PROMPTS[:3], rows, chain_logits(chain, PROMPTS[:3], adapters=rows), strict=True):
         torch.testing.assert_close(ours, hf_logits(refs[k], prompt), atol=1e-4, rtol=1e-4)
 
 
