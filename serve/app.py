@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.requests import RequestError, parse_body
+from tasks.requests import RequestError, json_problem, parse_body
 
 from .auth import Access, Keys, origin_list
 from .batches import BatchStore, StoreError
@@ -127,7 +127,7 @@ async def read_json(request: Request, limit: int):
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise StoreError(f"the body is not valid JSON: {e}", 400) from None
+        raise StoreError(f"the body is not valid JSON: {json_problem(body, e)}", 400) from None
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:

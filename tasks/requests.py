@@ -7,6 +7,7 @@ names the field, so the line gets an error result in its place and the rest of t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -236,12 +237,38 @@ def parse_body(body: object, chat: bool, index: int = 0) -> Request:
     return Request(index, body, _prompts(body), parse_params(body), model=body.get("model"))
 
 
+def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
+    """What is wrong with ``data``, which orjson refused, in the runner's words and with the position
+    ("column C", or "line L column C" in text of several lines). orjson's own text changes between
+    releases, so only its ``pos`` (the stdlib JSONDecodeError's offset in the text) is used."""
+    try:
+        doc = data.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return f"byte {u.start + 1} is not UTF-8"
+    text = doc.rstrip()
+    if not text.strip():
+        return "it is empty"
+
+    def where(pos: int) -> str:
+        line, col = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
+        return f"line {line} column {col}" if "\n" in text else f"column {col}"
+
+    if e.pos >= len(text):
+        return f"it ends before the JSON value is complete ({where(len(text))})"
+    start = len(doc) - len(doc.lstrip())
+    try:  # a complete value, then more: e.g. two objects on one line
+        after = start + json.JSONDecoder().raw_decode(doc[start:])[1] <= e.pos
+    except ValueError:
+        after = False
+    return f"unexpected {doc[e.pos]!r} {'after the JSON value ' if after else ''}at {where(e.pos)}"
+
+
 def parse_line(line: bytes, index: int) -> Request:
     """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo)."""
     try:
         raw = orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        err = RequestError(f"the line is not valid JSON: {e}", None)
+        err = RequestError(f"the line is not valid JSON: {json_problem(line, e)}", None)
         err.raw = line.decode("utf-8", errors="replace").rstrip("\r\n")
         raise err from None
     try:

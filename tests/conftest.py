@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny models built once per test run, free ports, no stray processes.
+"""Shared test fixtures: tiny models built once per test run, free ports, no stray processes; the
+``multiprocess`` marker on every test that starts processes (``pytest -m "not multiprocess"``: the fast tier).
 
 The repository root is importable through ``pytest.ini`` (``pythonpath = .``); helpers live in
 tests/utils.py.
@@ -6,8 +7,10 @@ tests/utils.py.
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
+import types
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,44 @@ def _children(pid: int) -> list[int]:
         if children.exists():
             out += [int(c) for c in children.read_text().split()]
     return out
+
+
+# -- the multiprocess marker -------------------------------------------------------------------
+# A test is marked when it, a fixture it uses, or a helper of the tests' own modules they call
+# (transitively: tests.utils.run_torchrun -> run_cmd -> subprocess) names one of these.
+_SPAWNS = frozenset({"subprocess", "Popen", "multiprocessing", "fork", "spawn", "init_process_group"})
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a function's code (and the functions nested in it) uses."""
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names
+
+
+def _starts_processes(obj, seen: set) -> bool:
+    if inspect.isclass(obj):
+        return any(_starts_processes(f, seen) for f in vars(obj).values() if inspect.isfunction(f))
+    code = getattr(obj, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = _names(code)
+    if names & _SPAWNS:
+        return True
+    helpers = (obj.__globals__.get(n) for n in names)
+    return any(_starts_processes(h, seen) for h in helpers
+               if (inspect.isfunction(h) or inspect.isclass(h)) and h.__module__.split(".")[0] == "tests")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        funcs = [getattr(item, "function", None)]
+        funcs += [d.func for defs in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in defs]
+        seen: set = set()
+        if any(f is not None and _starts_processes(f, seen) for f in funcs):
+            item.add_marker(pytest.mark.multiprocess)

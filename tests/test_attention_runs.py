@@ -133,7 +133,7 @@ def _per_row_reference(q, k, v, rows, ends, window, scale):
     """Each row alone: SDPA over exactly its own columns, in float32."""
     g = q.shape[1] // k.shape[1]
     out = []
-    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist())):
+    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist(), strict=True)):
         f = max(0, e - window) if window else 0
         kk, vv = k[r, :, f:e].float().repeat_interleave(g, 0), v[r, :, f:e].float().repeat_interleave(g, 0)
         out.append(F.scaled_dot_product_attention(q[i : i + 1].float(), kk[None], vv[None], scale=scale))
@@ -249,11 +249,11 @@ def test_prompts_resuming_after_cached_tokens_attend_row_by_row(name, tmp_path, 
     ids = torch.randint(3, 1000, (4, 30), generator=torch.Generator().manual_seed(2))
 
     def prefill(cache, starts, stops):
-        t = max(b - a for a, b in zip(starts, stops))
-        chunk = torch.stack([torch.cat([ids[i, a:b], ids.new_zeros(t - (b - a))]) for i, (a, b) in enumerate(zip(starts, stops))])
+        t = max(b - a for a, b in zip(starts, stops, strict=True))
+        chunk = torch.stack([torch.cat([ids[i, a:b], ids.new_zeros(t - (b - a))]) for i, (a, b) in enumerate(zip(starts, stops, strict=True))])
         fresh = not any(starts)
         seg = Segment(torch.arange(4), torch.tensor(starts), t, t if fresh else max(starts) + t, fresh=fresh,
-                      prefill=True, host_rows=list(range(4)), host_start=starts, lens=[b - a for a, b in zip(starts, stops)])
+                      prefill=True, host_rows=list(range(4)), host_start=starts, lens=[b - a for a, b in zip(starts, stops, strict=True)])
         return stage(chunk, seg, cache)
 
     whole = prefill(stage.new_cache(4, 32), [0] * 4, lens)
@@ -264,7 +264,7 @@ def test_prompts_resuming_after_cached_tokens_attend_row_by_row(name, tmp_path, 
     prefill(cache, [0] * 4, first)
     second = prefill(cache, first, lens)
     assert len(calls) == 2 * 3  # both chunks, every layer
-    for i, (a, b) in enumerate(zip(first, lens)):
+    for i, (a, b) in enumerate(zip(first, lens, strict=True)):
         torch.testing.assert_close(second[i, : b - a], whole[i, a:b], atol=1e-5, rtol=1e-5)
 
 
@@ -276,7 +276,7 @@ def _varlen_reference(seen):
         seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, window_size, enable_gqa))
         assert cu_q.dtype == torch.int32 and (k.shape[1] == q.shape[1]) != enable_gqa
         outs = []
-        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True):
             qi, ki, vi = q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1)
             ki, vi = (x.repeat_interleave(q.shape[1] // k.shape[1], 0) for x in (ki, vi))
             j, i = torch.arange(b - a)[:, None] + (e - c) - (b - a), torch.arange(e - c)[None]

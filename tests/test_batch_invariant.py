@@ -70,7 +70,7 @@ def _prefill_and_decode(chain, prompts: list[list[int]], order: list[int], steps
     caches = [st.new_cache(b, t + steps) for st in chain]
     seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True, lens=lens)
     x = ids
-    for st, c in zip(chain, caches):
+    for st, c in zip(chain, caches, strict=True):
         x = st(x, seg, c)
     logits = chain[-1].head(x[torch.arange(b), torch.tensor(lens) - 1])
     out = [[logits[rows[i]]] for i in range(b)]
@@ -79,7 +79,7 @@ def _prefill_and_decode(chain, prompts: list[list[int]], order: list[int], steps
         nxt = logits.argmax(-1)
         seg = Segment(torch.arange(b), torch.tensor(cur), 1, max(cur) + 1, all_rows=True, lens=[1] * b)
         x = nxt[:, None]
-        for st, c in zip(chain, caches):
+        for st, c in zip(chain, caches, strict=True):
             x = st(x, seg, c)
         logits = chain[-1].head(x[:, -1])
         for i in range(b):
@@ -116,4 +116,4 @@ def test_stage_chain_is_batch_invariant_and_matches_hf(make, tmp_path, threads):
                     alone = got
                     ref = hf_logits(model_dir, TARGET)[-1]
                     torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=1e-4)
-                assert all(torch.equal(a, b) for a, b in zip(got, alone)), (stages, th, order)
+                assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True)), (stages, th, order)

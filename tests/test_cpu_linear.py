@@ -83,7 +83,7 @@ def test_packed_chain_matches_hf(llama_2l, ranges):
     prompts = [[1, 5, 9, 33, 2, 8], [1, 70, 71], [1, *range(40, 80)]]
     chain = stage_chain(llama_2l, ranges)
     assert all(st.cpu_linear == "onednn" for st in chain)
-    for prompt, ours in zip(prompts, chain_logits(chain, prompts)):
+    for prompt, ours in zip(prompts, chain_logits(chain, prompts), strict=True):
         torch.testing.assert_close(ours, hf_logits(llama_2l, prompt), atol=1e-4, rtol=1e-4)
 
 
@@ -110,5 +110,5 @@ def test_packed_bfloat16_stage_matches_the_plain_one(llama_2l):
     packed = stage_chain(llama_2l, [(0, 1), (1, 2)], dtype=torch.bfloat16)
     assert all(st.cpu_linear == "onednn" and isinstance(st.layers[0].mlp.up, PackedLinear) for st in packed)
     assert packed[0].layers[0].mlp.up.weight.dtype == torch.bfloat16
-    for ours, ref in zip(chain_logits(packed, prompts), chain_logits(plain, prompts)):
+    for ours, ref in zip(chain_logits(packed, prompts), chain_logits(plain, prompts), strict=True):
         torch.testing.assert_close(ours, ref, atol=2e-2, rtol=2e-2)  # bf16's rounding, whichever kernel

@@ -160,7 +160,7 @@ def test_fused_expert_layout_loads_identically(tmp_path, name):
     fused = _fused_copy(d, tmp_path / "fused")
     ranges = stage_ranges(3, 2)
     for a, b in zip(chain_logits(stage_chain(str(fused), ranges), PROMPTS),
-                    chain_logits(stage_chain(d, ranges), PROMPTS)):
+                    chain_logits(stage_chain(d, ranges), PROMPTS), strict=True):
         assert torch.equal(a, b)
     _, store = build_stage(fused, 2, 3, False, False)
     assert sorted(n for n in store.loaded if ".mlp." in n) == [
@@ -195,7 +195,7 @@ def test_moe_batch_invariant_and_matches_hf(tmp_path):
             if alone is None:
                 alone = got
                 torch.testing.assert_close(got[0], hf_logits(d, TARGET)[-1], atol=1e-4, rtol=1e-4)
-            assert all(torch.equal(a, b) for a, b in zip(got, alone)), (stages, th, order)
+            assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True)), (stages, th, order)
 
 
 def test_echo_scoring_and_generation_through_the_cli(tmp_path):
@@ -212,15 +212,16 @@ def test_echo_scoring_and_generation_through_the_cli(tmp_path):
     proc = run_torchrun(["--model-name", d, "--infer-data", str(req), "--output-path", str(out)], 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_jsonl(out)
-    for text, line in zip(texts, results):
+    assert len(results) == len(lines)
+    for text, line in zip(texts, results[: len(texts)], strict=True):
         ids = tok(text)["input_ids"]
         lp = line["result"]["choices"][0]["logprobs"]
         ref = torch.log_softmax(hf_logits(d, ids), -1)
         expected = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
         assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
-        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], expected)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], expected, strict=True)) < 1e-4
     ids = tok(texts[0])["input_ids"]
     ref_tokens, ref_lps = hf_greedy(d, ids, 4)
     choice = results[2]["result"]["choices"][0]
-    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref_lps)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref_lps, strict=True)) < 1e-4
     assert choice["text"] == tok.decode(ref_tokens, skip_special_tokens=True)

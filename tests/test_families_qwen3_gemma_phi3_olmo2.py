@@ -57,7 +57,7 @@ def test_batch_invariant_mode_matches_hf(name, tmp_path):
     model_type, overrides = VARIANTS[name]
     path = random_hf_model(tmp_path, model_type, **overrides)
     chain = stage_chain(path, stage_ranges(3, 2), batch_invariant=True)
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS), strict=True):
         torch.testing.assert_close(ours, hf_logits(path, prompt), atol=1e-4, rtol=1e-4)
     toks, _ = chain_greedy(chain, PROMPTS, 4)
     assert toks == [hf_greedy(path, p, 4)[0] for p in PROMPTS]
@@ -113,13 +113,13 @@ def test_runner_p2_echo_scoring_and_greedy_match_hf(tmp_path):
     proc = run_torchrun(["--model-name", path, "--infer-data", src, "--output-path", str(out), "--no-progress"], 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_jsonl(out)
-    for prompt, line in zip(PROMPTS, lines[: len(PROMPTS)]):
+    for prompt, line in zip(PROMPTS, lines[: len(PROMPTS)], strict=True):
         lps = line["result"]["choices"][0]["logprobs"]["token_logprobs"]
         ref = torch.log_softmax(hf_logits(path, prompt), -1)
         assert lps[0] is None and len(lps) == len(prompt)
         assert max(abs(lps[i] - float(ref[i - 1, prompt[i]])) for i in range(1, len(prompt))) < 1e-4
     tok = local_tokenizer()
-    for prompt, line in zip(PROMPTS, lines[len(PROMPTS):]):
+    for prompt, line in zip(PROMPTS, lines[len(PROMPTS):], strict=True):
         toks, _ = hf_greedy(path, prompt, 5)
         assert line["result"]["choices"][0]["text"] == tok.decode(toks)
 
@@ -147,7 +147,7 @@ def test_gemma3_image_text_checkpoint_runs_its_text_decoder(tmp_path):
     model.save_pretrained(path)
     chain = stage_chain(path, [(0, 2), (2, 3)])
     with torch.inference_mode():
-        for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+        for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS), strict=True):
             ref = model(input_ids=torch.tensor([prompt])).logits[0].float()
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     _, store = build_stage(path, 0, 3, True, True)

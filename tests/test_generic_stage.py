@@ -88,7 +88,7 @@ def test_more_families_match_hf_at_p2(family, tmp_path):
     d = tiny_model(tmp_path / family, family, **over)
     chain = stage_chain(d, [(0, 1), (1, 2)], backend="transformers")  # some have native code too
     assert all(isinstance(s, HFStageModel) for s in chain)
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS), strict=True):
         torch.testing.assert_close(ours, hf_logits(d, prompt), atol=1e-4, rtol=1e-4)
 
 
@@ -98,7 +98,7 @@ def test_llama_forced_through_transformers_matches_hf_and_native(llama, stages):
     ranges = stage_ranges(3, stages)
     generic = stage_chain(llama, ranges, backend="transformers")
     assert all(isinstance(s, HFStageModel) for s in generic)
-    for a, b in zip(chain_logits(generic, PROMPTS), chain_logits(stage_chain(llama, ranges), PROMPTS)):
+    for a, b in zip(chain_logits(generic, PROMPTS), chain_logits(stage_chain(llama, ranges), PROMPTS), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -173,7 +173,7 @@ def test_pre_split_layout_of_a_generic_model(models, tmp_path):
     _, store = build_stage(tmp_path / "split", 2, 3, False, True)
     assert sorted(p.name for p in store.opened_files) == ["pytorch_2.pt", "pytorch_lm_head.pt"]
     for a, b in zip(chain_logits(stage_chain(str(tmp_path / "split"), [(0, 2), (2, 3)]), PROMPTS),
-                    chain_logits(stage_chain(d, [(0, 3)]), PROMPTS)):
+                    chain_logits(stage_chain(d, [(0, 3)]), PROMPTS), strict=True):
         assert torch.equal(a, b)
 
 
@@ -223,19 +223,19 @@ def _requests() -> list[dict]:
 def _check_against_hf(model_dir: str, lines: list[dict]) -> None:
     tok = local_tokenizer()
     n = len(ECHO_PROMPTS)
-    for prompt, line in zip(ECHO_PROMPTS, lines[:n]):  # echo scoring: every prompt token's logprob
+    for prompt, line in zip(ECHO_PROMPTS, lines[:n], strict=True):  # echo scoring: every prompt token's logprob
         ids = tok(prompt)["input_ids"]
         c = line["result"]["choices"][0]
         assert c["text"] == prompt and c["logprobs"]["token_logprobs"][0] is None
         ref = torch.log_softmax(hf_logits(model_dir, ids), -1)
         ref_lps = [float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)]
-        assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"][1:], ref_lps)) < 1e-4
-    for prompt, line in zip(ECHO_PROMPTS, lines[n:]):
+        assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"][1:], ref_lps, strict=True)) < 1e-4
+    for prompt, line in zip(ECHO_PROMPTS, lines[n:], strict=True):
         ids = tok(prompt)["input_ids"]
         toks, lps = hf_greedy(model_dir, ids, 5)
         got = line["result"]["choices"][0]["logprobs"]
         assert got["tokens"] == [tok.decode([t]) for t in toks]
-        assert max(abs(a - b) for a, b in zip(got["token_logprobs"], lps)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got["token_logprobs"], lps, strict=True)) < 1e-4
 
 
 def test_cli_p2_generic_family_echo_and_greedy_match_hf(models, tmp_path):

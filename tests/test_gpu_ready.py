@@ -189,7 +189,9 @@ def test_scoring_micro_batches_allocate_no_kv_cache(llama_2l, tmp_path, backend)
         assert run_inprocess(args) == 0
         peak = json.loads((tmp_path / f"{name}.jsonl.summary.json").read_text())["kv_cells_peak"]
         assert (peak == 0) if name == "score" else (peak > 0), (name, peak)
-        for line, p in zip(read_jsonl(out), prompts):
+        lines = read_jsonl(out)
+        assert len(lines) == len(reqs)
+        for line, p in zip(lines[: len(prompts)], prompts, strict=True):
             got = line["result"]["choices"][0]["logprobs"]["token_logprobs"][1:]
             want = hf_logits(llama_2l, p).log_softmax(-1)[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)

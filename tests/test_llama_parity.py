@@ -46,5 +46,5 @@ def test_mistral_and_qwen2(family, tmp_path):
                                max_position_embeddings=256, tie_word_embeddings=family == "qwen2")
     d = _save(AutoModelForCausalLM.from_config(cfg), tmp_path)
     chain = stage_chain(d, stage_ranges(2, 2))
-    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS)):
+    for prompt, ours in zip(PROMPTS, chain_logits(chain, PROMPTS), strict=True):
         torch.testing.assert_close(ours, hf_logits(d, prompt), atol=1e-4, rtol=1e-4)

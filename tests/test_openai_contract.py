@@ -4,13 +4,12 @@ prompt forms, n/best_of, seeds, penalties, stops, Batch API."""
 import json
 import math
 
+import openai.types as openai_types  # a declared test dependency (requirements-test.txt)
 import pytest
 import torch
 
 from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_logits, local_tokenizer, read_jsonl, run_inprocess,
                          run_torchrun, write_jsonl)
-
-openai_types = pytest.importorskip("openai.types")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def check_offsets(choice: dict) -> None:
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == choice["text"]
     pos = 0
-    for tok, off in zip(lp["tokens"], lp["text_offset"]):
+    for tok, off in zip(lp["tokens"], lp["text_offset"], strict=True):
         assert off == pos
         pos += len(tok)
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
@@ -51,7 +50,7 @@ def test_mixed_params_all_answered_and_valid_openai_types(model_dir, tmp_path):
     requests = [json.loads(l) for l in (DATA / "mixed_params.jsonl").read_text().splitlines() if l.strip()]
     out = run(model_dir, tmp_path, requests)
     assert len(out) == len(requests)
-    for req, line in zip(requests, out):
+    for req, line in zip(requests, out, strict=True):
         assert line["request"] == req  # unknown keys are kept
         assert "result" in line, line.get("error")
         res = line["result"]
@@ -90,7 +89,7 @@ def test_echo_scoring_matches_hf_loglikelihood_p1_and_p2(model_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out2 = read_jsonl(tmp_path / "p2.jsonl")
     assert_consistent_results(out1, out2)  # scoring only: logprobs within 1e-4
-    for req, line in zip(requests, out1):
+    for req, line in zip(requests, out1, strict=True):
         c = line["result"]["choices"][0]
         assert c["finish_reason"] == "length" and c["text"] == req["prompt"]
         assert line["result"]["usage"]["completion_tokens"] == 0
@@ -111,13 +110,13 @@ def test_lm_eval_recipe_loglikelihood_and_greedy_flag(model_dir, tmp_path):
     cases = [[greedy_next], tok(" west of the office", add_special_tokens=False)["input_ids"]]
     out = run(model_dir, tmp_path, [{"prompt": context + cont, "max_tokens": 1, "echo": True, "logprobs": 1,
                                      "temperature": 0} for cont in cases])
-    for cont, line in zip(cases, out):
+    for cont, line in zip(cases, out, strict=True):
         lp = line["result"]["choices"][0]["logprobs"]
         ctxlen = len(context)
         # what lm-eval does with the response
         ours = sum(lp["token_logprobs"][ctxlen:-1])
         is_greedy = all(max(top, key=top.get) == tok_s
-                        for tok_s, top in zip(lp["tokens"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]))
+                        for tok_s, top in zip(lp["tokens"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1], strict=True))
         ids = context + cont
         ref_lp = torch.log_softmax(hf_logits(model_dir, ids), -1)
         ref = float(sum(ref_lp[i - 1, ids[i]] for i in range(ctxlen, len(ids))))
@@ -186,7 +185,7 @@ def test_logit_bias_and_penalties_leave_reported_logprobs_raw(model_dir, tmp_pat
     ids = tok("The")["input_ids"] + [forced] * 4
     ref = torch.log_softmax(hf_logits(model_dir, ids), -1)
     raw = [float(ref[len(ids) - 5 + i, forced]) for i in range(4)]
-    assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], raw)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], raw, strict=True)) < 1e-4
     assert all(v < -1 for v in c["logprobs"]["token_logprobs"])  # raw model, not the biased one
     penalized, plain = (out[i]["result"]["choices"][0]["logprobs"]["tokens"] for i in (1, 2))
     assert len(set(penalized)) >= len(set(plain))
@@ -214,7 +213,7 @@ def test_text_offset_with_non_ascii(model_dir, tmp_path):
     prompts = ["naïve café — 日本語のテキスト 😀🎉", "Ünïcödé ✓ ok"]
     out = run(model_dir, tmp_path, [{"prompt": p, "max_tokens": 8, "echo": True, "logprobs": 1, "temperature": 0.9,
                                      "seed": 1} for p in prompts])
-    for p, line in zip(prompts, out):
+    for p, line in zip(prompts, out, strict=True):
         c = line["result"]["choices"][0]
         assert c["text"].startswith(p)
         check_offsets(c)

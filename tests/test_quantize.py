@@ -171,7 +171,7 @@ def test_fused_prologues_leave_the_stage_outputs_unchanged(peaked):
     assert fuse_prologues(model) == 3 * len(model.layers)
     assert all(isinstance(b.n1, DeferredNorm) and isinstance(b.n2, DeferredNorm) for b in model.layers)
     assert len(list(model.parameters())) == params
-    for x, ref in zip(chain_logits([model], PROMPTS), before):
+    for x, ref in zip(chain_logits([model], PROMPTS), before, strict=True):
         torch.testing.assert_close(x, ref, atol=2e-3, rtol=1e-3)  # a value one int8 step over, at most
 
 
@@ -213,7 +213,7 @@ def test_a_compiler_without_openmp_keeps_the_loops_but_not_decode_attention(tmp_
         lib = native.library()
         assert lib is not None and lib.has_openmp() == 0 and native.decode_dtypes() == ()
         x = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
-        assert all(torch.equal(a, b) for a, b in zip(quantize_tokens(x), eager_quantize_tokens(x)))
+        assert all(torch.equal(a, b) for a, b in zip(quantize_tokens(x), eager_quantize_tokens(x), strict=True))
     finally:
         native.library.cache_clear()
         native.decode_dtypes.cache_clear()
@@ -280,7 +280,7 @@ def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
         for name, mod in hf.model.layers.named_modules():
             if isinstance(mod, torch.nn.Linear):
                 mod.weight.copy_(fake_quantize(mod.weight))
-        for prompt, x, f in zip(PROMPTS, ours, full):
+        for prompt, x, f in zip(PROMPTS, ours, full, strict=True):
             ref = hf(torch.tensor([prompt])).logits[0]
             if kernel == "dequantize":  # the same arithmetic as the plain reference, to float rounding
                 torch.testing.assert_close(x, ref, atol=1e-4, rtol=1e-4)
@@ -311,7 +311,7 @@ def test_half_precision_compute_keeps_float32_scales(peaked, dtype):
     assert qkv.weight.dtype == torch.int8 and qkv.scale.dtype == torch.float32
     assert model.embed.weight.dtype == dtype
     full = build_stage(peaked, 0, 2, True, True, quantize="int8")[0]  # int8 weights, float32 compute
-    for x, ref in zip(chain_logits([model], PROMPTS), chain_logits([full], PROMPTS)):
+    for x, ref in zip(chain_logits([model], PROMPTS), chain_logits([full], PROMPTS), strict=True):
         assert (x.float() - ref).abs().max() < 0.5  # half-precision activations: 0.024 (bfloat16) measured
         assert torch.equal(x.argmax(-1), ref.argmax(-1))  # margins > 1.2 (see the float32 test)
 
@@ -329,7 +329,7 @@ def test_bfloat16_stages_against_float32(peaked, ranges):
         chains[dtype] = [build_stage(peaked, a, b, i == 0, i == n - 1, dtype=dtype)[0] for i, (a, b) in enumerate(ranges)]
         for stage in chains[dtype]:
             pack_stage(stage, torch.device("cpu"), dtype)
-    for x, f in zip(chain_logits(chains[torch.bfloat16], PROMPTS), chain_logits(chains[torch.float32], PROMPTS)):
+    for x, f in zip(chain_logits(chains[torch.bfloat16], PROMPTS), chain_logits(chains[torch.float32], PROMPTS), strict=True):
         assert x.dtype == torch.float32  # the head's logits stay float32 in a bf16 stage
         assert (x - f).abs().max() < 0.5  # bf16 activations and weights (8-bit mantissas): 0.023 measured
         assert torch.equal(x.argmax(-1), f.argmax(-1))  # the float32 top-1 leads by > 1.2 (see above)
@@ -394,14 +394,14 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
         assert [s["weights"] for s in precision] == ["float32" if name == "kv8-p1" else "int8"] * runs[name][1]
         assert all(set(s.get("kernels", {}).values()) <= {"int8", "onednn", "dequantize"} for s in precision)
         assert [s.get("kv_cache") for s in precision] == ["int8" if "kv8" in name else None] * runs[name][1]
-        for a, b in zip(lines, base):
+        for a, b in zip(lines, base, strict=True):
             ra, rb = a["result"], b["result"]
             assert ra["model"] == rb["model"] + suffix[name]
             ca, cb = ra["choices"][0], rb["choices"][0]
             assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]  # greedy tokens and echoed prompts
             assert ca["text"] == cb["text"]
             la, lb = ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]
-            assert max(abs(u - v) for u, v in zip(la, lb) if u is not None) < LOGIT_TOL
+            assert max(abs(u - v) for u, v in zip(la, lb, strict=True) if u is not None) < LOGIT_TOL
     with pytest.raises(UsageError, match="quantize: None there, 'int8' now"):
         run_inprocess([*common, "--output-path", str(tmp_path / "float32.jsonl"), "--quantize", "int8"])
 

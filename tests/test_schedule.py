@@ -18,7 +18,9 @@ def drain(s: Scheduler, lengths_of: dict[int, int], max_steps: int = 10_000) -> 
             if ps is None:
                 continue
             ran = True
-            assert s.used <= s.budget or slot.rows * slot.cols > s.budget - (s.used - slot.rows * slot.cols)
+            # the KV budget holds (slots and prefix pool), and the slot's cache holds each of its groups
+            assert s.used <= s.budget, f"{s.used} KV cells in use over the budget of {s.budget}"
+            assert all(s.cells(s.groups[g]) // s.groups[g].width <= slot.cols for g in slot.row_group if g is not None)
             live = set(ps.decode_rows) | {r for rows in ps.rows_of.values() for r in rows}
             cont, fin = [], []
             for r in live:

@@ -90,7 +90,7 @@ def test_unequal_layouts_match_hf(make_llama, ranges):
     model = make_llama(num_hidden_layers=4)
     chain = stage_chain(model, ranges)
     prompts = [[5, 9, 13, 2, 7], [3, 4, 8, 30, 31, 32, 33]]
-    for prompt, ours in zip(prompts, chain_logits(chain, prompts)):
+    for prompt, ours in zip(prompts, chain_logits(chain, prompts), strict=True):
         torch.testing.assert_close(ours, hf_logits(model, prompt), atol=1e-4, rtol=1e-4)
     toks, _ = chain_greedy(chain, prompts, 4)
     assert toks == [hf_greedy(model, p, 4)[0] for p in prompts]

@@ -125,7 +125,7 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int,
     seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True, prefill=True,
                   lens=[len(p) for p in prompts], adapters=adapters)
     x = ids
-    for st, c in zip(stages, caches):
+    for st, c in zip(stages, caches, strict=True):
         x = st(x, seg, c)
     lens = torch.tensor([len(p) for p in prompts])
     h = x[torch.arange(b), lens - 1]
@@ -140,7 +140,7 @@ def chain_greedy(stages, prompts: list[list[int]], steps: int,
             break
         seg = Segment(torch.arange(b), lens + step, 1, int((lens + step).max()) + 1, all_rows=True, adapters=adapters)
         x = nxt[:, None]
-        for st, c in zip(stages, caches):
+        for st, c in zip(stages, caches, strict=True):
             x = st(x, seg, c)
         h = x[:, -1]
     return out_tok, out_lp
@@ -155,7 +155,7 @@ def hf_greedy(model_dir: str, prompt: list[int], steps: int) -> tuple[list[int],
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=model.config.pad_token_id or 0)
     toks = out.sequences[0, len(prompt):].tolist()
-    lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(out.logits, toks)]
+    lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(out.logits, toks, strict=True)]
     return toks, lps
 
 
@@ -179,13 +179,13 @@ def assert_hf_parity(model_dir: str, prompts: list[list[int]], stages: int, num_
     from pipeline.partition import stage_ranges
 
     chain = stage_chain(model_dir, stage_ranges(num_layers, stages), model_type=model_type, backend=backend)
-    for prompt, ours in zip(prompts, chain_logits(chain, prompts)):
+    for prompt, ours in zip(prompts, chain_logits(chain, prompts), strict=True):
         torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
     toks, lps = chain_greedy(chain, prompts, steps)
-    for prompt, t, lp in zip(prompts, toks, lps):
+    for prompt, t, lp in zip(prompts, toks, lps, strict=True):
         ref_t, ref_lp = hf_greedy(model_dir, prompt, steps)
         assert t == ref_t
-        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(lp, ref_lp, strict=True)) < 1e-4
 
 
 def free_port() -> int:
@@ -272,7 +272,7 @@ def assert_identical_results(a: list[dict], b: list[dict]) -> None:
     """Two output files are the same, ids and timing aside: for one layout run twice, or for runs
     in --batch-invariant mode (whatever their budgets, pipeline sizes and neighbours)."""
     assert len(a) == len(b), (len(a), len(b))
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         x, y = strip_volatile(x), strip_volatile(y)
         assert x == y, f"line {i}: {_first_difference(x, y)}"
 
@@ -281,7 +281,7 @@ def _first_difference(x, y, where: str = "") -> str:
     if isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
         return next((_first_difference(x[k], y[k], f"{where}.{k}") for k in x if x[k] != y[k]), "")
     if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-        return next((_first_difference(u, v, f"{where}[{j}]") for j, (u, v) in enumerate(zip(x, y)) if u != v), "")
+        return next((_first_difference(u, v, f"{where}[{j}]") for j, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), "")
     return f"{where}: {x!r} vs {y!r}"
 
 
@@ -296,7 +296,7 @@ def assert_consistent_results(a: list[dict], b: list[dict], tol: float = 1e-4, m
     """
     assert len(a) == len(b), (len(a), len(b))
     flips, sampled = 0, 0
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         x, y = strip_volatile(x), strip_volatile(y)
         assert x.keys() == y.keys() and x["request"] == y["request"], f"line {i}"
         if "result" not in x:
@@ -307,7 +307,7 @@ def assert_consistent_results(a: list[dict], b: list[dict], tol: float = 1e-4, m
         ca, cb = x["result"]["choices"], y["result"]["choices"]
         assert len(ca) == len(cb), f"line {i}"
         diverged = False
-        for j, (u, v) in enumerate(zip(ca, cb)):
+        for j, (u, v) in enumerate(zip(ca, cb, strict=True)):
             where, d = f"line {i} choice {j}", _divergence(u, v)
             sampled += not greedy
             if d is None:
@@ -330,7 +330,7 @@ def _divergence(u: dict, v: dict) -> int | None:
     tv = (v.get("logprobs") or {}).get("tokens") or []
     if tu == tv and u.get("text") == v.get("text"):
         return None
-    return next((k for k, (p, q) in enumerate(zip(tu, tv)) if p != q), min(len(tu), len(tv)))
+    return next((k for k, (p, q) in enumerate(zip(tu, tv)) if p != q), min(len(tu), len(tv)))  # a prefix: the shorter one ends
 
 
 def _close(x, y, tol: float, where: str) -> None:
@@ -344,7 +344,7 @@ def _close(x, y, tol: float, where: str) -> None:
             _close(x[k], y[k], tol, f"{where}.{k}")
     elif isinstance(x, list):
         assert isinstance(y, list) and len(x) == len(y), f"{where}: length {len(x)} vs {len(y) if isinstance(y, list) else y}"
-        for k, (u, v) in enumerate(zip(x, y)):
+        for k, (u, v) in enumerate(zip(x, y, strict=True)):
             _close(u, v, tol, f"{where}[{k}]")
     else:
         assert x == y, f"{where}: {x!r} vs {y!r}"
