@@ -78,14 +78,19 @@ class Driver:
             try:
                 req = parse_line(line, index)
                 groups = self._groups(req)
-            except RequestError as e:
-                raw = req.raw if req is not None else e.raw
-                custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
-                self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
-                self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
+            except Exception as e:  # any failure to prepare the line is its own error, never the run's
+                raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
+                    line.decode("utf-8", "replace").rstrip("\r\n")
+                self.error_line(index, raw, as_request_error(e))
                 continue
             for g in groups:
                 self.sched.submit(g)
+
+    def error_line(self, index: int, raw, e: RequestError) -> None:
+        """Line ``index`` is answered with the error ``e`` in its place."""
+        custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
+        self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
+        self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
 
     @property
     def exhausted(self) -> bool:
@@ -100,21 +105,25 @@ class Driver:
 
     def _encode(self, req: Request, prompt) -> list[int]:
         if req.kind == "chat":
-            if not getattr(self.tok, "chat_template", None):
-                raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
-            ids = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return list(ids)
-        if isinstance(prompt, str):
-            ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+            ids = chat_ids(self.tok, prompt)
+            param = "messages"
+        elif isinstance(prompt, str):
+            try:
+                ids = list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+            except Exception as e:
+                raise RequestError(f"the tokenizer cannot encode this prompt ({type(e).__name__})", "prompt",
+                                   reason="tokenizer") from e
             if not ids:  # empty prompt: start from BOS, or EOS for GPT-2 style tokenizers
                 start = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
                 ids = [start]
-            return list(ids)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            param = "prompt"
+        else:
+            ids, param = prompt, "prompt"
+        # the model's embedding size bounds every id it reads or biases (the tokenizer may know fewer)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
-        return prompt
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+        return ids
 
     def submit_live(self, req: Request) -> list[int]:
         """Serve mode: an HTTP request's groups go ahead of queued batch lines; returns their gids.
@@ -126,6 +135,10 @@ class Driver:
 
     def _groups(self, req: Request, live: bool = False) -> list[Group]:
         p = req.params
+        bad = [t for t in p.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "logit_bias")
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
@@ -254,6 +267,43 @@ class Driver:
             self.shared.pop(groups[r], None)
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of a chat request: the model's chat template applied to ``messages``.
+    A template that refuses them (``raise_exception``: system messages, turn order, content parts)
+    or fails on them becomes the request's error."""
+    if not getattr(tok, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:
+        raise RequestError(f"the model's chat template cannot render these messages: {template_reason(e)}",
+                           "messages", reason="chat_template") from e
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def template_reason(e: Exception) -> str:
+    """The template author's own words when it called ``raise_exception`` (a bare jinja2
+    TemplateError); otherwise only the kind of failure (a library's wording is not ours to pass on)."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # pragma: no cover (transformers needs jinja2 for chat templates)
+        TemplateError = None
+    if TemplateError is not None and type(e) is TemplateError and str(e):
+        return str(e)[:500]
+    return f"the template raised {type(e).__name__}"
+
+
+def as_request_error(e: Exception) -> RequestError:
+    """Any failure while preparing a request, as the request's error (a RequestError stays itself)."""
+    if isinstance(e, RequestError):
+        return e
+    return RequestError(f"this request could not be prepared ({type(e).__name__}: {str(e)[:200]})", None,
+                        "server_error", reason="internal")
 
 
 class ModelNames:

@@ -131,7 +131,7 @@ class FirstRank:
             raise RuntimeError(f"{job.output}: the writer did not receive every result")
         s = closed.summary
         return FileReport(job.input, job.output, requests=d.requests_read, errors=s.errors,
-                          error_kinds=dict(d.error_kinds), prompt_tokens=s.prompt_tokens,
+                          error_kinds=dict(s.error_kinds), prompt_tokens=s.prompt_tokens,
                           generated_tokens=s.completion_tokens, seconds=time.perf_counter() - t0, summary=s)
 
     def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,

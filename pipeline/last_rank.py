@@ -73,7 +73,10 @@ class LastRank:
             feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
         written = 0
         for index, line in self.head.take_results():
-            self.file.put(index, line)
+            failed = line.get("error") is not None  # a row whose computation raised (pipeline.head)
+            self.file.put(index, line, error=failed)
+            if failed:
+                self.file.kinds["computation"] = self.file.kinds.get("computation", 0) + 1
             written += 1
         PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:

@@ -14,10 +14,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pipeline.driver import input_fingerprint, read_lines
+from pipeline.driver import as_request_error, input_fingerprint, read_lines
 from pipeline.first_rank import FirstRank
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
-from tasks.requests import RequestError
 
 from .batches import BatchJob, BatchStore
 from .source import Live, RequestSource
@@ -83,8 +82,9 @@ class ServeRank(FirstRank):
                 continue
             try:
                 item.gids = self.driver.submit_live(item.req)
-            except RequestError as e:
-                self.source.resolve(item, ("error", 400, e.to_dict()))
+            except Exception as e:  # a request that cannot be prepared is answered, the server goes on
+                err = as_request_error(e)
+                self.source.resolve(item, ("error", 400 if err.kind == "invalid_request_error" else 500, err.to_dict()))
                 continue
             self.live[item.req.index] = item
             self.source.accept(item)
@@ -147,8 +147,8 @@ class ServeRank(FirstRank):
                 self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
-            if live is not None:
-                self.source.resolve(live, ("ok", line))
+            if live is not None:  # a request whose computation failed gets its error, the others go on
+                self.source.resolve(live, ("ok", line) if line.get("error") is None else ("error", 500, line["error"]))
         if self.batch is not None:
             self.batch.done += msg.written
 

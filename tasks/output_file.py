@@ -76,6 +76,7 @@ class OutputFile:
         self.writer = OrderedWriter(output, fingerprint, data_rank, data_size)
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
+        self.kinds: dict[str, int] = {}  # error lines the last rank wrote, by kind (rank 0 counts the others)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.progress = None
@@ -114,7 +115,8 @@ class OutputFile:
         complete = self.writer.close(total)
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
-            str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors, stats.error_kinds,
+            str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,
+            {k: stats.error_kinds.get(k, 0) + self.kinds.get(k, 0) for k in {**stats.error_kinds, **self.kinds}},
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
