@@ -162,6 +162,9 @@ def watch_signals(rank: int, serving: bool = False) -> None:
     def wait() -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
+        from tasks.inflight import stop_all
+
+        stop_all()  # the lines in flight did not end this run (tasks.inflight)
         if serving:
             from serve.source import STOPPING
 

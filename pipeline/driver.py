@@ -8,12 +8,15 @@ passed along to the writer in their input position.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
+import orjson
 import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
+from tasks.inflight import crash_error
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 from tasks.shards import share_of
@@ -21,6 +24,9 @@ from tasks.shards import share_of
 from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from .prefix import block_digests
 from .schedule import Group, Pass, Scheduler
+
+
+log = logging.getLogger(__name__)
 
 
 def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
@@ -56,28 +62,50 @@ class Driver:
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
         self.encode_seconds = 0.0
+        self.suspects: set[int] = set()  # lines in flight when an earlier run crashed: each runs alone
+        self.culprits: set[int] = set()  # lines alone in flight when a run crashed: answered with an error
+        self.held: tuple[int, bytes] | None = None  # a suspect line read, waiting for the pipeline to empty
+        self.alone = False  # a suspect is running: read nothing more until it is done
 
-    def start(self, lines: Iterator[tuple[int, bytes]]) -> None:
-        """A new file: read from ``lines``, with this file's counters from zero."""
+    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=()) -> None:
+        """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
+        ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
         self.lines = lines
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
+        self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
+        if self.suspects or self.culprits:
+            log.warning("an earlier run ended while computing lines %s: %s", _few(self.suspects | self.culprits),
+                        f"{len(self.suspects)} run again one at a time" + (
+                            f", {len(self.culprits)} (alone in flight then) answered with an error"
+                            if self.culprits else ""))
 
     # -- input ------------------------------------------------------------------------------
     def fill(self) -> None:
         """Read lines until the scheduler has a full look-ahead window (or the input ends)."""
+        if self.alone or self.held:
+            if not self._empty():
+                return
+            self.alone = False
         while self.lines is not None and len(self.sched.queue) < self.sched.window:
-            item = next(self.lines, None)
+            item, self.held = self.held or next(self.lines, None), None
             if item is None:
                 self.lines = None
                 return
             index, line = item
             if share_of(index, self.data_size) != self.data_rank:
                 continue  # another data-parallel pipeline answers this line
+            if index in self.suspects and not self._empty():
+                self.held = item  # it runs once everything before it is done
+                return
             self.requests_read += 1
+            if index in self.culprits:
+                self.error_line(index, _raw(line), RequestError(crash_error(index)["message"], None, "server_error",
+                                                                reason="crashed"))
+                continue
             req = None
             try:
                 req = parse_line(line, index)
-                groups = self._groups(req)
+                groups = self._groups(req, alone=index in self.suspects)
             except Exception as e:  # any failure to prepare the line is its own error, never the run's
                 raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
                     line.decode("utf-8", "replace").rstrip("\r\n")
@@ -85,6 +113,14 @@ class Driver:
                 continue
             for g in groups:
                 self.sched.submit(g)
+            if index in self.suspects:
+                self.alone = True
+                return
+
+    def _empty(self) -> bool:
+        """Nothing queued, no row live: a suspect line can run alone."""
+        return not self.sched.queue and not any(s.inflight or any(g is not None for g in s.row_group)
+                                                for s in self.sched.slots)
 
     def error_line(self, index: int, raw, e: RequestError) -> None:
         """Line ``index`` is answered with the error ``e`` in its place."""
@@ -133,7 +169,7 @@ class Driver:
             self.sched.submit(g)
         return [g.gid for g in groups]
 
-    def _groups(self, req: Request, live: bool = False) -> list[Group]:
+    def _groups(self, req: Request, live: bool = False, alone: bool = False) -> list[Group]:
         p = req.params
         bad = [t for t in p.logit_bias if t >= self.vocab_size]
         if bad:
@@ -166,7 +202,7 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream, adapter=adapter, model=model)
+                             stream=req.stream, adapter=adapter, model=model, alone=alone)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -267,6 +303,19 @@ class Driver:
             self.shared.pop(groups[r], None)
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
+
+
+def _raw(line: bytes):
+    """What an error line echoes for ``line``: its JSON value, else its text."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return line.decode("utf-8", "replace").rstrip("\r\n")
+
+
+def _few(indices: set[int]) -> str:
+    s = sorted(indices)
+    return ", ".join(map(str, s[:8])) + (f" and {len(s) - 8} more" if len(s) > 8 else "")
 
 
 def chat_ids(tok, messages: list[dict]) -> list[int]:

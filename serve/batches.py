@@ -24,11 +24,13 @@ from pathlib import Path
 import orjson
 
 from tasks.files import write_atomic
+from tasks.inflight import crashed_runs, inflight_path
 from tasks.writer import journal_path
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 _ID = re.compile(r"^(file|batch)[-_][A-Za-z0-9_-]{1,64}$")
+MAX_CRASHES = 3  # runs of one batch in a row that ended the server without journaling a line: it fails
 
 
 @dataclass
@@ -155,15 +157,25 @@ class BatchStore:
 
     # -- the engine's side ------------------------------------------------------------------
     def next_job(self) -> BatchJob | None:
-        """The oldest unfinished batch (a restarted server resumes it from its journal)."""
-        with self.lock:
-            active = sorted((b for b in self.batches.values() if b["status"] in ACTIVE), key=lambda b: b["created_at"])
-            if not active:
-                return None
-            b = active[0]
-            out = self.batches_dir / b["id"] / "output.jsonl"
-            out.parent.mkdir(exist_ok=True)
-            return BatchJob(b["id"], str(self.files_dir / b["input_file_id"]), str(out), b["request_counts"]["total"])
+        """The oldest unfinished batch (a restarted server resumes it from its journal). A batch whose
+        last runs each ended the server before it journaled another line fails instead, with what it
+        has (a line that ends the server is answered with an error by then: tasks.inflight)."""
+        while True:
+            with self.lock:
+                active = sorted((b for b in self.batches.values() if b["status"] in ACTIVE),
+                                key=lambda b: b["created_at"])
+                if not active:
+                    return None
+                b = active[0]
+                out = self.batches_dir / b["id"] / "output.jsonl"
+                out.parent.mkdir(exist_ok=True)
+                journal = journal_path(out)
+                crashes = crashed_runs(inflight_path(journal), _lines(journal))
+                if crashes < MAX_CRASHES:
+                    return BatchJob(b["id"], str(self.files_dir / b["input_file_id"]), str(out),
+                                    b["request_counts"]["total"])
+            self.fail(b["id"], f"the server ended {crashes} times in a row while running this batch, without "
+                               "answering another line; it is not run again")
 
     def cancel_requested(self, bid: str) -> bool:
         with self.lock:
@@ -175,7 +187,7 @@ class BatchStore:
         journal = journal_path(self.batches_dir / bid / "output.jsonl")
         if skip and journal.exists():
             with open(journal, "rb") as f:
-                failed = sum(1 for _, line in zip(range(skip), f) if orjson.loads(line).get("error") is not None)
+                failed = sum(1 for _, line in zip(range(skip), f) if _is_error(line))
         with self.lock:
             b = self.batches[bid]
             b["_before"] = [skip - failed, failed]
@@ -194,12 +206,7 @@ class BatchStore:
         """The output is complete: split it into the output and error files, mark the batch done."""
         with self.lock:
             b = self.batches[bid]
-        out = self.batches_dir / bid / "output.jsonl"
-        ok, bad = [], []
-        with open(out, "rb") as f:
-            for line in f:
-                if line.strip():
-                    (bad if orjson.loads(line).get("error") is not None else ok).append(line)
+        ok, bad = self._split(self.batches_dir / bid / "output.jsonl")
         key = bid.split("_", 1)[1]
         out_obj = self.add_file(b"".join(ok), f"{bid}_output.jsonl", "batch_output", fid=f"file-{key}-output")
         err_obj = self.add_file(b"".join(bad), f"{bid}_errors.jsonl", "batch_output", fid=f"file-{key}-errors") if bad else None
@@ -213,13 +220,41 @@ class BatchStore:
                      **({"cancelled_at": now} if cancelled else {"completed_at": now}))
             self._save(self.batches_dir, b)
 
-    def fail(self, bid: str, message: str) -> None:
+    def fail(self, bid: str, message: str, deliver: bool = True) -> None:
+        """The batch cannot run (on): marked failed, with the lines it answered delivered as its output
+        and error files (unless ``deliver`` is false: they could not be read)."""
+        ids, counts = {}, {}
+        if deliver:
+            out = self.batches_dir / bid / "output.jsonl"
+            try:
+                ok, bad = self._split(out if out.exists() else journal_path(out))
+                key = bid.split("_", 1)[1]
+                if ok or bad:
+                    ids["output_file_id"] = self.add_file(b"".join(ok), f"{bid}_output.jsonl", "batch_output",
+                                                          fid=f"file-{key}-output")["id"]
+                if bad:
+                    ids["error_file_id"] = self.add_file(b"".join(bad), f"{bid}_errors.jsonl", "batch_output",
+                                                         fid=f"file-{key}-errors")["id"]
+                counts = {"completed": len(ok), "failed": len(bad)}
+            except OSError:
+                pass  # no output yet
         with self.lock:
             b = self.batches[bid]
             b.pop("_before", None)
-            b.update(status="failed", failed_at=int(time.time()),
+            b["request_counts"].update(counts)
+            b.update(status="failed", failed_at=int(time.time()), **ids,
                      errors={"object": "list", "data": [{"code": "server_error", "message": message}]})
             self._save(self.batches_dir, b)
+
+    @staticmethod
+    def _split(path: Path) -> tuple[list[bytes], list[bytes]]:
+        """A batch output's lines: (answered, errors); a line that is not a JSON object counts as an error."""
+        ok, bad = [], []
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    (bad if _is_error(line) else ok).append(line if line.endswith(b"\n") else line + b"\n")
+        return ok, bad
 
     def public(self, b: dict) -> dict:
         return {k: v for k, v in b.items() if not k.startswith("_")}
@@ -227,3 +262,20 @@ class BatchStore:
     @staticmethod
     def _save(folder: Path, obj: dict) -> None:
         write_atomic(folder / f"{obj['id']}.json", orjson.dumps({k: v for k, v in obj.items() if not k.startswith("_")}))
+
+
+def _is_error(line: bytes) -> bool:
+    """An output line holding an error (or not readable as a result at all)."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return True
+    return not isinstance(obj, dict) or obj.get("error") is not None
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0

@@ -32,6 +32,7 @@ class BatchRun:
     opened: bool = False
     closing: bool = False
     cancelled: bool = False
+    error: str | None = None  # it cannot go on: closed with what it has and marked failed
     skip: int = 0  # lines journaled before this run
     done: int = 0  # results written in this run
 
@@ -158,15 +159,25 @@ class ServeRank(FirstRank):
         if b is None:
             job = self.batches.next_job()
             if job is not None:
+                try:
+                    fingerprint = input_fingerprint(job.input)
+                except OSError as e:  # its input is gone: the batch fails, the server goes on
+                    self.batches.fail(job.id, f"cannot read the batch's input file: {e.strerror or e}")
+                    return
                 self.batch = BatchRun(job)
-                self._down(OpenFile(job.input, job.output, job.total, input_fingerprint(job.input)))
+                self._down(OpenFile(job.input, job.output, job.total, fingerprint))
                 self.owed += 1
             return
         if not b.opened or b.closing:
             return
         if not b.cancelled and self.batches.cancel_requested(b.job.id):
             b.cancelled, d.lines = True, None
-        d.fill()
+        try:
+            d.fill()
+        except Exception as e:  # reading its input failed: close with what it has, mark it failed
+            log.error("batch %s: %s: %s", b.job.id, type(e).__name__, e)
+            b.error = f"the batch stopped after {b.skip + d.requests_read} lines: {type(e).__name__}: {str(e)[:200]}"
+            b.cancelled, d.lines, d.held = True, None, None
         errors = sum(d.error_kinds.values())
         self.batches.progress(b.job.id, b.done, errors)
         if d.exhausted and b.done + errors == d.requests_read:
@@ -183,22 +194,33 @@ class ServeRank(FirstRank):
             self.batches.fail(b.job.id, msg.error)
             self.batch = None
         elif msg.skip is None:  # its output is complete (the server stopped before the batch was marked so)
-            self.batches.finish(b.job.id)
             self.batch = None
+            self._deliver(b.job.id, None)
         else:
             b.opened, b.skip = True, msg.skip
-            self.driver.start(read_lines(b.job.input, skip=msg.skip))
-            self.batches.started(b.job.id, msg.skip)
+            self.driver.start(read_lines(b.job.input, skip=msg.skip), msg.suspects, msg.culprits)
+            try:
+                self.batches.started(b.job.id, msg.skip)
+            except Exception as e:  # a journal it cannot read: counted as answered; the batch goes on
+                log.warning("batch %s: %s: %s", b.job.id, type(e).__name__, e)
             if msg.skip:
                 log.info("batch %s: resuming after %d answered requests", b.job.id, msg.skip)
 
     def _closed(self, msg: Closed) -> None:
         b, self.batch = self.batch, None
         self.driver.lines = None
-        if msg.complete:
-            self.batches.finish(b.job.id)
-        else:
-            self.batches.fail(b.job.id, "the writer did not receive every result")
+        self._deliver(b.job.id, b.error or (None if msg.complete else "the writer did not receive every result"))
+
+    def _deliver(self, bid: str, error: str | None) -> None:
+        """The batch's output files, and its status: completed (or cancelled), else failed with ``error``."""
+        try:
+            if error:
+                self.batches.fail(bid, error)
+            else:
+                self.batches.finish(bid)
+        except Exception as e:  # its output cannot be delivered: failed, the server goes on
+            log.error("batch %s: %s: %s", bid, type(e).__name__, e)
+            self.batches.fail(bid, f"its output could not be delivered ({type(e).__name__})", deliver=False)
 
 
 def _error(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 from comm.faults import MIDGEN
 
 from .files import write_atomic
+from .inflight import InFlight
 from .shards import share_size
 from .writer import OrderedWriter, record_path, try_merge_shares
 
@@ -81,12 +82,18 @@ class OutputFile:
         self.cached_tokens = 0
         self.progress = None
         self.resumed_lines = 0
+        self.inflight: InFlight | None = None  # the lines being computed (tasks.inflight)
+        self.suspects: list[int] = []  # from earlier runs that crashed
+        self.culprits: list[int] = []
         self.t0 = time.perf_counter()
 
     def open(self, total: int, overwrite: bool, show_progress: bool) -> int | None:
         """This share's lines already journaled, or None when the output is complete (skip the file)."""
         skip = self.writer.open(overwrite)
         self.resumed_lines = skip or 0
+        if skip is not None:
+            self.inflight = InFlight(self.writer.journal, self.data_rank, self.data_size)
+            self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
             from .progress import Progress
 
@@ -113,6 +120,8 @@ class OutputFile:
         if self.progress is not None:
             self.progress.close()
         complete = self.writer.close(total)
+        if self.inflight is not None:
+            self.inflight.close(complete)
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
             str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,

@@ -22,7 +22,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds (and what the wir
 # A temperature below this is greedy: logits / T overflows float32 for tiny T (softmax gives NaN);
 # vLLM's _SAMPLING_EPS is the same 1e-5.
 GREEDY_BELOW = 1e-5
-_TOKEN_ID = re.compile(r"[0-9]{1,12}")  # a logit_bias key: ASCII digits (int() would take "+5", " 5", "٥")
+_TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits (int() would take "+5", " 5", "٥")
 
 
 class RequestError(ValueError):
@@ -169,7 +169,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
             what = "negative: token ids are 0 or more" if isinstance(k, str) and k[:1] == "-" else "not a token id"
             raise RequestError(f"'logit_bias' key {key!r} is {what} (keys are token ids, written as decimal "
                                "strings)", "logit_bias")
-        tok = int(k)
+        tok = int(k) if len(k) <= 12 else MAX_INT + 1
         if tok > MAX_INT:
             raise RequestError(f"'logit_bias' key {key!r} is beyond any vocabulary", "logit_bias")
         if not _is_num(v) or not -100 <= v <= 100:
