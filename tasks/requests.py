@@ -86,12 +86,20 @@ def _is_num(x) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
+def _show(v) -> str:
+    """A value as the client wrote it (in JSON), cut short, for messages."""
+    try:
+        return orjson.dumps(v).decode()[:40]
+    except TypeError:  # e.g. an integer beyond 64 bits (from the Python API)
+        return repr(v)[:40]
+
+
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = MAX_INT, what: str = ""):
     v = body.get(key, default)
     if v is None:
         return default
     if not _is_int(v):
-        raise RequestError(f"'{key}' must be an integer, got {orjson.dumps(v).decode()[:40]}", key)
+        raise RequestError(f"'{key}' must be an integer, got {_show(v)}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
         raise RequestError(f"'{key}' must be {rng}{what}, got {v}", key)
@@ -103,7 +111,7 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bo
     if v is None:
         return default
     if not _is_num(v):
-        raise RequestError(f"'{key}' must be a number, got {orjson.dumps(v).decode()[:40]}", key)
+        raise RequestError(f"'{key}' must be a number, got {_show(v)}", key)
     if v > hi or v < lo or (lo_open and v == lo):
         left = "(" if lo_open else "["
         raise RequestError(f"'{key}' must be in {left}{lo}, {hi}], got {v}", key)
