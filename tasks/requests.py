@@ -94,7 +94,7 @@ def _show(v) -> str:
         return repr(v)[:40]
 
 
-def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = MAX_INT, what: str = ""):
+def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, what: str = ""):
     v = body.get(key, default)
     if v is None:
         return default
@@ -103,6 +103,8 @@ def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = 
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
         raise RequestError(f"'{key}' must be {rng}{what}, got {v}", key)
+    if v > MAX_INT:  # what the kernels' int32/int64 arithmetic takes
+        raise RequestError(f"'{key}' must be at most {MAX_INT}, got {v}", key)
     return v
 
 
@@ -129,24 +131,14 @@ def _prompts(body: dict) -> list:
             raise RequestError("'prompt' is an empty list", "prompt")
         if all(isinstance(x, str) for x in p):
             return list(p)
-        if all(_is_int(x) for x in p):
-            return [_token_ids(p)]
+        if all(_is_int(x) for x in p):  # each id is checked against the model's vocabulary (pipeline.driver)
+            return [list(p)]
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
-            return [_token_ids(x) for x in p]
+            return [list(x) for x in p]
     raise RequestError(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of non-empty "
         "lists of token ids", "prompt"
     )
-
-
-def _token_ids(ids: list[int], param: str = "prompt") -> list[int]:
-    """Token ids that no vocabulary can hold are refused here; the model's own size is checked
-    when rank 0 tokenizes (pipeline.driver)."""
-    for t in ids:
-        if not 0 <= t <= MAX_INT:
-            raise RequestError(f"token id {t} in '{param}' is not a token id (ids are 0 or more, below the "
-                               "model's vocabulary size)", param)
-    return list(ids)
 
 
 def _stops(body: dict) -> list[str]:

@@ -237,17 +237,23 @@ def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works
     assert b.status == "completed" and b.request_counts.failed == len(errors) and b.request_counts.completed == 30
     bad = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in bad) == sorted(lines[i]["custom_id"] for i in errors)
-    # a batch whose input is gone fails (with what it has) and the server goes on
-    f2 = client.files.create(file=("in2.jsonl", b'{"prompt": "x", "max_tokens": 1}\n'), purpose="batch")
-    (server.serve_dir / "files" / f2.id).unlink()
-    b2 = wait_batch(client, client.batches.create(input_file_id=f2.id, endpoint="/v1/completions",
-                                                  completion_window="24h").id)
-    assert b2.status == "failed" and "input file" in b2.errors.data[0].message
     server.kill()
-    server.start()  # the same --serve-dir: every batch keeps its state
+    # while it is down, a batch is left in progress whose input file is gone
+    from serve.batches import BatchStore
+
+    store = BatchStore(server.serve_dir)
+    f2 = store.add_file(b'{"prompt": "x", "max_tokens": 1}\n', "in2.jsonl", "batch")
+    b2 = store.create_batch({"input_file_id": f2["id"], "endpoint": "/v1/completions"})
+    (server.serve_dir / "files" / f2["id"]).unlink()
+    server.start()  # the same --serve-dir: every batch keeps its state, the broken one fails
     client = server.client()
-    assert client.batches.retrieve(b.id).status == "completed" and client.batches.retrieve(b2.id).status == "failed"
+    b2 = wait_batch(client, b2["id"])
+    assert b2.status == "failed" and "input file" in b2.errors.data[0].message
+    assert client.batches.retrieve(b.id).status == "completed"
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices
+    server.kill()
+    server.start()  # and again, with a failed batch in the folder
+    assert server.client().batches.retrieve(b2.id).status == "failed"
 
 
 def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistral_model, tmp_path):
