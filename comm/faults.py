@@ -8,7 +8,8 @@ point, exactly like a crash or an OOM kill would. The points:
 - ``drive``: rank 0, at its 10th reply;
 - ``finalize``: the journal is complete and synced, not yet published;
 - ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE`` (a request that
-  kills the process each time it runs: tasks.inflight).
+  kills the process each time it runs: tasks.inflight); ``line-raise``: raises there instead, as a
+  stage's forward that fails on that request would.
 
 Unset in normal runs, where each call costs one attribute test.
 """
@@ -44,10 +45,14 @@ class LinePoint(FaultPoint):
 
     def __init__(self):
         super().__init__("line")
+        self.raises = os.environ.get("DIST_INFER_FAULT") == "line-raise"
+        self.armed |= self.raises
         self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
 
     def admit(self, indices) -> None:
         if self.armed and self.line in indices:
+            if self.raises:
+                raise RuntimeError(f"injected fault: a forward failing on line {self.line}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 

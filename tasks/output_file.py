@@ -89,10 +89,13 @@ class OutputFile:
 
     def open(self, total: int, overwrite: bool, show_progress: bool) -> int | None:
         """This share's lines already journaled, or None when the output is complete (skip the file)."""
+        fresh = overwrite or not self.writer.journal.exists()  # no earlier run to learn from
         skip = self.writer.open(overwrite)
         self.resumed_lines = skip or 0
         if skip is not None:
             self.inflight = InFlight(self.writer.journal, self.data_rank, self.data_size)
+            if fresh:
+                self.inflight.path.unlink(missing_ok=True)
             self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
             from .progress import Progress
