@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-import orjson
 import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
@@ -21,6 +20,7 @@ from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 from tasks.shards import share_of
 
+from .intake import as_request_error, chat_ids, few, raw_value
 from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from .prefix import block_digests
 from .schedule import Group, Pass, Scheduler
@@ -74,7 +74,7 @@ class Driver:
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
         self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
         if self.suspects or self.culprits:
-            log.warning("an earlier run ended while computing lines %s: %s", _few(self.suspects | self.culprits),
+            log.warning("an earlier run ended while computing lines %s: %s", few(self.suspects | self.culprits),
                         f"{len(self.suspects)} run again one at a time" + (
                             f", {len(self.culprits)} (alone in flight then) answered with an error"
                             if self.culprits else ""))
@@ -98,9 +98,9 @@ class Driver:
                 self.held = item  # it runs once everything before it is done
                 return
             self.requests_read += 1
-            if index in self.culprits:
-                self.error_line(index, _raw(line), RequestError(crash_error(index)["message"], None, "server_error",
-                                                                reason="crashed"))
+            if index in self.culprits:  # it was alone in flight when a process died: not run again
+                err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
+                self.error_line(index, raw_value(line), err)
                 continue
             req = None
             try:
@@ -303,56 +303,6 @@ class Driver:
             self.shared.pop(groups[r], None)
         slot_feed.update(dict(reply.feed))
         self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
-
-
-def _raw(line: bytes):
-    """What an error line echoes for ``line``: its JSON value, else its text."""
-    try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return line.decode("utf-8", "replace").rstrip("\r\n")
-
-
-def _few(indices: set[int]) -> str:
-    s = sorted(indices)
-    return ", ".join(map(str, s[:8])) + (f" and {len(s) - 8} more" if len(s) > 8 else "")
-
-
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """The prompt ids of a chat request: the model's chat template applied to ``messages``.
-    A template that refuses them (``raise_exception``: system messages, turn order, content parts)
-    or fails on them becomes the request's error."""
-    if not getattr(tok, "chat_template", None):
-        raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
-    try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:
-        raise RequestError(f"the model's chat template cannot render these messages: {template_reason(e)}",
-                           "messages", reason="chat_template") from e
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
-def template_reason(e: Exception) -> str:
-    """The template author's own words when it called ``raise_exception`` (a bare jinja2
-    TemplateError); otherwise only the kind of failure (a library's wording is not ours to pass on)."""
-    try:
-        from jinja2.exceptions import TemplateError
-    except ImportError:  # pragma: no cover (transformers needs jinja2 for chat templates)
-        TemplateError = None
-    if TemplateError is not None and type(e) is TemplateError and str(e):
-        return str(e)[:500]
-    return f"the template raised {type(e).__name__}"
-
-
-def as_request_error(e: Exception) -> RequestError:
-    """Any failure while preparing a request, as the request's error (a RequestError stays itself)."""
-    if isinstance(e, RequestError):
-        return e
-    return RequestError(f"this request could not be prepared ({type(e).__name__}: {str(e)[:200]})", None,
-                        "server_error", reason="internal")
 
 
 class ModelNames:

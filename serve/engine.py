@@ -14,7 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pipeline.driver import as_request_error, input_fingerprint, read_lines
+from pipeline.driver import input_fingerprint, read_lines
+from pipeline.intake import as_request_error
 from pipeline.first_rank import FirstRank
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
 

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.driver import Driver, chat_ids
+from pipeline.driver import Driver
+from pipeline.intake import chat_ids
 from pipeline.messages import Admission, PassHeader, decode, encode
 from pipeline.sampling import apply_penalties, logprob_info, sample
 from pipeline.schedule import Scheduler
