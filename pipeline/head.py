@@ -206,7 +206,8 @@ class Head:
                                      [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                                      [p.logit_bias for p in ps])
         # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
-        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps], [float(min(p.top_k, vocab)) for p in ps],
+        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps],
+                            [float(min(p.top_k, vocab)) for p in ps],  # top_k beyond the vocabulary: all of it
                             [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                              for r, p in zip(rows, ps)]], logits.device, torch.float32)
         hot = [i for i, p in enumerate(ps) if p.temperature > 0]

@@ -177,7 +177,9 @@ def test_a_line_that_kills_the_process_is_answered_with_an_error_not_a_crash_loo
     out = tmp_path / "out.jsonl"
     args = ["--model-name", str(DEFAULT_MODEL), "--infer-data", str(src), "--output-path", str(out), "--no-progress",
             "--batch-invariant", "--max-micro-batch-size", "4"]
-    run = (lambda env=None: run_single(args, env=env)) if stages == 1 else (lambda env=None: run_torchrun(args, 2, env=env))
+    def run(env=None):
+        return run_single(args, env=env) if stages == 1 else run_torchrun(args, 2, env=env)
+
     fault = {"DIST_INFER_FAULT": "line", "DIST_INFER_FAULT_LINE": "13", "DIST_INFER_FAULT_RANK": str(stages - 1)}
     for attempt in range(2):
         p = run(fault)
