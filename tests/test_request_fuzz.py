@@ -24,9 +24,10 @@ from tests import fuzz_requests as gen
 from tests.utils import REPO, run_inprocess
 
 DEFAULT_MODEL = REPO / "examples" / "tiny-llama-default"
-FAST = settings(derandomize=True, max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(derandomize=True, database=None, max_examples=150, deadline=None,
+                suppress_health_check=list(HealthCheck))
 # whole runs and a server: few examples, no shrinking (each example costs seconds; a failure prints its lines)
-SLOW = settings(derandomize=True, max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
+SLOW = settings(derandomize=True, database=None, max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
                 phases=(Phase.explicit, Phase.reuse, Phase.generate))
 VOCAB = 1024  # the default model's embedding rows (= its tokenizer's length)
 
