@@ -47,7 +47,7 @@ def test_bad_lines_each_get_an_error_in_place(model_dir, tmp_path):
     errors = {i: x["error"] for i, x in enumerate(out) if "error" in x}
     expect = {1: None, 2: None, 3: None, 4: "prompt", 5: "prompt", 6: "max_tokens", 7: "max_tokens",
               8: "temperature", 9: "top_p", 10: "n", 11: "best_of", 12: "stop", 13: "logprobs", 16: "prompt",
-              17: "prompt", 21: "logit_bias", 22: "logit_bias", 23: "logit_bias", 24: "prompt", 25: "seed"}
+              17: "prompt", 20: "logit_bias", 21: "logit_bias", 22: "logit_bias", 23: "prompt", 24: "seed"}
     assert {i: e["param"] for i, e in errors.items()} == expect
     assert out[1]["request"] == raw_lines[1] and out[2]["request"] == "not json at all"
     assert "140002 tokens" in errors[16]["message"] and "2048" not in errors[16]["message"]
