@@ -188,6 +188,9 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
         RECEIVED.append(sig)
+        from tasks.inflight import stop_all
+
+        stop_all()  # the lines in flight did not end this run (tasks.inflight)
         if serving:
             from serve.source import STOPPING
 

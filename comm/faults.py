@@ -6,7 +6,10 @@ point, exactly like a crash or an OOM kill would. The points:
 - ``prefill``: last rank, its first pass with a prefill, nothing written yet;
 - ``midgen``: last rank, once 3 lines are journaled;
 - ``drive``: rank 0, at its 10th reply;
-- ``finalize``: the journal is complete and synced, not yet published.
+- ``finalize``: the journal is complete and synced, not yet published;
+- ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE`` (a request that
+  kills the process each time it runs: tasks.inflight); ``line-raise``: raises there instead, as a
+  stage's forward that fails on that request would.
 
 Unset in normal runs, where each call costs one attribute test.
 """
@@ -37,9 +40,25 @@ class FaultPoint:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class LinePoint(FaultPoint):
+    """Kills the process whenever line ``DIST_INFER_FAULT_LINE`` is admitted."""
+
+    def __init__(self):
+        super().__init__("line")
+        self.raises = os.environ.get("DIST_INFER_FAULT") == "line-raise"
+        self.armed |= self.raises
+        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
+
+    def admit(self, indices) -> None:
+        if self.armed and self.line in indices:
+            if self.raises:
+                raise RuntimeError(f"injected fault: a forward failing on line {self.line}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 LOAD, PREFILL, MIDGEN = FaultPoint("load"), FaultPoint("prefill"), FaultPoint("midgen")
-DRIVE, FINALIZE = FaultPoint("drive", after=10), FaultPoint("finalize")
-POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE)
+DRIVE, FINALIZE, LINE = FaultPoint("drive", after=10), FaultPoint("finalize"), LinePoint()
+POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE, LINE)
 
 
 def set_rank(rank: int) -> None:

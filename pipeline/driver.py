@@ -8,19 +8,25 @@ passed along to the writer in their input position.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
+from tasks.inflight import crash_error
 from tasks.requests import Request, RequestError, parse_line
 from tasks.results import output_line
 from tasks.shards import share_of
 
+from .intake import as_request_error, chat_ids, few, raw_value
 from .messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from .prefix import block_digests
 from .schedule import Group, Pass, Scheduler
+
+
+log = logging.getLogger(__name__)
 
 
 def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
@@ -56,36 +62,71 @@ class Driver:
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
         self.encode_seconds = 0.0
+        self.suspects: set[int] = set()  # lines in flight when an earlier run crashed: each runs alone
+        self.culprits: set[int] = set()  # lines alone in flight when a run crashed: answered with an error
+        self.held: tuple[int, bytes] | None = None  # a suspect line read, waiting for the pipeline to empty
+        self.alone = False  # a suspect is running: read nothing more until it is done
 
-    def start(self, lines: Iterator[tuple[int, bytes]]) -> None:
-        """A new file: read from ``lines``, with this file's counters from zero."""
+    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=()) -> None:
+        """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
+        ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
         self.lines = lines
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
+        self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
+        if self.suspects or self.culprits:
+            log.warning("an earlier run ended while computing lines %s: %s", few(self.suspects | self.culprits),
+                        f"{len(self.suspects)} run again one at a time" + (
+                            f", {len(self.culprits)} (alone in flight then) answered with an error"
+                            if self.culprits else ""))
 
     # -- input ------------------------------------------------------------------------------
     def fill(self) -> None:
         """Read lines until the scheduler has a full look-ahead window (or the input ends)."""
+        if self.alone or self.held:
+            if not self._empty():
+                return
+            self.alone = False
         while self.lines is not None and len(self.sched.queue) < self.sched.window:
-            item = next(self.lines, None)
+            item, self.held = self.held or next(self.lines, None), None
             if item is None:
                 self.lines = None
                 return
             index, line = item
             if share_of(index, self.data_size) != self.data_rank:
                 continue  # another data-parallel pipeline answers this line
+            if index in self.suspects and not self._empty():
+                self.held = item  # it runs once everything before it is done
+                return
             self.requests_read += 1
+            if index in self.culprits:  # it was alone in flight when a process died: not run again
+                err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
+                self.error_line(index, raw_value(line), err)
+                continue
             req = None
             try:
                 req = parse_line(line, index)
-                groups = self._groups(req)
-            except RequestError as e:
-                raw = req.raw if req is not None else e.raw
-                custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
-                self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
-                self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
+                groups = self._groups(req, alone=index in self.suspects)
+            except Exception as e:  # any failure to prepare the line is its own error, never the run's
+                raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
+                    line.decode("utf-8", "replace").rstrip("\r\n")
+                self.error_line(index, raw, as_request_error(e))
                 continue
             for g in groups:
                 self.sched.submit(g)
+            if index in self.suspects:
+                self.alone = True
+                return
+
+    def _empty(self) -> bool:
+        """Nothing queued, no row live: a suspect line can run alone."""
+        return not self.sched.queue and not any(s.inflight or any(g is not None for g in s.row_group)
+                                                for s in self.sched.slots)
+
+    def error_line(self, index: int, raw, e: RequestError) -> None:
+        """Line ``index`` is answered with the error ``e`` in its place."""
+        custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
+        self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
+        self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
 
     @property
     def exhausted(self) -> bool:
@@ -105,21 +146,25 @@ class Driver:
     def _encode(self, req: Request, prompt, tok=None) -> list[int]:
         tok = tok or self.tok
         if req.kind == "chat":
-            if not getattr(tok, "chat_template", None):
-                raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
-            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return list(ids)
-        if isinstance(prompt, str):
-            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+            ids = chat_ids(tok, prompt)
+            param = "messages"
+        elif isinstance(prompt, str):
+            try:
+                ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
+            except Exception as e:
+                raise RequestError(f"the tokenizer cannot encode this prompt ({type(e).__name__})", "prompt",
+                                   reason="tokenizer") from e
             if not ids:  # empty prompt: start from BOS, or EOS for GPT-2 style tokenizers
                 start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
                 ids = [start]
-            return list(ids)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            param = "prompt"
+        else:
+            ids, param = prompt, "prompt"
+        # the model's embedding size bounds every id it reads or biases (the tokenizer may know fewer)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
-        return prompt
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+        return ids
 
     def submit_live(self, req: Request, ids: list[list[int]] | None = None) -> list[int]:
         """Serve mode: an HTTP request's groups go ahead of queued batch lines; returns their gids.
@@ -130,8 +175,13 @@ class Driver:
             self.sched.submit(g)
         return [g.gid for g in groups]
 
-    def _groups(self, req: Request, live: bool = False, ids: list[list[int]] | None = None) -> list[Group]:
+    def _groups(self, req: Request, live: bool = False, alone: bool = False,
+                ids: list[list[int]] | None = None) -> list[Group]:
         p = req.params
+        bad = [t for t in p.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "logit_bias")
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
@@ -160,7 +210,7 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream, adapter=adapter, model=model)
+                             stream=req.stream, adapter=adapter, model=model, alone=alone)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)

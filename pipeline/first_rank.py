@@ -75,17 +75,17 @@ class FirstRank:
                 log.warning("%s: complete output exists at %s, skipping (--overwrite recomputes)", job.input, job.output)
                 reports.append(FileReport(job.input, job.output, skipped=True))
                 continue
-            reports.append(self._run_file(job, opened.skip, total))
+            reports.append(self._run_file(job, opened.skip, total, opened.suspects, opened.culprits))
         self._down(Stop())
         if self.link is not None:
             self.link.flush()
         return reports
 
-    def _run_file(self, job: Job, done: int, total: int) -> FileReport:
+    def _run_file(self, job: Job, done: int, total: int, suspects=(), culprits=()) -> FileReport:
         t0 = time.perf_counter()
         d, sched = self.driver, self.driver.sched
         # `done` counts this share's finished lines; read from its next one on (tasks/shards.py)
-        d.start(read_lines(job.input, skip=index_of(self.data_rank, done, self.data_size)))
+        d.start(read_lines(job.input, skip=index_of(self.data_rank, done, self.data_size)), suspects, culprits)
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
         inflight, release = 0, []
@@ -131,7 +131,7 @@ class FirstRank:
             raise RuntimeError(f"{job.output}: the writer did not receive every result")
         s = closed.summary
         return FileReport(job.input, job.output, requests=d.requests_read, errors=s.errors,
-                          error_kinds=dict(d.error_kinds), prompt_tokens=s.prompt_tokens,
+                          error_kinds=dict(s.error_kinds), prompt_tokens=s.prompt_tokens,
                           generated_tokens=s.completion_tokens, seconds=time.perf_counter() - t0, summary=s)
 
     def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
@@ -139,6 +139,8 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
+        if self.last is not None:  # P = 1: the lines it admits are recorded before they are computed
+            self.last.record(hdr)
         self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None]), ahead))
 
     def _down(self, msg: Message, x: torch.Tensor | None = None) -> None:

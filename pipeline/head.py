@@ -66,6 +66,7 @@ class RequestState:
     batch_size: int = 0
     notes: list[str] = field(default_factory=list)
     model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
+    error: dict | None = None  # a row of it failed: the request is answered with this error
 
 
 class Head:
@@ -80,6 +81,7 @@ class Head:
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
         self.format_seconds = 0.0  # detokenizing and formatting results
+        self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
@@ -106,8 +108,22 @@ class Head:
             key = stream_key(self.run_seed, p.seed, meta.req, meta.prompt_i, j)
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
             stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
-            text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
-            rows[r] = RowState(meta.gid, cand, key, text, sent=0 if stream else -1)
+            rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
+            try:
+                rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+            except Exception as e:
+                self._failed(req, "reading its prompt", e)
+
+    def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
+        """A request whose computation raised is answered with an error (its rows finish at their
+        next pass); the rest of the micro-batch, the run and the server go on."""
+        if req is not None and req.error is None:
+            req.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
+                                    "the other requests were answered", "type": "server_error", "param": None}
+
+    def _request_of(self, gid: int) -> RequestState | None:
+        g = self.groups.get(gid)
+        return None if g is None else self.requests.get((g.meta.live, g.meta.req))
 
     # -- one pass ---------------------------------------------------------------------------
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
@@ -120,10 +136,14 @@ class Head:
         cached prompt tokens reads it).
         """
         states = self.slots[slot]
+        feed, finished = {}, []
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
         if decode_rows:
-            hiddens.append(h_decode)
-            targets += [[r] for r in decode_rows]
+            keep = [i for i, r in enumerate(decode_rows) if self._request_error(states[r].gid) is None]
+            finished += [r for i, r in enumerate(decode_rows) if i not in set(keep)]
+            if keep:
+                hiddens.append(h_decode if len(keep) == len(decode_rows) else h_decode[keep])
+                targets += [[decode_rows[i]] for i in keep]
         for i, item in enumerate(prefill):
             g = self.groups.get(item.gid)
             req = self.requests.get((g.meta.live, g.meta.req)) if g is not None and not item.resumed else None
@@ -132,22 +152,36 @@ class Head:
             if item.partial:  # chunked prefill: the prompt's next part comes in a later pass
                 continue
             n = item.len - item.cached
-            if g.params.echo:
-                g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item, pool)
+            if g.params.echo and self._request_error(item.gid) is None:
+                try:
+                    g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
+                                                pool)
+                except Exception as e:
+                    self._failed(self.requests.get((g.meta.live, g.meta.req)), "scoring its prompt (echo)", e)
             if g.params.max_tokens == 0:
                 for r in g.rows:
                     states[r].cand.finish_reason = "length"
                 continue
+            if self._request_error(item.gid) is not None:
+                finished += g.rows
+                continue
             hiddens.append(h_prefill[i, n - 1 : n])
             targets.append(g.rows)
-        feed, finished = {}, []
         if hiddens:
             logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
             if any(len(rows) > 1 for rows in targets):  # best_of: a prefill lead's logits serve its group
                 expand = [i for i, rows in enumerate(targets) for _ in rows]
                 logits = logits[to_device(expand, logits.device, torch.long)]
             rows = [r for rs in targets for r in rs]
-            self._step(states, rows, logits, feed, finished)
+            try:
+                self._step(states, rows, logits, feed, finished)
+            except Exception:  # find the row(s) it was: each alone (_sample changes nothing before it returns)
+                for i, r in enumerate(rows):
+                    try:
+                        self._step(states, [r], logits[i : i + 1], feed, finished)
+                    except Exception as e:
+                        self._failed(self._request_of(states[r].gid), "sampling its next token", e)
+                        finished.append(r)
         for item in prefill:  # scoring-only groups finish without sampling
             g = self.groups[item.gid]
             if g.params.max_tokens == 0 and not item.partial:
@@ -156,15 +190,24 @@ class Head:
             self._finish_row(slot, r)
         return feed, finished
 
+    def _request_error(self, gid: int) -> dict | None:
+        req = self._request_of(gid)
+        return None if req is None else req.error
+
     def _step(self, states, rows: list[int], logits: torch.Tensor, feed: dict, finished: list[int]) -> None:
+        """Sample a token for each of ``rows`` (logits (len(rows), V)) and advance them. The batched
+        device work raises before any row changes; a row whose own bookkeeping raises (detokenizing,
+        stop strings, streaming) is answered with an error and the others go on."""
         ps = [self.groups[states[r].gid].params for r in rows]
+        vocab = logits.shape[-1]
         raw = logits
         if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
             logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
                                      [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                                      [p.logit_bias for p in ps])
         # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
-        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps], [float(p.top_k) for p in ps],
+        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps],
+                            [float(min(p.top_k, vocab)) for p in ps],  # top_k beyond the vocabulary: all of it
                             [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                              for r, p in zip(rows, ps)]], logits.device, torch.float32)
         hot = [i for i, p in enumerate(ps) if p.temperature > 0]
@@ -180,34 +223,45 @@ class Head:
             top_i, top_v = [[int(x) for x in h[2 : 2 + k]] for h in host], [h[2 + k :] for h in host]
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
-            st, tok = states[r], chosen[i]
-            cand = st.cand
-            cand.generated += 1
-            if tok in self.eos_ids:
-                cand.finish_reason = "stop"
-                finished.append(r)
-                continue
-            cand.ids.append(tok)
-            cand.logprobs.append(chosen_lp[i])
-            if cand.top is not None:
-                cand.top.append(list(zip(top_i[i][: p.logprobs], top_v[i][: p.logprobs])))
-            if p.presence_penalty or p.frequency_penalty:
-                st.counts[tok] = st.counts.get(tok, 0) + 1
-            if st.text is not None:
-                before = len(st.text.text)
-                st.text.add(tok)
-                hit = _find_stop(st.text.text, p.stop, before)
-                if hit is not None:
-                    cand.finish_reason, cand.stop_at = "stop", hit
+            try:
+                self._advance(states[r], r, p, chosen[i], chosen_lp[i], top_i[i] if k else None,
+                              top_v[i] if k else None, feed, finished)
+            except Exception as e:
+                self._failed(self._request_of(states[r].gid), "producing its output", e)
+                feed.pop(r, None)
+                if r not in finished:
                     finished.append(r)
-                    continue
-                if st.sent >= 0:
-                    self._stream(st, p)
-            if len(cand.ids) >= p.max_tokens:
-                cand.finish_reason = "length"
+
+    def _advance(self, st: RowState, r: int, p: Params, tok: int, tok_lp: float, top_i: list[int] | None,
+                 top_v: list[float] | None, feed: dict, finished: list[int]) -> None:
+        """Row ``r`` took token ``tok``: record it, then finish the row (EOS, stop string, length) or feed it."""
+        cand = st.cand
+        cand.generated += 1
+        if tok in self.eos_ids:
+            cand.finish_reason = "stop"
+            finished.append(r)
+            return
+        cand.ids.append(tok)
+        cand.logprobs.append(tok_lp)
+        if cand.top is not None:
+            cand.top.append(list(zip(top_i[: p.logprobs], top_v[: p.logprobs])))
+        if p.presence_penalty or p.frequency_penalty:
+            st.counts[tok] = st.counts.get(tok, 0) + 1
+        if st.text is not None:
+            before = len(st.text.text)
+            st.text.add(tok)
+            hit = _find_stop(st.text.text, p.stop, before)
+            if hit is not None:
+                cand.finish_reason, cand.stop_at = "stop", hit
                 finished.append(r)
-                continue
-            feed[r] = tok
+                return
+            if st.sent >= 0:
+                self._stream(st, p)
+        if len(cand.ids) >= p.max_tokens:
+            cand.finish_reason = "length"
+            finished.append(r)
+            return
+        feed[r] = tok
 
     def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
                       pool=None) -> dict:
@@ -259,10 +313,13 @@ class Head:
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
         g = self.groups[st.gid]
-        if st.text is not None:
-            st.cand.pieces = st.text.finish()
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
+        if st.text is not None and (req is None or req.error is None):
+            try:
+                st.cand.pieces = st.text.finish()
+            except Exception as e:
+                self._failed(req, "producing its output", e)
         if req is None:  # serve mode: the client left and the request was dropped
             g.done += 1
             if g.done == len(g.rows):
@@ -339,6 +396,19 @@ class Head:
     def _format(self, key: tuple[bool, int], req: RequestState) -> None:
         live, index = key
         t0 = time.perf_counter()
+        line = None
+        if req.error is None:
+            try:
+                line = self._result_line(req)
+            except Exception as e:
+                self._failed(req, "formatting its result", e)
+        if req.error is not None:
+            self.failed_requests += 1
+            line = output_line(req.raw, req.custom_id, error=req.error)
+        (self.live_results if live else self.results).append((index, line))
+        self.format_seconds += time.perf_counter() - t0
+
+    def _result_line(self, req: RequestState) -> dict:
         p = req.params
         choices, completion_tokens = [], 0
         for prompt_i in range(req.n_prompts):
@@ -355,8 +425,7 @@ class Head:
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:
             result["warnings"] = req.notes
-        (self.live_results if live else self.results).append((index, output_line(req.raw, req.custom_id, result=result)))
-        self.format_seconds += time.perf_counter() - t0
+        return output_line(req.raw, req.custom_id, result=result)
 
 
 def _find_stop(text: str, stops: list[str], since: int) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from comm.dist import DistInfo
-from comm.faults import PREFILL
+from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
 
 from .head import Head
@@ -46,13 +46,26 @@ class LastRank:
                                self.info.data_size)
         self.head.start_file()
         try:
-            return Opened(self.file.open(msg.total, self.overwrite, self.show_progress))
+            skip = self.file.open(msg.total, self.overwrite, self.show_progress)
+            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
             return Opened(None, error=str(e))
 
+    def record(self, hdr: PassHeader) -> None:
+        """Note the file's lines this pass admits before they are computed (tasks.inflight); with
+        P = 1 rank 0 calls this before its forward, else it runs when the pass arrives here."""
+        if self.file is None or self.file.inflight is None or not hdr.admit:
+            return
+        batch = [m for m in hdr.admit if not m.live]
+        alone = sorted({m.req for m in batch if m.alone})
+        self.file.inflight.admitted(sorted({m.req for m in batch if not m.alone}), alone)
+        LINE.admit([m.req for m in batch])
+
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()
+        if not self.info.is_first:
+            self.record(hdr)
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
             if not meta.live:
@@ -73,7 +86,10 @@ class LastRank:
             feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
         written = 0
         for index, line in self.head.take_results():
-            self.file.put(index, line)
+            failed = line.get("error") is not None  # a row whose computation raised (pipeline.head)
+            self.file.put(index, line, error=failed)
+            if failed:
+                self.file.kinds["computation"] = self.file.kinds.get("computation", 0) + 1
             written += 1
         PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:

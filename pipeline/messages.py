@@ -57,6 +57,7 @@ class Admission:
     stream: bool = False  # serve mode: send its text back as it is generated
     adapter: int = 0  # LoRA adapter of its rows (0: the base model)
     model: str | None = None  # the results' "model" when it is an adapter's name
+    alone: bool = False  # a suspect of an earlier crash, run with nothing else in flight (tasks.inflight)
 
 
 @dataclass
@@ -157,6 +158,8 @@ class Opened:
     KIND: ClassVar[str] = "opened"
     skip: int | None  # this share's lines already journaled; None: the output is complete
     error: str | None = None
+    suspects: list[int] = field(default_factory=list)  # lines in flight when an earlier run crashed: run alone
+    culprits: list[int] = field(default_factory=list)  # lines alone in flight when a run crashed: error lines
 
 
 @dataclass

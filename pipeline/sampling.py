@@ -70,7 +70,7 @@ def sample(
         target = uniforms[hot, None] * cdf[:, -1:]
         j = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
         # never land on a zero-probability candidate past the kept set
-        j = torch.minimum(j, (probs > 0).sum(-1, keepdim=True) - 1)
+        j = torch.minimum(j, (probs > 0).sum(-1, keepdim=True) - 1).clamp(min=0)  # NaN probs: the top token
         out[hot] = ids.gather(-1, j).flatten()
     return out
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import orjson
 
 from tasks.files import write_atomic
+from tasks.inflight import crashed_runs, inflight_path
 from tasks.writer import journal_path
 
 from .batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
@@ -60,6 +61,7 @@ class StoreLimits:
     file_expiry_s: int = 30 * 86400
     retention_s: int = 30 * 86400
     min_free_bytes: int = 256 << 20
+MAX_CRASHES = 3  # runs of one batch in a row that ended the server without journaling a line: it fails
 
 
 @dataclass
@@ -304,7 +306,8 @@ class BatchStore:
     # -- the engine's side ------------------------------------------------------------------
     def next_job(self) -> BatchJob | None:
         """The oldest unfinished batch (a restarted server resumes it from its journal); batches whose
-        window passed before they ran end ``expired`` here, cancelled ones that never ran ``cancelled``."""
+        window passed before they ran end ``expired`` here, cancelled ones that never ran ``cancelled``, and
+        one whose last runs each ended the server before it journaled another line ``failed``."""
         with self.lock:
             active = sorted((b for b in self.batches.values() if b["status"] in ACTIVE), key=lambda b: b["created_at"])
             for b in active:
@@ -314,8 +317,14 @@ class BatchStore:
                     self._end(b, "expired")
                 else:
                     out = self._output(b)
-                    inp = self._dir(b["_owner"], "files") / b["input_file_id"]
                     make_private_dir(out.parent)
+                    journal = journal_path(out)
+                    crashes = crashed_runs(inflight_path(journal), _lines(journal))
+                    if crashes >= MAX_CRASHES:  # a line that ends the server is answered with an error by
+                        self._end(b, "failed", f"the server ended {crashes} times in a row while running this "
+                                  "batch, without answering another line; it is not run again")  # then: tasks.inflight
+                        continue
+                    inp = self._dir(b["_owner"], "files") / b["input_file_id"]
                     return BatchJob(b["id"], str(inp), str(out), b["request_counts"]["total"])
             return None
 
@@ -337,7 +346,7 @@ class BatchStore:
             journal = journal_path(self._output(self.batches[bid]))
         if skip and journal.exists():
             with open(journal, "rb") as f:
-                failed = sum(1 for _, line in zip(range(skip), f) if orjson.loads(line).get("error") is not None)
+                failed = sum(1 for _, line in zip(range(skip), f) if _is_error(line))
         with self.lock:
             b = self.batches[bid]
             b["_before"] = [skip - failed, failed]
@@ -359,20 +368,21 @@ class BatchStore:
             status = "expired" if expired else "cancelled" if b["status"] == "cancelling" else "completed"
             self._end(b, status)
 
-    def fail(self, bid: str, message: str) -> None:
-        """The batch cannot go on: what it answered is delivered, the rest listed in its error file."""
+    def fail(self, bid: str, message: str, deliver: bool = True) -> None:
+        """The batch cannot go on: what it answered is delivered, the rest listed in its error file
+        (``deliver`` false: its output could not be read, it is only marked failed)."""
         with self.lock:
-            self._end(self.batches[bid], "failed", message)
+            self._end(self.batches[bid], "failed", message, deliver)
 
-    def _end(self, b: dict, status: str, message: str | None = None) -> None:
+    def _end(self, b: dict, status: str, message: str | None = None, deliver: bool = True) -> None:
         """Deliver a batch's answered lines (output and error files, as OpenAI does for every end) and
         mark it ``status``; the requests a failed or expired batch never ran get error lines of their own."""
-        answered = self._answered(b)
-        ok = [line for line in answered if orjson.loads(line).get("error") is None]
-        bad = [line for line in answered if orjson.loads(line).get("error") is not None]
+        answered = self._answered(b) if deliver else []
+        ok = [line for line in answered if not _is_error(line)]
+        bad = [line for line in answered if _is_error(line)]
         inp = self._dir(b["_owner"], "files") / b["input_file_id"] if valid_id(b["input_file_id"]) else None
         code = {"failed": "batch_failed", "expired": "batch_expired"}.get(status)
-        if code and inp is not None and inp.is_file():
+        if code and deliver and inp is not None and inp.is_file():
             why = message or "This request could not be executed before the completion window expired."
             bad += unanswered_lines(inp, len(answered), code, why)
         key = b["id"].split("_", 1)[1]
@@ -436,3 +446,20 @@ def _page(items: list[dict], after: str | None, limit: int) -> dict:
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _is_error(line: bytes) -> bool:
+    """An output line holding an error (or not readable as a result at all)."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return True
+    return not isinstance(obj, dict) or obj.get("error") is not None
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0

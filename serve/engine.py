@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline.driver import read_lines
 from pipeline.first_rank import FirstRank
+from pipeline.intake import as_request_error
 from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
 from tasks.requests import RequestError
 from tasks.writer import input_id, journal_path, journal_problem
@@ -43,6 +44,7 @@ class BatchRun:
     closing: bool = False
     cancelled: bool = False
     expiring: bool = False  # its completion window passed: no more lines, it ends "expired"
+    error: str | None = None  # it cannot go on: closed with what it has and marked failed
     skip: int = 0  # lines journaled before this run
     done: int = 0  # results written in this run
 
@@ -95,8 +97,9 @@ class ServeRank(FirstRank):
                 continue
             try:
                 item.gids = self.driver.submit_live(item.req, item.prompt_ids)  # tokenized on the HTTP side
-            except RequestError as e:
-                self.source.resolve(item, ("error", 400, e.to_dict()))
+            except Exception as e:  # a request that cannot be prepared is answered, the server goes on
+                err = as_request_error(e)
+                self.source.resolve(item, ("error", 400 if err.kind == "invalid_request_error" else 500, err.to_dict()))
                 continue
             item.prompt_ids = None  # the driver keeps them now
             self.live[item.req.index] = item
@@ -160,8 +163,8 @@ class ServeRank(FirstRank):
                 self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
-            if live is not None:
-                self.source.resolve(live, ("ok", line))
+            if live is not None:  # a request whose computation failed gets its error, the others go on
+                self.source.resolve(live, ("ok", line) if line.get("error") is None else ("error", 500, line["error"]))
         if self.batch is not None:
             self.batch.done += msg.written
 
@@ -185,7 +188,12 @@ class ServeRank(FirstRank):
                 b.expiring, d.lines = True, None
         if d.lines is not None and self.batches.disk_low():
             return  # paused: no new lines until there is space again (those in flight finish)
-        d.fill()
+        try:
+            d.fill()
+        except Exception as e:  # reading its input failed: close with what it has, mark it failed
+            log.error("batch %s: %s: %s", b.job.id, type(e).__name__, e)
+            b.error = f"the batch stopped after {b.skip + d.requests_read} lines: {type(e).__name__}"
+            b.cancelled, d.lines, d.held = True, None, None
         errors = sum(d.error_kinds.values())
         self.batches.progress(b.job.id, b.done, errors)
         if d.exhausted and b.done + errors == d.requests_read:
@@ -206,7 +214,12 @@ class ServeRank(FirstRank):
         if Path(job.output).exists():  # complete: the server stopped before the batch was marked so
             self._store(self.batches.finish, job.id)
             return
-        ident = input_id(job.input, job.output)
+        try:
+            ident = input_id(job.input, job.output)
+        except OSError as e:  # its input is gone or unreadable: the batch fails, the server goes on
+            log.error("batch %s: cannot read its input: %s", job.id, e)
+            self._store(self.batches.fail, job.id, "the server cannot read this batch's input file")
+            return
         if self.fingerprint is not None:
             problem = journal_problem(journal_path(job.output), dict(self.fingerprint, input=ident))
             if problem:
@@ -232,11 +245,11 @@ class ServeRank(FirstRank):
             self._store(self.batches.fail, b.job.id, WRITE_FAILED)
             self.batch = None
         elif msg.skip is None:  # its output is complete (the server stopped before the batch was marked so)
-            self._store(self.batches.finish, b.job.id)
             self.batch = None
+            self._deliver(b.job.id, None)
         else:
             b.opened, b.skip = True, msg.skip
-            self.driver.start(read_lines(b.job.input, skip=msg.skip))
+            self.driver.start(read_lines(b.job.input, skip=msg.skip), msg.suspects, msg.culprits)
             self._store(self.batches.started, b.job.id, msg.skip)
             if msg.skip:
                 log.info("batch %s: resuming after %d answered requests", b.job.id, msg.skip)
@@ -244,10 +257,26 @@ class ServeRank(FirstRank):
     def _closed(self, msg: Closed) -> None:
         b, self.batch = self.batch, None
         self.driver.lines = None
-        if msg.complete:
-            self._store(self.batches.finish, b.job.id, b.expiring and not b.cancelled)
+        if b.error:
+            self._deliver(b.job.id, b.error)
+        elif msg.complete:
+            self._deliver(b.job.id, None, b.expiring and not b.cancelled)
         else:
-            self._store(self.batches.fail, b.job.id, DISK_FULL if self.batches.disk_low() else WRITE_FAILED)
+            self._deliver(b.job.id, DISK_FULL if self.batches.disk_low() else WRITE_FAILED)
+
+    def _deliver(self, bid: str, error: str | None, expired: bool = False) -> None:
+        """The batch's output files, and its status: completed (cancelled, expired), else failed with ``error``.
+        A delivery that raises (not only a full disk) fails the batch without its output; the server goes on."""
+        try:
+            if error:
+                self.batches.fail(bid, error)
+            else:
+                self.batches.finish(bid, expired)
+        except OSError as e:
+            log.error("batch state: %s (delivering %s); batches wait for the disk", e, bid)
+        except Exception as e:
+            log.error("batch %s: %s: %s", bid, type(e).__name__, e)
+            self._store(self.batches.fail, bid, f"its output could not be delivered ({type(e).__name__})", False)
 
 
 def _error(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

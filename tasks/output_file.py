@@ -22,6 +22,7 @@ from pathlib import Path
 from comm.faults import MIDGEN
 
 from .files import write_atomic
+from .inflight import InFlight
 from .shards import share_size
 from .writer import OrderedWriter, record_path, try_merge_shares
 
@@ -76,16 +77,26 @@ class OutputFile:
         self.writer = OrderedWriter(output, fingerprint, data_rank, data_size)
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
+        self.kinds: dict[str, int] = {}  # error lines the last rank wrote, by kind (rank 0 counts the others)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.progress = None
         self.resumed_lines = 0
+        self.inflight: InFlight | None = None  # the lines being computed (tasks.inflight)
+        self.suspects: list[int] = []  # from earlier runs that crashed
+        self.culprits: list[int] = []
         self.t0 = time.perf_counter()
 
     def open(self, total: int, overwrite: bool, show_progress: bool) -> int | None:
         """This share's lines already journaled, or None when the output is complete (skip the file)."""
+        fresh = overwrite or not self.writer.journal.exists()  # no earlier run to learn from
         skip = self.writer.open(overwrite)
         self.resumed_lines = skip or 0
+        if skip is not None:
+            self.inflight = InFlight(self.writer.journal, self.data_rank, self.data_size)
+            if fresh:
+                self.inflight.path.unlink(missing_ok=True)
+            self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
             from .progress import Progress
 
@@ -112,9 +123,12 @@ class OutputFile:
         if self.progress is not None:
             self.progress.close()
         complete = self.writer.close(total)
+        if self.inflight is not None:
+            self.inflight.close(complete)
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
-            str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors, stats.error_kinds,
+            str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,
+            {k: stats.error_kinds.get(k, 0) + self.kinds.get(k, 0) for k in {**stats.error_kinds, **self.kinds}},
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 import orjson
@@ -17,6 +18,12 @@ MAX_N = 128  # n and best_of
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_INT = 2**31 - 1  # integer fields (max_tokens, top_k, token ids) travel as int32/int64 on the device
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds (and what the wire encoding, orjson, can write)
+# A temperature below this is greedy: logits / T overflows float32 for tiny T (softmax gives NaN);
+# vLLM's _SAMPLING_EPS is the same 1e-5.
+GREEDY_BELOW = 1e-5
+_TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits (int() would take "+5", " 5", "٥")
 
 
 class RequestError(ValueError):
@@ -80,15 +87,25 @@ def _is_num(x) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
+def _show(v) -> str:
+    """A value as the client wrote it (in JSON), cut short, for messages."""
+    try:
+        return orjson.dumps(v).decode()[:40]
+    except TypeError:  # e.g. an integer beyond 64 bits (from the Python API)
+        return repr(v)[:40]
+
+
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, what: str = ""):
     v = body.get(key, default)
     if v is None:
         return default
     if not _is_int(v):
-        raise RequestError(f"'{key}' must be an integer, got {orjson.dumps(v).decode()[:40]}", key)
+        raise RequestError(f"'{key}' must be an integer, got {_show(v)}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
         raise RequestError(f"'{key}' must be {rng}{what}, got {v}", key)
+    if v > MAX_INT:  # what the kernels' int32/int64 arithmetic takes
+        raise RequestError(f"'{key}' must be at most {MAX_INT}, got {v}", key)
     return v
 
 
@@ -97,11 +114,11 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bo
     if v is None:
         return default
     if not _is_num(v):
-        raise RequestError(f"'{key}' must be a number, got {orjson.dumps(v).decode()[:40]}", key)
+        raise RequestError(f"'{key}' must be a number, got {_show(v)}", key)
     if v > hi or v < lo or (lo_open and v == lo):
         left = "(" if lo_open else "["
         raise RequestError(f"'{key}' must be in {left}{lo}, {hi}], got {v}", key)
-    return float(v)
+    return float(v) + 0.0  # -0.0 -> 0.0
 
 
 def _prompts(body: dict) -> list:
@@ -115,7 +132,7 @@ def _prompts(body: dict) -> list:
             raise RequestError("'prompt' is an empty list", "prompt")
         if all(isinstance(x, str) for x in p):
             return list(p)
-        if all(_is_int(x) for x in p):
+        if all(_is_int(x) for x in p):  # each id is checked against the model's vocabulary (pipeline.driver)
             return [list(p)]
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
             return [list(x) for x in p]
@@ -146,13 +163,19 @@ def _logit_bias(body: dict) -> dict[int, float]:
         raise RequestError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
     out = {}
     for k, v in lb.items():
-        try:
-            tok = int(k)
-        except ValueError:
-            raise RequestError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        key = str(k)[:24]
+        if isinstance(k, int) and not isinstance(k, bool):  # the Python API may pass int keys
+            k = str(k)
+        if not isinstance(k, str) or not _TOKEN_ID.fullmatch(k):
+            what = "negative: token ids are 0 or more" if isinstance(k, str) and k[:1] == "-" else "not a token id"
+            raise RequestError(f"'logit_bias' key {key!r} is {what} (keys are token ids, written as decimal "
+                               "strings)", "logit_bias")
+        tok = int(k) if len(k) <= 12 else MAX_INT + 1
+        if tok > MAX_INT:
+            raise RequestError(f"'logit_bias' key {key!r} is beyond any vocabulary", "logit_bias")
         if not _is_num(v) or not -100 <= v <= 100:
-            raise RequestError(f"'logit_bias' value for token {k} must be a number in [-100, 100]", "logit_bias")
-        out[tok] = float(v)
+            raise RequestError(f"'logit_bias' value for token {key} must be a number in [-100, 100]", "logit_bias")
+        out[tok] = float(v) + 0.0
     return out
 
 
@@ -179,12 +202,13 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         if not isinstance(echo, bool):
             raise RequestError("'echo' must be true or false", "echo")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError("'seed' must be an integer", "seed")
+    if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise RequestError(f"'seed' must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}", "seed")
     top_k = _int(body, "top_k", 0, lo=-1)
+    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
     return Params(
         max_tokens=max_tokens,
-        temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(top_k, 0),
         n=n,

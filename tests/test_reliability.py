@@ -47,7 +47,7 @@ def test_bad_lines_each_get_an_error_in_place(model_dir, tmp_path):
     errors = {i: x["error"] for i, x in enumerate(out) if "error" in x}
     expect = {1: None, 2: None, 3: None, 4: "prompt", 5: "prompt", 6: "max_tokens", 7: "max_tokens",
               8: "temperature", 9: "top_p", 10: "n", 11: "best_of", 12: "stop", 13: "logprobs", 16: "prompt",
-              17: "prompt"}
+              17: "prompt", 20: "logit_bias", 21: "logit_bias", 22: "logit_bias", 23: "prompt", 24: "seed"}
     assert {i: e["param"] for i, e in errors.items()} == expect
     assert out[1]["request"] == raw_lines[1] and out[2]["request"] == "not json at all"
     # the runner's own words, whatever the JSON parser's release says
@@ -67,7 +67,7 @@ def test_bad_lines_each_get_an_error_in_place(model_dir, tmp_path):
     ref = read_jsonl(tmp_path / "output_clean.jsonl")
     assert_identical_results([out[i] for i in valid], [ref[i] for i in valid])
     summary = json.loads((tmp_path / "output_bad.jsonl.summary.json").read_text())
-    assert summary["requests"] == 20 and summary["errors"] == 15 and summary["answered"] == 5
+    assert summary["requests"] == 25 and summary["errors"] == 20 and summary["answered"] == 5
 
 
 def test_truncate_prompts_and_strict(model_dir, tmp_path):

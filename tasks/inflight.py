@@ -1,0 +1,155 @@
+"""Which lines were being computed when a run ended: no crash loops.
+
+A line that makes a process die (a kernel that segfaults on it, memory it exhausts) would otherwise
+kill every rerun of the same command at the same place. So the last rank records, beside the
+journal in ``<journal>.inflight``, the input lines each pass admits, before it computes them:
+
+    {"open": 12}                 a run starts (12 of this share's lines already journaled)
+    {"in": [40, 41, 42]}         lines admitted (with others)
+    {"alone": [43]}              a suspect line admitted with nothing else in flight
+    {"stopped": 1}               SIGTERM/SIGINT: the run was stopped, it did not crash
+
+When a run opens the journal, each earlier run that ended without finishing or being stopped crashed,
+and its admitted lines that are not journaled were in flight then:
+
+- a line that was in flight *alone* when a process died is the culprit: it is answered with an
+  error line (:func:`crash_error`) instead of being run again;
+- the others are suspects: each runs alone, nothing else in flight (pipeline.driver), so that a crash
+  names its line and an innocent one is answered as usual. A SIGKILL mid-batch therefore costs the
+  in-flight lines one run each, alone, and marks none of them failed.
+
+The file goes when the output is complete. With P > 1 the record is made when a pass reaches the
+last stage, so a line that kills an earlier stage in its very first pass is not recorded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+
+from .shards import CHUNK, share_of
+
+_OPEN: list["InFlight"] = []  # records of this process, told when a signal stops the run
+
+
+def inflight_path(journal: str | os.PathLike) -> Path:
+    journal = Path(journal)
+    return journal.with_name(journal.name + ".inflight")
+
+
+def crash_error(index: int) -> dict:
+    """The error object of a line that was alone in flight when a process died."""
+    return {"message": f"line {index} was being computed, alone, when the process ended, after an earlier run "
+                       "had ended while computing it too; it is answered with this error instead of being run "
+                       "again (check the request; delete the output's .partial.inflight file to retry it)",
+            "type": "server_error", "param": None}
+
+
+class InFlight:
+    def __init__(self, journal: str | os.PathLike, share: int = 0, shares: int = 1):
+        self.path = inflight_path(journal)
+        self.share, self.shares = share, shares
+        self._file = None
+
+    def open(self, written: int) -> tuple[list[int], list[int]]:
+        """Start a run with ``written`` lines journaled; returns (suspects, culprits) from earlier runs."""
+        suspects, culprits = replay(self.path, written, self.share, self.shares)
+        self._file = open(self.path, "ab")
+        self._write({"open": written})
+        _OPEN.append(self)
+        return sorted(suspects), sorted(culprits)
+
+    def admitted(self, indices: list[int], alone: list[int]) -> None:
+        """Lines that enter the pipeline (``alone``: suspects with nothing else in flight), before they run."""
+        if indices:
+            self._write({"in": indices})
+        if alone:
+            self._write({"alone": alone})
+
+    def stopped(self) -> None:
+        """The run is stopped on purpose (a signal): its lines in flight are not suspects."""
+        if self._file is not None:
+            self._write({"stopped": 1})
+
+    def close(self, complete: bool) -> None:
+        """The run ended normally; the record goes with the journal once the output is complete."""
+        if self._file is not None:
+            self._write({"stopped": 1})
+            self._file.close()
+            self._file = None
+        if self in _OPEN:
+            _OPEN.remove(self)
+        if complete:
+            self.path.unlink(missing_ok=True)
+
+    def _write(self, rec: dict) -> None:
+        self._file.write(orjson.dumps(rec) + b"\n")
+        self._file.flush()  # in the page cache: a killed process loses nothing
+
+
+def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[set[int], set[int]]:
+    """(suspects, culprits) not journaled yet, from the runs recorded in ``path``."""
+    if not path.exists():
+        return set(), set()
+    runs: list[dict] = []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a torn last record
+        if not isinstance(rec, dict):
+            continue
+        if "open" in rec:
+            runs.append({"in": set(), "alone": set(), "stopped": False})
+        elif runs:
+            run = runs[-1]
+            run["stopped"] |= bool(rec.get("stopped"))
+            for key in ("in", "alone"):
+                run[key].update(i for i in rec.get(key, []) if isinstance(i, int))
+    suspects, culprits = set(), set()
+    for run in runs:
+        if run["stopped"]:
+            continue
+        culprits |= run["alone"]
+        suspects |= run["in"] | run["alone"]
+    def pending(i: int) -> bool:  # not journaled: this share's line at or after position `written`
+        return share_of(i, shares) == share and (i // (CHUNK * shares)) * CHUNK + i % CHUNK >= written
+
+    culprits = {i for i in culprits if pending(i)}
+    return {i for i in suspects if pending(i)} - culprits, culprits
+
+
+def crashed_runs(path: Path, written: int) -> int:
+    """How many of the last runs recorded in ``path`` crashed in a row without journaling a line
+    (``written``: the lines journaled now)."""
+    if not path.exists():
+        return 0
+    opens, stopped = [], []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("open"), int):
+            opens.append(rec["open"])
+            stopped.append(False)
+        elif isinstance(rec, dict) and rec.get("stopped") and stopped:
+            stopped[-1] = True
+    n = 0
+    for k in range(len(opens) - 1, -1, -1):
+        after = opens[k + 1] if k + 1 < len(opens) else written
+        if stopped[k] or after > opens[k]:
+            break
+        n += 1
+    return n
+
+
+def stop_all() -> None:
+    """A signal stops this process: every open record says so (called from the signal thread)."""
+    for rec in list(_OPEN):
+        try:
+            rec.stopped()
+        except (OSError, ValueError):
+            pass
