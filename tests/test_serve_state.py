@@ -270,7 +270,7 @@ class FakeDriver(SimpleNamespace):
     def take_errors(self):
         return []
 
-    def start(self, lines):
+    def start(self, lines, suspects=(), culprits=()):
         self.lines = lines
 
 
