@@ -18,7 +18,8 @@ Three kernels compute ``x @ W.T`` from the int8 weights:
   Xeon (2 threads, 768x2304: 0.055 against 0.10 ms at 32 rows). The activations go in as uint8 with
   zero point 128 (``q + 128``: exactly the int8 values; oneDNN's u8 x s8 path is its fastest at
   prefill sizes), the per-channel weight scales as oneDNN's output scales, the per-row scale after;
-  the packed copy replaces the plain weight;
+  the packed copy replaces the plain weight. On CPUs without VNNI / AMX oneDNN's u8 x s8 product
+  saturates int16 pair sums (:func:`onednn_saturates`): there it runs as two exact products;
 - ``dequantize``: the int8 weights cast to the compute dtype for each matmul, an ordinary matmul,
   then the per-channel scales (what a fake-quantized float model computes, to float rounding).
 
