@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.loading import build_stage
-from pipeline.models import native
+from pipeline.models import int8, native
 from pipeline.models.int8 import (
     eager_quantize_tokens,
     quantize_tokens,
@@ -245,6 +245,30 @@ def test_kernels_against_the_fake_quantized_product(bias):
         torch.testing.assert_close(lin(x[0, :1]), y[0, :1], atol=1e-4, rtol=1e-5)  # one row (decode)
         with pytest.raises(ValueError, match="packed"):
             lin.set_kernel("dequantize")
+
+
+@needs_onednn
+@pytest.mark.parametrize("split", [False, True])
+def test_onednn_products_stay_exact_where_int16_pair_sums_would_saturate(split, monkeypatch):
+    """Rows at +-max against weights of 100-127 of one sign per output: every u8 x s8 pair sum is
+    past int16 (what oneDNN's kernel saturates on CPUs without VNNI / AMX). The product split in two
+    halves (forced here on any CPU) is exact everywhere; the single product only where the probe
+    finds no saturation, and where it does find it, the single product really is wrong there."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.rand(24, 64, generator=g) * 27 + 100) * torch.tensor([1.0, -1.0]).repeat(12)[:, None]
+    x = (torch.rand(6, 64, generator=g) * 0.05 + 0.95) * torch.tensor([3.0, -2.0, 1.0, -0.5, 7.0, -1.0])[:, None]
+    lin = Int8Linear(64, 24, False)
+    lin.load_float(w)
+    lin.kernel = "int8"
+    y = lin(x)  # int8 x int8 -> int32: torch._int_mm, exact
+    lin.set_kernel("onednn")
+    saturates = int8.onednn_saturates()
+    monkeypatch.setattr(int8, "onednn_saturates", lambda: split)
+    if split or not saturates:
+        torch.testing.assert_close(lin(x), y, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lin(x[:1]), y[:1], atol=1e-4, rtol=1e-5)  # one row (decode)
+    else:
+        assert (lin(x) - y).abs().max() > 1  # what the probe found: the plain u8 x s8 product loses sums here
 
 
 def test_choose_kernels_times_each_shape_and_keeps_the_faster():

@@ -18,7 +18,8 @@ Three kernels compute ``x @ W.T`` from the int8 weights:
   Xeon (2 threads, 768x2304: 0.055 against 0.10 ms at 32 rows). The activations go in as uint8 with
   zero point 128 (``q + 128``: exactly the int8 values; oneDNN's u8 x s8 path is its fastest at
   prefill sizes), the per-channel weight scales as oneDNN's output scales, the per-row scale after;
-  the packed copy replaces the plain weight;
+  the packed copy replaces the plain weight. On CPUs without VNNI / AMX oneDNN's u8 x s8 product
+  saturates int16 pair sums (:func:`onednn_saturates`): there it runs as two exact products;
 - ``dequantize``: the int8 weights cast to the compute dtype for each matmul, an ordinary matmul,
   then the per-channel scales (what a fake-quantized float model computes, to float rounding).
 
@@ -181,13 +182,37 @@ def zero_points(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long)
 
 
+def _qlinear(xu: torch.Tensor, x_scale: float, x_zero: int, packed: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """oneDNN's ``x_scale * (xu - x_zero) @ W.T * weight scales``: (rows, in) uint8 -> (rows, out) float32."""
+    return torch.ops.onednn.qlinear_pointwise(xu, x_scale, x_zero, packed, m.scale, zero_points(m.out_features), None,
+                                              1.0, 0, torch.float32, "none", [], "")
+
+
+@functools.cache
+def onednn_saturates() -> bool:
+    """Whether oneDNN's u8 x s8 product loses sums on this CPU. Without VNNI or AMX (AVX2 / AVX-512
+    only) it multiplies with ``vpmaddubsw``, which adds each pair of u8 x s8 products into an int16
+    and saturates: 2 x 255 x 127 = 64770 > 32767, so a row of large activations against large weights
+    of one sign comes out wrong (an AVX2 EPYC measured logits off by 0.25 and single products by 4).
+    Measured, not read from the CPU flags, on the products that saturate there (all 127, every pair
+    at the limit), at a decode and a prefill row count. When true, :func:`onednn_mm` splits the
+    activations so that no pair can pass 2 x 127 x 127 = 32258."""
+    w = torch.full((32, 64), QMAX, dtype=torch.int8)
+    packed, probe = onednn_prepack(w), Int8Linear(64, 32, False)
+    exact = float(QMAX * QMAX * 64)  # each output: 64 products of 127 x 127, exact in float32
+    return any(not bool((_qlinear(torch.full((rows, 64), 255, dtype=torch.uint8), 1.0, 128, packed, probe) == exact).all())
+               for rows in (1, 32))
+
+
 def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor,
               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout);
     ``quantized``: x's uint8 values and scales already computed (x then only gives the dtype)."""
     xu, s = quantize_tokens(x, unsigned=True) if quantized is None else quantized  # (rows, in) uint8, (rows, 1)
-    y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, m.scale, zero_points(m.out_features), None, 1.0, 0,
-                                           torch.float32, "none", [], "")  # acc * weight scale, float32
+    if onednn_saturates():  # u = 2h + l: (u - 128) . w = 2 (h - 64) . w + l . w, each product exact
+        y = _qlinear(xu >> 1, 2.0, 64, packed, m).add_(_qlinear(xu & 1, 1.0, 0, packed, m))
+    else:
+        y = _qlinear(xu, 1.0, 128, packed, m)
     if native.usable(y) and x.dtype in (torch.float32, torch.bfloat16):
         return native.scale_rows(y, s, None if m.bias is None else m.bias.float(), x.dtype)
     y = y.mul_(s) if m.bias is None else torch.addcmul(m.bias.float(), y, s)
