@@ -293,8 +293,10 @@ def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works
     from serve.batches import BatchStore
 
     store = BatchStore(server.serve_dir)
-    f2 = store.add_file(b'{"prompt": "x", "max_tokens": 1}\n', "in2.jsonl", "batch")
-    b2 = store.create_batch({"input_file_id": f2["id"], "endpoint": "/v1/completions"})
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}
+    f2 = store.add_file("default", (json.dumps(line) + "\n").encode(), "in2.jsonl", "batch")
+    b2 = store.create_batch("default", {"input_file_id": f2["id"], "endpoint": "/v1/completions",
+                                        "completion_window": "24h"})
     (server.serve_dir / "files" / f2["id"]).unlink()
     server.start()  # the same --serve-dir: every batch keeps its state, the broken one fails
     client = server.client()
@@ -317,8 +319,9 @@ def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistr
     from serve.batches import BatchStore
 
     store = BatchStore(tmp_path / "state")  # the batch waits in the folder; each server start runs it
-    f = store.add_file("".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")
-    bid = store.create_batch({"input_file_id": f["id"], "endpoint": "/v1/completions"})["id"]
+    f = store.add_file("default", "".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")
+    bid = store.create_batch("default", {"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                         "completion_window": "24h"})["id"]
     s = Server(str(mistral_model), 1, tmp_path / "state", tmp_path / "server.log")
     try:
         os.environ.update(DIST_INFER_FAULT="line", DIST_INFER_FAULT_LINE="6")  # Server passes os.environ on
