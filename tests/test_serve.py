@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.utils import RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, write_jsonl
+from tests.utils import RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, wait_healthy, write_jsonl
 
 try:  # the HTTP client the openai package (a declared test dependency) brings: httpx, or its fork httpx2
     import httpx
@@ -54,16 +54,7 @@ class Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=log, env=_env(None),
                                          start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("server did not come up:\n" + self.log.read_text()[-3000:])
+        wait_healthy(self.proc, self.url("/health"), self.log, 180)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import RUNNER, _env, free_port
+from tests.utils import RUNNER, _env, free_port, wait_healthy
 
 try:  # the openai package's HTTP client (httpx, or its fork httpx2 in newer openai releases)
     import httpx
 except ImportError:
-    httpx = pytest.importorskip("httpx2")
+    import httpx2 as httpx
 
 KEYS = {"sk-alice-0123": "alice", "sk-bob-4567": "bob"}
 JSON = {"Content-Type": "application/json"}
@@ -47,16 +47,7 @@ class Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(None), preexec_fn=limit,
                                          start_new_session=True)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("server did not come up:\n" + self.log.read_text()[-3000:])
+        wait_healthy(self.proc, self.url("/health"), self.log, 240)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

@@ -371,3 +371,25 @@ def llama_stage_tensors(layer: int, has_embed: bool, has_head: bool) -> set[str]
         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
     names |= {"model.embed_tokens.weight"} if has_embed else set()
     return names | ({"model.norm.weight", "lm_head.weight"} if has_head else set())
+
+
+def wait_healthy(proc: subprocess.Popen, health_url: str, log: Path, seconds: float) -> None:
+    """Wait until a server started as ``proc`` answers ``health_url`` with 200 (fails with the end of its
+    log if it exits or is not up within ``seconds``)."""
+    import time
+
+    try:  # the HTTP client the openai package (a declared test dependency) brings: httpx, or its fork httpx2
+        import httpx
+    except ImportError:
+        import httpx2 as httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(health_url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("server did not come up:\n" + log.read_text()[-3000:])
