@@ -58,7 +58,7 @@ train-time held-out exact match, path zero-/3-shot and owner zero-/3-shot: step 
 at the end sums 99/100%, copy 100/100%, reverse 100/100%. An earlier run without the copy, reverse
 and sum targets and with fewer of those rows (path 0.45, owner 0.25, sums 0.1, copy and reverse
 0.05 each) reached path 99/97% and owner 100% but sums 55/52%, copy 70/46%, reverse 46/38%.
-Through the runner: see the README.
+Through the runner: see docs/usage/default-model.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ QUANTIZE = ("none", "int8")
 BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 # --prefill-chunk auto with several stages. A GPU computes a few hundred tokens in about a decode
 # step's time (both read the weights once), so chunks of 512 even out its passes; on the CPU a pass's
-# time grows with its tokens from the first: 64 tokens cost about a 32-row decode step (README)
+# time grows with its tokens from the first: 64 tokens cost about a 32-row decode step (docs/design/chunked-prefill.md)
 AUTO_PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
 
 
@@ -72,10 +72,10 @@ class RunOptions:
     lora: list[str] = _opt(None, "A PEFT LoRA adapter folder as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
-    quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see README). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
-    kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see README).", choices=("auto", "int8"))
+    quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
+    kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see docs/usage/quantization.md).", choices=("auto", "int8"))
     cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
-    batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see README).")
+    batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see docs/design/determinism.md).")
     trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
     # distributed launch (torchrun sets these through the environment)
     world_size: int | None = _opt(None, "Legacy launch: total number of processes.")

@@ -295,7 +295,7 @@ class Scheduler:
     def next_pass(self, sid: int, ahead: bool = False) -> Pass | None:
         """The next pass for an idle slot, or None when it has nothing to do now. ``ahead``: a second
         pass in flight for a slot whose pass in flight decodes no row, continuing its chunked prompts
-        (nothing in it waits for the answer; README "Passes ahead")."""
+        (nothing in it waits for the answer; docs/design/chunked-prefill.md, "Passes ahead")."""
         slot = self.slots[sid]
         if ahead:
             parts = self.parts()
