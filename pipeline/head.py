@@ -9,7 +9,6 @@ formatted (tasks.results) and handed to the ordered writer.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -17,56 +16,12 @@ from tasks.requests import Params
 from tasks.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line,
                            result_object, top_dict)
 
+from .head_state import GroupState, RequestState, RowState
 from .messages import Admission, Prefill
 from .sampling import apply_penalties, logprob_info, sample, stream_key, uniform
 from .upload import to_device
 
 ECHO_CHUNK = 256  # prompt positions per head call when scoring
-
-
-@dataclass
-class RowState:
-    gid: int
-    cand: Candidate
-    key: int  # random stream
-    text: IncrementalText | None = None  # only when the request has stop strings or streams
-    sent: int = -1  # streaming: tokens whose text was sent as deltas (-1: not streamed)
-    sent_chars: int = 0  # streaming: the characters of those tokens
-    counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
-
-
-@dataclass
-class GroupState:
-    meta: Admission  # what rank 0 sent when the group entered
-    started: float
-    echo: dict | None = None
-    done: int = 0
-
-    @property
-    def params(self) -> Params:
-        return self.meta.params
-
-    @property
-    def rows(self) -> list[int]:
-        return self.meta.rows
-
-
-@dataclass
-class RequestState:
-    raw: object
-    kind: str
-    custom_id: str | None
-    params: Params
-    n_prompts: int
-    choices: dict[int, list[Candidate]] = field(default_factory=dict)  # prompt_i -> candidates
-    echoes: dict[int, dict | None] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    started: float = 0.0
-    batch_size: int = 0
-    notes: list[str] = field(default_factory=list)
-    model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
-    error: dict | None = None  # a row of it failed: the request is answered with this error
 
 
 class Head:

@@ -23,14 +23,11 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -41,54 +38,14 @@ from tasks.writer import journal_path
 
 from .batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
 from .state_dir import FILE_MODE, make_private_dir
+from .store_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
+                            is_error, owner_slug, page, valid_id)
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("completed", "failed", "cancelled", "expired")
-_ID = re.compile(r"^(file|batch)[-_][A-Za-z0-9_-]{1,64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-DEFAULT_OWNER = "default"  # the key without a name (or no key): the top-level files/ and batches/
-
-
-@dataclass(frozen=True)
-class StoreLimits:
-    """Per-key quotas and lifetimes (flags --key-storage-bytes ... --min-free-disk-bytes)."""
-
-    max_bytes: int = 10 << 30
-    max_files: int = 1000
-    file_expiry_s: int = 30 * 86400
-    retention_s: int = 30 * 86400
-    min_free_bytes: int = 256 << 20
-MAX_CRASHES = 3  # runs of one batch in a row that ended the server without journaling a line: it fails
-
-
-@dataclass
-class BatchJob:
-    id: str
-    input: str
-    output: str
-    total: int
-
-
-class StoreError(ValueError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
-
-
-def owner_slug(name: str | None) -> str:
-    """A key's name -> its folder name under keys/ (names that are not plain get a hash)."""
-    name = name or DEFAULT_OWNER
-    return name if _NAME.match(name) else "h-" + hashlib.sha256(name.encode()).hexdigest()[:24]
-
-
-def valid_id(value) -> bool:
-    return isinstance(value, str) and bool(_ID.match(value))
-
-
 class BatchStore:
     def __init__(self, root: str | Path, limits: StoreLimits | None = None):
         self.root = make_private_dir(Path(root))
@@ -224,7 +181,7 @@ class BatchStore:
             files = sorted((f for f in self.files.values() if f["_owner"] == owner and f["expires_at"] > now),
                            key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
             files = [self.public(f) for f in files if purpose is None or f["purpose"] == purpose]
-        return _page(files, after, limit)
+        return page(files, after, limit)
 
     def delete_file(self, owner: str, fid: str) -> dict:
         """Remove a file (not the input of an unfinished batch: a restart resumes from it)."""
@@ -293,7 +250,7 @@ class BatchStore:
             mine = sorted((b for b in self.batches.values() if b["_owner"] == owner),
                           key=lambda b: (-b["created_at"], b["id"]))
             data = [self._copy(b) for b in mine]
-        return _page(data, after, limit)
+        return page(data, after, limit)
 
     def cancel(self, owner: str, bid: str) -> dict:
         with self.lock:
@@ -319,7 +276,7 @@ class BatchStore:
                     out = self._output(b)
                     make_private_dir(out.parent)
                     journal = journal_path(out)
-                    crashes = crashed_runs(inflight_path(journal), _lines(journal))
+                    crashes = crashed_runs(inflight_path(journal), count_lines(journal))
                     if crashes >= MAX_CRASHES:  # a line that ends the server is answered with an error by
                         self._end(b, "failed", f"the server ended {crashes} times in a row while running this "
                                   "batch, without answering another line; it is not run again")  # then: tasks.inflight
@@ -346,7 +303,7 @@ class BatchStore:
             journal = journal_path(self._output(self.batches[bid]))
         if skip and journal.exists():
             with open(journal, "rb") as f:
-                failed = sum(1 for _, line in zip(range(skip), f) if _is_error(line))
+                failed = sum(1 for _, line in zip(range(skip), f) if is_error(line))
         with self.lock:
             b = self.batches[bid]
             b["_before"] = [skip - failed, failed]
@@ -378,8 +335,8 @@ class BatchStore:
         """Deliver a batch's answered lines (output and error files, as OpenAI does for every end) and
         mark it ``status``; the requests a failed or expired batch never ran get error lines of their own."""
         answered = self._answered(b) if deliver else []
-        ok = [line for line in answered if not _is_error(line)]
-        bad = [line for line in answered if _is_error(line)]
+        ok = [line for line in answered if not is_error(line)]
+        bad = [line for line in answered if is_error(line)]
         inp = self._dir(b["_owner"], "files") / b["input_file_id"] if valid_id(b["input_file_id"]) else None
         code = {"failed": "batch_failed", "expired": "batch_expired"}.get(status)
         if code and deliver and inp is not None and inp.is_file():
@@ -437,29 +394,3 @@ class BatchStore:
                 if ended + self.limits.retention_s <= now:
                     del self.batches[b["id"]]
                     (self._dir(b["_owner"], "batches") / f"{b['id']}.json").unlink(missing_ok=True)
-
-
-def _page(items: list[dict], after: str | None, limit: int) -> dict:
-    if after:
-        ids = [x["id"] for x in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
-
-
-def _is_error(line: bytes) -> bool:
-    """An output line holding an error (or not readable as a result at all)."""
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return True
-    return not isinstance(obj, dict) or obj.get("error") is not None
-
-
-def _lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    except OSError:
-        return 0
