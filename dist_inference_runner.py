@@ -30,12 +30,12 @@ if str(ROOT) not in sys.path:
 
 log = logging.getLogger("runner")
 
-from pipeline.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
+from pipeline.config.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
 def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
-    """The run's dtype (pipeline.plan.resolve_dtype, kept here for callers of the runner module)."""
-    from pipeline.plan import resolve_dtype as resolve
+    """The run's dtype (pipeline.config.plan.resolve_dtype, kept here for callers of the runner module)."""
+    from pipeline.config.plan import resolve_dtype as resolve
 
     return resolve(name, cfg, device, model_dir)
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     caller (tests); otherwise SIGTERM and SIGINT are masked before anything (torch's import
     included) can start a thread.
     """
-    from pipeline.options import parse_options
+    from pipeline.config.options import parse_options
 
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()
-    from pipeline.plan import make_plan
+    from pipeline.config.plan import make_plan
 
     try:
         plan = make_plan(opts)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
             log.info("%s", plan.layout_note)
     if plan.nothing_to_do:  # every output is complete and this run's: start nothing, load nothing
         if rank == 0:
-            from pipeline.plan import output_for
+            from pipeline.config.plan import output_for
 
             for path in plan.all_inputs:
                 output = output_for(path, opts.output_path, len(plan.all_inputs) > 1)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
         from comm.p2p import PeerLost
-        from pipeline.first_rank import RunError
+        from pipeline.runtime.first_rank import RunError
 
         if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
@@ -135,7 +135,7 @@ def launch_rank(argv: list[str]) -> int:
 def usage_error(e: UsageError, quiet: bool = False) -> int:
     """Exit code 2; the message on stderr and, under torchrun, in the agent's error file."""
     if quiet:
-        from pipeline.options import quiet_exit_grace
+        from pipeline.config.options import quiet_exit_grace
 
         quiet_exit_grace()
         return 2
@@ -219,7 +219,7 @@ def watch_launcher() -> None:
 
 def run(opts) -> int:
     """Plan (every flag checked, nothing loaded), then execute on this rank (in-process use, tests)."""
-    from pipeline.plan import make_plan
+    from pipeline.config.plan import make_plan
 
     plan = make_plan(opts)
     for warning in plan.warnings:
@@ -236,9 +236,9 @@ def execute(plan, opts) -> int:
     from comm.dist import init_distributed, shutdown
     from comm.faults import LOAD, set_rank
 
-    from pipeline.first_rank import Job
-    from pipeline.plan import output_for
-    from pipeline.roles import first_rank, load_stage, run_budget, serve_rank
+    from pipeline.runtime.first_rank import Job
+    from pipeline.config.plan import output_for
+    from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
@@ -249,7 +249,7 @@ def execute(plan, opts) -> int:
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
-        from pipeline.host_memory import keep_freed_memory
+        from pipeline.runtime.host_memory import keep_freed_memory
 
         keep_freed_memory()
     try:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the runner process")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
-    from examples.default_model import cache_root
+    from pipeline.loading.default_model import cache_root
 
     model = build_model(cache_root() / "bench", PROFILES["quick"])
     work = Path(tempfile.mkdtemp(prefix="determinism-"))

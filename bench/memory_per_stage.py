@@ -55,7 +55,7 @@ def build_model(out: Path, hidden: int, layers: int, intermediate: int, vocab: i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO))
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -73,10 +73,10 @@ def stage_weights(model_dir: Path, stages: int) -> list[tuple[tuple[int, int], i
     import torch
 
     sys.path.insert(0, str(REPO))
-    from pipeline.loading import read_config
-    from pipeline.models import spec_from_config
+    from pipeline.loading.stage_weights import read_config
+    from pipeline.models.families import spec_from_config
     from pipeline.models.decoder import StageModel
-    from pipeline.partition import stage_ranges
+    from pipeline.config.partition import stage_ranges
 
     spec = spec_from_config(read_config(model_dir))
     out = []

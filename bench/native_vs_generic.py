@@ -38,7 +38,7 @@ def build_model(out: Path, hidden: int, layers: int, intermediate: int, vocab: i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO))
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=1000, help="tokens of the few-shot prefix (about)")
     ap.add_argument("--questions", type=int, default=None, help="few-shot questions (default: the profile's)")
     args = ap.parse_args(argv)
-    from examples.default_model import build_tokenizer, cache_root
+    from pipeline.loading.default_model import build_tokenizer, cache_root
 
     profile = "quick" if args.quick else "full"
     prof = dict(PROFILES[profile], prefix_tokens=args.prefix_tokens)

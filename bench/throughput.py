@@ -5,7 +5,7 @@
     python bench/throughput.py --systems hf,runner1 --json /tmp/t.json
 
 Everything is built locally and deterministically (no hub): a random float32 Llama saved with
-``save_pretrained`` plus the project's local BPE tokenizer (examples/default_model.py), cached under
+``save_pretrained`` plus the project's local BPE tokenizer (pipeline/loading/default_model.py), cached under
 ``$DIST_INFER_CACHE/bench`` and reused across runs, and a mixed request file (fixed seed) of
 greedy generation requests (some with stop strings) and echo scoring requests
 (``echo: true, max_tokens: 0, logprobs: 1``). The workload is split by kind into ``gen.jsonl`` and
@@ -85,7 +85,7 @@ SCORE_SHARE, STOP_SHARE, MIN_PROMPT = 0.2, 0.3, 8
 # ------------------------------------------------------------------------------------------------
 def build_model(cache: Path, prof: dict) -> Path:
     """The random Llama for ``prof``, built once into ``cache`` (build in a temp sibling, rename)."""
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     vocab = len(build_tokenizer())  # the name says which tokenizer the cached model was built with
     name = f"bench-llama-h{prof['hidden']}-l{prof['layers']}-i{prof['intermediate']}-vocab{vocab}"
@@ -215,10 +215,10 @@ def batches(items: list, size: int = BATCH):
 # ------------------------------------------------------------------------------------------------
 def fake_quantize_layers(model) -> None:
     """HF with int8 weights, computed in float: each decoder-layer linear's weight replaced by what its
-    int8 per-output-channel quantization stands for (the runner's own quantizer, pipeline.models.int8)."""
+    int8 per-output-channel quantization stands for (the runner's own quantizer, pipeline.models.kernels.int8)."""
     import torch
 
-    from pipeline.models.int8 import fake_quantize
+    from pipeline.models.kernels.int8 import fake_quantize
 
     with torch.no_grad():
         for mod in model.model.layers.modules():
@@ -848,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return 0
-    from examples.default_model import cache_root
+    from pipeline.loading.default_model import cache_root
 
     prof = PROFILES[args.profile]
     cache = Path(args.cache_dir) if args.cache_dir else cache_root() / "bench"

@@ -108,7 +108,7 @@ def init_distributed(
         device, backend = torch.device("cpu"), "gloo"
     if world == 1:
         return DistInfo(rank, 1, 0, 1, 1, 1, device, None)
-    from .p2p import open_channels
+    from comm.p2p import open_channels
 
     init_method = dist_url or "env://"
     if init_method == "env://" and "MASTER_ADDR" not in os.environ:

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         for task, (hit, total) in score(read_jsonl(args.score)).items():
             print(f"{task:15s} {hit:4d}/{total:<4d} {100 * hit / total:5.1f}%")
         return
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "heldout.jsonl"

@@ -53,7 +53,7 @@ def build(family: str, out_dir: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     model_type, kwargs = CONFIGS[family]
     tok = build_tokenizer()

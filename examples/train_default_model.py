@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import default_tasks as dt  # noqa: E402
-from examples.default_model import (  # noqa: E402
+from pipeline.loading.default_model import (  # noqa: E402
     BOS, CORPUS_PATH, EOS, PAD, SHIPPED_DIR, make_tokenizer)
 
 SEED = 0

@@ -21,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.requests import RequestError, json_problem, parse_body
 
-from .auth import Access, Keys, origin_list
-from .batches import BatchStore, StoreError
-from .guard import Guard
-from .intake import Caps, Tokenizing, check_caps, rows_of
-from .source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
-from .sse import DONE, ChunkMaker, event
+from serve.auth import Access, Keys, origin_list
+from serve.batches import BatchStore, StoreError
+from serve.guard import Guard
+from serve.intake import Caps, Tokenizing, check_caps, rows_of
+from serve.source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
+from serve.sse import DONE, ChunkMaker, event
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _complete(state, request, chat=True)
 
-    from .files_routes import add_batch_routes
+    from serve.files_routes import add_batch_routes
 
     add_batch_routes(app, state)
     return app
@@ -277,7 +277,7 @@ class HttpThread:
 
         extra = {}
         if limits is not None:
-            from .protocol import protocol_class
+            from serve.protocol import protocol_class
 
             # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
             # by the protocol, which closes idle connections first)

@@ -49,9 +49,9 @@ class Keys:
 
 
 def load_keys(api_key: str | None, api_key_file: str | None, env: dict | None = None) -> Keys:
-    """The keys of the flags (checked before loading: pipeline.options) or the environment; warns about
+    """The keys of the flags (checked before loading: pipeline.config.options) or the environment; warns about
     ``--api-key`` (every local user sees it in ``ps``) and a key file other users can read."""
-    from pipeline.options import read_key_file
+    from pipeline.config.options import read_key_file
 
     env = os.environ if env is None else env
     if api_key_file:

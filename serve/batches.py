@@ -36,9 +36,9 @@ from tasks.files import write_atomic
 from tasks.inflight import crashed_runs, inflight_path
 from tasks.writer import journal_path
 
-from .batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
-from .state_dir import FILE_MODE, make_private_dir
-from .store_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
+from serve.batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
+from serve.state_dir import FILE_MODE, make_private_dir
+from serve.store_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
                             is_error, owner_slug, page, valid_id)
 
 log = logging.getLogger(__name__)

@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.driver import read_lines
-from pipeline.first_rank import FirstRank
-from pipeline.intake import as_request_error
-from pipeline.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
+from pipeline.scheduling.driver import read_lines
+from pipeline.runtime.first_rank import FirstRank
+from pipeline.scheduling.intake import as_request_error
+from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, Reply, Stop
 from tasks.requests import RequestError
 from tasks.writer import input_id, journal_path, journal_problem
 
-from .batches import BatchJob, BatchStore
-from .source import Live, RequestSource
+from serve.batches import BatchJob, BatchStore
+from serve.source import Live, RequestSource
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class ServeRank(FirstRank):
         self.drops: dict[int, set[int]] = {}  # slot -> live requests to forget with its next pass
         self.release: list[int] = []
         self.batch: BatchRun | None = None
-        self.fingerprint: dict | None = None  # the run's (pipeline.plan): a batch's journal resumes only under it
+        self.fingerprint: dict | None = None  # the run's (pipeline.config.plan): a batch's journal resumes only under it
         self._swept = 0.0
 
     def serve(self) -> None:

@@ -10,8 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from .batch_checks import CheckError, check_expires_after
-from .batches import StoreError, owner_slug
+from serve.batch_checks import CheckError, check_expires_after
+from serve.batches import StoreError, owner_slug
 
 
 STORAGE_FULL = "the server could not store this (its disk is full); try again later"
@@ -24,8 +24,8 @@ def owner_of(request: Request) -> str:
 
 
 def add_batch_routes(app: FastAPI, state) -> None:
-    from .app import error, ok, read_json
-    from .upload import receive_upload
+    from serve.app import error, ok, read_json
+    from serve.upload import receive_upload
 
     store = state.store
 

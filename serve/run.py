@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from .auth import API_KEY_ENVS, loopback
+from serve.auth import API_KEY_ENVS, loopback
 
 log = logging.getLogger("serve")
 
@@ -16,16 +16,16 @@ _loopback = loopback  # tests import it from here
 
 
 def run_server(plan, opts, info, stage, first_rank) -> None:
-    """``first_rank`` builds rank 0's driver pieces (pipeline.roles.first_rank)."""
-    from pipeline.options import serve_address
+    """``first_rank`` builds rank 0's driver pieces (pipeline.runtime.roles.first_rank)."""
+    from pipeline.config.options import serve_address
 
-    from .app import HttpThread, ServeState, create_app
-    from .auth import load_keys, make_access
-    from .batches import BatchStore
-    from .engine import ServeRank
-    from .intake import Caps, Tokenizing, max_token_bytes
-    from .protocol import Limits, connection_cap
-    from .source import RequestSource
+    from serve.app import HttpThread, ServeState, create_app
+    from serve.auth import load_keys, make_access
+    from serve.batches import BatchStore
+    from serve.engine import ServeRank
+    from serve.intake import Caps, Tokenizing, max_token_bytes
+    from serve.protocol import Limits, connection_cap
+    from serve.source import RequestSource
 
     host, port = serve_address(opts.serve)
     keys = load_keys(opts.api_key, getattr(opts, "api_key_file", None))
@@ -65,7 +65,7 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
 
 def store_limits(opts):
     """The Batch API's per-key quotas and lifetimes from the flags."""
-    from .batches import StoreLimits
+    from serve.batches import StoreLimits
 
     return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
                        int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)

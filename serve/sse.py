@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import orjson
 
-from tasks.results import chat_logprobs
+from pipeline.output.results import chat_logprobs
 
 
 def event(obj) -> bytes:

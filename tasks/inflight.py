@@ -14,7 +14,7 @@ and its admitted lines that are not journaled were in flight then:
 
 - a line that was in flight *alone* when a process died is the culprit: it is answered with an
   error line (:func:`crash_error`) instead of being run again;
-- the others are suspects: each runs alone, nothing else in flight (pipeline.driver), so that a crash
+- the others are suspects: each runs alone, nothing else in flight (pipeline.scheduling.driver), so that a crash
   names its line and an innocent one is answered as usual. A SIGKILL mid-batch therefore costs the
   in-flight lines one run each, alone, and marks none of them failed.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import orjson
 
-from .shards import CHUNK, share_of
+from tasks.shards import CHUNK, share_of
 
 _OPEN: list["InFlight"] = []  # records of this process, told when a signal stops the run
 

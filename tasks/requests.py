@@ -76,7 +76,7 @@ class Request:
     kind: str = "completion"  # completion | chat
     custom_id: str | None = None  # Batch API lines
     stream: bool = False  # serve mode: stream: true
-    model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.driver)
+    model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.scheduling.driver)
 
 
 def _is_int(x) -> bool:
@@ -132,7 +132,7 @@ def _prompts(body: dict) -> list:
             raise RequestError("'prompt' is an empty list", "prompt")
         if all(isinstance(x, str) for x in p):
             return list(p)
-        if all(_is_int(x) for x in p):  # each id is checked against the model's vocabulary (pipeline.driver)
+        if all(_is_int(x) for x in p):  # each id is checked against the model's vocabulary (pipeline.scheduling.driver)
             return [list(p)]
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
             return [list(x) for x in p]

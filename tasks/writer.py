@@ -27,8 +27,8 @@ import orjson
 
 from comm.faults import FINALIZE
 
-from .files import atomic_path, input_fingerprint, legacy_input_fingerprint, write_atomic
-from .shards import index_of, share_of, share_size
+from tasks.files import atomic_path, input_fingerprint, legacy_input_fingerprint, write_atomic
+from tasks.shards import index_of, share_of, share_size
 
 
 log = logging.getLogger(__name__)

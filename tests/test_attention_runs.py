@@ -8,9 +8,11 @@ import torch
 
 import torch.nn.functional as F
 
-from pipeline.models import decoder, native, sdpa
+from pipeline.models import decoder
+
+from pipeline.models.kernels import native, sdpa
 from pipeline.models.decoder import Segment
-from pipeline.models.sdpa import kv_runs
+from pipeline.models.kernels.sdpa import kv_runs
 from tests.utils import assert_hf_parity, random_hf_model, stage_chain
 
 CELL = 6144  # bytes of keys + values per cached position: 12 heads x 64 x 2 x float32
@@ -208,7 +210,7 @@ def test_row_layout_masks_each_row_within_its_window():
     """A row resuming at position 6 with 3 new tokens, window 4: it reads cache columns 3..8, query
     p seeing (p - 4, p]; a row of 3 tokens is not cut by the window and shares full attention's
     layout; fresh rows within the window need no mask (the kernel's causal masking)."""
-    from pipeline.models.unpad import row_layout
+    from pipeline.models.kernels.unpad import row_layout
 
     resumed = Segment(torch.arange(2), torch.tensor([6, 0]), 3, 9, fresh=False, prefill=True, lens=[3, 3])
     real = torch.tensor([0, 1, 2, 3, 4, 5])
@@ -301,7 +303,7 @@ def test_fresh_prompts_on_a_gpu_attend_in_one_packed_call(name, tmp_path, monkey
     the rows' cumulative offsets, causal, a window of 4 as (3, 0) (keys (p - 4, p]), GQA without
     repeating K/V, and HF's logits and greedy tokens. ALiBi and soft-capped models keep attending row
     by row; so does every model on the CPU."""
-    from pipeline.models import unpad
+    from pipeline.models.kernels import unpad
 
     assert unpad.packed_kernel(torch.device("cpu"), torch.bfloat16, 64) is None
     seen = []
@@ -317,7 +319,7 @@ def test_fresh_prompts_on_a_gpu_attend_in_one_packed_call(name, tmp_path, monkey
 
 
 def _cuda_flash() -> bool:
-    from pipeline.models import unpad
+    from pipeline.models.kernels import unpad
 
     return torch.cuda.is_available() and unpad.packed_kernel(torch.device("cuda"), torch.bfloat16, 16) is not None
 
@@ -330,8 +332,8 @@ def test_packed_prefill_equals_row_by_row(name, device, tmp_path, monkeypatch):
     """The packed call and the row-by-row loop give the same hidden states for a ragged prefill: on a
     GPU with the real variable-length kernel in bfloat16 (the first GPU run checks it), on the CPU
     with its documented semantics in float32."""
-    from pipeline.loading import build_stage
-    from pipeline.models import unpad
+    from pipeline.loading.stage_weights import build_stage
+    from pipeline.models.kernels import unpad
 
     model_type, overrides = {**FAMILIES, **SLIDING}[name]
     gpu = device == "cuda"

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.models.decoder import Segment
-from pipeline.models.invariant import ROW_TILE, fixed_elementwise, fixed_linear, map_rows
-from pipeline.partition import stage_ranges
+from pipeline.models.kernels.invariant import ROW_TILE, fixed_elementwise, fixed_linear, map_rows
+from pipeline.config.partition import stage_ranges
 from tests.test_families_opt_bloom_gpt2 import build as build_family
 from tests.utils import hf_logits, stage_chain, tiny_llama
 

@@ -93,8 +93,8 @@ def test_hf_fake_quantization_is_the_runners_int8(make_llama):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.loading import build_stage
-    from pipeline.models.int8 import Int8Linear
+    from pipeline.loading.stage_weights import build_stage
+    from pipeline.models.kernels.int8 import Int8Linear
     from tests.utils import chain_logits
 
     model_dir = make_llama(num_hidden_layers=2)
@@ -123,7 +123,7 @@ def _bench_module():
 
 @functools.lru_cache(maxsize=1)
 def _local_tokenizer():
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     return build_tokenizer()
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.loading import CheckpointError, build_stage, split_checkpoint
-from pipeline.partition import stage_ranges
+from pipeline.loading.stage_weights import CheckpointError, build_stage, split_checkpoint
+from pipeline.config.partition import stage_ranges
 from tests.utils import llama_stage_tensors, chain_logits, hf_logits, local_tokenizer, run_single, stage_chain, tiny_llama
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [100, 200, 7]]

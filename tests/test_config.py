@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pipeline.options import parse_options
+from pipeline.config.options import parse_options
 from tests.utils import read_jsonl, run_single
 
 
@@ -117,7 +117,7 @@ def test_budget_auto_from_gpu_memory():
     available RAM shared among the node's processes, within [8192, 65536]."""
     import torch
 
-    from pipeline.budget import CPU_BUDGET, CPU_MAX_BUDGET, GiB, budget_from_memory, cpu_budget, resolve_budget
+    from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET, GiB, budget_from_memory, cpu_budget, resolve_budget
 
     assert budget_from_memory(free=30 * GiB, total=40 * GiB, cell_bytes=1 << 20) == 26 * 1024
     assert budget_from_memory(free=5 * GiB, total=8 * GiB, cell_bytes=1 << 20) == 4 * 1024

@@ -1,4 +1,4 @@
-"""``--cpu-linear``: CPU stages multiply against oneDNN's prepacked weights (pipeline/models/packed.py).
+"""``--cpu-linear``: CPU stages multiply against oneDNN's prepacked weights (pipeline/models/kernels/packed.py).
 
 The packed product is the plain one up to float rounding (a different summation order), so a run
 with it agrees with ``--cpu-linear plain`` and with HF as far as rounding lets two kernels agree
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.decoder import StageModel
-from pipeline.models.packed import PackedLinear, native_bf16, pack_stage, why_not
+from pipeline.models.kernels.packed import PackedLinear, native_bf16, pack_stage, why_not
 from tests.utils import (
     DATA,
     assert_consistent_results,

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from examples import check_default_model as check
-from examples import default_model as dm
+from pipeline.loading import default_model as dm
 from tests.utils import REPO, read_jsonl, run_single, run_torchrun
 
 HELDOUT_SEED = 2024  # training draws rows with seed 1, tokenizer text with 0; the checker uses 12345
@@ -57,7 +57,7 @@ def test_shipped_folder_is_complete_and_small(model_dir: str) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = ("import sys; from examples.default_model import default_model_dir; default_model_dir(); "
+    code = ("import sys; from pipeline.loading.default_model import default_model_dir; default_model_dir(); "
             "print('torch' in sys.modules or 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)

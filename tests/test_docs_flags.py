@@ -1,7 +1,7 @@
 """The flags reference (docs/usage/flags.md) and the README's table of the most used flags say what
 ``--help`` says: the same flags both ways, the same choices and the same defaults.
 
-Fast: the argparse parser is built in-process (``pipeline.options.build_parser``, which the entry
+Fast: the argparse parser is built in-process (``pipeline.config.options.build_parser``, which the entry
 script uses); one ``--help`` subprocess checks that the entry script lists exactly those flags. The
 runner commands written in the README and the docs pages use only flags that exist.
 """
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from pipeline.options import build_parser
+from pipeline.config.options import build_parser
 from tests.test_readme import PAGES, readme_blocks
 from tests.utils import REPO, RUNNER
 

@@ -160,7 +160,7 @@ def test_a_tiny_temperature_is_greedy(tmp_path):
 def test_a_row_whose_sampling_or_output_raises_is_its_own_error(monkeypatch, tmp_path):
     """Failures on the last rank while computing one row (a sampling kernel, detokenizing, stop
     strings) answer that request with an error; its micro-batch neighbours are answered."""
-    import pipeline.head as head
+    import pipeline.output.head as head
 
     real_sample, real_find = head.sample, head._find_stop
 

@@ -3,7 +3,7 @@ plus --model-type spellings and config edge cases."""
 
 import pytest
 
-from pipeline.models import family_for, spec_from_config, supported_model_types
+from pipeline.models.families import family_for, spec_from_config, supported_model_types
 from tests.utils import assert_hf_parity, random_hf_model
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900]]  # ids < 1024 (the local vocab)
@@ -51,7 +51,7 @@ def test_variant_specs():
 @pytest.mark.parametrize("spelling,module", [("gptneox", "gpt_neox"), ("gpt_neox", "gpt_neox"), ("gptj", "gptj"),
                                              ("falcon", "falcon")])
 def test_model_type_spellings(spelling, module):
-    assert family_for({"model_type": "llama"}, spelling).__name__ == f"pipeline.models.{module}"
+    assert family_for({"model_type": "llama"}, spelling).__name__ == f"pipeline.models.families.{module}"
     assert spelling in supported_model_types()
 
 

@@ -7,7 +7,7 @@ before saving, so a wrong bias, norm or fused-qkv slice cannot hide behind an id
 import pytest
 import torch
 
-from pipeline.models import family_for, supported_model_types
+from pipeline.models.families import family_for, supported_model_types
 from tests.utils import assert_hf_parity, local_tokenizer, save_hf_model, stage_chain
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900]]  # ids < 1024 (the local vocab)
@@ -78,7 +78,7 @@ def test_config_variants(tmp_path, family, kw):
 def test_model_type_spellings_resolve():
     for name in ("opt", "bloom", "gpt2"):
         mod = family_for({"model_type": name}, name)
-        assert mod.__name__ == f"pipeline.models.{name}"
+        assert mod.__name__ == f"pipeline.models.families.{name}"
         assert family_for({"model_type": name}) is mod  # read from config.json
         assert family_for({"model_type": "llama"}, name) is mod  # --model-type wins over config
         assert name in supported_model_types()

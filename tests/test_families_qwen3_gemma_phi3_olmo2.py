@@ -5,8 +5,8 @@ batch-invariant mode; prompts are several sliding windows long."""
 import pytest
 import torch
 
-from pipeline.models import spec_from_config
-from pipeline.partition import stage_ranges
+from pipeline.models.families import spec_from_config
+from pipeline.config.partition import stage_ranges
 from tests.utils import (assert_hf_parity, chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer,
                          random_hf_model, read_jsonl, run_torchrun, stage_chain, write_jsonl)
 
@@ -129,7 +129,7 @@ def test_gemma3_image_text_checkpoint_runs_its_text_decoder(tmp_path):
     (text-only input), and no vision tensor is read."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from pipeline.loading import build_stage
+    from pipeline.loading.stage_weights import build_stage
 
     tok = local_tokenizer()
     text = dict(GQA, vocab_size=len(tok), num_hidden_layers=3, head_dim=16, sliding_window=4,

@@ -46,7 +46,7 @@ def pair(a: tuple, b: tuple) -> frozenset:
     return frozenset({a, b})
 
 
-# Refused before loading (pipeline/options.py check_options), with both flags in the message
+# Refused before loading (pipeline/config/options.py check_options), with both flags in the message
 REFUSED: dict[frozenset, tuple[str, str]] = {
     pair(("lora", True), ("int8", True)): ("--quantize", "--lora"),
     pair(("lora", True), ("invariant", True)): ("--batch-invariant", "--lora"),
@@ -275,8 +275,8 @@ def assert_effects(lines: list[dict], run: dict, summary: dict | None) -> None:
 
 def refusal(args: list[str], world: int, capsys) -> str | None:
     """The message a run of ``world`` processes is refused with before anything loads (None: it is not)."""
-    from pipeline.options import UsageError, parse_options
-    from pipeline.plan import make_plan
+    from pipeline.config.options import UsageError, parse_options
+    from pipeline.config.plan import make_plan
 
     try:
         opts = parse_options(args)

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from pipeline.loading import build_stage
+from pipeline.loading.stage_weights import build_stage
 from pipeline.models.decoder import StageModel
 from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
-from pipeline.options import RunOptions, UsageError, build_parser
-from pipeline.partition import stage_ranges
-from pipeline.plan import make_plan
+from pipeline.config.options import RunOptions, UsageError, build_parser
+from pipeline.config.partition import stage_ranges
+from pipeline.config.plan import make_plan
 from tests.utils import (REPO, assert_consistent_results, assert_hf_parity, chain_logits, hf_greedy, hf_logits,
                          local_tokenizer, read_jsonl, run_inprocess, run_single, run_torchrun, save_hf_model,
                          stage_chain, write_jsonl)
@@ -166,7 +166,7 @@ def test_generic_stage_reads_only_its_tensors(tmp_path, first_last):
 def test_pre_split_layout_of_a_generic_model(models, tmp_path):
     """split_checkpoint writes the pre-split layout of a model without native code; a stage opens only
     its parts' files (the tied head needs no pytorch_embs.pt) and computes the same logits."""
-    from pipeline.loading import split_checkpoint
+    from pipeline.loading.stage_weights import split_checkpoint
 
     d = models("granite")
     split_checkpoint(d, tmp_path / "split")

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pipeline.loading import build_stage
+from pipeline.loading.stage_weights import build_stage
 from tests.utils import save_hf_model
 
 
@@ -55,7 +55,7 @@ def test_parameters_are_allocated_once_in_the_run_dtype(bf16_llama, backend):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_causal_fast_path_equals_the_masked_path(heads, kv_heads):
-    from pipeline.models.sdpa import attend
+    from pipeline.models.kernels.sdpa import attend
 
     torch.manual_seed(0)
     b, t, d = 3, 7, 16
@@ -72,7 +72,7 @@ def test_causal_fast_path_equals_the_masked_path(heads, kv_heads):
 def test_decode_over_per_row_lengths_without_repeating_kv(alibi):
     """One query per row, rows of different lengths, GQA: the folded form equals repeated K/V."""
     from pipeline.models.decoder import alibi_slopes
-    from pipeline.models.sdpa import attend
+    from pipeline.models.kernels.sdpa import attend
 
     torch.manual_seed(0)
     b, h, kvh, kv, d = 3, 8, 2, 9, 16
@@ -115,7 +115,7 @@ def test_prefill_of_ragged_prompts_computes_only_their_tokens(make_llama, monkey
     """Prompts of different lengths share a prefill right-padded to the longest; the projections and
     MLPs run on the real tokens only, and the stage's output at those tokens equals the padded
     computation's (the HF parity tests check the numbers against transformers through this path)."""
-    from pipeline.models import unpad
+    from pipeline.models.kernels import unpad
     from pipeline.models.decoder import Segment
 
     model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, False)
@@ -140,7 +140,7 @@ def test_prefill_of_ragged_prompts_computes_only_their_tokens(make_llama, monkey
 def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
     """The head of a bf16 stage equals a float32 head applied to the same (bf16) normed hidden
     states, far closer than bf16 rounding of the logits would allow."""
-    from pipeline.sampling import logprob_info
+    from pipeline.sampling.sampler import logprob_info
 
     model, _ = build_stage(bf16_llama, 2, 2, False, True, torch.bfloat16, "cpu", backend=backend)
     torch.manual_seed(1)
@@ -161,8 +161,8 @@ def test_bf16_logprobs_come_from_float32_logits(bf16_llama, backend):
 def test_kv_cell_bytes_and_out_of_memory_advice(bf16_llama):
     """--budget auto divides free memory by this stage's bytes per KV token; an OOM names the flags."""
     from dist_inference_runner import out_of_memory_advice
-    from pipeline.budget import kv_cell_bytes
-    from pipeline.options import parse_options
+    from pipeline.config.budget import kv_cell_bytes
+    from pipeline.config.options import parse_options
 
     for backend in ("native", "transformers"):
         model, _ = build_stage(bf16_llama, 0, 2, True, False, torch.bfloat16, "cpu", backend=backend)
@@ -202,8 +202,8 @@ def test_a_cache_allocated_ahead_is_the_one_its_pass_uses(make_llama):
     that pass releases and allocates the cache then (while the ranks before it compute), and the pass
     uses that cache, even when the same header releases the slot's old one; a pass asking for other
     dimensions gets its own. The KV cells held count a cache allocated ahead."""
-    from pipeline.messages import Allocate, PassHeader, Prefill
-    from pipeline.stage import Stage
+    from pipeline.runtime.messages import Allocate, PassHeader, Prefill
+    from pipeline.runtime.stage import Stage
 
     model, _ = build_stage(make_llama(num_hidden_layers=2, num_key_value_heads=2), 0, 2, True, True)
     stage = Stage(model, torch.device("cpu"))

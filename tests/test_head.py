@@ -3,8 +3,8 @@ as one result that echoes the original request."""
 
 import torch
 
-from pipeline.head import Head
-from pipeline.messages import Admission, Prefill
+from pipeline.output.head import Head
+from pipeline.runtime.messages import Admission, Prefill
 from pipeline.models.decoder import Segment
 from tasks.requests import Params
 from tests.utils import local_tokenizer, stage_chain

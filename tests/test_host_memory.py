@@ -1,4 +1,4 @@
-"""CPU stages keep freed host memory for the next pass (pipeline/host_memory.py)."""
+"""CPU stages keep freed host memory for the next pass (pipeline/runtime/host_memory.py)."""
 
 import platform
 import subprocess
@@ -13,7 +13,7 @@ from tests.utils import _env  # PYTHONPATH: the repository, for the probes' impo
 PROBE = """
 import sys
 import torch
-from pipeline.host_memory import keep_freed_memory
+from pipeline.runtime.host_memory import keep_freed_memory
 
 def rss_mib():
     with open("/proc/self/statm") as f:
@@ -48,8 +48,8 @@ def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
 # and after it is freed, in MiB above the start; and what that row and an unwritten row read.
 CACHE_PROBE = """
 import torch
-from pipeline.host_memory import keep_freed_memory
-from pipeline.models.kv_cache import zeroed
+from pipeline.runtime.host_memory import keep_freed_memory
+from pipeline.cache.kv_cache import zeroed
 
 def rss_mib():
     with open("/proc/self/statm") as f:

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.models import native
+from pipeline.models.kernels import native
 from pipeline.models.decoder import Segment
-from pipeline.models.kv_cache import KVCache, dequantize_records, quantize_records
-from pipeline.options import RunOptions, UsageError, check_options
-from pipeline.plan import make_plan
+from pipeline.cache.kv_cache import KVCache, dequantize_records, quantize_records
+from pipeline.config.options import RunOptions, UsageError, check_options
+from pipeline.config.plan import make_plan
 from tests.test_attention_runs import _per_row_reference
 from tests.utils import random_hf_model, stage_chain
 
@@ -173,10 +173,10 @@ def test_batch_invariant_stages_over_an_int8_cache_repeat_a_row_exactly(tmp_path
 def test_budget_and_stage_memory_count_int8_records(tmp_path):
     """A cached position costs 2 x layers x kv_heads x (head_dim + 4) bytes with an int8 cache, in
     --budget auto and in --stage-memory's plan alike (float32: 4 bytes a value)."""
-    from pipeline.budget import kv_cell_bytes
-    from pipeline.loading import read_config
-    from pipeline.models import spec_from_config
-    from pipeline.sizing import model_costs
+    from pipeline.config.budget import kv_cell_bytes
+    from pipeline.loading.stage_weights import read_config
+    from pipeline.models.families import spec_from_config
+    from pipeline.config.sizing import model_costs
 
     path = random_hf_model(tmp_path, "llama", **GQA)  # 3 layers, 2 KV heads of 16
     stage = stage_chain(path, [(0, 3)])[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.utils import assert_hf_parity, chain_logits, hf_logits, stage_chain, tiny_llama
-from pipeline.partition import stage_ranges
+from pipeline.config.partition import stage_ranges
 
 PROMPTS = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900]]  # ids < 1024 (the local vocab)
 

@@ -66,9 +66,9 @@ def merged(model_dir: str, adapter: str, out) -> str:
 
 def with_adapters(model_dir: str, ranges, adapters: list[tuple[str, str]]):
     """Our stage chain for ``ranges`` with the adapters attached (as the runner's load_stage does)."""
-    from pipeline.adapters import check_adapter, read_adapter, stage_adapters
-    from pipeline.loading import read_config
-    from pipeline.models import spec_from_config
+    from pipeline.loading.adapters import check_adapter, read_adapter, stage_adapters
+    from pipeline.loading.stage_weights import read_config
+    from pipeline.models.families import spec_from_config
 
     cfg = read_config(model_dir)
     spec = spec_from_config(cfg)
@@ -137,9 +137,9 @@ def _edit_config(src: str, dst, **changes) -> str:
 
 
 def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
-    from pipeline.adapters import AdapterError, check_adapter, read_adapter
-    from pipeline.loading import read_config
-    from pipeline.models import spec_from_config
+    from pipeline.loading.adapters import AdapterError, check_adapter, read_adapter
+    from pipeline.loading.stage_weights import read_config
+    from pipeline.models.families import spec_from_config
 
     model = llama["model"]
     cfg = read_config(model)
@@ -157,8 +157,8 @@ def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
     for path, message in cases:
         with pytest.raises(AdapterError, match=message):
             check_adapter(read_adapter("x", path), cfg, spec)
-    from pipeline.options import UsageError, parse_options
-    from pipeline.plan import make_plan
+    from pipeline.config.options import UsageError, parse_options
+    from pipeline.config.plan import make_plan
 
     with pytest.raises(UsageError, match="--lora needs a native family"):
         make_plan(parse_options(["--model-name", model, "--lora", f"a1={llama['a1']}", "--backend", "transformers"]),
@@ -173,7 +173,7 @@ def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
 
 
 def test_prefix_digests_keep_adapters_apart():
-    from pipeline.prefix import block_digests
+    from pipeline.cache.prefix import block_digests
 
     ids = list(range(12))
     assert block_digests(ids, 4) != block_digests(ids, 4, b"a1")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.messages import (Admission, Allocate, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
+from pipeline.runtime.messages import (Admission, Allocate, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
                                Reply, Stop, build, decode, encode)
 from tasks.output_file import FileSummary
 from tasks.requests import Params

@@ -247,7 +247,7 @@ def test_batch_api_lines_mixed_endpoints(model_dir, tmp_path):
 def test_sampling_matches_the_exact_truncated_distribution():
     """Seeded inverse-CDF sampling at temperature 1 / top_p 0.9 vs the exact truncated distribution
     (a chi-square test on a fixed seed: deterministic, not flaky)."""
-    from pipeline.sampling import sample, stream_key, truncated_probs, uniform
+    from pipeline.sampling.sampler import sample, stream_key, truncated_probs, uniform
 
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
     n = 20000

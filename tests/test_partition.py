@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.partition import stage_ranges
+from pipeline.config.partition import stage_ranges
 
 
 @pytest.mark.parametrize("layers, stages, num_layers, max_layers, expected", [

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.options import UsageError, parse_options
-from pipeline.plan import make_plan, output_for
+from pipeline.config.options import UsageError, parse_options
+from pipeline.config.plan import make_plan, output_for
 from tests.utils import DATA
 
 

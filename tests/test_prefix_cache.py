@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.prefix import PrefixCache, block_digests
-from pipeline.schedule import Group, Scheduler
+from pipeline.cache.prefix import PrefixCache, block_digests
+from pipeline.scheduling.scheduler import Group, Scheduler
 from tests.utils import (assert_consistent_results, local_tokenizer, read_jsonl, run_inprocess, run_single,
                          run_torchrun, write_jsonl)
 
@@ -275,9 +275,9 @@ def test_echo_over_cached_blocks_reads_stored_scores_and_runs_the_head_once_per_
     recompute from the kept hidden states once, then are stored too."""
     import torch
 
-    from pipeline.head import Head
-    from pipeline.messages import Prefill
-    from pipeline.prefix import PrefixStore
+    from pipeline.output.head import Head
+    from pipeline.runtime.messages import Prefill
+    from pipeline.cache.prefix import PrefixStore
 
     torch.manual_seed(0)
     weight, head_rows = torch.randn(40, 8), []
@@ -318,7 +318,7 @@ def test_chunked_prefill_equals_whole_prompts(model_dir, workload, reference, tm
     """--prefill-chunk 48: every generating prompt longer than 48 tokens is computed 48 tokens a pass
     (resuming after its earlier chunks, and after prefix-cache hits); the answers equal whole-prompt
     prefills, echo scoring and best_of keep whole prompts, and prefixes still hit."""
-    from pipeline.schedule import Scheduler
+    from pipeline.scheduling.scheduler import Scheduler
 
     chunks = []
     real = Scheduler.prefilled

@@ -1,6 +1,6 @@
 """The prefix cache under chunked prefill, without processes: rank 0's driver and scheduler build the
 passes (a second pass ahead while a slot only computes prompts, as with several stages), and a
-stand-in stage applies them in order with the real :class:`~pipeline.prefix.PrefixStore`, its "keys",
+stand-in stage applies them in order with the real :class:`~pipeline.cache.prefix.PrefixStore`, its "keys",
 "values" and final hidden states being the prompt's token ids. So every load must bring a prompt's
 own tokens into its first columns, every saved block must hold its tokens, and every prompt sharing a
 prefix with an earlier one must find all of its full blocks, whatever the chunk and block sizes
@@ -13,10 +13,10 @@ import orjson
 import pytest
 import torch
 
-from pipeline.driver import Driver
-from pipeline.messages import PassHeader, Reply
-from pipeline.prefix import PrefixCache, PrefixStore, block_digests
-from pipeline.schedule import Scheduler
+from pipeline.scheduling.driver import Driver
+from pipeline.runtime.messages import PassHeader, Reply
+from pipeline.cache.prefix import PrefixCache, PrefixStore, block_digests
+from pipeline.scheduling.scheduler import Scheduler
 from tests.test_prefix_cache import assert_same_answers, cached
 from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
@@ -57,7 +57,7 @@ class Run:
         inflight: deque[PassHeader] = deque()
         for _ in range(10_000):
             self.driver.fill()
-            for slot in self.sched.slots:  # as pipeline.first_rank.FirstRank._run_file does
+            for slot in self.sched.slots:  # as pipeline.runtime.first_rank.FirstRank._run_file does
                 while (ps := self.sched.next_pass(slot.sid, ahead=(busy := bool(slot.inflight)))) is not None:
                     hdr, _, _ = self.driver.build(ps, [])
                     self.ahead += busy
@@ -70,7 +70,7 @@ class Run:
         raise AssertionError("did not finish")
 
     def step(self, hdr: PassHeader) -> None:
-        """What a stage does with the pass (pipeline.stage.Stage.step), checking what it loads."""
+        """What a stage does with the pass (pipeline.runtime.stage.Stage.step), checking what it loads."""
         for meta in hdr.admit:
             self.prompt[meta.gid] = meta.prompt_ids
             for r in meta.rows:

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.loading import build_stage
-from pipeline.models import int8, native
-from pipeline.models.int8 import (
+from pipeline.loading.stage_weights import build_stage
+from pipeline.models.kernels import int8, native
+from pipeline.models.kernels.int8 import (
     eager_quantize_tokens,
     quantize_tokens,
     Int8Linear,
@@ -29,9 +29,9 @@ from pipeline.models.int8 import (
     onednn_prepack,
     quantize_rows,
 )
-from pipeline.models.packed import why_not
-from pipeline.options import RunOptions, UsageError, check_options, parse_options
-from pipeline.plan import make_plan
+from pipeline.models.kernels.packed import why_not
+from pipeline.config.options import RunOptions, UsageError, check_options, parse_options
+from pipeline.config.plan import make_plan
 from tests.utils import (
     llama_stage_tensors,
     chain_logits,
@@ -161,7 +161,7 @@ def test_fused_prologues_leave_the_stage_outputs_unchanged(peaked):
     """fuse_prologues on a stage with oneDNN int8 products: both norms and the gated activation of each
     layer move into the quantization (three projections a layer), the norms stay parameters, and the
     logits equal the unfused stage's to float rounding."""
-    from pipeline.models.int8 import DeferredNorm, fuse_prologues
+    from pipeline.models.kernels.int8 import DeferredNorm, fuse_prologues
 
     model = build_stage(peaked, 0, 2, True, True, quantize="int8")[0]
     for m in model.modules():
@@ -345,7 +345,7 @@ def test_bfloat16_stages_against_float32(peaked, ranges):
     """--dtype bfloat16 (its projections on oneDNN's packed bf16 kernel where the CPU has bf16
     instructions, as the runner loads them) against float32 on the peaked model: logits within bf16's
     rounding of activations and weights, the same first choice everywhere."""
-    from pipeline.models.packed import pack_stage
+    from pipeline.models.kernels.packed import pack_stage
 
     n = len(ranges)
     chains = {}
@@ -431,9 +431,9 @@ def test_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):
 
 
 def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
-    from pipeline.loading import read_config
-    from pipeline.models import spec_from_config
-    from pipeline.sizing import model_costs
+    from pipeline.loading.stage_weights import read_config
+    from pipeline.models.families import spec_from_config
+    from pipeline.config.sizing import model_costs
 
     cfg = read_config(peaked)
     spec = spec_from_config(cfg)

@@ -228,8 +228,8 @@ def test_large_file_driver_memory_is_bounded(model_dir, tmp_path):
 def test_two_inputs_of_one_name_under_one_output_folder_are_refused(llama_2l, tmp_path):
     """`--output-path DIR` names each output after its input's file name: two inputs of one name would
     overwrite (or resume) one another, so the plan refuses before anything loads."""
-    from pipeline.options import UsageError, parse_options
-    from pipeline.plan import make_plan
+    from pipeline.config.options import UsageError, parse_options
+    from pipeline.config.plan import make_plan
 
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()

@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.driver import Driver
-from pipeline.intake import chat_ids
-from pipeline.messages import Admission, PassHeader, decode, encode
-from pipeline.sampling import apply_penalties, logprob_info, sample
-from pipeline.schedule import Scheduler
+from pipeline.scheduling.driver import Driver
+from pipeline.scheduling.intake import chat_ids
+from pipeline.runtime.messages import Admission, PassHeader, decode, encode
+from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
+from pipeline.scheduling.scheduler import Scheduler
 from tasks.requests import GREEDY_BELOW, RequestError, parse_body, parse_params, parse_request
 from tests import fuzz_requests as gen
 from tests.utils import REPO, run_inprocess

@@ -1,6 +1,6 @@
 """The scheduler as plain CPU logic: budget, packing, continuous refill, best_of rows."""
 
-from pipeline.schedule import Group, Scheduler
+from pipeline.scheduling.scheduler import Group, Scheduler
 
 
 def drain(s: Scheduler, lengths_of: dict[int, int], max_steps: int = 10_000) -> list[int]:
@@ -168,7 +168,7 @@ def drain_from(s: Scheduler, lengths_of: dict[int, int], produced: dict) -> list
 
 def test_serve_mode_prefix_pool_yields_to_a_new_micro_batch():
     """A pool grown while traffic was light must not leave a new micro-batch a sliver of the budget."""
-    from pipeline.prefix import PrefixCache
+    from pipeline.cache.prefix import PrefixCache
 
     s = Scheduler(budget=400, num_slots=2, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
     s.prefix.capacity = s.prefix.max_blocks  # 200 cells, grown earlier
@@ -184,7 +184,7 @@ def test_serve_mode_one_micro_batch_keeps_its_prefix_pool_between_requests():
     """P = 1 serves with one micro-batch: it sizes its free rows to what the pool leaves at its largest
     (it took the whole budget: the pool never grew), and a request arriving alone keeps the pool and
     finds its prefix there (the pool used to yield to a share of the whole budget)."""
-    from pipeline.prefix import PrefixCache
+    from pipeline.cache.prefix import PrefixCache
 
     s = Scheduler(budget=400, num_slots=1, max_rows=4, prefix=PrefixCache(4, 400), headroom=True)
     s.submit(Group(0, 10, 10))

@@ -435,7 +435,7 @@ def test_sigterm_stops_every_rank(server):
 def test_scheduler_priority_and_spare_rows():
     """Pure scheduler logic: interactive groups go ahead of queued batch lines (in their own arrival
     order), and serve mode sizes a new micro-batch with free rows for requests still to come."""
-    from pipeline.schedule import Group, Scheduler
+    from pipeline.scheduling.scheduler import Group, Scheduler
 
     s = Scheduler(budget=4096, num_slots=1, max_rows=8, headroom=True)
     for gid in range(3):
@@ -454,7 +454,7 @@ def test_scheduler_priority_and_spare_rows():
 
 
 def test_serve_flags():
-    from pipeline.options import parse_options, serve_address
+    from pipeline.config.options import parse_options, serve_address
     from serve.run import _loopback
 
     assert serve_address("8000") == ("127.0.0.1", 8000)
@@ -475,9 +475,9 @@ def test_dropped_request_releases_its_prefix_digests():
     otherwise keep blocks pinned against eviction and count as sharing evidence forever)."""
     import asyncio
 
-    from pipeline.driver import Driver
-    from pipeline.prefix import PrefixCache
-    from pipeline.schedule import Scheduler
+    from pipeline.scheduling.driver import Driver
+    from pipeline.cache.prefix import PrefixCache
+    from pipeline.scheduling.scheduler import Scheduler
     from serve.engine import ServeRank
     from serve.source import Live, RequestSource
     from tasks.requests import parse_body
@@ -504,7 +504,7 @@ def test_dropped_request_releases_its_prefix_digests():
 
 
 def block_key(prefix) -> bytes:
-    from pipeline.prefix import block_digests
+    from pipeline.cache.prefix import block_digests
 
     return block_digests(list(range(1, 20)), prefix.block_size)[0]
 

@@ -24,7 +24,7 @@ RUNNING: list = []  # uvicorn threads of guarded_app, stopped at the end of the 
 
 # -- keys -------------------------------------------------------------------------------------
 def test_key_file(tmp_path):
-    from pipeline.options import parse_options, read_key_file
+    from pipeline.config.options import parse_options, read_key_file
     from serve.auth import Keys
 
     f = tmp_path / "keys"

@@ -315,7 +315,7 @@ def test_restart_with_another_setting_delivers_the_answered_lines(tmp_path):
 
 
 def test_a_running_batch_expires_with_its_answers_and_a_full_disk_pauses(tmp_path, monkeypatch):
-    from pipeline.messages import Closed, Opened
+    from pipeline.runtime.messages import Closed, Opened
     from serve.engine import BatchRun
 
     client, store = make_client(tmp_path / "state")

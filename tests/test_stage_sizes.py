@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.options import UsageError, parse_options
-from pipeline.partition import memory_sizes, parse_size, stage_ranges
-from pipeline.plan import make_plan
+from pipeline.config.options import UsageError, parse_options
+from pipeline.config.partition import memory_sizes, parse_size, stage_ranges
+from pipeline.config.plan import make_plan
 from tests.utils import (
     chain_greedy,
     chain_logits,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_inference_runner import UsageError, resolve_dtype
-from pipeline.tokenizer import load_tokenizer
+from pipeline.loading.tokenizer import load_tokenizer
 from tests.utils import REPO, hf_greedy, read_jsonl, run_single, tiny_llama
 
 TEXT = "The cat sat on the mat.\nTwo  spaces, café ✓"
@@ -121,7 +121,7 @@ def test_explicit_dtype_wins():
 
 
 def test_fp16_flag():
-    from pipeline.options import parse_options
+    from pipeline.config.options import parse_options
 
     assert parse_options(["--fp16"]).torch_dtype_name == "float16"
     assert parse_options(["--dtype", "bfloat16"]).torch_dtype_name == "bfloat16"

@@ -1,7 +1,7 @@
 """Shared test helpers: tiny HF models in temp dirs, in-process stage chains, real multi-process runs.
 
 No hub access anywhere: models are random ``save_pretrained`` folders, tokenizers are the
-project's locally trained BPE (examples/default_model.py).
+project's locally trained BPE (pipeline/loading/default_model.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DATA = REPO / "tests" / "data"  # copies of ../shared/data, so the tests run fro
 
 @functools.lru_cache(maxsize=1)
 def local_tokenizer():
-    from examples.default_model import build_tokenizer
+    from pipeline.loading.default_model import build_tokenizer
 
     return build_tokenizer()
 
@@ -75,8 +75,8 @@ def stage_chain(model_dir: str, ranges: list[tuple[int, int]], dtype=torch.float
                 batch_invariant: bool = False, backend: str = "auto", cpu_linear: str = "onednn"):
     """Our stage models for the given layer ranges, loaded from model_dir (in this process), with the
     runner's CPU linear kernel (``--cpu-linear``: oneDNN's prepacked weights where they apply)."""
-    from pipeline.loading import build_stage
-    from pipeline.models.packed import pack_stage
+    from pipeline.loading.stage_weights import build_stage
+    from pipeline.models.kernels.packed import pack_stage
 
     n = len(ranges)
     chain = [build_stage(model_dir, a, b, i == 0, i == n - 1, dtype, "cpu", model_type, batch_invariant, backend)[0]
@@ -176,7 +176,7 @@ def assert_hf_parity(model_dir: str, prompts: list[list[int]], stages: int, num_
                      model_type: str | None = None, steps: int = 6, backend: str = "auto") -> None:
     """Our stage chain vs HF: logits of a mixed-length micro-batch within 1e-4 of HF on each prompt
     alone, and ``steps`` greedy tokens equal with logprobs within 1e-4."""
-    from pipeline.partition import stage_ranges
+    from pipeline.config.partition import stage_ranges
 
     chain = stage_chain(model_dir, stage_ranges(num_layers, stages), model_type=model_type, backend=backend)
     for prompt, ours in zip(prompts, chain_logits(chain, prompts), strict=True):
@@ -353,7 +353,7 @@ def _close(x, y, tol: float, where: str) -> None:
 def run_inprocess(args: list[str]) -> int:
     """One-process run inside the test process (no process group): fast for semantics tests."""
     import dist_inference_runner
-    from pipeline.options import parse_options
+    from pipeline.config.options import parse_options
 
     return dist_inference_runner.run(parse_options(args))
 

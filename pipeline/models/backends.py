@@ -1,6 +1,6 @@
 """``--backend``: native code for a model family, or transformers' own layers (the generic stage).
 
-- ``auto``: the native family when there is one (:func:`pipeline.models.family_for`) and it reads
+- ``auto``: the native family when there is one (:func:`pipeline.models.families.family_for`) and it reads
   the config (a variant it lacks, e.g. a rope scaling, falls back too), else the generic stage
   (:mod:`pipeline.models.hf_stage`).
 - ``native``: native code only; a model without it fails at planning, listing the native families.
@@ -12,14 +12,14 @@ Everything but the stage model (scheduler, sampling, logprobs, resume...) is the
 
 from __future__ import annotations
 
-from ..options import BACKENDS
-from .hf_stage import ModelShape, UnsupportedModel, model_shape
-from .spec import DecoderSpec
+from pipeline.config.options import BACKENDS
+from pipeline.models.hf_stage import ModelShape, UnsupportedModel, model_shape
+from pipeline.models.spec import DecoderSpec
 
 
 def native_family(cfg: dict, model_type: str | None = None):
     """The native family module for a config, or None."""
-    from . import family_for
+    from pipeline.models.families import family_for
 
     try:
         return family_for(cfg, model_type)
@@ -31,7 +31,7 @@ def native_family(cfg: dict, model_type: str | None = None):
 
 def choose_backend(cfg: dict, model_type: str | None = None, backend: str = "auto") -> str:
     """'native' or 'transformers' for this model; ValueError (a usage error) when ``backend`` cannot run it."""
-    from . import supported_model_types
+    from pipeline.models.families import supported_model_types
 
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")

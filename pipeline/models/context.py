@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
-from .lora import LoraRows
+from pipeline.cache.kv_cache import KVCache
+from pipeline.models.lora import LoraRows
 
 
 @dataclass

@@ -17,17 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
-from . import native
-from .context import Segment, StageContext  # noqa: F401 (Segment re-exported)
-from .kv_cache import KVCache
-from .logits import float32_linear
-from .lora import LoraRows, StageAdapters
-from .moe import SparseMoE
-from .positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
-from .sdpa import attend, kv_runs, softcapped_attention
-from .spec import DecoderSpec
-from .unpad import attend_by_row, packed_layout, real_tokens, row_layout
+from pipeline.models.kernels.invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
+from pipeline.models.kernels import native
+from pipeline.models.context import Segment, StageContext  # noqa: F401 (Segment re-exported)
+from pipeline.cache.kv_cache import KVCache
+from pipeline.models.kernels.logits import float32_linear
+from pipeline.models.lora import LoraRows, StageAdapters
+from pipeline.models.moe import SparseMoE
+from pipeline.models.positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from pipeline.models.kernels.sdpa import attend, kv_runs, softcapped_attention
+from pipeline.models.spec import DecoderSpec
+from pipeline.models.kernels.unpad import attend_by_row, packed_layout, real_tokens, row_layout
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -275,7 +275,7 @@ class StageModel(nn.Module):
         self.windows = sorted({layer.attn.window for layer in self.layers} | {0})
         if row_tile:  # batch-invariant: every linear layer reduces over fixed pieces
             fix_linears(self)
-        self.adapters: StageAdapters | None = None  # LoRA factors of this stage's layers (pipeline.adapters)
+        self.adapters: StageAdapters | None = None  # LoRA factors of this stage's layers (pipeline.loading.adapters)
         self.init_buffers()
 
     def init_buffers(self) -> None:

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .decoder import Segment
-from .hf_forward import UnsupportedModel, forward_extras
-from .kv_cache import zeroed
-from .logits import float32_linear
+from pipeline.models.decoder import Segment
+from pipeline.models.hf_forward import UnsupportedModel, forward_extras
+from pipeline.cache.kv_cache import zeroed
+from pipeline.models.kernels.logits import float32_linear
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ gets ``x[rows_k] @ A_k.T @ B_k.T`` added for each adapter ``k`` present in the s
 grouped by adapter, so a micro-batch costs one base matmul plus two thin matmuls per adapter.
 
 How PEFT's per-module factors become factors of our fused projections is the loader's business
-(:mod:`pipeline.adapters`); nothing here knows about files or ranks.
+(:mod:`pipeline.loading.adapters`); nothing here knows about files or ranks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..upload import to_device
+from pipeline.loading.upload import to_device
 
 MODULES = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # the projections an adapter may target
 

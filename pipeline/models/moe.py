@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .invariant import fixed_elementwise, fixed_linear, map_rows
-from .spec import DecoderSpec
+from pipeline.models.kernels.invariant import fixed_elementwise, fixed_linear, map_rows
+from pipeline.models.spec import DecoderSpec
 
 
 class SparseMoE(nn.Module):
@@ -35,7 +35,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, spec: DecoderSpec, tile: int = 0):
         super().__init__()
-        from .decoder import _ACTIVATIONS, MLP  # the decoder imports this module
+        from pipeline.models.decoder import _ACTIVATIONS, MLP  # the decoder imports this module
 
         m = spec.moe
         assert m is not None and spec.mlp == "gated", "experts are SwiGLU MLPs"

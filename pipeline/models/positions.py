@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from .invariant import RopeTable
-from .spec import RopeSpec
+from pipeline.models.kernels.invariant import RopeTable
+from pipeline.models.spec import RopeSpec
 
 
 def rope_inv_freq(rope: RopeSpec, long: bool = False) -> torch.Tensor:

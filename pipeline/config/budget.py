@@ -1,0 +1,90 @@
+"""``--budget auto``: the KV-cache budget from the memory left after loading.
+
+Each stage divides its free memory, less a reserve for activations, logits and the allocator's
+slack, by the bytes one token position of keys and values takes on it (all its layers); the run's
+budget is the smallest answer over every stage (a min-reduction on the CPU group), since every
+stage holds the same micro-batches. On a GPU the free memory is the device's; on the CPU it is the
+machine's available RAM divided among the node's processes, and the budget is at most
+:data:`CPU_MAX_BUDGET` and at least :data:`CPU_BUDGET` (when RAM is that tight, pass ``--budget N``).
+The CPU needs no collective: the processes of a node share its RAM, so each computes the answer for
+the stage with the most layers (only rank 0's scheduler uses it).
+
+The budget is a ceiling, not an allocation: a micro-batch takes the cells its rows need (at most
+``--max-micro-batch-size`` rows), so a large budget costs nothing while requests are few or short.
+On the CPU it is what lets a micro-batch hold its 32 rows: the old fixed 8192 cells held ~13 rows of
+600 positions, and the benchmark's generation file measured 1.09x (float32) and 1.19x (bfloat16)
+faster with 32768 (bench/throughput.py's model, 2 threads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipeline.cache.kv_cache import int8_layer_bytes
+from pipeline.models.spec import DecoderSpec
+
+CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
+CPU_MAX_BUDGET = 1 << 16
+GiB = 1 << 30
+
+
+def kv_cell_bytes(model) -> int:
+    """Bytes of keys + values one token position takes on this stage (0: a stage without layers)."""
+    itemsize = next(model.parameters()).element_size()
+    spec = getattr(model, "spec", None)
+    if isinstance(spec, DecoderSpec) and getattr(model, "kv_int8", False):  # --kv-cache-dtype int8 records
+        return len(model.layers) * int8_layer_bytes(spec)
+    if isinstance(spec, DecoderSpec):
+        kv_dim = spec.kv_dim
+    else:  # the generic stage: transformers' config
+        cfg = model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv_dim = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return 2 * len(model.layers) * kv_dim * itemsize
+
+
+def budget_from_memory(free: int, total: int, cell_bytes: int) -> int:
+    """KV-cache tokens that fit in ``free`` bytes after a reserve of max(1 GiB, 10% of the device)."""
+    if cell_bytes == 0:
+        return 1 << 62  # no layers here: this stage does not limit the budget
+    return max(0, (free - max(GiB, total // 10)) // cell_bytes)
+
+
+def cpu_budget(available: int, local_world: int, cell_bytes: int) -> int:
+    """``auto`` on the CPU: this process's share of the available RAM, as on a GPU, within
+    [CPU_BUDGET, CPU_MAX_BUDGET]."""
+    share = available // max(1, local_world)
+    return min(CPU_MAX_BUDGET, max(CPU_BUDGET, budget_from_memory(share, share, cell_bytes)))
+
+
+def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1,
+                   most_layers: int = 0) -> int:
+    """The run's budget in tokens: ``value`` itself, or for ``auto`` the minimum over stages of what
+    fits in the memory left (GPU: the device's, a collective every rank must call; CPU:
+    :func:`cpu_budget` for the stage with ``most_layers`` layers, computed locally)."""
+    if value != "auto":
+        return int(value)
+    if device.type != "cuda":
+        from pipeline.config.sizing import available_ram
+
+        cell = kv_cell_bytes(model)
+        layers = len(getattr(model, "layers", ()))
+        if most_layers and layers:
+            cell = cell // layers * most_layers
+        return cpu_budget(available_ram(), local_world, cell)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    mine = torch.tensor([budget_from_memory(free, total, kv_cell_bytes(model))], dtype=torch.int64)
+    if cpu_group is not None:
+        try:
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
+        except RuntimeError as e:
+            raise RuntimeError(f"lost contact with another rank while the stages agreed on --budget auto "
+                               f"({str(e).splitlines()[0][:200]}); see the other ranks' logs") from None
+    budget = int(mine)
+    if budget < 1:
+        raise ValueError(f"--budget auto: no GPU memory is left for the KV cache after loading ({free / GiB:.1f} "
+                         f"GiB free of {total / GiB:.1f} on this stage, 1 GiB or 10% reserved); use more stages "
+                         "(--pipeline-group-size), a smaller --dtype, or pass --budget N explicitly")
+    return budget

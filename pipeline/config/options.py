@@ -1,0 +1,343 @@
+"""Run options: one dataclass, from which argparse and the YAML config loader are built.
+
+Defaults are written once, on the fields. ``--config run.yaml`` supplies values keyed by the long
+flag names (``budget: 4096``, ``infer-data: [a.jsonl]``); flags on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
+
+PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZE = ("none", "int8")
+BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
+# --prefill-chunk auto with several stages. A GPU computes a few hundred tokens in about a decode
+# step's time (both read the weights once), so chunks of 512 even out its passes; on the CPU a pass's
+# time grows with its tokens from the first: 64 tokens cost about a 32-row decode step (docs/design/chunked-prefill.md)
+AUTO_PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
+
+
+class UsageError(ValueError):
+    """A problem with how the runner was invoked; reported without a traceback (exit code 2)."""
+
+
+def budget_value(text: str) -> int | str:
+    """--budget: a number of tokens, or auto."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of KV-cache tokens or auto, got {text!r}")
+
+
+def chunk_value(text: str) -> int | str:
+    """--prefill-chunk: a number of tokens (0: off), or auto."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of prompt tokens (0: off) or auto, got {text!r}")
+
+
+def _opt(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class RunOptions:
+    # what to run
+    model_name: str | None = _opt(None, "HuggingFace model folder (config.json + weights + tokenizer). Omitted: the embedded default tiny Llama, built locally on first use.")
+    model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or any HF model_type, see --backend). Omitted: read from config.json.")
+    backend: str = _opt("auto", "Stage code: auto = the native family if there is one, else transformers' own decoder layers (any decoder-only *ForCausalLM); native = native code only; transformers = force the generic stage.", choices=BACKENDS)
+    infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
+    output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
+    job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
+    # scheduling
+    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left after loading (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=budget_value)
+    max_micro_batch_size: int = _opt(64, "Most sequences (rows) in one micro-batch.")
+    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling).")
+    pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
+    prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
+    prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
+    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=chunk_value)
+    seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
+    # model partition and numerics
+    num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
+    max_layers: int | None = _opt(None, "Use only the first N layers of the model (trailing layers dropped).")
+    layers_per_stage: str | None = _opt(None, "Explicit, possibly unequal layers of each stage, e.g. 10,14,14,10: one number per pipeline stage, adding up to the model's layers (or --max-layers).", metavar="N,N,...")
+    stage_memory: str | None = _opt(None, "Size stages by memory: each stage's memory, e.g. 20GiB,40GiB (one per stage, or one for all), or auto (GPU: each device's free memory; CPU: available RAM divided by the local processes). Layers go to stages in proportion to what is left after the embedding (first stage), the head (last stage), the --budget KV cache and the adapters; the plan is printed before loading.", metavar="SIZES|auto")
+    lora: list[str] = _opt(None, "A PEFT LoRA adapter folder as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
+    fp16: bool = _opt(False, "Shorthand for --dtype float16.")
+    dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
+    quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
+    kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see docs/usage/quantization.md).", choices=("auto", "int8"))
+    cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
+    batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see docs/design/determinism.md).")
+    trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
+    # distributed launch (torchrun sets these through the environment)
+    world_size: int | None = _opt(None, "Legacy launch: total number of processes.")
+    pipeline_group_size: int | None = _opt(None, "Stages per pipeline (default: world size / data group size).")
+    data_group_size: int = _opt(1, "Independent pipelines sharing the requests (world = data x pipeline).")
+    rank: int | None = _opt(None, "Legacy launch: this process's rank.")
+    cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
+    dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
+    timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
+    num_threads: int = _opt(0, "CPU threads per process; 0 = the machine's cores divided among local processes.")
+    # requests and results
+    truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
+    strict: bool = _opt(False, "Exit non-zero when any request failed.")
+    no_progress: bool = _opt(False, "No progress bar or progress log lines.")
+    profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
+    # dummy-data mode (no --infer-data)
+    batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
+    input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
+    generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    # serve mode
+    serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
+    served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
+    api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY). Visible in ps: prefer --api-key-file or the environment variable.")
+    serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
+    max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
+    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes, chunked bodies included (larger: 413).")
+    # serve mode: limits where clients reach (serve/limits.py, serve/protocol.py, serve/auth.py)
+    api_key_file: str | None = _opt(None, "Serve mode: file of API keys, one a line as KEY, NAME:KEY or 'KEY NAME' (# comments); each key's name identifies its holder. Not with --api-key.")
+    max_upload_bytes: int = _opt(200_000_000, "Serve mode: largest uploaded file (POST /v1/files) in bytes, streamed to --serve-dir with a running count (larger: 413); OpenAI's limit for batch input files is 200 MB.")
+    max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.")
+    max_prompts_per_request: int = _opt(2048, "Serve mode: most prompts in one completions request (more: 400).")
+    max_connections: int = _opt(0, "Serve mode: open HTTP connections at most; beyond it the oldest connection still waiting for a request head is closed, or the new one gets 503. 0 = the open-file limit minus 64.")
+    header_timeout: int = _opt(10, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.")
+    body_timeout: int = _opt(30, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.")
+    keep_alive_timeout: int = _opt(5, "Serve mode: seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
+    send_timeout: int = _opt(60, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.")
+    allowed_hosts: str | None = _opt(None, "Serve mode: comma-separated Host header names accepted besides localhost, IP addresses and the --serve host (and this machine's names when bound beyond loopback); * accepts any (others: 403, against DNS rebinding).")
+    allowed_origins: str | None = _opt(None, "Serve mode: comma-separated browser origins (scheme://host[:port]) allowed to call the API, with CORS headers; * allows any. A request with another Origin gets 403 (same-origin pages on an accepted host are allowed).")
+    # serve mode: the Batch API's storage (per API key) and the state folder
+    key_storage_bytes: int = _opt(10 << 30, "Serve mode: bytes of files (uploads and batch outputs) one API key may keep; an upload beyond it gets 413.")
+    key_max_files: int = _opt(1000, "Serve mode: files one API key may keep; an upload beyond it gets 429.")
+    file_expiry_hours: int = _opt(720, "Serve mode: an uploaded file is deleted this long after its upload, unless it sets its own expires_after (1 hour to 30 days).")
+    batch_retention_hours: int = _opt(720, "Serve mode: an ended batch's output and error files, and its record, are deleted this long after it ended.")
+    min_free_disk_bytes: int = _opt(256 << 20, "Serve mode: below this much free space in --serve-dir, batches pause (interactive requests go on) until space is freed.")
+    config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "float16" if self.fp16 else self.dtype
+
+
+def quiet_exit_grace() -> None:
+    """Before a rank other than 0 exits quietly on a problem every rank finds: wait a moment, so that
+    rank 0 prints the message first. Under torchrun the first rank to exit is the failure it reports,
+    and it stops the others at once; without the wait rank 0 could be stopped before printing."""
+    time.sleep(QUIET_GRACE_S)
+
+
+QUIET_GRACE_S = 3.0
+
+
+class _Parser(argparse.ArgumentParser):
+    quiet = False  # exit 2 without printing (every rank but rank 0: the message is printed once)
+
+    def error(self, message: str):
+        if self.quiet:
+            quiet_exit_grace()
+            sys.exit(2)
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dist_inference_runner.py",
+        description="Pipeline-parallel batch inference over OpenAI-style completion request files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(RunOptions):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {k: v for k, v in f.metadata.items()}
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default, **kwargs)
+            continue
+        if "nargs" not in kwargs:
+            kwargs.setdefault("type", int if f.type.startswith("int") else str)  # list fields (append): str
+        parser.add_argument(flag, default=f.default, **kwargs)
+    return parser
+
+
+def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        parser.error(f"--config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        parser.error(f"--config {path}: not valid YAML: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    known = {f.name for f in dataclasses.fields(RunOptions)}
+    values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(k for k in values if k not in known or k == "config")
+    if unknown:
+        parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}; keys are the long flag names, e.g. budget, infer-data")
+    if isinstance(values.get("infer_data"), str):
+        values["infer_data"] = [values["infer_data"]]
+    types = {f.name: f.type for f in dataclasses.fields(RunOptions)}
+    for key, value in values.items():
+        if value is None or _type_ok(types[key], value):
+            continue
+        parser.error(f"--config {path}: '{key.replace('_', '-')}' must be {_type_word(types[key])}, got {value!r}")
+    for f in dataclasses.fields(RunOptions):
+        if "choices" in f.metadata and values.get(f.name) not in (None, *f.metadata["choices"]):
+            parser.error(f"--config {path}: '{f.name.replace('_', '-')}' must be one of {', '.join(f.metadata['choices'])}")
+    return values
+
+
+def _type_ok(annotation: str, value) -> bool:
+    if annotation == "bool":
+        return isinstance(value, bool)
+    if annotation == "int | str":  # a number or auto (--budget)
+        return (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
+    if annotation.startswith("int"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation.startswith("list"):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return isinstance(value, str)
+
+
+def _type_word(annotation: str) -> str:
+    if annotation == "int | str":
+        return "an integer or auto"
+    return {"bool": "true or false", "list": "a list of paths"}.get(
+        annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
+
+
+def parse_options(argv: list[str] | None = None, quiet: bool = False) -> RunOptions:
+    """Parse flags (after merging --config), check what can be checked without a model.
+    A problem exits 2 with the message (``quiet``: without it, for every rank but rank 0)."""
+    parser = build_parser()
+    parser.quiet = quiet
+    first = parser.parse_args(argv)
+    if first.config:
+        parser.set_defaults(**_load_yaml(first.config, parser))
+    ns = parser.parse_args(argv)
+    opts = RunOptions(**vars(ns))
+    problems = check_options(opts)
+    if problems:
+        parser.error("; ".join(problems))
+    return opts
+
+
+def check_options(opts: RunOptions) -> list[str]:
+    """Flag problems that need no model: each message says what to change."""
+    problems = []
+    if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
+        problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if opts.prefix_block_size < 1:
+        problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
+    if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):
+        problems.append(f"--prefill-chunk must be a number of prompt tokens (0: off) or auto, got {opts.prefill_chunk}")
+    if opts.batch_invariant and opts.prefill_chunk not in ("auto", 0):
+        problems.append("--prefill-chunk changes how a prompt is computed, which --batch-invariant keeps fixed: "
+                        "drop --prefill-chunk (auto is off under --batch-invariant)")
+    if opts.max_micro_batch_size < 1:
+        problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
+    if opts.num_micro_batches < 0:
+        problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
+    if opts.data_group_size < 1:
+        problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.fp16 and opts.dtype not in ("auto", "float16"):
+        problems.append(f"--fp16 contradicts --dtype {opts.dtype}: pass only one of them")
+    if opts.model_name is not None and not Path(opts.model_name).is_dir():
+        problems.append(
+            f"--model-name {opts.model_name}: no such folder (this runner loads local HuggingFace "
+            "model folders only; omit --model-name to use the embedded default model)"
+        )
+    for name in ("batch_size", "input_seq_length", "generate_seq_length", "timeout"):
+        if getattr(opts, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    if opts.serve is not None:
+        try:
+            serve_address(opts.serve)
+        except ValueError as e:
+            problems.append(str(e))
+        if opts.data_group_size != 1:
+            problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
+        if opts.infer_data:
+            problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
+    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
+    if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
+        problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
+                        "cache: drop --kv-cache-dtype or use --backend auto")
+    problems += _serve_limit_problems(opts)
+    problems += _serve_state_problems(opts)
+    return problems
+
+
+def _layout_problems(opts: RunOptions) -> list[str]:
+    from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
+
+    problems = []
+    given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]
+    if len(given) > 1:
+        problems.append(f"{' and '.join('--' + f.replace('_', '-') for f in given)} each decide the stage sizes: "
+                        "pass only one of them")
+    try:
+        if opts.layers_per_stage is not None:
+            parse_layers_per_stage(opts.layers_per_stage)
+        if opts.stage_memory is not None:
+            parse_stage_memory(opts.stage_memory)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _lora_problems(opts: RunOptions) -> list[str]:
+    if not opts.lora:
+        return []
+    problems, names = [], set()
+    for value in opts.lora:
+        try:
+            name, path = parse_lora_flag(value)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if name in names:
+            problems.append(f"--lora {value}: the name {name!r} is given twice")
+        names.add(name)
+        if not Path(path).is_dir():
+            problems.append(f"--lora {value}: no such folder")
+    if opts.batch_invariant:
+        problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
+                        "adapter path): drop --batch-invariant or --lora")
+    return problems
+
+
+def _quantize_problems(opts: RunOptions) -> list[str]:
+    if opts.quantize == "none":
+        return []
+    problems = []
+    if opts.lora:
+        problems.append(f"--quantize {opts.quantize} does not apply LoRA adapters (they wrap float projections): "
+                        "drop --quantize or --lora")
+    if opts.batch_invariant:
+        problems.append(f"--quantize {opts.quantize} has no fixed-shape kernels for --batch-invariant: "
+                        "drop --quantize or --batch-invariant")
+    if opts.backend == "transformers":
+        problems.append(f"--quantize {opts.quantize} needs a native family; --backend transformers runs transformers' "
+                        "own layers, which are not quantized: drop --quantize or use --backend auto")
+    return problems
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (name, path); ValueError saying what is wrong."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {value}: expected NAME=PATH (e.g. --lora support-bot=/adapters/support-bot)")
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", name):
+        raise ValueError(f"--lora {value}: the name {name!r} may hold only letters, digits and . _ : / -")
+    return name, path

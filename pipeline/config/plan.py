@@ -1,0 +1,284 @@
+"""The run's plan, computed once before anything is loaded: who is where, which layers, which inputs.
+
+:func:`make_plan` is pure apart from reading ``config.json``, listing input files and looking at
+their outputs: it starts no process and loads no weights, so every mistake in the flags fails here,
+on every rank alike, with a message that says what to change (tests/test_plan.py). That includes
+an output or journal written by another model or other settings (tasks/writer.py): a finished
+output counts as this run's, and is skipped, only when its record matches this run's fingerprint.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from comm.dist import resolve_layout
+from tasks.writer import input_id, journal_path, output_problem
+
+from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
+from pipeline.models.families import DecoderSpec
+from pipeline.models.backends import ModelShape, stage_shape
+from pipeline.config.options import RunOptions, UsageError
+from pipeline.config.partition import stage_ranges
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    rank: int
+    world: int
+    local_world: int
+    pipeline: int  # stages per pipeline (P)
+    data: int  # pipelines (D)
+    model_dir: str
+    model_name: str  # the "model" of every result
+    config: dict
+    spec: DecoderSpec | ModelShape  # num_layers, vocab_size, max_positions of either backend
+    ranges: list[tuple[int, int]]  # layers of each stage
+    inputs: list[str]  # request files (rank 0 of each pipeline only)
+    threads: int  # CPU threads of this process
+    slots: int  # micro-batches in flight
+    warnings: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict)  # what results depend on; journals and outputs record it
+    complete: list[str] = field(default_factory=list)  # inputs whose output is complete and this run's
+    all_inputs: list[str] = field(default_factory=list)  # the request files (every rank)
+    adapters: list = field(default_factory=list)  # LoRA adapters (pipeline.loading.adapters.Adapter), index 1, 2, ...
+    layout_note: str | None = None  # the --stage-memory plan, printed before loading
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Every input's output is finished already: no rank needs to start or load anything."""
+        return bool(self.all_inputs) and len(self.complete) == len(self.all_inputs)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pipeline
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.ranges[self.stage]
+
+
+def _check_kv_cache_dtype(opts: RunOptions, spec, device: torch.device) -> None:
+    """--kv-cache-dtype int8 where it runs: a native family on CPU stages, head dims in whole float32 words."""
+    if opts.kv_cache_dtype != "int8":
+        return
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"--kv-cache-dtype int8 needs a native family; {spec.family} runs on transformers' own layers "
+                         "(--backend auto/transformers) and their cache: drop --kv-cache-dtype")
+    if device.type != "cpu":
+        raise UsageError("--kv-cache-dtype int8 runs on CPU stages only (its decode attention is the native CPU "
+                         "kernel; a GPU would dequantize the cache every step): drop --kv-cache-dtype")
+    if spec.head_dim % 4:
+        raise UsageError(f"--kv-cache-dtype int8 keeps a float32 scale after each head's values, which needs a head "
+                         f"dimension divisible by 4 (this model's is {spec.head_dim}): drop --kv-cache-dtype")
+
+
+def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: int | None = None) -> RunPlan:
+    """The plan of this process (``env``: torchrun's variables; default ``os.environ``)."""
+    env = os.environ if env is None else env
+    try:
+        rank, world, _, local_world, pipeline, data = resolve_layout(
+            opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
+        model_dir = opts.model_name or _default_model_dir()
+        config = read_config(model_dir)
+        spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
+        check_weights_present(model_dir)
+        if opts.batch_invariant and not isinstance(spec, DecoderSpec):
+            raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
+                             "layers (--backend auto/transformers): drop --batch-invariant")
+        if opts.quantize != "none" and not isinstance(spec, DecoderSpec):
+            raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
+                             "layers (--backend auto/transformers), which are not quantized: drop --quantize")
+        all_inputs = resolve_inputs(opts, env)
+        check_outputs_distinct(all_inputs, opts.output_path)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _check_kv_cache_dtype(opts, spec, device)
+        dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
+        adapters = load_adapters(opts, config, spec)
+        ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
+    except (ValueError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
+                   "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
+                   "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
+    if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
+        fingerprint["quantize"] = opts.quantize
+    if opts.kv_cache_dtype != "auto":
+        fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
+    if adapters:  # results depend on the adapters: a journal resumes only with the same ones
+        fingerprint["lora"] = {a.name: str(a.path.resolve()) for a in adapters}
+    complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
+    threads = opts.num_threads or max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world))
+    # one micro-batch more than stages on the CPU: it covers the ring's host work (the last stage's
+    # sampling, rank 0's scheduling) that P alone leaves exposed; measured at P = 2 on 100 generation
+    # requests: 50.9 s with 3 against 57.8 s with 2 (4: 51.1 s)
+    slots = opts.num_micro_batches or (pipeline + 1 if pipeline > 1 and device.type == "cpu" else pipeline)
+    warnings = []
+    if slots < pipeline:
+        warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
+                        f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
+    name = Path(opts.model_name).name if opts.model_name else _default_model_name()
+    precision = [opts.quantize] if opts.quantize != "none" else []
+    if opts.kv_cache_dtype != "auto":
+        precision.append(f"kv-{opts.kv_cache_dtype}")
+    if precision:  # every result's "model" says what is quantized
+        name = f"{name}:{','.join(precision)}"
+    if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
+        layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
+                           for i, (a, b) in enumerate(ranges))
+        even = stage_ranges(spec.num_layers, pipeline, None, opts.max_layers)
+        warnings.append(f"--num-layers {opts.num_layers} x {pipeline} stages is more than the {ranges[-1][1]} layers: "
+                        f"the last stage holds only {ranges[-1][1] - ranges[-1][0]} ({layout}); omit --num-layers "
+                        f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
+    inputs = all_inputs if rank % pipeline == 0 else []
+    return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
+                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note)
+
+
+def load_adapters(opts: RunOptions, config: dict, spec) -> list:
+    """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
+    if not opts.lora:
+        return []
+    from pipeline.loading.adapters import check_adapter, read_adapter
+    from pipeline.config.options import parse_lora_flag
+
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"--lora needs a native family; {spec.family} runs on transformers' own layers "
+                         "(--backend auto/transformers), which do not apply adapters")
+    adapters = []
+    for value in opts.lora:
+        adapter = read_adapter(*parse_lora_flag(value))
+        check_adapter(adapter, config, spec, opts.model_type)
+        adapters.append(adapter)
+    return adapters
+
+
+def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,
+                 adapters: list) -> tuple[list[tuple[int, int]], str | None]:
+    """Layers of each stage: even, --num-layers, --layers-per-stage or --stage-memory."""
+    from pipeline.config.partition import parse_layers_per_stage
+
+    if opts.stage_memory is None:
+        sizes = parse_layers_per_stage(opts.layers_per_stage) if opts.layers_per_stage else None
+        return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
+    from pipeline.config.sizing import memory_layout
+
+    depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
+    per_layer = None
+    if adapters:
+        from pipeline.loading.adapters import layer_bytes
+
+        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
+                                per_layer)
+    return stage_ranges(spec.num_layers, pipeline, None, opts.max_layers, sizes), note
+
+
+def finished_inputs(inputs: list[str], output_path: str | None, fingerprint: dict, shares: int) -> list[str]:
+    """Inputs whose output is complete and was written by a run with this fingerprint. Raises
+    UsageError when an output or journal was written by another model or other settings."""
+    done = []
+    for path in inputs:
+        output = output_for(path, output_path, len(inputs) > 1)
+        if not Path(output).exists() and not any(journal_path(output, d, shares).exists() for d in range(shares)):
+            continue  # nothing written yet: no need to hash the input (a whole-file hash) on every rank
+        complete, problem = output_problem(output, dict(fingerprint, input=input_id(path, output)), shares)
+        if problem:
+            raise UsageError(problem)
+        if complete:
+            done.append(path)
+    return done
+
+
+def resolve_dtype(name: str, cfg: dict, device: torch.device, model_dir: str | None = None) -> torch.dtype:
+    """The run's dtype: ``auto`` = the checkpoint's on GPU, float32 on CPU. The checkpoint's: config.json's
+    ``dtype`` or ``torch_dtype`` (a vision-language config's ``text_config`` too), else the dtype the
+    safetensors weights are stored in, else float16."""
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        name = (cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+                or (stored_dtype(model_dir) if model_dir else None) or "float16")
+        if name not in table:
+            raise UsageError(f"the checkpoint's dtype {name!r} is not supported; pass --dtype float16, bfloat16 or float32")
+    return table[name]
+
+
+def stored_dtype(model_dir: str) -> str | None:
+    """The dtype of the first floating-point tensor of the safetensors weights (None: not safetensors)."""
+    import json
+
+    from pipeline.loading.stage_weights import SafetensorsFile
+
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    path = folder / json.loads(index.read_text())["weight_map"].popitem()[1] if index.is_file() else \
+        folder / "model.safetensors"
+    if not path.is_file():
+        return None
+    f = SafetensorsFile(path)
+    f.close()
+    names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    return next((names[e["dtype"]] for e in f.entries.values() if e["dtype"] in names), None)
+
+
+def _default_model_dir() -> str:
+    from pipeline.loading.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _default_model_name() -> str:
+    from pipeline.loading.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
+    """--infer-data as given (files, globs, directories), or the PATH of a NAME#PATH job name."""
+    specs = opts.infer_data
+    if not specs:
+        job = opts.job_name or env.get("LSB_JOBNAME") or env.get("SLURM_JOB_NAME") or ""
+        if "#" in job:
+            specs = [job.split("#", 1)[1]]
+    files: list[str] = []
+    for spec in specs or []:
+        p = Path(spec)
+        if p.is_dir():
+            found = sorted(str(x) for x in p.glob("*.jsonl") if not x.name.startswith("output_"))
+        elif any(c in spec for c in "*?["):
+            found = sorted(x for x in glob.glob(spec) if not Path(x).name.startswith("output_"))
+        elif p.is_file():
+            found = [spec]
+        else:
+            raise UsageError(f"--infer-data {spec}: no such file or directory")
+        if not found:
+            raise UsageError(f"--infer-data {spec}: matches no .jsonl files")
+        files += found
+    return files
+
+
+def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
+    """Two inputs whose results would go to one output file (the same file name under --output-path DIR,
+    or one file given twice): refused before anything runs, since one would overwrite or resume the other."""
+    seen: dict[str, str] = {}
+    for path in inputs:
+        output = str(Path(output_for(path, output_path, len(inputs) > 1)).resolve())
+        if output in seen:
+            raise UsageError(f"--infer-data: {seen[output]} and {path} would both write {output} (the output is named "
+                             "after the input's file name); rename one of them, or run them separately")
+        seen[output] = path
+
+
+def output_for(input_path: str, output_path: str | None, several: bool) -> str:
+    """``output_<input name>`` beside the input, or in/at ``--output-path``."""
+    name = "output_" + Path(input_path).name
+    if output_path is None:
+        return str(Path(input_path).with_name(name))
+    return str(Path(output_path) / name) if several else output_path

@@ -1,0 +1,86 @@
+"""The embedded default model: a tiny trained Llama that ships in ``examples/tiny-llama-default/``.
+
+When the runner is started without ``--model-name`` it uses this folder, so a newcomer can run the
+examples with no download and no training. The model (``LlamaForCausalLM``, 6 layers, hidden 128,
+1.41M parameters, float32 safetensors) was trained by ``examples/train_default_model.py``
+on synthetic tasks from ``examples/default_tasks.py``: bAbI-style path questions (zero- and
+few-shot), small sums and differences, copying and reversing short lists, "who has what" questions
+(also scored as multiple choice by echo logprobs) and short stories.
+
+The tokenizer is a byte-level BPE (vocab 1024, ``<s> </s> <pad>`` = ids 0, 1, 2, ``<s>`` prepended,
+exact decode round trip) with a plain-text chat template. ``build_tokenizer()`` loads it; tests and
+benchmarks use it to build tiny random models of any family.
+
+Importing this module is cheap: transformers is imported only inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+DEFAULT_MODEL_NAME = "tiny-llama-default-v4"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"  # the checkout's examples/: weights and corpus
+SHIPPED_DIR = EXAMPLES_DIR / "tiny-llama-default"
+CORPUS_PATH = EXAMPLES_DIR / "corpus.txt"
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2: the trainer puts special tokens first
+# Plain-text role markers, so the template needs no extra special tokens:
+#   <s>system: ...\nuser: ...\nassistant:
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def default_model_dir() -> str:
+    """The folder of the shipped default model (config, safetensors, tokenizer files)."""
+    if not (SHIPPED_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the default model is missing from {SHIPPED_DIR}; restore it from git, or retrain it "
+            "with: python examples/train_default_model.py")
+    return str(SHIPPED_DIR)
+
+
+def cache_root() -> Path:
+    """``$DIST_INFER_CACHE`` if set, else ``~/.cache/dist-inference-runner`` (benchmarks' models)."""
+    env = os.environ.get("DIST_INFER_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "dist-inference-runner"
+
+
+def make_tokenizer(tok: Any) -> PreTrainedTokenizerFast:
+    """Wrap a trained ``tokenizers.Tokenizer``: BOS prepended, left padding, exact round trip."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, bos_id), (EOS, eos_id)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        padding_side="left",  # decoder-only batch generation pads on the left
+        clean_up_tokenization_spaces=False,  # keep decode(encode(s)) == s
+        model_max_length=2048,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The default model's tokenizer as a ``PreTrainedTokenizerFast`` (loaded, never downloaded)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+
+
+if __name__ == "__main__":
+    print(default_model_dir())

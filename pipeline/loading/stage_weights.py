@@ -1,0 +1,264 @@
+"""Read only this stage's tensors from a model folder (tokenizers: pipeline.loading.tokenizer).
+
+Weight layouts, tried in this order:
+
+- ``model.safetensors.index.json`` + shards, or ``model.safetensors``. Read with plain positioned
+  reads (no mmap): the header is parsed when a file is first needed, then each tensor is read on
+  demand into its own buffer, so a stage's resident memory is its own weights plus one tensor.
+- ``pytorch_model.bin.index.json`` + shards, or ``pytorch_model.bin``: ``torch.load(mmap=True,
+  weights_only=True)``, so untouched tensors are never read (touched pages stay mapped until
+  :meth:`TensorStore.close`).
+- The seed's pre-split layout: ``pytorch_embs.pt`` (the embedding side: token embeddings, and the
+  position table of learned-position models), ``pytorch_{i}.pt`` (layer ``i``) and
+  ``pytorch_lm_head.pt`` (final norm + lm_head). Each file is a ``torch.save``'d dict holding the
+  **HF tensor names** of its part, e.g. ``model.layers.1.self_attn.q_proj.weight`` in
+  ``pytorch_1.pt``: what splitting an HF state dict by layer gives. With tied embeddings the
+  embedding table is stored in both end files, so the last stage needs no ``pytorch_embs.pt``.
+  A layer file may instead hold module-relative names (``self_attn.q_proj.weight``, as a
+  ``layer.state_dict()`` gives). A stage opens only the files of its parts.
+  :func:`split_checkpoint` writes this layout from any of the others.
+
+The stage model is built on the meta device and each parameter is filled key by key with a shape
+check: a missing, mis-shaped or unreadable tensor is a :class:`CheckpointError` naming the file
+and the tensor, never a silent random init. ``TensorStore.loaded`` / ``opened_files`` record what
+a stage actually read (tests assert on them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from tasks.files import atomic_path
+
+from pipeline.models.families import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
+from pipeline.models.backends import choose_backend
+from pipeline.models.decoder import StageModel
+from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
+from pipeline.models.kernels.int8 import quantize_linears
+from pipeline.models.kernels.invariant import ROW_TILE
+from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
+    EMBS,
+    HEAD,
+    CheckpointError,
+    Part,
+    SafetensorsFile,
+    TensorStore,
+    check_weights_present,
+)
+from pipeline.loading.upload import Uploader
+
+log = logging.getLogger(__name__)
+
+
+_AS_IS = Source([]).combine  # the default combine: the one tensor unchanged
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.index\.json$")
+
+
+def read_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; --model-name must be a HuggingFace model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read config: {e}") from e
+
+
+def _embed_side(spec: DecoderSpec) -> set[str]:
+    """Names of the embedding-side parameters of a StageModel (the rest of the non-layer ones are the head's)."""
+    with torch.device("meta"):
+        return {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
+
+
+def _part_of(param: str, first: int, embs: set[str]) -> Part:
+    if param.startswith("layers."):
+        return first + int(param.split(".")[1])
+    return EMBS if param in embs else HEAD
+
+
+def build_stage(
+    model_dir: str | os.PathLike,
+    first: int,
+    last: int,
+    has_embed: bool,
+    has_head: bool,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_type: str | None = None,
+    batch_invariant: bool = False,
+    backend: str = "auto",
+    quantize: str | None = None,
+) -> tuple[StageModel | HFStageModel, TensorStore]:
+    """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
+
+    ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
+    stage built from transformers' own layers. ``quantize="int8"``: the layers' projections hold
+    int8 weights, quantized tensor by tensor as they are read (:mod:`pipeline.models.kernels.int8`; the
+    kernel is chosen afterwards by :func:`~pipeline.models.kernels.int8.choose_kernels`)."""
+    cfg = read_config(model_dir)
+    if choose_backend(cfg, model_type, backend) == "transformers":
+        if quantize:
+            raise UnsupportedModel(f"--quantize {quantize} needs the native code of a family; the generic transformers "
+                                   "stage does not quantize (drop --quantize)")
+        if batch_invariant:
+            raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
+                                   "stage does not have its fixed-shape kernels (drop --batch-invariant)")
+        return _build_hf_stage(model_dir, cfg, first, last, has_embed, has_head, dtype, device, model_type)
+    family = family_for(cfg, model_type)
+    spec: DecoderSpec = family.to_spec(cfg)
+    with torch.device("meta"):
+        model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
+        if quantize == "int8":
+            quantize_linears(model)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
+    store, up = TensorStore(model_dir), Uploader(device)
+    embs = _embed_side(spec)
+    params = dict(model.named_parameters())
+    try:
+        for name, source in parameter_sources(family, spec, model).items():
+            part = _part_of(name, first, embs)
+            source = store.layout(source, part)
+            param = params[name]
+            if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
+                with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
+                    target = up.target(param.data)
+                    tensors = [store.get(source.names[0], part, out=target)]
+                    if tensors[0] is None:
+                        up.commit(param.data, target)
+                        continue
+            else:
+                tensors = [store.get(n, part) for n in source.names]
+            files = ", ".join(sorted({str(store.file_of[n]) for n in source.names}))
+            what = "+".join(source.names)
+            try:
+                value = source.combine(tensors)
+            except RuntimeError as e:  # e.g. q/k/v of inconsistent widths
+                raise CheckpointError(f"{files}: tensors {what} do not fit together for {name}: {e}") from e
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{files}: tensor {what} has shape {tuple(value.shape)}, "
+                    f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                if param.dtype == torch.int8:  # an Int8Linear's weight: quantized from the float tensor
+                    model.get_submodule(name.rsplit(".", 1)[0]).load_float(value)
+                else:
+                    up.put(param.data, value)  # casts to the stage dtype without another temporary
+            del tensors, value
+        up.finish()
+    finally:
+        store.close()
+    model.init_buffers()
+    model.eval().requires_grad_(False)
+    log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
+    return model, store
+
+
+def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.Tensor | None = None):
+    """(name, tensor) of the first of ``names`` the checkpoint has (e.g. the tied embedding table,
+    else lm_head.weight); the last one's error if none."""
+    for name in names:
+        try:
+            return name, store.get(name, part, out=out)
+        except CheckpointError:
+            if name == names[-1]:
+                raise
+
+
+def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
+                    model_type: str | None):
+    """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
+    from pipeline.models.hf_stage import hf_config
+
+    model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
+    model = model.materialize(device, dtype)
+    store, up = TensorStore(model_dir), Uploader(device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(model.named_buffers())
+    try:
+        for name, (candidates, kind) in model.checkpoint_names().items():
+            param = params[name]
+            part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
+            with torch.no_grad():
+                target = up.target(param.data)
+                hf_name, value = _first_present(store, candidates, part, out=target)
+                if value is None:
+                    up.commit(param.data, target)
+                    continue
+                if tuple(value.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{store.file_of[hf_name]}: tensor {hf_name!r} has shape "
+                                          f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
+                                          f"{tuple(param.shape)}")
+                up.put(param.data, value)
+        up.finish()
+    finally:
+        store.close()
+    model.tie()
+    model.init_buffers()
+    model.eval().requires_grad_(False)
+    log.info("generic stage: loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
+    return model, store
+
+
+def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                     model_type: str | None = None) -> list[Path]:
+    """Write ``model_dir``'s weights in the pre-split layout into ``out_dir`` (one part in memory at a time).
+
+    Non-weight files (config, tokenizer, generation config) are copied along, so ``out_dir`` is a
+    complete model folder. Tensors no parameter uses (e.g. saved rotary buffers) are left out.
+    Returns the written weight files.
+    """
+    cfg = read_config(model_dir)
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    store = TensorStore(src)
+    if choose_backend(cfg, model_type) == "native":
+        family = family_for(cfg, model_type)
+        spec = family.to_spec(cfg)
+        num_layers = spec.num_layers
+
+        def part_names(shape, part) -> list[list[str]]:
+            with torch.device("meta"):
+                model = StageModel(spec, *shape)
+            sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
+            return [[n] for n in dict.fromkeys(n for s in sources for n in s.names)]
+    else:  # the generic stage: HF names straight from transformers' modules
+        from pipeline.models.hf_stage import hf_config
+
+        config = hf_config(cfg, model_type)
+        num_layers = config.num_hidden_layers
+
+        def part_names(shape, part) -> list[list[str]]:
+            return [names for names, _ in HFStageModel(config, *shape).checkpoint_names().values()]
+
+    layout = [(EMBS, (0, 0, True, False)), *[(i, (i, i + 1, False, False)) for i in range(num_layers)],
+              (HEAD, (0, 0, False, True))]
+    written = []
+    for part, shape in layout:
+        tensors = {}
+        for candidates in part_names(shape, part):
+            name, tensor = _first_present(store, candidates, part)
+            tensors[name] = tensor.contiguous().clone()  # own, compact storage
+        path = out / f"pytorch_{part}.pt"
+        with atomic_path(path) as tmp:
+            torch.save(tensors, tmp)
+        written.append(path)
+    store.close()
+    if src.resolve() != out.resolve():
+        for f in src.iterdir():
+            if f.is_file() and not _WEIGHT_FILES.fullmatch(f.name):
+                shutil.copy2(f, out / f.name)
+    return written
+
+
+__all__ = ["CheckpointError", "SafetensorsFile", "TensorStore", "build_stage", "read_config", "spec_from_config",
+           "split_checkpoint"]

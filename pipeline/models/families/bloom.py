@@ -1,0 +1,77 @@
+"""BLOOM: ALiBi, LayerNorm right after the word embedding, fused per-head qkv, tanh GELU, tied head."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.families import DecoderSpec, Source, activation_name, config_value
+
+MODEL_TYPES = ("bloom",)
+ALIASES = ()
+
+_P = "transformer."
+
+
+def to_spec(cfg: dict) -> DecoderSpec:
+    if cfg.get("apply_residual_connection_post_layernorm", False):
+        raise ValueError(
+            "BLOOM with apply_residual_connection_post_layernorm=True (residual taken after the layer norm) "
+            "is not supported; only the standard pre-norm residual (False, every released BLOOM) is"
+        )
+    hidden = config_value(cfg, "hidden_size", "n_embed")
+    heads = config_value(cfg, "n_head", "num_attention_heads")
+    if hidden % heads:
+        raise ValueError(f"BLOOM config: hidden_size {hidden} is not a multiple of n_head {heads}")
+    return DecoderSpec(
+        family="bloom",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=config_value(cfg, "n_layer", "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        # ALiBi has no table; this only caps prompt + max_tokens (BLOOM trained on 2048 tokens)
+        max_positions=config_value(cfg, "max_position_embeddings", "seq_length", default=2048),
+        norm="layer",
+        norm_eps=config_value(cfg, "layer_norm_epsilon", default=1e-5),
+        position="alibi",
+        mlp="plain",
+        activation=activation_name("gelu_fast"),  # BloomGelu: tanh approximation
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        norm_bias=True,
+        embed_norm=True,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+def _split_fused_qkv(spec: DecoderSpec):
+    """HF query_key_value rows are laid out (num_heads, 3, head_dim); ours are [q; k; v]."""
+
+    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+        (w,) = ts  # (3 * hidden, hidden) or (3 * hidden,)
+        w = w.reshape(spec.num_heads, 3, spec.head_dim, *w.shape[1:])
+        return w.transpose(0, 1).reshape(3 * spec.q_dim, *w.shape[3:])
+
+    return combine
+
+
+def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
+    p = f"{_P}h.{i}."
+    module, kind = name.rsplit(".", 1)
+    if module == "attn.qkv":
+        return Source([f"{p}self_attention.query_key_value.{kind}"], _split_fused_qkv(spec))
+    hf = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.o": "self_attention.dense",
+          "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}[module]
+    return Source([f"{p}{hf}.{kind}"])
+
+
+def top_source(spec: DecoderSpec, name: str) -> Source:
+    embed = _P + "word_embeddings.weight"
+    if name == "lm_head.weight":
+        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
+    module, kind = name.rsplit(".", 1)
+    hf = {"embed": "word_embeddings", "embed_norm": "word_embeddings_layernorm", "final_norm": "ln_f"}[module]
+    return Source([f"{_P}{hf}.{kind}"])

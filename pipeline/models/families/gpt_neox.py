@@ -1,0 +1,84 @@
+"""GPT-NeoX (Pythia, GPT-NeoX-20B, RedPajama-INCITE): LayerNorm, partial rotary, parallel or
+sequential residual, fused per-head ``query_key_value``, untied ``embed_out``."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.families import DecoderSpec, Source, activation_name, rope_from_config
+
+MODEL_TYPES = ("gpt_neox",)
+ALIASES = ("gptneox",)  # the seed's --model-type spelling
+
+
+def to_spec(cfg: dict) -> DecoderSpec:
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = hidden // heads
+    params = cfg.get("rope_parameters") or {}
+    # transformers 5 writes rope_parameters; 4.x and the original checkpoints use rotary_pct/rotary_emb_base.
+    # HF's default when neither is given is 0.25 (not 1.0 as for most families).
+    pct = params.get("partial_rotary_factor", cfg.get("rotary_pct", cfg.get("partial_rotary_factor", 0.25)))
+    rope_cfg = dict(cfg)
+    if "rope_theta" not in params and "rope_theta" not in cfg:
+        rope_cfg["rope_theta"] = cfg.get("rotary_emb_base", 10000.0)
+    bias = bool(cfg.get("attention_bias", True))
+    return DecoderSpec(
+        family="gpt_neox",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=cfg.get("intermediate_size") or 4 * hidden,
+        max_positions=cfg.get("max_position_embeddings", 2048),
+        norm="layer",
+        norm_eps=cfg.get("layer_norm_eps", 1e-5),
+        position="rope",
+        rope=rope_from_config(rope_cfg, head_dim, rotary_dim=int(head_dim * pct)),
+        mlp="plain",
+        activation=activation_name(cfg.get("hidden_act", "gelu")),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=True,
+        norm_bias=True,
+        parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def per_head_to_qkv(heads: int):
+    """Fused rows laid out [heads, 3, head_dim] (NeoX, Falcon without multi-query) -> our [q; k; v]."""
+
+    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+        w = ts[0]
+        rest = w.shape[1:]
+        return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
+
+    return combine
+
+
+def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
+    p = f"gpt_neox.layers.{i}."
+    kind = name.rsplit(".", 1)[1]  # weight | bias
+    table = {
+        "n1": "input_layernorm",
+        "n2": "post_attention_layernorm",
+        "attn.o": "attention.dense",
+        "mlp.up": "mlp.dense_h_to_4h",
+        "mlp.down": "mlp.dense_4h_to_h",
+    }
+    module = name.rsplit(".", 1)[0]
+    if module == "attn.qkv":
+        return Source([p + f"attention.query_key_value.{kind}"], per_head_to_qkv(spec.num_heads))
+    return Source([p + f"{table[module]}.{kind}"])
+
+
+def top_source(spec: DecoderSpec, name: str) -> Source:
+    embed = "gpt_neox.embed_in.weight"
+    return {
+        "embed.weight": Source([embed]),
+        "final_norm.weight": Source(["gpt_neox.final_layer_norm.weight"]),
+        "final_norm.bias": Source(["gpt_neox.final_layer_norm.bias"]),
+        "lm_head.weight": Source([embed if spec.tie_embeddings else "embed_out.weight"]),
+    }[name]

@@ -1,0 +1,87 @@
+"""OPT (125m .. 66b): learned positions offset by 2, ReLU MLP, biases, LayerNorm, tied lm_head.
+
+Two block layouts: ``do_layer_norm_before`` True (pre-norm, final LayerNorm; every OPT except 350m)
+and False (OPT-350m: post-norm residual blocks, no final LayerNorm). When ``word_embed_proj_dim``
+differs from ``hidden_size`` (350m: 512 vs 1024) the word embeddings are projected in and the last
+hidden state is projected back out before the tied head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.families import DecoderSpec, Source, activation_name, cat0
+
+MODEL_TYPES = ("opt",)
+ALIASES = ()  # the seed's spelling "opt" is the HF model_type itself
+
+_P = "model.decoder."
+
+
+def to_spec(cfg: dict) -> DecoderSpec:
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if hidden % heads:
+        raise ValueError(f"OPT config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    proj = cfg.get("word_embed_proj_dim") or hidden
+    pre_norm = bool(cfg.get("do_layer_norm_before", True))
+    bias = bool(cfg.get("enable_bias", True))
+    affine = bool(cfg.get("layer_norm_elementwise_affine", True))
+    return DecoderSpec(
+        family="opt",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=cfg["ffn_dim"],
+        max_positions=cfg.get("max_position_embeddings", 2048),
+        norm="layer",
+        norm_eps=1e-5,  # nn.LayerNorm default; OPT has no config field for it
+        position="learned",
+        learned_pos_offset=2,
+        mlp="plain",
+        activation=activation_name(cfg.get("activation_function", "relu")),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        norm_bias=True,  # without elementwise affine we fill weight=1, bias=0 (see _norm)
+        pre_norm=pre_norm,
+        final_norm=pre_norm and not cfg.get("_remove_final_layer_norm", False),
+        embed_dim=proj if proj != hidden else 0,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        extra={"norm_affine": affine},
+    )
+
+
+def _norm(spec: DecoderSpec, hf: str, kind: str) -> Source:
+    """A LayerNorm parameter; OPT built with layer_norm_elementwise_affine=False stores none."""
+    if spec.extra.get("norm_affine", True):
+        return Source([f"{hf}.{kind}"])
+    fill = torch.ones if kind == "weight" else torch.zeros
+    return Source([], lambda ts: fill(spec.hidden_size))
+
+
+def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
+    p = f"{_P}layers.{i}."
+    module, kind = name.rsplit(".", 1)
+    if module == "attn.qkv":
+        return Source([f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"], cat0)
+    if module in ("n1", "n2"):
+        return _norm(spec, p + ("self_attn_layer_norm" if module == "n1" else "final_layer_norm"), kind)
+    hf = {"attn.o": "self_attn.out_proj", "mlp.up": "fc1", "mlp.down": "fc2"}[module]
+    return Source([f"{p}{hf}.{kind}"])
+
+
+def top_source(spec: DecoderSpec, name: str) -> Source:
+    embed = _P + "embed_tokens.weight"
+    if name == "lm_head.weight":
+        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
+    if name.startswith("final_norm."):
+        return _norm(spec, _P + "final_layer_norm", name.split(".", 1)[1])
+    return {
+        "embed.weight": Source([embed]),
+        "pos_embed.weight": Source([_P + "embed_positions.weight"]),
+        "proj_in.weight": Source([_P + "project_in.weight"]),
+        "proj_out.weight": Source([_P + "project_out.weight"]),
+    }[name]

@@ -1,0 +1,207 @@
+"""CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
+when they cannot be: the element-wise loops around the int8 product, and decode attention over
+per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch
+has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
+the process keeps one pool).
+
+Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
+In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
+inputs they took as long as oneDNN's int8 product itself (AVX-512 Xeon, 1 thread, 32 rows of 768
+to 2304 in bfloat16: 197 us a projection, 94 of them the product). One C loop each does the same
+arithmetic in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the
+eager results, which ``tests/test_quantize.py`` asserts): 133 us. torch.compile was tried first:
+its fused kernel is as fast, but each compiled call costs ~17 us of guards and wrappers, more
+than it saves at these sizes.
+
+The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+into :func:`cache_dir` under a name from a hash of the source, the flags
+and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
+kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
+A compiler without OpenMP: built again without it, and decode attention stays with PyTorch's
+kernels (single-threaded it is unmeasured against them). No compiler, or a failed build: logged
+once, and every caller falls back to its PyTorch code. ``DIST_RUNNER_NATIVE=0`` turns the loops off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native.c")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+FLAGS = ("-O3", "-march=native", *(("-mprefer-vector-width=512",) if _X86 else ()), "-ffp-contract=off", "-fopenmp",
+         "-std=c11", "-fPIC", "-shared")  # 512-bit vectors: gcc's AVX-512 default is 256
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (the project's cache root)."""
+    from pipeline.loading.default_model import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, no compiler, or the build failed: logged once)."""
+    if os.environ.get("DIST_RUNNER_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.info("no C compiler found: int8's quantization and CPU decode attention run in PyTorch operators (slower)")
+        return None
+    lib = None
+    for flags in (FLAGS, tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)):  # then without OpenMP
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            error = f"{e}{': ' + detail.decode(errors='replace')[-500:] if detail else ''}"
+    if lib is None:
+        log.warning("could not build the native CPU loops (int8 helpers, decode attention) with %s (%s): using "
+                    "PyTorch operators", compiler, error)
+        return None
+    lib.quantize_rows_u8.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR]
+    lib.quantize_rows_u8.restype = None
+    lib.quantize_rows_u8_fused.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR, ctypes.c_float,
+                                           _PTR, _PTR]
+    lib.quantize_rows_u8_fused.restype = None
+    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
+    lib.scale_rows.restype = None
+    lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
+                                     ctypes.c_float, ctypes.c_int, ctypes.c_int, _PTR]
+    lib.decode_attention.restype = None
+    lib.kv_store_i8.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, _PTR, _PTR]
+    lib.kv_store_i8.restype = None
+    lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
+    return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: a CPU float32 / bfloat16 matrix with contiguous rows."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(1) == 1
+            and library() is not None)
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, in) -> uint8 (rows, in) with zero point 128 and float32 scales (rows, 1): what
+    :func:`pipeline.models.kernels.int8.quantize_tokens` computes with ``unsigned=True``. Needs :func:`usable`."""
+    rows, cols = x.shape
+    u = torch.empty(rows, cols, dtype=torch.uint8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    library().quantize_rows_u8(x.data_ptr(), rows, cols, x.stride(0), _DTYPES[x.dtype], u.data_ptr(), scale.data_ptr())
+    return u, scale
+
+
+def quantize_rows_u8_fused(x: torch.Tensor, prologue: str, weight: torch.Tensor | None,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_u8` of what feeds a projection, computed in float32 in the same pass:
+    ``prologue`` "rms": x (rows, in) RMS-normalized and scaled by ``weight`` (float32, in); "silu_gate":
+    x (rows, 2 in) = [gate | up] -> silu(gate) * up. Needs :func:`usable` and contiguous rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, width = x.shape
+    cols = width // 2 if prologue == "silu_gate" else width
+    u = torch.empty(rows, cols, dtype=torch.uint8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    library().quantize_rows_u8_fused(x.data_ptr(), rows, cols, x.stride(0), _DTYPES[x.dtype],
+                                     1 if prologue == "rms" else 2, None if weight is None else weight.data_ptr(),
+                                     eps, u.data_ptr(), scale.data_ptr())
+    return u, scale
+
+
+def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(acc * s + bias).to(dtype)`` for a contiguous float32 ``acc`` (rows, out), ``s`` (rows, 1) and
+    a float32 ``bias`` (out,) or None; float32 results overwrite ``acc``."""
+    rows, cols = acc.shape
+    out = acc if dtype == torch.float32 else torch.empty(rows, cols, dtype=dtype)
+    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if bias is None else bias.data_ptr(),
+                         _DTYPES[dtype], out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor,
+                     window: int, scale: float) -> torch.Tensor:
+    """One query per row against its own cached keys: q (b, heads, 1, d) with unit stride in d; k / v
+    one layer's contiguous cache (cache rows, kv heads, cols, d) of q's dtype (float32 / bfloat16), or
+    int8 records (cache rows, kv heads, cols, d + 4) (:mod:`.kv_cache`); ``rows`` / ``ends`` int64
+    (b,): each row's cache row and the columns it reads, ``[0, end)`` or the last ``window`` of them.
+    Returns (b, heads, 1, d) in q's dtype. Threads: PyTorch's OpenMP pool."""
+    b, heads, _, d = q.shape
+    out = torch.empty(b, heads, 1, d, dtype=q.dtype)
+    library().decode_attention(q.data_ptr(), b, heads, q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.shape[1],
+                               k.shape[2], d, rows.data_ptr(), ends.data_ptr(), window, scale, _DTYPES[q.dtype],
+                               int(k.dtype == torch.int8), out.data_ptr())
+    return out
+
+
+def kv_store_i8(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """Quantize x (n, kv heads, d) (float32 / bfloat16, unit stride in d) into one layer's int8 record
+    cache (cache rows, kv heads, cols, d + 4) at cache row ``rows[i]``, column ``cols[i]`` (int64, n):
+    what :func:`pipeline.cache.kv_cache.quantize_records` computes, bit for bit."""
+    n, kvh, d = x.shape
+    library().kv_store_i8(x.data_ptr(), n, kvh, d, x.stride(0), x.stride(1), _DTYPES[x.dtype], cache.data_ptr(),
+                          cache.shape[2], rows.data_ptr(), cols.data_ptr())
+
+
+@functools.cache
+def decode_dtypes() -> tuple[torch.dtype, ...]:
+    """Where :func:`decode_attention` measured faster than PyTorch's kernels: float32 (against batched
+    matmuls over runs of rows); bfloat16 only with the AVX512-BF16 dot product (against the flash
+    kernel; with a float32 conversion pass instead it measured level, so flash stays)."""
+    lib = library()
+    if lib is None or not lib.has_openmp():  # built without OpenMP: one thread against PyTorch's pool, unmeasured
+        return ()
+    return (torch.float32, torch.bfloat16) if lib.has_bf16_dot() else (torch.float32,)
+
+
+def decode_usable(cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_attention` serves a decode step over ``cache`` with queries in ``dtype``:
+    a cache in ``dtype`` where it measured faster (:func:`decode_dtypes`); an int8 record cache
+    always (the alternative dequantizes every row's columns into a copy each step)."""
+    if cache.device.type != "cpu" or library() is None:
+        return False
+    return dtype in _DTYPES if cache.dtype == torch.int8 else cache.dtype == dtype and dtype in decode_dtypes()

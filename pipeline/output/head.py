@@ -1,0 +1,393 @@
+"""The last stage's work after the layers: logits -> logprobs -> tokens, stops, finished choices.
+
+Everything for a micro-batch is batched: one head matmul for the rows that need logits, one
+log-softmax/top-k, one sampling call. Echo scoring runs the head over the prompt in chunks so a
+(prompt length x vocabulary) float32 tensor never exists beyond one chunk. Finished requests are
+formatted (pipeline.output.results) and handed to the ordered writer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tasks.requests import Params
+from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line,
+                           result_object, top_dict)
+
+from pipeline.output.head_state import GroupState, RequestState, RowState
+from pipeline.runtime.messages import Admission, Prefill
+from pipeline.sampling.sampler import apply_penalties, logprob_info, sample, stream_key, uniform
+from pipeline.loading.upload import to_device
+
+ECHO_CHUNK = 256  # prompt positions per head call when scoring
+
+
+class Head:
+    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int):
+        self.model, self.detok = model, Detokenizer(tokenizer)
+        self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
+        self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
+        self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
+        self.deltas: list[tuple] = []  # streaming: (request index, choice index, new text, its logprobs or None)
+        self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
+        self.groups: dict[int, GroupState] = {}
+        self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
+        self.generated_tokens = 0
+        self.format_seconds = 0.0  # detokenizing and formatting results
+        self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
+
+    # -- admission --------------------------------------------------------------------------
+    def start_file(self) -> None:
+        """A new file: its counters from zero."""
+        self.generated_tokens, self.format_seconds = 0, 0.0
+
+    def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
+        p = meta.params
+        key = (meta.live, meta.req)
+        if key not in self.requests:
+            self.requests[key] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
+                                              started=time.perf_counter(), model=meta.model)
+        req = self.requests[key]
+        if meta.raw is not None:  # only the first prompt's admission carries the request, in any order
+            req.raw = meta.raw
+        req.batch_size = max(req.batch_size, slot_rows)
+        if meta.note:
+            req.notes.append(meta.note)
+        req.prompt_tokens += len(meta.prompt_ids)
+        g = GroupState(meta, time.perf_counter())
+        self.groups[meta.gid] = g
+        rows = self.slots.setdefault(slot, {})
+        for j, r in enumerate(g.rows):
+            key = stream_key(self.run_seed, p.seed, meta.req, meta.prompt_i, j)
+            cand = Candidate(choice=j, top=[] if p.logprobs else None)
+            stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
+            rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
+            try:
+                rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+            except Exception as e:
+                self._failed(req, "reading its prompt", e)
+
+    def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
+        """A request whose computation raised is answered with an error (its rows finish at their
+        next pass); the rest of the micro-batch, the run and the server go on."""
+        if req is not None and req.error is None:
+            req.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
+                                    "the other requests were answered", "type": "server_error", "param": None}
+
+    def _request_of(self, gid: int) -> RequestState | None:
+        g = self.groups.get(gid)
+        return None if g is None else self.requests.get((g.meta.live, g.meta.req))
+
+    # -- one pass ---------------------------------------------------------------------------
+    def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
+                pool=None) -> tuple[dict, list[int]]:
+        """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
+
+        h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
+        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``, from each one's first
+        uncached token; pool: this stage's :class:`~pipeline.cache.prefix.PrefixStore` (echo scoring of
+        cached prompt tokens reads it).
+        """
+        states = self.slots[slot]
+        feed, finished = {}, []
+        hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
+        if decode_rows:
+            keep = [i for i, r in enumerate(decode_rows) if self._request_error(states[r].gid) is None]
+            finished += [r for i, r in enumerate(decode_rows) if i not in set(keep)]
+            if keep:
+                hiddens.append(h_decode if len(keep) == len(decode_rows) else h_decode[keep])
+                targets += [[decode_rows[i]] for i in keep]
+        for i, item in enumerate(prefill):
+            g = self.groups.get(item.gid)
+            req = self.requests.get((g.meta.live, g.meta.req)) if g is not None and not item.resumed else None
+            if req is not None:  # the pool's tokens (a chunked prompt's first pass loads them)
+                req.cached_tokens += item.cached
+            if item.partial:  # chunked prefill: the prompt's next part comes in a later pass
+                continue
+            n = item.len - item.cached
+            if g.params.echo and self._request_error(item.gid) is None:
+                try:
+                    g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
+                                                pool)
+                except Exception as e:
+                    self._failed(self.requests.get((g.meta.live, g.meta.req)), "scoring its prompt (echo)", e)
+            if g.params.max_tokens == 0:
+                for r in g.rows:
+                    states[r].cand.finish_reason = "length"
+                continue
+            if self._request_error(item.gid) is not None:
+                finished += g.rows
+                continue
+            hiddens.append(h_prefill[i, n - 1 : n])
+            targets.append(g.rows)
+        if hiddens:
+            logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
+            if any(len(rows) > 1 for rows in targets):  # best_of: a prefill lead's logits serve its group
+                expand = [i for i, rows in enumerate(targets) for _ in rows]
+                logits = logits[to_device(expand, logits.device, torch.long)]
+            rows = [r for rs in targets for r in rs]
+            try:
+                self._step(states, rows, logits, feed, finished)
+            except Exception:  # find the row(s) it was: each alone (_sample changes nothing before it returns)
+                for i, r in enumerate(rows):
+                    try:
+                        self._step(states, [r], logits[i : i + 1], feed, finished)
+                    except Exception as e:
+                        self._failed(self._request_of(states[r].gid), "sampling its next token", e)
+                        finished.append(r)
+        for item in prefill:  # scoring-only groups finish without sampling
+            g = self.groups[item.gid]
+            if g.params.max_tokens == 0 and not item.partial:
+                finished += g.rows
+        for r in finished:
+            self._finish_row(slot, r)
+        return feed, finished
+
+    def _request_error(self, gid: int) -> dict | None:
+        req = self._request_of(gid)
+        return None if req is None else req.error
+
+    def _step(self, states, rows: list[int], logits: torch.Tensor, feed: dict, finished: list[int]) -> None:
+        """Sample a token for each of ``rows`` (logits (len(rows), V)) and advance them. The batched
+        device work raises before any row changes; a row whose own bookkeeping raises (detokenizing,
+        stop strings, streaming) is answered with an error and the others go on."""
+        ps = [self.groups[states[r].gid].params for r in rows]
+        vocab = logits.shape[-1]
+        raw = logits
+        if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
+            logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
+                                     [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+                                     [p.logit_bias for p in ps])
+        # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
+        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps],
+                            [float(min(p.top_k, vocab)) for p in ps],  # top_k beyond the vocabulary: all of it
+                            [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
+                             for r, p in zip(rows, ps)]], logits.device, torch.float32)
+        hot = [i for i, p in enumerate(ps) if p.temperature > 0]
+        chosen = sample(logits, params[0], params[2].long(), params[1], params[3],
+                        to_device(hot, logits.device, torch.long) if hot else None)
+        k = max((p.logprobs or 0) for p in ps)
+        chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
+        # one device->host copy for the pass: ids and logprobs side by side (float64 holds both exactly)
+        cols = [chosen[:, None], chosen_lp[:, None]] + ([top_i, top_v] if k else [])
+        host = torch.cat([c.double() for c in cols], dim=1).tolist()
+        chosen, chosen_lp = [int(h[0]) for h in host], [h[1] for h in host]
+        if k:
+            top_i, top_v = [[int(x) for x in h[2 : 2 + k]] for h in host], [h[2 + k :] for h in host]
+        self.generated_tokens += len(rows)
+        for i, (r, p) in enumerate(zip(rows, ps)):
+            try:
+                self._advance(states[r], r, p, chosen[i], chosen_lp[i], top_i[i] if k else None,
+                              top_v[i] if k else None, feed, finished)
+            except Exception as e:
+                self._failed(self._request_of(states[r].gid), "producing its output", e)
+                feed.pop(r, None)
+                if r not in finished:
+                    finished.append(r)
+
+    def _advance(self, st: RowState, r: int, p: Params, tok: int, tok_lp: float, top_i: list[int] | None,
+                 top_v: list[float] | None, feed: dict, finished: list[int]) -> None:
+        """Row ``r`` took token ``tok``: record it, then finish the row (EOS, stop string, length) or feed it."""
+        cand = st.cand
+        cand.generated += 1
+        if tok in self.eos_ids:
+            cand.finish_reason = "stop"
+            finished.append(r)
+            return
+        cand.ids.append(tok)
+        cand.logprobs.append(tok_lp)
+        if cand.top is not None:
+            cand.top.append(list(zip(top_i[: p.logprobs], top_v[: p.logprobs])))
+        if p.presence_penalty or p.frequency_penalty:
+            st.counts[tok] = st.counts.get(tok, 0) + 1
+        if st.text is not None:
+            before = len(st.text.text)
+            st.text.add(tok)
+            hit = _find_stop(st.text.text, p.stop, before)
+            if hit is not None:
+                cand.finish_reason, cand.stop_at = "stop", hit
+                finished.append(r)
+                return
+            if st.sent >= 0:
+                self._stream(st, p)
+        if len(cand.ids) >= p.max_tokens:
+            cand.finish_reason = "length"
+            finished.append(r)
+            return
+        feed[r] = tok
+
+    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
+                      pool=None) -> dict:
+        """Logprob of every prompt token given the ones before it (the first is None) and the top ``k``.
+
+        ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on). The
+        cached positions' scores come from the pool when an earlier echo request left them there
+        (the head then runs only over each cached block's last position, whose next token is not the
+        block's), else from the pool's hidden states; the blocks this prompt saves keep its scores."""
+        cached = item.cached if item is not None else 0
+        parts = [self._cached_scores(ids, k, item, pool)] if cached else []
+        if len(ids) - 1 > cached:
+            parts.append(self._head_scores(h[: len(ids) - 1 - cached], ids[cached + 1 :], k))
+        if not parts:
+            return {"ids": ids, "logprobs": [None], "top": [None] if k else None}
+        lp, top_v, top_i = (torch.cat([p[j] for p in parts]) if k or j == 0 else None for j in range(3))
+        if item is not None and item.save and pool is not None:
+            pool.put_scores(item.save, lp, top_v, top_i, k)
+        tops = [None] + [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())] if k else None
+        return {"ids": ids, "logprobs": [None] + lp.tolist(), "top": tops}
+
+    def _head_scores(self, h: torch.Tensor, following: list[int], k: int):
+        """(logprob of ``following[j]`` at position ``j``, top-k values, top-k ids), the head in chunks."""
+        out = []
+        for a in range(0, h.shape[0], ECHO_CHUNK):
+            chunk = self.model.head(h[a : a + ECHO_CHUNK])  # (rows, V) float32
+            out.append(logprob_info(chunk, torch.tensor(following[a : a + ECHO_CHUNK], device=chunk.device), k))
+        return tuple(torch.cat([o[j] for o in out]) if k or j == 0 else None for j in range(3))
+
+    def _cached_scores(self, ids: list[int], k: int, item: Prefill, pool):
+        """Scores of the first ``item.cached`` positions, which the pool holds."""
+        cached, bs = item.cached, pool.block_size
+        stored = pool.scores(item.load, cached, k)
+        if stored is None:  # first echo over these blocks: the head over their hidden states, kept
+            scores = self._head_scores(pool.hidden(item.load, cached), ids[1 : cached + 1], k)
+            pool.put_scores(list(enumerate(item.load)), *scores, k)
+            return scores
+        lp, top_v, top_i = stored
+        ends = list(range(bs - 1, cached, bs))  # each block's last position: its next token is the next block's
+        if ends:
+            rows = [item.load[j // bs] * bs + j % bs for j in ends]
+            e_lp, e_v, e_i = self._head_scores(pool.h[rows], [ids[j + 1] for j in ends], k)
+            lp[ends] = e_lp
+            if k:
+                top_v[ends], top_i[ends] = e_v, e_i
+        return lp, top_v, top_i
+
+    # -- finishing --------------------------------------------------------------------------
+    def _finish_row(self, slot: int, row: int) -> None:
+        st = self.slots[slot].pop(row)
+        g = self.groups[st.gid]
+        key = (g.meta.live, g.meta.req)
+        req = self.requests.get(key)
+        if st.text is not None and (req is None or req.error is None):
+            try:
+                st.cand.pieces = st.text.finish()
+            except Exception as e:
+                self._failed(req, "producing its output", e)
+        if req is None:  # serve mode: the client left and the request was dropped
+            g.done += 1
+            if g.done == len(g.rows):
+                del self.groups[st.gid]
+            return
+        req.choices.setdefault(g.meta.prompt_i, []).append(st.cand)
+        g.done += 1
+        if g.done == len(g.rows):
+            req.echoes[g.meta.prompt_i] = g.echo
+            del self.groups[st.gid]
+            if len(req.choices) == req.n_prompts and all(
+                len(c) == req.params.best_of for c in req.choices.values()
+            ):
+                self._format(key, self.requests.pop(key))
+
+    def take_results(self) -> list[tuple[int, dict]]:
+        """Requests finished since the last call: (input index, output line)."""
+        out, self.results = self.results, []
+        return out
+
+    def _stream(self, st: RowState, p: Params) -> None:
+        """Queue the whole tokens a streaming row can no longer take back (their text, and their
+        logprobs when asked): text up to the last (longest stop - 1) characters, which a stop string
+        found later could still cut, ending with a token that completes its characters."""
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        safe = len(st.text.text) - hold
+        pieces, pos, end = st.text.pieces, st.sent_chars, st.sent
+        for k in range(st.sent, len(pieces)):
+            if pos + len(pieces[k]) > safe:
+                break
+            pos += len(pieces[k])
+            if pieces[k]:
+                end = k + 1
+        if end == st.sent:
+            return
+        text = "".join(pieces[st.sent:end])
+        lp = None
+        if p.logprobs is not None:
+            c, offsets, at = st.cand, [], st.sent_chars
+            for piece in pieces[st.sent:end]:
+                offsets.append(at)
+                at += len(piece)
+            lp = {"tokens": pieces[st.sent:end], "token_logprobs": c.logprobs[st.sent:end],
+                  "top_logprobs": [top_dict(self.detok, t) for t in c.top[st.sent:end]] if p.logprobs else None,
+                  "text_offset": offsets}
+        meta = self.groups[st.gid].meta
+        self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, text, lp))
+        st.sent, st.sent_chars = end, st.sent_chars + len(text)
+
+    def take_deltas(self) -> list[tuple[int, int, str, dict | None]]:
+        out, self.deltas = self.deltas, []
+        return out
+
+    def take_live(self) -> list[tuple[int, dict]]:
+        """Serve mode: HTTP requests finished since the last call, (request index, output line)."""
+        out, self.live_results = self.live_results, []
+        return out
+
+    def drop(self, slot: int, live_reqs: set[int]) -> list[int]:
+        """Serve mode: forget the rows of ``live_reqs`` (their clients left) in ``slot``; the rows freed."""
+        rows = [r for r, st in self.slots.get(slot, {}).items() if self.groups[st.gid].meta.live
+                and self.groups[st.gid].meta.req in live_reqs]
+        for r in rows:
+            st = self.slots[slot].pop(r)
+            g = self.groups[st.gid]
+            g.done += 1
+            if g.done == len(g.rows):
+                del self.groups[st.gid]
+        for req in live_reqs:
+            if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
+                self.requests.pop((True, req), None)
+        return rows
+
+    def _format(self, key: tuple[bool, int], req: RequestState) -> None:
+        live, index = key
+        t0 = time.perf_counter()
+        line = None
+        if req.error is None:
+            try:
+                line = self._result_line(req)
+            except Exception as e:
+                self._failed(req, "formatting its result", e)
+        if req.error is not None:
+            self.failed_requests += 1
+            line = output_line(req.raw, req.custom_id, error=req.error)
+        (self.live_results if live else self.results).append((index, line))
+        self.format_seconds += time.perf_counter() - t0
+
+    def _result_line(self, req: RequestState) -> dict:
+        p = req.params
+        choices, completion_tokens = [], 0
+        for prompt_i in range(req.n_prompts):
+            cands = req.choices[prompt_i]
+            completion_tokens += sum(c.generated for c in cands)
+            best = sorted(cands, key=lambda c: (-c.mean_logprob, c.choice))[: p.n] if p.best_of > p.n else sorted(cands, key=lambda c: c.choice)
+            for j, cand in enumerate(best):
+                idx = prompt_i * p.n + j
+                if req.kind == "chat":
+                    choices.append(chat_choice(self.detok, cand, idx, p))
+                else:
+                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i)))
+        result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
+                               time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
+        if req.notes:
+            result["warnings"] = req.notes
+        return output_line(req.raw, req.custom_id, result=result)
+
+
+def _find_stop(text: str, stops: list[str], since: int) -> int | None:
+    """Earliest index of any stop string that ends after ``since`` (so spans across tokens count)."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, since - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,55 @@
+"""What the last stage's Head keeps per row, per best_of group and per request between passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tasks.requests import Params
+from pipeline.output.results import Candidate, IncrementalText
+
+from pipeline.runtime.messages import Admission
+
+
+@dataclass
+class RowState:
+    gid: int
+    cand: Candidate
+    key: int  # random stream
+    text: IncrementalText | None = None  # only when the request has stop strings or streams
+    sent: int = -1  # streaming: tokens whose text was sent as deltas (-1: not streamed)
+    sent_chars: int = 0  # streaming: the characters of those tokens
+    counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
+
+
+@dataclass
+class GroupState:
+    meta: Admission  # what rank 0 sent when the group entered
+    started: float
+    echo: dict | None = None
+    done: int = 0
+
+    @property
+    def params(self) -> Params:
+        return self.meta.params
+
+    @property
+    def rows(self) -> list[int]:
+        return self.meta.rows
+
+
+@dataclass
+class RequestState:
+    raw: object
+    kind: str
+    custom_id: str | None
+    params: Params
+    n_prompts: int
+    choices: dict[int, list[Candidate]] = field(default_factory=dict)  # prompt_i -> candidates
+    echoes: dict[int, dict | None] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    started: float = 0.0
+    batch_size: int = 0
+    notes: list[str] = field(default_factory=list)
+    model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
+    error: dict | None = None  # a row of it failed: the request is answered with this error

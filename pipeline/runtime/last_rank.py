@@ -1,0 +1,111 @@
+"""The last stage's answers: what it does with each message after its layers ran.
+
+:class:`OpenFile` opens the output (tasks.output_file) and answers :class:`Opened`; a
+:class:`PassHeader` admits the groups that enter, samples with the :class:`~pipeline.output.head.Head`
+and answers a :class:`Reply` with the tokens rank 0 feeds next; :class:`CloseFile` publishes
+the output and answers :class:`Closed` with the file's summary. Error lines carried by any
+message are written in their input position.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from comm.dist import DistInfo
+from comm.faults import LINE, PREFILL
+from tasks.output_file import FileStats, OutputFile
+
+from pipeline.output.head import Head
+from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from pipeline.runtime.stage import Stage, unpack
+
+
+class LastRank:
+    def __init__(self, stage: Stage, info: DistInfo, head: Head, fingerprint: dict, overwrite: bool = False,
+                 show_progress: bool = True):
+        self.stage, self.info, self.head = stage, info, head
+        self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
+        self.file: OutputFile | None = None
+
+    def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
+        """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
+        for index, line in getattr(msg, "errors", []):  # only ever with a file open
+            self.file.put(index, line, error=True)
+        if isinstance(msg, PassHeader):
+            return self._pass(msg, x)
+        if isinstance(msg, OpenFile):
+            return self._open(msg)
+        if isinstance(msg, CloseFile):
+            return self._close(msg)
+        assert isinstance(msg, Stop), msg
+        return None
+
+    def _open(self, msg: OpenFile) -> Opened:
+        self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
+                               self.info.data_size)
+        self.head.start_file()
+        try:
+            skip = self.file.open(msg.total, self.overwrite, self.show_progress)
+            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
+        except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
+            self.file = None
+            return Opened(None, error=str(e))
+
+    def record(self, hdr: PassHeader) -> None:
+        """Note the file's lines this pass admits before they are computed (tasks.inflight); with
+        P = 1 rank 0 calls this before its forward, else it runs when the pass arrives here."""
+        if self.file is None or self.file.inflight is None or not hdr.admit:
+            return
+        batch = [m for m in hdr.admit if not m.live]
+        alone = sorted({m.req for m in batch if m.alone})
+        self.file.inflight.admitted(sorted({m.req for m in batch if not m.alone}), alone)
+        LINE.admit([m.req for m in batch])
+
+    def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
+        t0 = self.stage.mark()
+        if not self.info.is_first:
+            self.record(hdr)
+        for meta in hdr.admit:
+            self.head.admit(hdr.slot, meta, hdr.rows)
+            if not meta.live:
+                self.file.prompt_tokens += len(meta.prompt_ids)
+        dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
+        h_dec, h_pre = unpack(hdr, h)
+        h_live, decode_rows = None, hdr.decode_rows
+        if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
+            h_live = h_dec[hdr.decode_rows, -1] if hdr.dense else h_dec[:, -1]
+        if dropped and decode_rows:
+            keep = [i for i, r in enumerate(decode_rows) if r not in dropped]
+            decode_rows, h_live = [decode_rows[i] for i in keep], h_live[keep]
+        groups = [self.head.groups.get(p.gid) for p in hdr.prefill]
+        if self.file is not None:
+            self.file.cached_tokens += sum(p.cached for p, g in zip(hdr.prefill, groups)
+                                           if g and not g.meta.live and not p.resumed)
+        with torch.inference_mode():
+            feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
+        written = 0
+        for index, line in self.head.take_results():
+            failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
+            self.file.put(index, line, error=failed)
+            if failed:
+                self.file.kinds["computation"] = self.file.kinds.get("computation", 0) + 1
+            written += 1
+        PREFILL.tick(ready=bool(hdr.prefill))
+        if self.file is not None:
+            self.file.flush(self.head.generated_tokens)
+        self.stage.clock("sample+write", t0, slot=hdr.slot)
+        return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
+                     self.head.take_live(), written, self.head.take_deltas())
+
+    def _close(self, msg: CloseFile) -> Closed:
+        if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
+            msg.busy.append(self.stage.busy)
+            msg.gpu_peak_mb += self.stage.gpu_peak_mb()
+            msg.precision.append(self.stage.precision())
+        stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
+        complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
+                                            self.head.format_seconds, self.info.pipeline_size,
+                                            self.stage.peak_cells, msg.gpu_peak_mb, msg.precision)
+        self.file = None
+        return Closed(complete, summary)

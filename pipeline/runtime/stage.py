@@ -1,0 +1,235 @@
+"""The stage step: receive a pass, run this stage's layers over it, send it on.
+
+A pass (:class:`~pipeline.runtime.messages.PassHeader`) carries up to two segments of one micro-batch:
+a decode segment (one token for each ``decode_layout`` row) and a prefill segment (the new
+prompts, right-padded to ``prefill_len``). :func:`pack` puts both into one tensor, token ids on
+the first stage and hidden states after it; :func:`unpack` takes them apart from the header.
+Every rank but the first runs :func:`serve`: receive, step, pass it on (the last rank hands it to
+its :class:`~pipeline.runtime.last_rank.LastRank`, whose reply rings back to rank 0).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.runtime.messages import Allocate, CloseFile, OpenFile, PassHeader, Stop
+from pipeline.models.decoder import Segment, StageModel
+from pipeline.cache.kv_cache import KVCache
+from pipeline.cache.prefix import PrefixStore
+from pipeline.loading.upload import to_device
+
+
+class Stage:
+    """This rank's layers, its micro-batch caches, its prefix pool and its compute clock."""
+
+    def __init__(self, model: StageModel, device: torch.device, trace=None, prefix_block: int = 0):
+        self.model, self.device, self.trace = model, device, trace
+        self.caches: dict[int, KVCache] = {}
+        self.pending: dict[int, list[int]] = {}  # slot -> [rows, cols] of a cache no pass has needed yet
+        self.prepared: dict[int, tuple[list[int], KVCache]] = {}  # slot -> a cache allocated ahead (Allocate)
+        self.prefix = PrefixStore(prefix_block, keep_hidden=model.has_head) if prefix_block else None
+        self._busy = 0.0  # compute seconds since the current file opened (see ``busy``)
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed on the stream, not resolved yet
+        self._start: torch.cuda.Event | None = None
+        self.peak_cells = 0  # most KV cells (micro-batch caches + prefix pool) held since the file opened
+
+    @property
+    def busy(self) -> float:
+        """Compute seconds since the file opened: host time on the CPU; on CUDA the time between events
+        recorded on the stream around each span (host timing would see only the kernel launches)."""
+        for start, end in self._spans:
+            end.synchronize()
+            self._busy += start.elapsed_time(end) / 1000
+        self._spans.clear()
+        return self._busy
+
+    @busy.setter
+    def busy(self, seconds: float) -> None:
+        """Restart the file's figures: compute seconds, and on CUDA the peak memory."""
+        self._busy, self._spans = seconds, []
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def gpu_peak_mb(self) -> list[float]:
+        """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
+        return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
+
+    def precision(self) -> dict:
+        """The stage's weights and compute dtype, with --quantize the int8 kernel chosen per (in x out)
+        shape at load (``StageModel.quantized``), on a CPU stage the linear kernel (``--cpu-linear``);
+        for the run summary."""
+        kv = {"kv_cache": "int8"} if getattr(self.model, "kv_int8", False) else {}
+        quantized = getattr(self.model, "quantized", None)
+        if quantized:
+            return quantized | kv
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        kernel = getattr(self.model, "cpu_linear", None)  # --cpu-linear on a CPU stage: which one ran
+        return {"weights": dtype, "compute_dtype": dtype} | ({"linear": kernel} if kernel else {}) | kv
+
+    def mark(self) -> float:
+        """The start of a span for :meth:`clock` (on CUDA an event is recorded on the stream too)."""
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        return time.perf_counter()
+
+    def step(self, hdr: PassHeader, x: torch.Tensor | None, ahead: bool = False) -> torch.Tensor | None:
+        """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output. ``ahead``
+        (rank 0, for the trace): the slot's previous pass is still in flight."""
+        t0 = self.mark()
+        self.release(hdr.release)
+        if hdr.alloc:
+            self.caches.pop(hdr.slot, None)
+            dims, cache = self.prepared.pop(hdr.slot, (None, None))
+            if dims == hdr.alloc:
+                self.caches[hdr.slot] = cache
+            else:
+                self.pending[hdr.slot] = hdr.alloc
+        x_dec, x_pre = unpack(hdr, x)
+        cache = self._cache(hdr)
+        if hdr.prefix_grow is not None:
+            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())  # an int8 cache's hidden
+            self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size, dtype)
+        self.peak_cells = max(self.peak_cells, self.kv_cells)
+        outs = []
+        with torch.inference_mode():
+            if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
+                outs.append(self.model(to_device(x_dec, self.device), decode_segment(hdr, self.device), cache))
+            for p in hdr.prefill:
+                if p.load:
+                    self.prefix.load(cache, p.row, p.load, p.cached)
+            if x_pre is not None:
+                outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
+                if self.prefix is not None:
+                    self.prefix.save_pass(hdr.slot, hdr.prefill, cache, outs[-1] if self.model.has_head else None)
+            for f in hdr.forks:
+                cache.fork(f.lead, f.rows, f.cols)
+        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
+                   **({"ahead": True} if ahead else {}))
+        return pack(outs)
+
+    def prepare(self, msg: Allocate) -> None:
+        """Allocate a slot's cache ahead of the pass that needs it, after freeing what that pass
+        releases (the slot's own old cache included: rank 0 re-allocates only a finished slot)."""
+        t0 = self.mark()
+        self.release([*msg.release, msg.slot])
+        self.prepared[msg.slot] = ([msg.rows, msg.cols], self.model.new_cache(msg.rows, msg.cols))
+        self.peak_cells = max(self.peak_cells, self.kv_cells)
+        self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
+
+    def _cache(self, hdr: PassHeader) -> KVCache | None:
+        """The slot's cache, allocated by the first pass that needs one: a pass of prompts that all
+        end there (echo scoring, ``max_tokens`` 0) attends to its own keys only and keeps none, so a
+        scoring micro-batch never allocates (on the CPU, zeroing it cost 5% of a scoring file)."""
+        cache = self.caches.get(hdr.slot)
+        needed = hdr.keeps_cache
+        if cache is None and needed:
+            cache = self.caches[hdr.slot] = self.model.new_cache(*self.pending.pop(hdr.slot))
+        return cache if needed else None
+
+    @property
+    def kv_cells(self) -> int:
+        """Token positions of keys/values held: every micro-batch's rows x columns plus the prefix pool."""
+        pool = self.prefix.capacity * self.prefix.block_size if self.prefix is not None else 0
+        ahead = sum(rows * cols for (rows, cols), _ in self.prepared.values())
+        return sum(c.rows * c.cols for c in self.caches.values()) + ahead + pool
+
+    def release(self, slots: list[int]) -> None:
+        for sid in slots:
+            self.caches.pop(sid, None)
+            self.pending.pop(sid, None)
+            # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
+        if self.prefix is not None and slots:
+            self.prefix.forget(slots)
+
+    def clock(self, what: str, t0: float, **args) -> None:
+        """Count the time since ``t0`` (from :meth:`mark`) as compute (and trace it, in host time)."""
+        t1 = time.perf_counter()
+        if self._start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((self._start, end))
+            self._start = None
+        else:
+            self._busy += t1 - t0
+        if self.trace is not None:
+            self.trace.add(what, t0, t1, args=args)
+
+
+def serve(link, stage: Stage, last=None) -> str | None:
+    """Every rank but the first: receive until :class:`Stop`; the last rank answers through ``last``.
+    Returns the output path of the last file opened (the profile trace goes beside it)."""
+    output = None
+    while True:
+        msg, x = link.recv_prev()
+        if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
+            if last is None:
+                link.send_next(msg)
+            stage.prepare(msg)
+            continue
+        if isinstance(msg, PassHeader):
+            x = stage.step(msg, x)
+        elif isinstance(msg, OpenFile):
+            stage.busy, stage.peak_cells, output = 0.0, stage.kv_cells, msg.output  # per-file figures
+        elif isinstance(msg, CloseFile):
+            stage.release(msg.release)
+            if last is None:
+                msg.busy.append(stage.busy)
+                msg.gpu_peak_mb += stage.gpu_peak_mb()
+                msg.precision.append(stage.precision())
+        if last is None:
+            link.send_next(msg, x)
+        else:
+            reply = last.handle(msg, x)
+            if reply is not None:
+                link.send_first(reply)
+        if isinstance(msg, Stop):
+            return output
+
+
+def allocate_ahead(link, hdr: PassHeader) -> None:
+    """Rank 0, before computing a pass that allocates its slot's cache: tell the other ranks, so that
+    they allocate theirs now (see :class:`~pipeline.runtime.messages.Allocate`). Not when the pass resizes
+    the prefix pool: a pool dropped to make room for this cache must go first (the pass does that)."""
+    if link is not None and hdr.alloc and hdr.keeps_cache and hdr.prefix_grow is None:
+        link.send_next(Allocate(hdr.slot, *hdr.alloc, release=list(hdr.release)))
+
+
+def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    """The decode rows; their index tensors built once on the host and copied without a sync."""
+    rows, starts = hdr.decode_layout, hdr.decode_start
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], 1, max(starts) + 1,
+                   all_rows=hdr.dense, host_rows=rows, host_start=starts, lens=[1] * len(rows),
+                   adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
+
+
+def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
+    """The new prompts; a prompt with cached tokens computes from there on, attending to them."""
+    rows, t = [p.row for p in hdr.prefill], hdr.prefill_len
+    starts, lens = [p.cached for p in hdr.prefill], [p.len - p.cached for p in hdr.prefill]
+    fresh = not any(starts)
+    index = to_device([rows, starts], device, torch.long)
+    return Segment(index[0], index[1], t,
+                   t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
+                   lens=lens, adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
+
+
+def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:
+    """[(r, 1, ...), (b, t, ...)] -> one (r + b*t, ...) tensor: hidden states, or token ids on the first stage."""
+    if not outs:
+        return None
+    return torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])
+
+
+def unpack(hdr: PassHeader, x: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Inverse of :func:`pack`: (decode (r, 1, ...), prefill (b, t, ...)), shapes from the header."""
+    if x is None:
+        return None, None
+    r = len(hdr.decode_layout)
+    b, t = len(hdr.prefill), hdr.prefill_len
+    x_dec = x[:r].reshape(r, 1, *x.shape[1:]) if r else None
+    x_pre = x[r:].reshape(b, t, *x.shape[1:]) if b else None
+    return x_dec, x_pre
