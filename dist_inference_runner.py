@@ -191,6 +191,10 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         from tasks.inflight import stop_all
 
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
+        if not serving:
+            from tasks.status import fail_active
+
+            fail_active(f"{name} received")
         if serving:
             from serve.source import STOPPING
 
@@ -238,7 +242,9 @@ def execute(plan, opts) -> int:
 
     from pipeline.runtime.first_rank import Job
     from pipeline.config.plan import output_for
+    from pipeline.runtime.monitor import start_metrics, start_status
     from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank
+    from tasks.status import fail_active
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
@@ -257,14 +263,20 @@ def execute(plan, opts) -> int:
                                 opts.dist_url, opts.cuda_id, opts.timeout)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
-    stage = load_stage(plan, opts, info)
-    LOAD.tick()
-    opts.budget = run_budget(opts, info, stage, plan)
+    status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
+    try:
+        start_metrics(opts, status)
+        stage = load_stage(plan, opts, info)
+        LOAD.tick()
+        opts.budget = run_budget(opts, info, stage, plan)
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     last_output = None  # the profile trace goes beside the run's last output
     clean = False
     try:
         if not info.is_first:
-            last_output = serve_rank(plan, opts, info, stage)
+            last_output = serve_rank(plan, opts, info, stage, status)
             clean = True
             return stopped_code() if opts.serve is not None else 0
         if opts.serve is not None:
@@ -275,8 +287,14 @@ def execute(plan, opts) -> int:
             return stopped_code()
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
-        reports = first_rank(plan, opts, info, stage).drive(jobs)
+        rank0 = first_rank(plan, opts, info, stage)
+        rank0.stats_every = opts.status_interval
+        if rank0.last is not None:
+            rank0.last.status = status
+        reports = rank0.drive(jobs)
         clean = True
+        if status is not None:
+            status.finish("finished")
         summarize(reports)
         if dummy:
             from tasks.dummy import print_latency
@@ -285,6 +303,9 @@ def execute(plan, opts) -> int:
             for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
                 Path(path).unlink(missing_ok=True)
         return 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     finally:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))

@@ -59,6 +59,8 @@ class FirstRank:
         self.stage, self.driver, self.link, self.last = stage, driver, link, last
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
+        self.stats_every = 0.0  # seconds between passes that collect the stages' figures (0: never)
+        self._stats_at = 0.0
 
     def drive(self, jobs: list[Job]) -> list[FileReport]:
         """Run every file; the last message tells every rank to stop."""
@@ -139,6 +141,9 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
+        if self.stats_every and time.monotonic() - self._stats_at >= self.stats_every:
+            self._stats_at = time.monotonic()
+            hdr.stats = []  # each stage appends its figures (pipeline.runtime.monitor reads them)
         if self.last is not None:  # P = 1: the lines it admits are recorded before they are computed
             self.last.record(hdr)
         self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None]), ahead))

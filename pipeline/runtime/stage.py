@@ -19,6 +19,7 @@ from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
 from pipeline.loading.upload import to_device
+from tasks.status import peak_memory_mb
 
 
 class Stage:
@@ -108,6 +109,8 @@ class Stage:
                 cache.fork(f.lead, f.rows, f.cols)
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
                    **({"ahead": True} if ahead else {}))
+        if hdr.stats is not None:  # this stage's figures for the status file and /metrics (every few seconds)
+            hdr.stats.append([round(self.busy, 4), self.kv_cells, peak_memory_mb(self.device)])
         return pack(outs)
 
     def prepare(self, msg: Allocate) -> None:
