@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
+    if opts.dry_run:  # the plan and an estimate; no process group, no weights, no outputs
+        from pipeline.config.estimate import dry_run
+
+        try:
+            return dry_run(opts, sys.argv[1:] if argv is None else argv)
+        except UsageError as e:
+            return usage_error(e, quiet=rank != 0)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()

@@ -62,6 +62,8 @@ class RunStatus:
         self.file_started = time.time()
         self.stages: list[dict] = []
         self.last_pass_at: float | None = None
+        self.running_since: float | None = None  # the first file's opening: loading is over
+        self.ended_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,6 +78,7 @@ class RunStatus:
     def open_file(self, input_path: str, output: str, total: int, resumed: int) -> None:
         with self.lock:
             self.state = "running"
+            self.running_since = self.running_since or time.time()
             entry = next((f for f in self.files if f["output"] == output), None)
             if entry is None:
                 entry = {"input": input_path, "output": output}
@@ -128,6 +131,7 @@ class RunStatus:
             if self.state.startswith("failed"):
                 return  # the first reason stays
             self.state = state
+            self.ended_at = time.time()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
@@ -167,6 +171,7 @@ class RunStatus:
                 "started_at": round(self.started_at, 3),
                 "elapsed_seconds": round(elapsed, 1),
                 "last_pass_at": round(self.last_pass_at, 3) if self.last_pass_at else None,
+                "compute_seconds": round((self.ended_at or now) - self.running_since, 1) if self.running_since else 0.0,
                 "pid": os.getpid(),
                 "run": self.record,
                 "files": [dict(f) for f in self.files],
