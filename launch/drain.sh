@@ -22,6 +22,8 @@
 #   TORCHRUN     launcher command for NPROC>1, split on spaces  [torchrun]
 #   PYTHON       interpreter for NPROC=1                     [python]
 #   REPO         checkout holding dist_inference_runner.py  [this script's parent folder]
+#   STATUS_EVERY seconds between status lines of the running shard (its <output>.status.json); 0 = only
+#                the line at its end  [60]
 # Any further arguments go to every run unchanged.
 set -euo pipefail
 
@@ -34,6 +36,7 @@ NPROC=${NPROC:-1}
 OUTPUT_DIR=${OUTPUT_DIR:-}
 KEEP_GOING=${KEEP_GOING:-1}
 PYTHON=${PYTHON:-python}
+STATUS_EVERY=${STATUS_EVERY:-60}
 read -r -a TORCHRUN_CMD <<< "${TORCHRUN:-torchrun}"
 
 if [[ ! -d $QUERY_DIR ]]; then
@@ -66,8 +69,17 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     else
         echo "drain: run $input -> $output" >&2
     fi
-    rc=0
+    rc=0 watcher=
+    status="$output.status.json"  # the runner's default status file (docs/usage/monitoring.md)
+    if ((STATUS_EVERY > 0)); then
+        REPO=$REPO PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" &
+        watcher=$!
+    fi
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
+    [[ -n $watcher ]] && { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; }
+    if ((! existed)) && [[ -f $status ]]; then
+        echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
+    fi
     if ((rc == 130 || rc == 143)); then
         echo "drain: $input interrupted (status $rc); rerun to resume" >&2
         exit "$rc"
