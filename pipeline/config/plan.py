@@ -2,7 +2,7 @@
 
 :func:`make_plan` is pure apart from reading ``config.json``, listing input files and looking at
 their outputs: it starts no process and loads no weights, so every mistake in the flags fails here,
-on every rank alike, with a message that says what to change (tests/test_plan.py). That includes
+on every rank alike, with a message that says what to change (tests/unit/pipeline/config/test_plan.py). That includes
 an output or journal written by another model or other settings (tasks/writer.py): a finished
 output counts as this run's, and is skipped, only when its record matches this run's fingerprint.
 """
