@@ -24,10 +24,17 @@ from pathlib import Path
 
 import orjson
 
+import torch
+
 from tasks.requests import RequestError, parse_line
 from tasks.status import read_status
 
+from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET
 from pipeline.config.options import RunOptions
+from pipeline.config.partition import gib
+from pipeline.config.plan import make_plan, output_for, resolve_dtype
+from pipeline.config.sizing import _kv_width, available_ram, model_costs
+from pipeline.loading.tokenizer import load_tokenizer
 
 PROMPT_WEIGHT = 0.1  # a prompt token's compute against a generated token's (prefill is batched: measured ~0.05-0.15 on CPU)
 RUNNER = Path(__file__).resolve().parents[2] / "dist_inference_runner.py"
@@ -53,8 +60,6 @@ def work(prompt_tokens: int, new_tokens: float) -> float:
 
 def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 16) -> FileCount:
     """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated)."""
-    from pipeline.scheduling.intake import chat_ids
-
     c = FileCount(path)
     with open(path, "rb") as f:
         for index, line in enumerate(x for x in f if x.strip()):
@@ -78,6 +83,13 @@ def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 
     return c
 
 
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """A chat request's prompt ids (as pipeline.scheduling.intake.chat_ids, errors aside: counted as bad)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
 def shared_blocks(ids: list[int], block: int, seen: set[bytes]) -> int:
     """Leading whole blocks of ``ids`` already in ``seen`` (chained digests, as the prefix cache keys them)."""
     h, hits, leading = hashlib.sha256(), 0, True
@@ -94,13 +106,6 @@ def shared_blocks(ids: list[int], block: int, seen: set[bytes]) -> int:
 
 def plan_lines(plan, opts: RunOptions) -> list[str]:
     """Layers, memory per stage, budget, micro-batches (no weights read)."""
-    import torch
-
-    from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET
-    from pipeline.config.partition import gib
-    from pipeline.config.plan import resolve_dtype
-    from pipeline.config.sizing import _kv_width, available_ram, model_costs
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, device, plan.model_dir)
     most = max(b - a for a, b in plan.ranges)
@@ -127,9 +132,6 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
 
 def dry_run(opts: RunOptions, argv: list[str]) -> int:
     """Print the plan and the estimate; exit code 0 (2 for a plan that cannot work)."""
-    from pipeline.config.plan import make_plan, output_for
-    from pipeline.loading.tokenizer import load_tokenizer
-
     env = dict(os.environ)
     if "WORLD_SIZE" not in env and opts.world_size is None:  # not launched: plan the pipeline the flags ask for
         world = (opts.pipeline_group_size or 1) * opts.data_group_size
@@ -160,11 +162,12 @@ def dry_run(opts: RunOptions, argv: list[str]) -> int:
 
 
 def previous_status(opts, plan, outputs: list[str]) -> dict | None:
-    """A finished status file of an earlier run of the same model and pipeline size, if one is beside the output."""
-    from pipeline.runtime.monitor import status_path
-
-    paths = [status_path(opts, plan.all_inputs)] if opts.status_file not in (None, "none") else [
-        o + ".status.json" for o in outputs]
+    """A finished status file of an earlier run of the same model and pipeline size: --status-file, else
+    the default one (pipeline.runtime.monitor.status_path) beside the output."""
+    if opts.status_file not in (None, "none"):
+        paths = [opts.status_file]
+    else:
+        paths = [outputs[0] + ".status.json" if len(outputs) == 1 else str(Path(outputs[0]).parent / "status.json")]
     for p in paths:
         s = read_status(p) if p else None
         if (s and s["state"] == "finished" and s["run"].get("model") == plan.fingerprint["model"]

@@ -11,8 +11,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import dataclasses
+
+from tasks.metrics import StatusCollector
+from tasks.shards import share_size
 from tasks.status import RunStatus, activate, count_lines
 
+from pipeline.config.options import RunOptions
 from pipeline.config.plan import output_for
 
 log = logging.getLogger("runner")
@@ -42,8 +47,6 @@ def start_status(plan, opts, info) -> RunStatus | None:
     path = status_path(opts, inputs, info.data_rank, info.data_size)
     if path is None:
         return None
-    from tasks.shards import share_size
-
     several = len(inputs) > 1
     files = []
     for i in inputs:
@@ -63,10 +66,6 @@ def start_status(plan, opts, info) -> RunStatus | None:
 
 def run_flags(opts) -> dict:
     """The options that differ from their defaults (the run record's ``flags``), keys hidden."""
-    import dataclasses
-
-    from pipeline.config.options import RunOptions
-
     defaults = RunOptions()
     out = {}
     for f in dataclasses.fields(RunOptions):
@@ -82,8 +81,6 @@ def start_metrics(opts, status: RunStatus | None) -> None:
     if opts.metrics_port is None or status is None:
         return
     from prometheus_client import CollectorRegistry, start_http_server
-
-    from tasks.metrics import StatusCollector
 
     registry = CollectorRegistry()
     registry.register(StatusCollector(status))

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_serve import KEY, NAME, Server, httpx
+from tests.integration.test_serve import KEY, NAME, Server, httpx
 from tests.utils import RUNNER, _env, free_port, write_jsonl
 
 pytestmark = pytest.mark.multiprocess
