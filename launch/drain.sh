@@ -72,7 +72,7 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     rc=0 watcher=
     status="$output.status.json"  # the runner's default status file (docs/usage/monitoring.md)
     if ((STATUS_EVERY > 0)); then
-        REPO=$REPO PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" "$$" </dev/null &
+        PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" "$$" </dev/null &
         watcher=$!
     fi
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
