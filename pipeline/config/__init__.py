@@ -1,5 +1,6 @@
 """Start-up configuration: the options dataclass (argparse and YAML come from it), the plan, the
-partition of layers into stages, stage memory (--stage-memory) and the KV budget (--budget auto).
+partition of layers into stages, stage memory (--stage-memory), the KV budget (--budget auto) and
+--dry-run's plan and time estimate (estimate).
 The plan resolves options once; components below it get what they need, not RunOptions.
 
 May import: pipeline.models (specs, sizes), pipeline.loading (config/tokenizer reads), tasks (request
