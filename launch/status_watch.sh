@@ -26,10 +26,15 @@ show() {  # one status line; returns the reader's code (0 finished, 1 failed/sta
     echo "status: $line" >&2
     return $rc
 }
+alive() {  # the run's process exists and is not a zombie (its parent may reap it only after our pipes close)
+    local state
+    state=$(ps -o stat= -p "$pid" 2>/dev/null) || return 1
+    [[ $state != Z* ]]
+}
 waited=0
 while true; do
     sleep 1  # short naps: the watcher ends within a second of its run
-    if [[ -n $pid ]] && ! kill -0 "$pid" 2>/dev/null; then
+    if [[ -n $pid ]] && ! alive; then
         exit 0
     fi
     waited=$((waited + 1))
