@@ -143,8 +143,8 @@ class HubServer:
         res = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
         repo_id = (api or res).group(1) if (api or res) else None
         with self.lock:
-            self.requests.append((who, "API" if api else h.command, path if api else res.group(3) if res else path,
-                                  h.headers.get("Range")))
+            method = "API" if api else h.command if res else "OTHER"  # OTHER: calls no test counts
+            self.requests.append((who, method, res.group(3) if res else path, h.headers.get("Range")))
         repo = self.repos.get(repo_id)
         if repo is None:
             return self._error(h, 401, "RepoNotFound", head)

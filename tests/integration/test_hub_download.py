@@ -13,7 +13,7 @@ import pytest
 
 from tests.hub_helpers import COMMIT, OLD_COMMIT, HubServer, sharded_llama
 from tests.utils import REPO as ROOT
-from tests.utils import RUNNER, _env, _kill_group, free_port, read_jsonl, run_torchrun, strip_volatile, write_jsonl
+from tests.utils import RUNNER, _env, _kill_group, free_port, read_jsonl, run_single, run_torchrun, strip_volatile, write_jsonl
 
 REPO = "acme/tiny-llama"
 SHARDS = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
@@ -66,7 +66,7 @@ def test_two_ranks_on_one_node_fetch_each_file_once(hub, folder_results, tmp_pat
     assert {line["result"]["model"] for line in lines} == {f"{REPO}@{COMMIT}"}
     assert results(tmp_path / "output_req.jsonl") == folder_results
     # another revision is another run: its output is not taken for finished work
-    r = run_torchrun(["--model-name", f"{REPO}@v1", "--infer-data", data], 2, timeout=300, env=env)
+    r = run_single(["--model-name", f"{REPO}@v1", "--infer-data", data], timeout=300, env=env)
     assert r.returncode == 2 and "written by another run" in r.stderr and OLD_COMMIT in r.stderr, r.stderr[-2000:]
 
 
