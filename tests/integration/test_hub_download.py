@@ -19,6 +19,7 @@ REPO = "acme/tiny-llama"
 SHARDS = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
 PROMPTS = [{"prompt": p, "max_tokens": 4, "temperature": 0, "logprobs": 2}
            for p in ("The capital of France is", "One, two, three,", "Hello")]
+PROMPTS.append({"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2, "model": "sup"})  # the adapter
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,18 @@ def model(tmp_path_factory):
     return sharded_llama(tmp_path_factory.mktemp("hub-int") / "tiny")
 
 
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory):
+    from tests.test_lora import make_adapter
+
+    return Path(make_adapter(str(model), tmp_path_factory.mktemp("hub-lora") / "sup", ["q_proj", "v_proj"], seed=3))
+
+
 @pytest.fixture
-def hub(model, tmp_path_factory):
+def hub(model, adapter, tmp_path_factory):
     other = sharded_llama(tmp_path_factory.mktemp("hub-int-v1") / "tiny", seed=1)
     repos = {REPO: {"commits": {COMMIT: model, OLD_COMMIT: other}, "refs": {"main": COMMIT, "v1": OLD_COMMIT}},
+             "acme/sup-lora": {"commits": {COMMIT: adapter}, "refs": {"main": COMMIT}},
              "acme/gated": {"commits": {COMMIT: model}, "refs": {"main": COMMIT}, "gated": True}}
     with HubServer(repos) as server:
         yield server
@@ -45,11 +54,12 @@ def results(path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def folder_results(model, tmp_path_factory):
-    """The same model given as a folder, P = 2: what every hub run must equal."""
+def folder_results(model, adapter, tmp_path_factory):
+    """The same model and adapter given as folders, P = 2: what every hub run must equal."""
     work = tmp_path_factory.mktemp("hub-folder")
     data = write_jsonl(work / "req.jsonl", PROMPTS)
-    r = run_torchrun(["--model-name", str(model), "--infer-data", data, "--budget", "256"], 2, timeout=600)
+    r = run_torchrun(["--model-name", str(model), "--lora", f"sup={adapter}", "--infer-data", data, "--budget", "256"],
+                     2, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return results(work / "output_req.jsonl")
 
@@ -57,16 +67,18 @@ def folder_results(model, tmp_path_factory):
 def test_two_ranks_on_one_node_fetch_each_file_once(hub, folder_results, tmp_path):
     data = write_jsonl(tmp_path / "req.jsonl", PROMPTS)
     env = {"HF_ENDPOINT": hub.endpoint(), "HF_HUB_CACHE": str(tmp_path / "cache")}
-    r = run_torchrun(["--model-name", REPO, "--infer-data", data, "--budget", "256"], 2, timeout=600, env=env)
+    r = run_torchrun(["--model-name", REPO, "--lora", "sup=acme/sup-lora", "--infer-data", data, "--budget", "256"], 2,
+                     timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     gets = hub.gets()
     assert sorted(gets) == sorted(set(gets)), f"a file was downloaded twice: {gets}"
-    assert set(SHARDS) <= set(gets)
+    assert set(SHARDS) | {"adapter_model.safetensors"} <= set(gets)
     lines = read_jsonl(tmp_path / "output_req.jsonl")
-    assert {line["result"]["model"] for line in lines} == {f"{REPO}@{COMMIT}"}
+    assert [line["result"]["model"] for line in lines] == [f"{REPO}@{COMMIT}"] * 3 + ["sup"]
     assert results(tmp_path / "output_req.jsonl") == folder_results
     # another revision is another run: its output is not taken for finished work
-    r = run_single(["--model-name", f"{REPO}@v1", "--infer-data", data], timeout=300, env=env)
+    r = run_single(["--model-name", f"{REPO}@v1", "--lora", "sup=acme/sup-lora", "--infer-data", data], timeout=300,
+                   env=env)
     assert r.returncode == 2 and "written by another run" in r.stderr and OLD_COMMIT in r.stderr, r.stderr[-2000:]
 
 
@@ -80,7 +92,8 @@ def test_each_rank_fetches_only_its_own_shards(hub, folder_results, tmp_path):
         for rank in (0, 1):
             env = _env({"HF_ENDPOINT": hub.endpoint(f"r{rank}"), "HF_HUB_CACHE": str(tmp_path / f"node{rank}")})
             procs.append(subprocess.Popen(
-                [sys.executable, str(RUNNER), "--model-name", REPO, "--infer-data", data, "--budget", "256",
+                [sys.executable, str(RUNNER), "--model-name", REPO, "--lora", "sup=acme/sup-lora", "--infer-data", data,
+                 "--budget", "256",
                  "--rank", str(rank), "--world-size", "2", "--pipeline-group-size", "2", "--dist-url", url],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True))
         outs = [p.communicate(timeout=600) for p in procs]

@@ -11,6 +11,7 @@ import pytest
 from huggingface_hub import constants
 
 import dist_inference_runner
+from pipeline.config.options import UsageError
 from pipeline.loading.hub import (ModelUnavailable, looks_like_repo_id, missing_weights, resolve_model, split_ref,
                                   weight_files)
 from tests.hub_helpers import COMMIT, OLD_COMMIT, build_cache, sharded_llama
@@ -39,7 +40,9 @@ def cache(model, tmp_path_factory):
 def mode(request, monkeypatch):
     """online: a hub that refuses connections (a closed port on 127.0.0.1); offline: HF_HUB_OFFLINE=1."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", request.param == "offline")
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the hub cannot be reached
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     return request.param
 
 
@@ -122,3 +125,22 @@ def _requests(tmp_path):
     path = tmp_path / "req.jsonl"
     path.write_text('{"prompt": "hello", "max_tokens": 2}\n')
     return path
+
+
+def test_lora_adapter_by_id_from_the_cache(cache, model, monkeypatch, tmp_path):
+    """--lora NAME=org/adapter resolves as the model does (offline: the cache); the run record keeps its commit."""
+    from pipeline.config.options import parse_options
+    from pipeline.config.plan import make_plan
+    from tests.test_lora import make_adapter
+
+    make_adapter(str(model), tmp_path / "sup", ["q_proj", "v_proj"], seed=3)
+    build_cache(cache, "acme/sup-lora", tmp_path / "sup", OLD_COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    opts = parse_options(["--model-name", REPO, "--lora", "sup=acme/sup-lora@main", "--cache-dir", str(cache),
+                          "--infer-data", str(_requests(tmp_path))])
+    plan = make_plan(opts, env={})
+    assert plan.adapters[0].path == cache / "models--acme--sup-lora" / "snapshots" / OLD_COMMIT
+    assert plan.fingerprint["lora"] == {"sup": f"hub:acme/sup-lora@{OLD_COMMIT}"}
+    opts.lora = ["sup=acme/no-such-lora"]
+    with pytest.raises(UsageError, match="--lora acme/no-such-lora.*hf download"):
+        make_plan(opts, env={})
