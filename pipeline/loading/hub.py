@@ -140,10 +140,11 @@ def weight_files(source: ModelSource, depth: int | None = None) -> list[str]:
             return [single]
     if (source.folder / "pytorch_embs.pt").is_file():  # the pre-split layout of a local folder
         return []
+    offline = source.repo_id is not None and source.files is None
+    fix = f"; offline, only the cache was searched: {_fix(source.repo_id, source.commit, source.cache_dir)}" \
+        if offline else ""
     raise ModelUnavailable(f"{source.repo_id or source.folder}: no weights found (expected model.safetensors, a "
-                           "sharded model.safetensors.index.json, pytorch_model.bin or its index)"
-                           + (f"; offline, only the cache was searched: {_fix(source.repo_id, source.revision, source.cache_dir)}"
-                              if source.repo_id and source.files is None else ""))
+                           f"sharded model.safetensors.index.json, pytorch_model.bin or its index){fix}")
 
 
 def missing_weights(source: ModelSource, depth: int | None = None) -> None:

@@ -139,3 +139,35 @@ def test_hub_refusals_exit_2(hub, tmp_path, ref, named):
     r = subprocess.run([sys.executable, str(RUNNER), "--model-name", ref, "--infer-data", data],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and named in r.stderr, r.stderr[-2000:]
+
+
+def test_serve_takes_a_hub_id(hub, folder_results, tmp_path):
+    """Serve mode: the id is the served name (/v1/models), a request naming it runs the base model, and
+    its answer is the folder run's."""
+    import json
+    import urllib.request
+
+    from tests.utils import wait_healthy
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = _env({"HF_ENDPOINT": hub.endpoint(), "HF_HUB_CACHE": str(tmp_path / "cache")})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", REPO, "--serve", str(port),
+                                 "--lora", "sup=acme/sup-lora", "--serve-dir", str(tmp_path / "s"), "--budget", "256"],
+                                stdout=out, stderr=out, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url + "/health", log, 300)
+        with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [REPO, "sup"]
+        body = dict(PROMPTS[0], model=REPO)
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        assert answer["model"] == REPO
+        assert answer["choices"][0]["text"] == folder_results[0]["result"]["choices"][0]["text"]
+        assert f"at commit {COMMIT}" in log.read_text()  # the served name is the id; the log says which commit
+    finally:
+        _kill_group(proc)
