@@ -29,7 +29,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter(model, tmp_path_factory):
-    from tests.test_lora import make_adapter
+    from tests.unit.pipeline.models.test_lora import make_adapter
 
     return Path(make_adapter(str(model), tmp_path_factory.mktemp("hub-lora") / "sup", ["q_proj", "v_proj"], seed=3))
 

@@ -131,7 +131,7 @@ def test_lora_adapter_by_id_from_the_cache(cache, model, monkeypatch, tmp_path):
     """--lora NAME=org/adapter resolves as the model does (offline: the cache); the run record keeps its commit."""
     from pipeline.config.options import parse_options
     from pipeline.config.plan import make_plan
-    from tests.test_lora import make_adapter
+    from tests.unit.pipeline.models.test_lora import make_adapter
 
     make_adapter(str(model), tmp_path / "sup", ["q_proj", "v_proj"], seed=3)
     build_cache(cache, "acme/sup-lora", tmp_path / "sup", OLD_COMMIT)
