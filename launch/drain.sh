@@ -77,7 +77,10 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
         watcher=$!
     fi
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
-    [[ -n $watcher ]] && { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; }
+    if [[ -n $watcher ]]; then  # (killed before its trap is set, it ends with 143: not this shard's status)
+        kill "$watcher" 2>/dev/null || true
+        wait "$watcher" 2>/dev/null || true
+    fi
     if ((! existed)) && [[ -f $status ]]; then
         echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
     fi
