@@ -71,6 +71,8 @@ class LastRank:
             if not meta.live:
                 self.file.prompt_tokens += len(meta.prompt_ids)
         dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
+        if hdr.failed is not None:
+            return self._failed(hdr, dropped, t0)
         h_dec, h_pre = unpack(hdr, h)
         h_live, decode_rows = None, hdr.decode_rows
         if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
@@ -84,6 +86,22 @@ class LastRank:
                                            if g and not g.meta.live and not p.resumed)
         with torch.inference_mode():
             feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
+        return self._reply(hdr, feed, finished, dropped, t0)
+
+    def _failed(self, hdr: PassHeader, dropped: list[int], t0: float) -> Reply:
+        """A pass no stage computed to the end: nothing is sampled (rank 0 computes its groups again
+        one at a time, pipeline.runtime.retry); when it was such a retry, its group is the culprit and
+        its request is answered with an error."""
+        finished = []
+        if hdr.retry:
+            rows = [*hdr.decode_rows, *(r for p in hdr.prefill for r in self.head.rows_of(p.gid))]
+            finished = self.head.fail_rows(hdr.slot, [r for r in dict.fromkeys(rows) if r not in dropped],
+                                           hdr.failed)
+        reply = self._reply(hdr, {}, finished, dropped, t0)
+        reply.failed = hdr.failed
+        return reply
+
+    def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
         written = 0
         for index, line in self.head.take_results():
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)

@@ -52,7 +52,9 @@ def load_stage(plan, opts, info):
         from pipeline.runtime.trace import Trace
 
         trace = Trace(info.rank)
-    return Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage = Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage.index = info.stage
+    return stage
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
