@@ -21,6 +21,7 @@ from tasks.shards import index_of
 from tasks.writer import input_id
 
 from pipeline.scheduling.driver import Driver, read_lines
+from pipeline.runtime.last_rank import LastRank
 from pipeline.runtime.link import Link
 from pipeline.runtime.retry import Retry
 from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
@@ -141,8 +142,11 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
-        if self.last is not None:  # P = 1: the lines it admits are recorded before they are computed
-            self.last.record(hdr)
+        admitting = LastRank.admitting(hdr)  # the lines it admits are recorded before any stage computes them
+        if self.last is not None:
+            self.last.record(admitting)
+        elif admitting is not None:
+            self.link.send_next_now(admitting)
         self.retry.sending(hdr, dec, pre)
         self._compute(hdr, dec, pre, ahead)
 

@@ -17,7 +17,7 @@ from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
 
 from pipeline.output.head import Head
-from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from pipeline.runtime.messages import Admitting, CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from pipeline.runtime.stage import Stage, unpack
 
 
@@ -34,6 +34,8 @@ class LastRank:
             self.file.put(index, line, error=True)
         if isinstance(msg, PassHeader):
             return self._pass(msg, x)
+        if isinstance(msg, Admitting):
+            return self.record(msg)
         if isinstance(msg, OpenFile):
             return self._open(msg)
         if isinstance(msg, CloseFile):
@@ -52,20 +54,24 @@ class LastRank:
             self.file = None
             return Opened(None, error=str(e))
 
-    def record(self, hdr: PassHeader) -> None:
-        """Note the file's lines this pass admits before they are computed (tasks.inflight); with
-        P = 1 rank 0 calls this before its forward, else it runs when the pass arrives here."""
-        if self.file is None or self.file.inflight is None or not hdr.admit:
-            return
+    @staticmethod
+    def admitting(hdr: PassHeader) -> Admitting | None:
+        """The open file's lines ``hdr`` admits (None: none), to record before anything computes them."""
         batch = [m for m in hdr.admit if not m.live]
-        alone = sorted({m.req for m in batch if m.alone})
-        self.file.inflight.admitted(sorted({m.req for m in batch if not m.alone}), alone)
-        LINE.admit([m.req for m in batch])
+        if not batch:
+            return None
+        return Admitting(sorted({m.req for m in batch if not m.alone}), sorted({m.req for m in batch if m.alone}))
+
+    def record(self, msg: Admitting | None) -> None:
+        """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
+        0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
+        if msg is None or self.file is None or self.file.inflight is None:
+            return
+        self.file.inflight.admitted(msg.lines, msg.alone)
+        LINE.admit(msg.lines + msg.alone)
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()
-        if not self.info.is_first:
-            self.record(hdr)
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
             if not meta.live:

@@ -17,7 +17,7 @@ import torch
 
 from comm.faults import FORWARD
 
-from pipeline.runtime.messages import Allocate, CloseFile, OpenFile, PassHeader, Stop
+from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Stop
 from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
@@ -204,6 +204,12 @@ def serve(link, stage: Stage, last=None) -> str | None:
     output = None
     while True:
         msg, x = link.recv_prev()
+        if isinstance(msg, Admitting):  # on at once: the last rank records the lines before they are computed
+            if last is None:
+                link.send_next_now(msg)
+            else:
+                last.record(msg)
+            continue
         if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
             if last is None:
                 link.send_next(msg)

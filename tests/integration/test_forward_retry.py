@@ -120,3 +120,29 @@ def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tm
         assert s.proc.poll() is None
     finally:
         s.kill()
+
+
+@pytest.mark.parametrize("stages,rank", [(3, 1), (2, 0)])
+def test_a_line_killing_an_earlier_stage_in_its_first_pass_is_recorded(clean, tmp_path, stages, rank):
+    """A process death (a segfault) while an earlier stage computes a line's first pass: rank 0 tells the
+    last rank which lines a pass admits before any stage computes it (messages.Admitting), so the rerun
+    runs the lines in flight alone and the next one answers the culprit with an error: no crash loop."""
+    src, ref = clean
+    out = tmp_path / "out.jsonl"
+    args = ["--model-name", str(DEFAULT_MODEL), "--infer-data", str(src), "--output-path", str(out),
+            "--no-progress", "--batch-invariant", "--max-micro-batch-size", "4"]
+    fault = {"DIST_INFER_FAULT": "forward-kill", "DIST_INFER_FAULT_LINE": str(CULPRIT),
+             "DIST_INFER_FAULT_RANK": str(rank)}
+    for attempt in range(2):
+        p = run_torchrun(args, stages, env=fault, timeout=900)
+        assert p.returncode != 0 and not out.exists(), p.stderr[-2000:]
+        record = (tmp_path / "out.jsonl.partial.inflight").read_text()
+        assert str(CULPRIT) in record, record  # recorded although the last stage never saw its pass
+    assert "run again one at a time" in p.stderr
+    p = run_torchrun(args, stages, env=fault, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = read_jsonl(out)
+    assert [i for i, x in enumerate(got) if "error" in x] == [CULPRIT]
+    assert "when the process ended" in got[CULPRIT]["error"]["message"]
+    keep = [i for i in range(len(ref)) if i != CULPRIT]
+    assert_identical_results([got[i] for i in keep], [ref[i] for i in keep])
