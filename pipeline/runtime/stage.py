@@ -180,6 +180,7 @@ class Stage:
         for sid in slots:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
+            self.poisoned.discard(sid)  # rank 0 releases a slot only once all its passes are answered
             # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
         if self.prefix is not None and slots:
             self.prefix.forget(slots)
