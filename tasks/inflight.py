@@ -149,6 +149,11 @@ def crashed_runs(path: Path, written: int) -> int:
     return n
 
 
+def recording() -> bool:
+    """This process keeps a record (the last stage, a file open)."""
+    return bool(_OPEN)
+
+
 def stop_all() -> None:
     """A signal stops this process: every open record says so (called from the signal thread)."""
     for rec in list(_OPEN):
