@@ -18,13 +18,15 @@ from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, ch
 
 from pipeline.output.head_state import GroupState, RequestState, RowState
 from pipeline.runtime.messages import Admission, Prefill
+from pipeline.sampling.grammar import GrammarError, Grammars, allowed_mask
 from pipeline.sampling.sampler import stream_key, uniform
 from pipeline.sampling.scoring import PromptScorer
 from pipeline.sampling.step import draw, head_logits
 
 
 class Head:
-    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int):
+    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int,
+                 grammars: Grammars | None = None):
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
@@ -36,12 +38,27 @@ class Head:
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
         self.format_seconds = 0.0  # detokenizing and formatting results
+        self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
+        self.constrained_rows = 0  # rows sampled under a grammar's mask
+        self.mask_seconds = 0.0  # computing those masks
+        self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
         self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
         """A new file: its counters from zero."""
         self.generated_tokens, self.format_seconds = 0, 0.0
+        self.constrained_rows, self.mask_seconds = 0, 0.0
+        self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
+
+    def structured_figures(self) -> dict:
+        """This file's structured-output figures for its summary ({} when no row was constrained)."""
+        if not self.constrained_rows or self.grammars is None:
+            return {}
+        return {"constrained_rows": self.constrained_rows,
+                "grammars_compiled": self.grammars.compiled - self.compile_base[1],
+                "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
+                "mask_seconds": round(self.mask_seconds, 4)}
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -68,6 +85,14 @@ class Head:
                 rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
             except Exception as e:
                 self._failed(req, "reading its prompt", e)
+            if p.structured is not None:
+                try:
+                    if self.grammars is None:
+                        raise GrammarError("no grammar compiler on this rank")
+                    rows[r].matcher = self.grammars.matcher(p.structured)
+                    self.constrained_rows += 1
+                except Exception as e:
+                    self._failed(req, "compiling its output constraint", e)
 
     def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
         """A request whose computation raised is answered with an error (its rows finish at their
@@ -151,9 +176,16 @@ class Head:
         device work (pipeline.sampling.step) raises before any row changes; a row whose own bookkeeping
         raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
         ps = [self.groups[states[r].gid].params for r in rows]
+        allowed = None
+        matchers = [states[r].matcher for r in rows]
+        if any(m is not None for m in matchers):  # structured outputs: the grammars' next-token masks
+            t0 = time.perf_counter()
+            allowed = allowed_mask(matchers, self.eos_ids, self.grammars.tok.vocab_size, logits.shape[-1],
+                                   logits.device)
+            self.mask_seconds += time.perf_counter() - t0
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
-                  for r, p in zip(rows, ps)])
+                  for r, p in zip(rows, ps)], allowed)
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
             try:
@@ -174,6 +206,8 @@ class Head:
             cand.finish_reason = "stop"
             finished.append(r)
             return
+        if st.matcher is not None and not st.matcher.consume_token(tok):  # the mask allowed it: never expected
+            raise GrammarError(f"the grammar refused token {tok}: {st.matcher.get_error()[:200]}")
         cand.ids.append(tok)
         cand.logprobs.append(tok_lp)
         if cand.top is not None:
@@ -190,6 +224,10 @@ class Head:
                 return
             if st.sent >= 0:
                 self._stream(st, p)
+        if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
+            cand.finish_reason = "stop"
+            finished.append(r)
+            return
         if len(cand.ids) >= p.max_tokens:
             cand.finish_reason = "length"
             finished.append(r)
