@@ -20,7 +20,7 @@ from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
 class Draw:
     """What a step chose, on the host: one entry per row."""
     chosen: list[int]
-    chosen_lp: list[float]  # logprob of the chosen token (see pipeline.sampling.sampler)
+    chosen_lp: list[float]  # logprob of the chosen token in the raw distribution (see pipeline.sampling.sampler)
     top_i: list[list[int]] | None = None  # the top-k ids per row, when any row asked for logprobs
     top_v: list[list[float]] | None = None
 
@@ -45,9 +45,9 @@ def draw(logits: torch.Tensor, ps: list[Params], counts: list[dict[int, int]], u
     Raises before returning anything, so a caller may retry rows one by one.
     """
     vocab = logits.shape[-1]
+    raw = logits  # reported logprobs: the model's own distribution, before any mask or penalty
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    raw = logits
     if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
         logits = apply_penalties(logits.clone(), list(range(len(ps))), counts,
                                  [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
