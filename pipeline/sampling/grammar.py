@@ -28,6 +28,7 @@ import llguidance.torch
 
 # compact JSON: a model (above all a random one) would otherwise fill the output with whitespace
 JSON_DEFAULTS = {"whitespace_flexible": False}
+MAX_CACHED = 2048  # distinct compiled grammars a process keeps
 
 
 class GrammarError(ValueError):
@@ -93,6 +94,8 @@ class Grammars:
                 self.compile_seconds += time.perf_counter() - t0
                 self.compiled += 1
                 self._ready[key] = got
+                if len(self._ready) > MAX_CACHED:  # a long-lived server: the oldest grammar goes (rows keep copies)
+                    del self._ready[next(iter(self._ready))]
         if isinstance(got, GrammarError):
             raise got
         return got

@@ -7,10 +7,12 @@ lines are answered. The default model is close to random: valid outputs come fro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.structured_cases import LABEL, check, request_lines
+from tests.test_lora import make_adapter
 from tests.utils import read_jsonl, run_single, run_torchrun
 
 PREAMBLE = "You are a careful assistant. You answer in exactly the format you are asked for, nothing else. "
@@ -79,3 +81,26 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     s = summary["structured"]
     assert s["constrained_rows"] == rows and s["grammars_compiled"] >= 9 and s["mask_seconds"] > 0
+
+
+def test_constrained_rows_with_lora_adapters(make_llama, tmp_path):
+    """Constrained rows of a LoRA adapter and of the base model in one file (P = 1): the mask applies
+    to each row's own logits, whatever adapter computed them."""
+    model = make_llama(num_hidden_layers=2)
+    adapter = make_adapter(model, tmp_path / "a1", ["q_proj", "v_proj"], seed=1)
+    cases = [({**body, "temperature": 0, **({"model": "a1"} if i % 2 else {})}, kind)
+             for i, (body, kind) in enumerate(request_lines(free=1, max_tokens=48))]
+    data = tmp_path / "lora.jsonl"
+    data.write_text("".join(json.dumps(body) + "\n" for body, _ in cases))
+    p = run_single(["--model-name", model, "--lora", f"a1={adapter}", "--infer-data", str(data), "--output-path",
+                    str(tmp_path / "out.jsonl"), "--no-progress", "--num-threads", "1"], timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = read_jsonl(tmp_path / "out.jsonl")
+    stopped = 0
+    for i, ((body, kind), line) in enumerate(zip(cases, out)):
+        assert line["result"]["model"] == ("a1" if i % 2 else Path(model).name)
+        c = line["result"]["choices"][0]
+        if kind is not None and c["finish_reason"] == "stop":
+            check(kind, c["text"])
+            stopped += 1
+    assert stopped >= 3
