@@ -7,6 +7,9 @@ file with no constraint, in one run of this script, one runner process (or torch
 
 Prints generated tokens/s of both files (from each run's summary), their ratio (target >= 0.9x),
 the grammars' compile time and the last rank's mask time. Greedy, so both runs are deterministic.
+The mixed file runs first; the free file then gives each request the ``max_tokens`` its mixed twin
+generated (a constrained row often ends early: without this the free file would decode longer,
+fuller micro-batches and the ratio would measure row lengths, not the constraints' cost).
 """
 
 from __future__ import annotations
@@ -36,18 +39,27 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def files(out: Path, n: int, max_tokens: int) -> tuple[Path, Path]:
-    """(mixed, free): the same prompts; in ``mixed`` every other request carries a constraint."""
+def mixed_file(out: Path, n: int, max_tokens: int) -> Path:
+    """The requests; every other one carries a constraint (cycling through the test cases)."""
     kinds = cases()
-    mixed, free = [], []
+    lines = []
     for i in range(n):
         body = {"prompt": f"Request {i}: answer in the format asked.", "max_tokens": max_tokens, "temperature": 0}
-        free.append(body)
-        mixed.append({**body, **kinds[(i // 2) % len(kinds)][0]} if i % 2 else body)
-    paths = out / "mixed.jsonl", out / "free.jsonl"
-    for path, lines in zip(paths, (mixed, free)):
-        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return paths
+        lines.append({**body, **kinds[(i // 2) % len(kinds)][0]} if i % 2 else body)
+    path = out / "mixed.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def free_file(out: Path, mixed: Path, answers: Path) -> Path:
+    """The same requests with no constraint, each generating as many tokens as its mixed twin did."""
+    path = out / "free.jsonl"
+    with open(mixed) as src, open(answers) as got, open(path, "w") as dst:
+        for line, answer in zip(src, got):
+            body = {k: v for k, v in json.loads(line).items() if k not in ("response_format", "structured_outputs")}
+            body["max_tokens"] = max(1, json.loads(answer)["result"]["usage"]["completion_tokens"])
+            dst.write(json.dumps(body) + "\n")
+    return path
 
 
 def run(data: Path, out: Path, model: str | None, nproc: int) -> dict:
@@ -73,9 +85,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mixed, free = files(Path(tmp), a.requests, a.max_tokens)
-        s_free = run(free, Path(tmp) / "out-free.jsonl", a.model, a.nproc)
+        mixed = mixed_file(Path(tmp), a.requests, a.max_tokens)
         s_mixed = run(mixed, Path(tmp) / "out-mixed.jsonl", a.model, a.nproc)
+        free = free_file(Path(tmp), mixed, Path(tmp) / "out-mixed.jsonl")
+        s_free = run(free, Path(tmp) / "out-free.jsonl", a.model, a.nproc)
     st = s_mixed.get("structured", {})
     ratio = s_mixed["completion_tokens_per_second"] / s_free["completion_tokens_per_second"]
     figures = {"cpu": cpu_name(), "requests": a.requests, "nproc": a.nproc, "max_tokens": a.max_tokens,

@@ -2,6 +2,6 @@
 micro-batch with per-row parameters (sampler, step), echo scoring (scoring) and structured outputs'
 token masks (grammar).
 
-May import torch, tasks.requests (Params), pipeline.loading.upload and pipeline.models.kernels.
-Never output, runtime (except types) or serve.
+May import torch, pipeline.loading.upload and pipeline.models.kernels. Never tasks, output, runtime,
+scheduling or serve.
 """

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import orjson
 import torch
 
@@ -114,20 +115,21 @@ def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
     """(R, vocab) bool: the tokens each row's matcher allows next (a row whose matcher is None: every
     token). Ids the tokenizer does not know (``tok_vocab`` and beyond) are never allowed in a
     constrained row; the end of the output (any of ``eos_ids``) is allowed exactly where the grammar
-    may end."""
+    may end. On the host in numpy (a handful of small torch ops cost more than the masks themselves),
+    one copy to the device."""
     words = (tok_vocab + 31) // 32
-    bm = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    bm = np.zeros((len(matchers), words), dtype=np.int32)  # bit j of word w: token 32w + j
     for i, m in enumerate(matchers):
         if m is not None:
-            llguidance.torch.fill_next_token_bitmask(m, bm, i)
-    bits = (bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word w: token 32w + j
-    allowed = torch.zeros(len(matchers), max(vocab, words * 32), dtype=torch.bool)
-    allowed[:, : words * 32] = bits.reshape(len(matchers), words * 32).bool()
-    allowed = allowed[:, :vocab]
-    eos = sorted(t for t in eos_ids if t < vocab)
+            m.unsafe_compute_mask_ptr(bm[i].ctypes.data, words * 4)
+    bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (R, words * 32), little-endian words
+    allowed = np.zeros((len(matchers), vocab), dtype=bool)
+    n = min(vocab, words * 32)
+    allowed[:, :n] = bits[:, :n]
+    eos = [t for t in sorted(eos_ids) if t < vocab]
     for i, m in enumerate(matchers):
         if m is None:
             allowed[i] = True
         elif eos:
             allowed[i, eos] = m.is_accepting()
-    return allowed.to(device)
+    return torch.from_numpy(allowed).to(device)

@@ -7,14 +7,9 @@ or its hidden states), and the blocks a prompt saves keep its scores for the nex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pipeline.sampling.sampler import logprob_info
-
-if TYPE_CHECKING:  # only a type here: sampling never imports the runtime
-    from pipeline.runtime.messages import Prefill
 
 ECHO_CHUNK = 256  # prompt positions per head call when scoring
 
@@ -23,10 +18,11 @@ class PromptScorer:
     def __init__(self, model):
         self.model = model  # its .head(h (rows, hidden)) -> (rows, V) float32 logits
 
-    def score(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None, pool=None) -> dict:
+    def score(self, h: torch.Tensor, ids: list[int], k: int, item=None, pool=None) -> dict:
         """Logprob of every prompt token given the ones before it (the first is None) and the top ``k``.
 
-        ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on). The
+        ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on; ``item``:
+        the prompt's pipeline.runtime.messages.Prefill, None when nothing was cached). The
         cached positions' scores come from the pool when an earlier echo request left them there
         (the head then runs only over each cached block's last position, whose next token is not the
         block's), else from the pool's hidden states; the blocks this prompt saves keep its scores."""
@@ -50,7 +46,7 @@ class PromptScorer:
             out.append(logprob_info(chunk, torch.tensor(following[a : a + ECHO_CHUNK], device=chunk.device), k))
         return tuple(torch.cat([o[j] for o in out]) if k or j == 0 else None for j in range(3))
 
-    def _cached_scores(self, ids: list[int], k: int, item: Prefill, pool):
+    def _cached_scores(self, ids: list[int], k: int, item, pool):
         """Scores of the first ``item.cached`` positions, which the pool holds."""
         cached, bs = item.cached, pool.block_size
         stored = pool.scores(item.load, cached, k)

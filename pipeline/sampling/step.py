@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.requests import Params
 from pipeline.loading.upload import to_device
 from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
 
@@ -35,9 +34,10 @@ def head_logits(model, hiddens: list[torch.Tensor], targets: list[list[int]]) ->
     return logits
 
 
-def draw(logits: torch.Tensor, ps: list[Params], counts: list[dict[int, int]], uniforms: list[float],
+def draw(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], uniforms: list[float],
          allowed: torch.Tensor | None = None) -> Draw:
-    """Choose one token per row of ``logits`` (R, V) with each row's parameters ``ps``.
+    """Choose one token per row of ``logits`` (R, V) with each row's parameters ``ps`` (tasks.requests'
+    Params: temperature, top_p, top_k, logprobs, penalties, logit_bias).
 
     counts: each row's generated-token counts (presence/frequency penalties); uniforms: each row's
     random number for this step (ignored where temperature is 0); allowed: an optional (R, V) bool

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.structured_cases import LABEL, check, request_lines
-from tests.test_lora import make_adapter
+from tests.unit.pipeline.models.test_lora import make_adapter
 from tests.utils import read_jsonl, run_single, run_torchrun
 
 PREAMBLE = "You are a careful assistant. You answer in exactly the format you are asked for, nothing else. "

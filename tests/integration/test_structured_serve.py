@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from pipeline.loading.default_model import default_model_dir
 from tests.structured_cases import LABEL, check, request_lines
-from tests.test_serve import NAME, Server, batch_bodies, wait_batch
+from tests.integration.test_serve import NAME, Server, batch_bodies, wait_batch
 
 
 class Pet(BaseModel):
