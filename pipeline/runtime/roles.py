@@ -34,6 +34,8 @@ from pipeline.runtime.first_rank import FirstRank
 from pipeline.scheduling.scheduler import Scheduler
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
+from pipeline.sampling.grammar import Grammars
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
 
@@ -185,12 +187,14 @@ def make_link(info, stage):
     return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
-def last_rank(plan, opts, info, stage, tokenizer=None):
-    """The last stage's handler: the head, and the fingerprint its journals are checked against."""
+def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
+    """The last stage's handler: the head, and the fingerprint its journals are checked against.
+    ``grammars``: rank 0's compiled structured-output grammars when it is also the last rank (P = 1)."""
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
+    grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars)
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 
@@ -211,9 +215,11 @@ def first_rank(plan, opts, info, stage):
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
                              plan.source.repo_id if plan.source else None,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
+    grammars = Grammars(tokenizer, plan.spec.vocab_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size, models, chunk)
-    last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
+                    info.data_rank, info.data_size, models, chunk, GrammarIntake(grammars, opts.grammar_timeout))
+    # P = 1: one tokenizer, and the grammars rank 0 compiled
+    last = last_rank(plan, opts, info, stage, tokenizer, grammars) if info.is_last else None
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
 
