@@ -133,3 +133,26 @@ def cat_fp8(parts: list[tuple[torch.Tensor, torch.Tensor]], out_rows: list[int],
             raise ValueError(f"fused projections whose rows are not whole blocks of {block[0]}")
         scales = [s for _, s in parts]
     return torch.cat([w for w, _ in parts]), torch.cat(scales)
+
+
+@torch.inference_mode()
+def choose_kernels(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """On CUDA, ``scaled_mm`` for every :class:`FP8Linear` where it runs and agrees with
+    ``dequantize`` on a probe (within fp8's rounding), else ``dequantize``; {"INxOUT": kernel}."""
+    chosen = {}
+    for m in model.modules():
+        if not isinstance(m, FP8Linear):
+            continue
+        key = f"{m.in_features}x{m.out_features}"
+        if m.weight.is_cuda and chosen.get(key, "scaled_mm") == "scaled_mm":
+            try:
+                x = torch.randn(32, m.in_features, device=m.weight.device, dtype=dtype)
+                m.set_kernel("dequantize")
+                ref = m(x).float()
+                m.set_kernel("scaled_mm")
+                if not torch.allclose(m(x).float(), ref, rtol=0.1, atol=0.1 * float(ref.abs().max())):
+                    raise RuntimeError("torch._scaled_mm disagrees with dequantize")
+            except (RuntimeError, NotImplementedError):
+                m.set_kernel("dequantize")
+        chosen[key] = m.kernel
+    return chosen
