@@ -131,3 +131,83 @@ def awq(model_dir, out, ref, group: int = 32) -> tuple[str, str]:
     qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
           "modules_to_not_convert": None}
     return _finish(model_dir, Path(out), Path(ref), packed, ref_sd, qc)
+
+
+def compressed_tensors(model_dir, out, ref, preset: str = "W4A16", acts: dict | None = None,
+                       **weights) -> tuple[str, str, dict]:
+    """A compressed-tensors checkpoint quantized and packed by the library itself (``preset``: one of
+    its scheme presets, ``weights`` / ``acts``: overrides of its weight / activation args, e.g.
+    group_size=32), and the
+    reference holding the library's own ``decompress``-ed weights. Returns (out, ref, config)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model_dir = Path(model_dir)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    packed, ref_sd = dict(sd), dict(sd)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weights:
+        scheme.weights = scheme.weights.model_copy(update=weights)
+    if acts:
+        scheme.input_activations = scheme.input_activations.model_copy(update=acts)
+    args = scheme.weights
+    fmt = "float-quantized" if args.type == "float" else "pack-quantized"
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    for base in _linears(sd):
+        w = sd[base + ".weight"].float()
+        lo, hi = _ranges(w, args)
+        scale, zp = calculate_qparams(lo, hi, args)
+        state = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
+        done = compressor.compress(state, scheme)
+        ref_sd[base + ".weight"] = compressor.decompress(done, scheme)["weight"].to(w.dtype)
+        del packed[base + ".weight"]
+        if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+            done["input_scale"] = torch.tensor([0.02])  # a static activation scale, as calibration stores it
+        packed.update({f"{base}.{k}": v for k, v in done.items()})
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=["lm_head"]).model_dump(mode="json")
+    out, ref = _finish(model_dir, Path(out), Path(ref), packed, ref_sd, qc)
+    return out, ref, qc
+
+
+def _ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """min / max of ``w`` (out, in) per the scheme's strategy, shaped as compressed-tensors' observers give them."""
+    if args.strategy == "group":
+        v = w.unflatten(1, (-1, args.group_size))
+        return v.amin(-1), v.amax(-1)
+    if args.strategy == "channel":
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == "block":
+        br, bc = args.block_structure
+        v = w.unflatten(0, (-1, br)).unflatten(2, (-1, bc))  # (R, br, C, bc)
+        return v.amin((1, 3)), v.amax((1, 3))
+    return w.amin().reshape(1), w.amax().reshape(1)
+
+
+def act_quant_hooks(model, qc: dict, input_scale: float = 0.02) -> None:
+    """forward pre-hooks on ``model``'s decoder linears that fake-quantize their inputs as the
+    checkpoint's input_activations say, with compressed-tensors' own ``fake_quantize``."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    a = QuantizationArgs(**qc["config_groups"]["group_0"]["input_activations"])
+
+    def hook(_module, inputs):
+        x = inputs[0]
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if not a.dynamic:
+            scale, zp = torch.tensor([input_scale]), torch.zeros(1)
+        elif a.strategy == "token":
+            scale, zp = calculate_qparams(flat.amin(1, keepdim=True), flat.amax(1, keepdim=True), a)
+        elif a.strategy == "group":
+            v = flat.unflatten(1, (-1, a.group_size))
+            scale, zp = calculate_qparams(v.amin(-1), v.amax(-1), a)
+        else:
+            scale, zp = calculate_qparams(flat.amin().reshape(1), flat.amax().reshape(1), a)
+        return (fake_quantize(flat, scale, zp, a).to(x.dtype).reshape(x.shape),)
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in PROJ:
+            m.register_forward_pre_hook(hook)

@@ -31,6 +31,8 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.strategy, self.block = in_features, out_features, strategy, block
         self.act, self.act_group = act, act_group
+        if act == "group" and (act_group <= 0 or in_features % act_group):
+            raise ValueError(f"activation groups of {act_group} columns do not divide the {in_features} inputs")
         # per-tensor scales are kept per row: fused projections (q, k, v) each bring their own
         shape = (-(-out_features // block[0]), -(-in_features // block[1])) if strategy == "block" else (out_features, 1)
         self.strategy = "block" if strategy == "block" else "channel"
