@@ -24,10 +24,15 @@ def _linears(sd: dict) -> list[str]:
     return [k.removesuffix(".weight") for k in sd if k.endswith(".weight") and k.split(".")[-2] in PROJ]
 
 
+def _load_all(model_dir: Path) -> dict:
+    """Every tensor of the folder's safetensors files (one file or shards)."""
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 def _copy_folder(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
             shutil.copy2(f, dst / f.name)
 
 
@@ -81,7 +86,7 @@ def gptq(model_dir, out, ref, bits: int = 4, group: int = 32, sym: bool = True, 
          v2: bool = False, seed: int = 0) -> tuple[str, str]:
     """A GPTQ checkpoint (AutoGPTQ layout; ``v2``: zeros stored as is) and its dequantized reference."""
     model_dir = Path(model_dir)
-    sd = load_file(str(model_dir / "model.safetensors"))
+    sd = _load_all(model_dir)
     packed, ref_sd = dict(sd), dict(sd)
     gen = torch.Generator().manual_seed(seed)
     perm_of: dict[int, torch.Tensor] = {}
@@ -115,7 +120,7 @@ def _pack_cols_in(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def awq(model_dir, out, ref, group: int = 32) -> tuple[str, str]:
     """An AWQ GEMM checkpoint (AutoAWQ layout, 4 bits, zero points) and its dequantized reference."""
     model_dir = Path(model_dir)
-    sd = load_file(str(model_dir / "model.safetensors"))
+    sd = _load_all(model_dir)
     packed, ref_sd = dict(sd), dict(sd)
     order = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k holds column order[k] of its eight
     for base in _linears(sd):
@@ -144,7 +149,7 @@ def compressed_tensors(model_dir, out, ref, preset: str = "W4A16", acts: dict | 
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model_dir = Path(model_dir)
-    sd = load_file(str(model_dir / "model.safetensors"))
+    sd = _load_all(model_dir)
     packed, ref_sd = dict(sd), dict(sd)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if weights:
