@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
+from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
+from pipeline.models.backends import BACKENDS  # what each means
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "int8")
-BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 # --prefill-chunk auto with several stages. A GPU computes a few hundred tokens in about a decode
 # step's time (both read the weights once), so chunks of 512 even out its passes; on the CPU a pass's
 # time grows with its tokens from the first: 64 tokens cost about a 32-row decode step (docs/design/chunked-prefill.md)
@@ -77,6 +78,7 @@ class RunOptions:
     quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
     kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see docs/usage/quantization.md).", choices=("auto", "int8"))
     cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
+    no_memory_check: bool = _opt(False, "Skip the check before loading that the stages on this node fit its memory (weights in the run's dtype, the --budget KV cache, the process itself; on GPUs each device's free memory). Use it when the estimate is wrong for your machine.")
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see docs/design/determinism.md).")
     trust_remote_code: bool = _opt(False, "Allow tokenizers that need custom code from the model folder.")
     # distributed launch (torchrun sets these through the environment)
@@ -279,7 +281,6 @@ def check_options(opts: RunOptions) -> list[str]:
 
 
 def _layout_problems(opts: RunOptions) -> list[str]:
-    from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 
     problems = []
     given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]

@@ -11,11 +11,15 @@ import os
 
 import torch
 
-from pipeline.config.budget import CPU_BUDGET
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.loading.quantized import checkpoint_format, quantize_projections, quantized_bytes
 from pipeline.models.families import DecoderSpec, family_for
 from pipeline.config.partition import gib, memory_sizes, parse_stage_memory
+from pipeline.models.hf_stage import HFStageModel, hf_config
+from pipeline.models.decoder import StageModel
+from pipeline.models.kernels.int8 import quantize_linears
+
+CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
 
 
 def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
@@ -28,6 +32,16 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
     (--quantize int8): the projections' weights at one byte each plus a float32 scale per row; a
     pre-quantized checkpoint (pipeline.loading.quantized): its projections at their packed sizes;
     ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
+    weights, kv, first, last = model_parts(config, spec, model_type, backend, dtype, budget, adapter_layers, int8,
+                                           kv_int8)
+    return [w + k for w, k in zip(weights, kv)], first, last
+
+
+def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
+                adapter_layers: list[int] | None = None, int8: bool = False,
+                kv_int8: bool = False) -> tuple[list[int], list[int], int, int]:
+    """(weights and adapters per layer, KV cache per layer, embedding-side, head-side bytes): the parts
+    of :func:`model_costs`, apart for the memory check (:mod:`pipeline.config.fit`)."""
     size = torch.empty((), dtype=dtype).element_size()
     layers = [0] * spec.num_layers
     first = last = 0
@@ -43,15 +57,13 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
     if kv_int8:  # the plan allows it only for native families (a DecoderSpec)
         kv = budget * int8_layer_bytes(spec)
     extra = adapter_layers or [0] * spec.num_layers
-    return [w + kv + a for w, a in zip(layers, extra)], first, last
+    return [w + a for w, a in zip(layers, extra)], [kv] * spec.num_layers, first, last
 
 
 def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: bool = False):
     """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
-        from pipeline.models.decoder import StageModel
-        from pipeline.models.kernels.int8 import quantize_linears
 
         fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
         with torch.device("meta"):
@@ -68,7 +80,6 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
             bias = model.get_submodule(name).bias  # counted above, in the run's dtype
             yield name + ".packed", 0, "layer", nbytes - (0 if bias is None else bias.numel() * bias.element_size())
         return
-    from pipeline.models.hf_stage import HFStageModel, hf_config
 
     model = HFStageModel(hf_config(config, model_type), 0, spec.num_layers, True, True)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import quant_checkpoints as qk
-from tests.test_lora import make_adapter
+from tests.unit.pipeline.models.test_lora import make_adapter
 from tests.utils import RUNNER, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
 TOL = 1e-4
