@@ -348,6 +348,25 @@ class Head:
                 self.requests.pop((True, req), None)
         return rows
 
+    def rows_of(self, gid: int) -> list[int]:
+        """The slot rows of group ``gid`` (none once it finished)."""
+        g = self.groups.get(gid)
+        return list(g.rows) if g is not None else []
+
+    def fail_rows(self, slot: int, rows: list[int], cause: str) -> list[int]:
+        """A stage's forward raised (``cause``) computing ``rows`` alone (pipeline.runtime.retry): their
+        requests are answered with an error, the rows finish; returns those that did."""
+        rows = [r for r in rows if r in self.slots.get(slot, {})]
+        for r in rows:
+            req = self._request_of(self.slots[slot][r].gid)
+            if req is not None and req.error is None:
+                req.error = {"message": f"a stage's forward raised while computing this request alone ({cause}); "
+                                        "the other requests of its micro-batch were answered",
+                             "type": "server_error", "param": None}
+        for r in rows:
+            self._finish_row(slot, r)
+        return rows
+
     def _format(self, key: tuple[bool, int], req: RequestState) -> None:
         live, index = key
         t0 = time.perf_counter()

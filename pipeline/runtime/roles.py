@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from pipeline.config.options import UsageError
+from pipeline.loading.hub import ModelUnavailable
 from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
@@ -47,10 +48,11 @@ def load_stage(plan, opts, info):
     first, last = plan.layers
     t0 = time.perf_counter()
     try:
-        model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
+        # plan.source: a hub snapshot fetches this stage's shards as they are opened
+        model, store = build_stage(plan.source or plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
                                    opts.model_type, opts.batch_invariant, opts.backend,
                                    None if opts.quantize == "none" else opts.quantize)
-    except (CheckpointError, UnsupportedModel) as e:
+    except (CheckpointError, UnsupportedModel, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
@@ -72,7 +74,9 @@ def load_stage(plan, opts, info):
     if opts.profiling:
 
         trace = Trace(info.rank)
-    return Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage = Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage.index = info.stage
+    return stage
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
@@ -202,7 +206,7 @@ def last_rank(plan, opts, info, stage, tokenizer=None):
     """The last stage's handler: the head, and the fingerprint its journals are checked against."""
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    name = (opts.served_model_name if opts.serve else None) or plan.model_name
+    name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
@@ -222,6 +226,7 @@ def first_rank(plan, opts, info, stage):
     if plan.adapters:
 
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
+                             plan.source.repo_id if plan.source else None,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size, models, chunk)
