@@ -21,6 +21,7 @@ from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
+from pipeline.models.kernels import fp8, weight_only
 from pipeline.config.budget import resolve_budget
 from pipeline.models.families import DecoderSpec
 from pipeline.config.options import AUTO_PREFILL_CHUNK
@@ -61,6 +62,8 @@ def load_stage(plan, opts, info):
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
+    elif plan.fingerprint.get("checkpoint_format"):
+        choose_packed_kernels(model, dtype, opts, info.stage, plan.fingerprint["checkpoint_format"])
     if info.device.type == "cpu":
         pack_cpu_linears(model, dtype, opts, info)
     if plan.adapters:
@@ -92,6 +95,20 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
              opts.max_micro_batch_size,
              "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
                        for shape, c in chosen.items()), fused)
+
+
+def choose_packed_kernels(model, dtype, opts, stage: int, fmt: str) -> None:
+    """A pre-quantized checkpoint (pipeline.loading.quantized): time the int4 / int8 kernels on this
+    stage's shapes and keep the fastest per shape (FP8: torch._scaled_mm on CUDA where it runs); the
+    choice is logged and goes into the run summary (``model.quantized``)."""
+    t0 = time.perf_counter()
+    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    kernels = {shape: c["kernel"] for shape, c in chosen.items()} | fp8.choose_kernels(model, dtype)
+    model.quantized = {"weights": fmt, "compute_dtype": str(dtype).removeprefix("torch."), "kernels": kernels}
+    log.info("stage %d: %s kernels chosen in %.1fs (rows %d and 256; best ms per kernel): %s", stage, fmt,
+             time.perf_counter() - t0, opts.max_micro_batch_size,
+             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                       for shape, c in chosen.items()) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:
