@@ -95,6 +95,7 @@ class RunOptions:
     num_threads: int = _opt(0, "CPU threads per process; 0 = the machine's cores divided among local processes.")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
@@ -213,6 +214,8 @@ def _type_ok(annotation: str, value) -> bool:
         return (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
     if annotation.startswith("int"):
         return isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation.startswith("list"):
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return isinstance(value, str)
@@ -221,7 +224,7 @@ def _type_ok(annotation: str, value) -> bool:
 def _type_word(annotation: str) -> str:
     if annotation == "int | str":
         return "an integer or auto"
-    return {"bool": "true or false", "list": "a list of paths"}.get(
+    return {"bool": "true or false", "list": "a list of paths", "float": "a number"}.get(
         annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
 
 
@@ -246,6 +249,8 @@ def check_options(opts: RunOptions) -> list[str]:
     problems = []
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if not opts.grammar_timeout > 0:
+        problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
     if opts.prefix_block_size < 1:
         problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
     if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):

@@ -20,6 +20,7 @@ from comm.dist import resolve_layout
 from tasks.writer import input_id, journal_path, output_problem
 
 from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
+from pipeline.loading.quantized import checkpoint_format
 from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
@@ -94,6 +95,24 @@ def _check_kv_cache_dtype(opts: RunOptions, spec, device: torch.device) -> None:
                          f"dimension divisible by 4 (this model's is {spec.head_dim}): drop --kv-cache-dtype")
 
 
+def _check_checkpoint_format(opts: RunOptions, config: dict, spec):
+    """A pre-quantized checkpoint's format (None: float), refused where it cannot run exactly."""
+    fmt = checkpoint_format(config)  # UnsupportedQuantization (a ValueError) names what is not understood
+    if fmt is None:
+        return None
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"a {fmt.name} checkpoint needs a native family; {spec.family} runs on transformers' own "
+                         "layers (--backend auto/transformers), which this runner does not load packed weights into")
+    if spec.moe is not None:
+        raise UsageError(f"a {fmt.name} checkpoint of a mixture-of-experts model: quantized experts are not supported")
+    if opts.quantize != "none":
+        raise UsageError(f"--quantize {opts.quantize} on a checkpoint that is already quantized ({fmt.name}): "
+                         "drop --quantize")
+    if opts.batch_invariant:
+        raise UsageError(f"--batch-invariant has no fixed-shape kernels for {fmt.name} weights: drop --batch-invariant")
+    return fmt
+
+
 def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: int | None = None) -> RunPlan:
     """The plan of this process (``env``: torchrun's variables; default ``os.environ``)."""
     env = os.environ if env is None else env
@@ -113,6 +132,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         if opts.quantize != "none" and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers), which are not quantized: drop --quantize")
+        fmt = _check_checkpoint_format(opts, config, spec)
         all_inputs = resolve_inputs(opts, env)
         check_outputs_distinct(all_inputs, opts.output_path)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +150,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
     if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
         fingerprint["quantize"] = opts.quantize
+    if fmt is not None:
+        fingerprint["checkpoint_format"] = fmt.name
     if opts.kv_cache_dtype != "auto":
         fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
@@ -146,6 +168,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
     name = source.name if opts.model_name else _default_model_name()
     precision = [opts.quantize] if opts.quantize != "none" else []
+    if fmt is not None:  # a pre-quantized checkpoint: its format (gptq-int4, awq-int4, ct-fp8, ...)
+        precision.insert(0, fmt.name)
     if opts.kv_cache_dtype != "auto":
         precision.append(f"kv-{opts.kv_cache_dtype}")
     if precision:  # every result's "model" says what is quantized
