@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
+    if opts.chat and opts.url:  # a client of a running server: nothing to load here
+        from serve.interactive import run_chat_client
+
+        return run_chat_client(opts)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()
@@ -242,7 +246,8 @@ def execute(plan, opts) -> int:
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
-    if plan.stage == 0 and not inputs and opts.serve is None:
+    talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
+    if plan.stage == 0 and not inputs and opts.serve is None and not talking:
         from tasks.dummy import write_dummy_requests
 
         dummy = write_dummy_requests(opts)
@@ -267,6 +272,12 @@ def execute(plan, opts) -> int:
             last_output = serve_rank(plan, opts, info, stage)
             clean = True
             return stopped_code() if opts.serve is not None else 0
+        if talking:
+            from serve.interactive import run_interactive
+
+            code = run_interactive(plan, opts, info, stage, first_rank)
+            clean = True
+            return code
         if opts.serve is not None:
             from serve.run import run_server
 
