@@ -1,7 +1,8 @@
 """The chat shell's terminal: line editing (the stdlib's GNU readline: history, arrow keys) and Ctrl-C
 as a key rather than a signal.
 
-On a terminal the shell turns off ISIG for its lifetime, so Ctrl-C reaches no process as SIGINT:
+On a terminal the shell turns off the interrupt character (VINTR) for its lifetime, so Ctrl-C reaches no
+process as SIGINT:
 under torchrun the workers run in their own session and the terminal's SIGINT would go to torchrun,
 which stops every rank. At the prompt readline reads Ctrl-C as a key bound to "clear the line";
 while an answer streams, the terminal is in cbreak mode and the shell polls for the Ctrl-C byte,
@@ -36,7 +37,9 @@ class Terminal:
     def __enter__(self) -> "Terminal":
         if self.tty:
             attrs = termios.tcgetattr(self.fd)
-            attrs[3] &= ~termios.ISIG  # lflag: Ctrl-C, Ctrl-\ and Ctrl-Z are keys, not signals
+            # Ctrl-C is a key, not a signal: no interrupt character (readline turns ISIG back on while it
+            # reads a line, but it cannot make a character the terminal no longer has into a signal)
+            attrs[6][termios.VINTR] = b"\x00" if isinstance(attrs[6][termios.VINTR], bytes) else 0
             termios.tcsetattr(self.fd, termios.TCSANOW, attrs)
         return self
 
