@@ -27,6 +27,7 @@ from serve.guard import Guard
 from serve.intake import Caps, Tokenizing, check_caps, rows_of
 from serve.source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
 from serve.sse import DONE, ChunkMaker, event
+from serve.web_page import add_page_route
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def create_app(state: ServeState) -> FastAPI:
     from serve.files_routes import add_batch_routes
 
     add_batch_routes(app, state)
+    add_page_route(app)  # the chat page at / (serve/static/index.html)
     return app
 
 
