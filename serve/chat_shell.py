@@ -52,6 +52,8 @@ class Conversation:
     def formatted(self, user: str, user_fmt: str, assistant_fmt: str) -> str:
         """A base model's prompt: the system prompt, every turn formatted, the new turn, the answer's start."""
         text = self.system or ""
+        if text and not text.endswith("\n"):
+            text += "\n"
         for u, a in self.turns:
             text += user_fmt.replace("{}", u) + assistant_fmt.replace("{}", a)
         return text + user_fmt.replace("{}", user) + assistant_fmt.split("{}", 1)[0]
