@@ -19,8 +19,12 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get i
 pytest.importorskip("websocket", reason="websocket-client drives chromium (requirements-test.txt)")
 
 KEY = "page-test-key"
-PATH_QUESTION = ("Passage: The kitchen is north of the hallway.\\nThe garden is west of the kitchen.\\n"
-                 "Question: How do you go from the hallway to the garden?\\nAnswer:")
+PATH_QUESTION = ("The kitchen is north of the hallway.\\nThe garden is west of the kitchen.\\n"
+                 "Question: How do you go from the hallway to the garden?")
+# the default model is a base model: its path questions as the shell's --user-msg-fmt would write them
+PLAIN = ("const f = document.getElementById('format'); f.value = 'plain'; f.dispatchEvent(new Event('change'));"
+         " document.getElementById('user_fmt').value = 'Passage: {}\\\\nAnswer:';"
+         " document.getElementById('assistant_fmt').value = '{}\\\\n\\\\n'; true")
 SHOT = os.environ.get("CHAT_PAGE_SCREENSHOT")  # set: the screenshot for the docs goes there
 
 
@@ -81,12 +85,14 @@ def test_page_streams_an_answer(server, browser):
     browser.js("document.getElementById('max_tokens').value = '6'; document.getElementById('stop').value = '\\\\n';"
                " true")
     browser.js("document.getElementById('reset').click(); true")
+    browser.js(PLAIN)
     send(browser, PATH_QUESTION)
     browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
     assert answers(browser)[0] == " north west"
     browser.js("document.getElementById('show').click(); true")
     shown = browser.js("document.getElementById('prompt').textContent")
-    assert '"content": "Passage: The kitchen' in shown and '"stream": true' in shown
+    assert shown.startswith("POST /v1/completions, the exact prompt:\nPassage: The kitchen is north"), shown
+    assert shown.endswith("the garden?\nAnswer:"), shown
     if SHOT:
         browser.screenshot(SHOT)
     png = Path(browser.profile) / "shot.png"
@@ -100,6 +106,7 @@ def test_page_with_api_key(server, browser):
     browser.wait("document.body.innerText.includes('missing or wrong API key')")
     browser.js("document.getElementById('temperature').value = '0'; document.getElementById('max_tokens').value = '6';"
                " document.getElementById('stop').value = '\\\\n'; true")
+    browser.js(PLAIN)
     send(browser, PATH_QUESTION)
     browser.wait("document.querySelectorAll('.error').length >= 2")  # refused without the key
     assert answers(browser) == []
