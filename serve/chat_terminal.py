@@ -71,6 +71,7 @@ class Streaming:
 
     def __enter__(self) -> "Streaming":
         if self.term.tty:
+            self.saved = termios.tcgetattr(self.term.fd)
             attrs = termios.tcgetattr(self.term.fd)
             attrs[3] &= ~(termios.ICANON | termios.ECHO | termios.ISIG)
             attrs[6][termios.VMIN], attrs[6][termios.VTIME] = 0, 0
@@ -78,10 +79,8 @@ class Streaming:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.term.tty:
-            attrs = termios.tcgetattr(self.term.fd)
-            attrs[3] |= termios.ICANON | termios.ECHO
-            termios.tcsetattr(self.term.fd, termios.TCSANOW, attrs)
+        if self.term.tty:  # the settings before the answer, exactly (VMIN/VTIME included)
+            termios.tcsetattr(self.term.fd, termios.TCSANOW, self.saved)
 
     def interrupted(self) -> bool:
         """Ctrl-C pressed since the answer began (other keys typed meanwhile are dropped)."""
