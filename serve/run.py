@@ -41,7 +41,7 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     fr = first_rank(plan, opts, info, stage)
     fr.driver.sched.headroom = True
     source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root, store_limits(opts))
-    name = opts.served_model_name or plan.model_name
+    name = opts.served_model_name or plan.served_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
     engine.fingerprint = plan.fingerprint
     driver = fr.driver

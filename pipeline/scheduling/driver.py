@@ -20,6 +20,7 @@ from tasks.requests import Request, RequestError, parse_line
 from pipeline.output.results import output_line
 from tasks.shards import share_of
 
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
@@ -44,7 +45,7 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: ModelNames | None = None, prefill_chunk: int = 0):
+                 models: ModelNames | None = None, prefill_chunk: int = 0, grammars: GrammarIntake | None = None):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.chunk = prefill_chunk  # prompt tokens a pass computes per chunkable prompt (0: whole prompts)
         self.sched, self.truncate = scheduler, truncate_prompts
@@ -58,6 +59,7 @@ class Driver:
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
         self.row_adapters: dict[int, list[int]] = {}  # slot -> adapter of each row
+        self.grammars = grammars  # structured outputs: each constraint compiled (bounded) before admission
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
@@ -182,6 +184,10 @@ class Driver:
         if bad:
             raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
                                "logit_bias")
+        if p.structured is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs are not available here", "structured_outputs")
+            self.grammars.check(p.structured)
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
