@@ -36,6 +36,7 @@ from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
+from serve.interactive import run_chat_client, run_interactive  # noqa: E402
 from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
+    if opts.chat and opts.url:  # a client of a running server: nothing to load here
+        return run_chat_client(opts)
     if opts.dry_run:  # the plan and an estimate; no process group, no weights, no outputs
         try:
             return dry_run(opts, sys.argv[1:] if argv is None else argv)
@@ -256,7 +259,8 @@ def execute(plan, opts) -> int:
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
-    if plan.stage == 0 and not inputs and opts.serve is None:
+    talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
+    if plan.stage == 0 and not inputs and opts.serve is None and not talking:
 
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
@@ -285,6 +289,10 @@ def execute(plan, opts) -> int:
             last_output = serve_rank(plan, opts, info, stage, status)
             clean = True
             return stopped_code() if opts.serve is not None else 0
+        if talking:
+            code = run_interactive(plan, opts, info, stage, first_rank)
+            clean = True
+            return code
         if opts.serve is not None:
 
             run_server(plan, opts, info, stage, first_rank)

@@ -31,6 +31,7 @@ from serve.sse import DONE, ChunkMaker, event
 from serve.files_routes import add_batch_routes
 from serve.protocol import protocol_class
 from serve.responses import error, ok, read_json
+from serve.web_page import add_page_route
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def create_app(state: ServeState) -> FastAPI:
 
 
     add_batch_routes(app, state)
+    add_page_route(app)  # the chat page at / (serve/static/index.html)
     return app
 
 

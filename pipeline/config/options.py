@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.interactive_options import interactive_problems
 from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
 from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
@@ -108,6 +109,21 @@ class RunOptions:
     batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
     input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
     generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    # talking to the model (serve/prompts.py, serve/chat_shell.py; docs/usage/chat.md)
+    prompts: list[str] = _opt(None, "Generate for these prompts (one quoted text each) with the sampling flags below, print each with its completion and a latency report, then exit.", nargs="+", metavar="TEXT")
+    prompts_file: str | None = _opt(None, "Like --prompts, one prompt per line of this text file (blank lines skipped; \\n in a line is a newline).")
+    chat: bool = _opt(False, "An interactive chat shell on the loaded pipeline (rank 0 reads the terminal), or with --url on a running --serve server; /help lists its commands.")
+    url: str | None = _opt(None, "--chat: the address of a running server (http://HOST:PORT), instead of loading a model; --api-key (or $DIST_INFER_API_KEY) is its key.")
+    max_tokens: int = _opt(128, "--prompts and --chat: most tokens generated per answer.")
+    temperature: float = _opt(1.0, "--prompts and --chat: sampling temperature (0: greedy).", type=float)
+    top_p: float = _opt(1.0, "--prompts and --chat: nucleus sampling, in (0, 1].", type=float)
+    top_k: int = _opt(0, "--prompts and --chat: sample among the k likeliest tokens (0: all).")
+    presence_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's presence penalty, in [-2, 2].", type=float)
+    frequency_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's frequency penalty, in [-2, 2] (the runner has no multiplicative repetition penalty).", type=float)
+    stop: list[str] = _opt(None, "--prompts and --chat: a stop string (repeat for up to 4); \\n is a newline.", action="append", metavar="TEXT")
+    system_prompt: str | None = _opt(None, "--chat: the system message the conversation starts with (/system changes it).")
+    user_msg_fmt: str | None = _opt(None, "--chat on a model without a chat template (or to bypass it): each user turn as this text with {} for the message, e.g. 'Question: {}\\nAnswer:'; the prompt is the system prompt followed by the turns.")
+    assistant_msg_fmt: str | None = _opt(None, "--chat with --user-msg-fmt: each answer as this text with {} for it (default '{}\\n'); the text before {} starts the answer being generated.")
     # serve mode
     serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
     served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
@@ -298,6 +314,7 @@ def check_options(opts: RunOptions) -> list[str]:
                         "cache: drop --kv-cache-dtype or use --backend auto")
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
+    problems += interactive_problems(opts)
     return problems
 
 
