@@ -315,6 +315,21 @@ class Driver:
     def padding_ratio(self) -> float:
         return self.sched.padding_ratio
 
+    @property
+    def queued(self) -> int:
+        """Groups waiting for rows (status and metrics read these; nothing here changes them)."""
+        return self.sched.queued
+
+    @property
+    def running_rows(self) -> int:
+        """Rows holding a group, over every micro-batch."""
+        return self.sched.running_rows
+
+    @property
+    def cells_in_use(self) -> int:
+        """KV cells allocated: micro-batches and the prefix pool (what --budget bounds)."""
+        return self.sched.cells_in_use
+
 
 class ModelNames:
     """A request's "model" -> (adapter index, adapter name): the base model's names (or none) select

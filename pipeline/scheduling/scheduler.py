@@ -24,6 +24,7 @@ from collections import deque
 from pipeline.scheduling.assembly import assemble
 from pipeline.scheduling.batches import Group, Outcome, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
 from pipeline.scheduling.policy import PREFILL_TOKENS, FilePolicy, SchedulerConfig, ServePolicy  # noqa: F401
+from pipeline.scheduling.prefix_rules import blocks_coming, prompt_work, scoring_share, uneven_prefill, waits_for_block
 
 
 class Scheduler:
@@ -152,86 +153,24 @@ class Scheduler:
         """KV cells the group's rows take: its columns (and the spare one) per row."""
         return (g.need + self.spare) * g.width
 
-    def _coming(self) -> set[bytes]:
-        """Digests of the blocks that prompts computed chunk by chunk have not completed yet (the block
-        holding the next token to compute, and every later one)."""
-        if self.prefix is None or not self.chunk:
-            return set()
-        bs, out = self.prefix.block_size, set()
-        for s in self.slots:
-            for row, done in s.prefilling.items():
-                g = self.groups.get(s.row_group[row])
-                if g is not None:
-                    out.update(g.digests[done // bs :])
-        return out
-
-    def _waits(self, g: Group, chosen: list[Group], coming: set[bytes]) -> bool:
-        """``g``'s first block that is not resident will be computed by a group chosen for this pass or by
-        a prompt being computed chunk by chunk (``coming``, :meth:`_coming`): ``g`` waits and then loads
-        it (and, by the chain, the rest of that shared prefix) instead of computing it beside them."""
-        if self.prefix is None or (i := self.prefix.hits(g.digests)) == len(g.digests):
-            return False  # no cache, or every block resident (or none: a prompt shorter than a block)
-        d = g.digests[i]
-        return d in coming or any(i < len(c.digests) and c.digests[i] == d for c in chosen)
-
-    def _work(self, g: Group) -> int:
-        """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
-        if self.prefix is None:
-            return g.prompt_len
-        hits = self.prefix.hits(g.digests) * self.prefix.block_size
-        return g.prompt_len - min(hits, g.prompt_len - 1)
-
-    def _share(self, window: list[Group]) -> int | None:
-        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
-        new slot may compute: half an even share of the window's scoring work (a prompt counts only
-        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
-        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
-        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
-        if not self.policy.even_tail(self):
-            return None
-        total, seen = 0, set()
-        bs = self.prefix.block_size if self.prefix is not None else 0
-        for g in window:
-            if g.max_tokens:
-                continue
-            shared = 0
-            for d in g.digests:
-                if d not in seen and not self.prefix.resident(d):
-                    break
-                shared += 1
-            seen.update(g.digests)
-            total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
-        return -(-total // (2 * len(self.slots)))
-
-    def _uneven(self, g: Group, chosen: list[Group]) -> bool:
-        """With the prefix cache, ``g`` would make this pass's prefill pad: a pass computes every new
-        prompt to the longest one's length, so a prompt resuming after cached blocks (a few tokens
-        left) and one computed from the start (hundreds) do not share a pass; similar ones do."""
-        if self.prefix is None or not chosen:
-            return False
-        works = [self._work(x) for x in (*chosen, g)]
-        if all(w == x.prompt_len for w, x in zip(works, (*chosen, g))):
-            return False  # nothing cached: packing by length as without the cache
-        return max(works) > 2 * min(works) + 2 * self.prefix.block_size
-
     def idle(self) -> bool:
         return not self._queue and not any(s.allocated for s in self.slots)
 
     # -- building passes --------------------------------------------------------------------
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group that need not wait for blocks being computed
-        (:meth:`_waits`) plus the most similar ones that fit."""
-        coming = self._coming()
+        (:func:`~pipeline.scheduling.prefix_rules.waits_for_block`) plus the most similar ones that fit."""
+        coming = blocks_coming(self)
         window = list(self._queue)[: self.window]
-        seed = next((g for g in window if not self._waits(g, [], coming)), None)
+        seed = next((g for g in window if not waits_for_block(self, g, [], coming)), None)
         if seed is None:
             return []
         target = max(self.budget // len(self.slots), self.cells(seed))
         cap = min(available, target)
         if self.cells(seed) > cap:
             return []
-        share = self._share(window)
-        scoring = (lambda g: 0 if g.max_tokens else self._work(g)) if share is not None else (lambda g: 0)
+        share = scoring_share(self, window)
+        scoring = (lambda g: 0 if g.max_tokens else prompt_work(self, g)) if share is not None else (lambda g: 0)
         chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
         most = self.max_rows
         if self.policy.even_tail(self) and len(self._queue) < self.window:
@@ -242,7 +181,7 @@ class Scheduler:
                 not s.allocated for s in self.slots))))
         for g in sorted((g for g in window if g is not seed), key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
-            if self._waits(g, chosen, coming) or self._uneven(g, chosen):
+            if waits_for_block(self, g, chosen, coming) or uneven_prefill(self, g, chosen):
                 continue
             if scoring(g) and work + scoring(g) > share:
                 continue
@@ -253,7 +192,7 @@ class Scheduler:
 
     def _pass_work(self, g: Group) -> int:
         """Prompt tokens a pass computes for ``g``: its first chunk when its prompt is chunked."""
-        work = self._work(g)
+        work = prompt_work(self, g)
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
     def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
@@ -291,7 +230,7 @@ class Scheduler:
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
-        chosen, coming = [], self._coming()
+        chosen, coming = [], blocks_coming(self)
         for g in list(self._queue)[: self.window]:
             if free == 0:
                 break
@@ -299,8 +238,8 @@ class Scheduler:
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue
-            if (g.width <= free and g.need + self.spare <= slot.cols and not self._waits(g, chosen, coming)
-                    and not self._uneven(g, chosen)):
+            if (g.width <= free and g.need + self.spare <= slot.cols and not waits_for_block(self, g, chosen, coming)
+                    and not uneven_prefill(self, g, chosen)):
                 chosen.append(g)
                 free -= g.width
         return chosen
