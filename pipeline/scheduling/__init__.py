@@ -5,5 +5,5 @@ batches), and the driver that turns each pass into a header and input ids (the o
 scheduler: rank 0's loops and the server talk to the driver).
 
 May import: pipeline.cache (the prefix index), pipeline.runtime.messages (what a pass is), tasks (request
-parsing). Never torch.distributed, pipeline.models or serve.
+parsing), pipeline.config.components (its config type). Never torch.distributed, pipeline.models or serve.
 """

@@ -1,5 +1,5 @@
-"""The scheduler's sizes (:class:`SchedulerConfig`, resolved once from the options by
-:mod:`pipeline.config.scheduler_config`) and its two policies: :class:`FilePolicy` for a request file
+"""The scheduler's two policies (its sizes are a :class:`~pipeline.config.components.SchedulerConfig`,
+resolved once from the options by :mod:`pipeline.config.pass_sizes`): :class:`FilePolicy` for a request file
 (all of it known ahead: even tails, scoring work spread, drain everything for a long request) and
 :class:`ServePolicy` for the HTTP server (requests arrive one by one: free rows for those to come,
 drain one micro-batch for a long request). The :class:`~pipeline.scheduling.scheduler.Scheduler` is
@@ -8,45 +8,13 @@ given both and asks the policy where the modes differ."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeline.config.components import SchedulerConfig
 from pipeline.scheduling.batches import Group, Slot
 
 if TYPE_CHECKING:  # the scheduler calls its policy with itself
     from pipeline.scheduling.scheduler import Scheduler
-
-PREFILL_TOKENS = 8192  # prompt tokens a pass admits; more wait for the slot's next passes (see Scheduler)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Every size the scheduler works with.
-
-    ``budget``: KV cells (rows x columns over the micro-batches, plus the prefix pool); ``num_slots``:
-    micro-batches; ``max_rows``: rows a micro-batch takes; ``window``: queued groups it looks ahead
-    over (default max(64, 4 x max_rows)); ``prefill_tokens``: prompt tokens one pass computes (rows x
-    the longest part, at least one prompt's); ``scoring_tokens``: the same for a pass of scoring
-    prompts alone (default ``prefill_tokens``); ``chunk``: prompt tokens a pass computes of a
-    chunkable prompt (0: whole prompts); ``stages``: pipeline stages (P)."""
-
-    budget: int
-    num_slots: int
-    max_rows: int
-    window: int | None = None
-    prefill_tokens: int = PREFILL_TOKENS
-    scoring_tokens: int | None = None
-    chunk: int = 0
-    stages: int = 1
-
-    @property
-    def look_ahead(self) -> int:
-        return self.window or max(64, 4 * self.max_rows)
-
-    @property
-    def scoring_cap(self) -> int:
-        return self.scoring_tokens or self.prefill_tokens
-
 
 class FilePolicy:
     """A request file: the queue is the rest of the file once it is shorter than the look-ahead."""
@@ -125,3 +93,8 @@ class ServePolicy:
 
     def unblocked(self) -> None:
         self.draining = None
+
+
+def policy_for(config: SchedulerConfig) -> FilePolicy | ServePolicy:
+    """The policy of the config's mode: serve (``--serve``) or a request file."""
+    return ServePolicy() if config.serve else FilePolicy()

@@ -23,7 +23,8 @@ from collections import deque
 
 from pipeline.scheduling.assembly import assemble
 from pipeline.scheduling.batches import Group, Outcome, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
-from pipeline.scheduling.policy import PREFILL_TOKENS, FilePolicy, SchedulerConfig, ServePolicy  # noqa: F401
+from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig  # noqa: F401  (re-exported)
+from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # noqa: F401
 from pipeline.scheduling.prefix_rules import blocks_coming, prompt_work, scoring_share, uneven_prefill, waits_for_block
 
 
@@ -33,15 +34,15 @@ class Scheduler:
     spare column (a prefill that resumes after cached tokens pads its shorter rows past their length:
     those writes land there), and two groups whose first block is not resident yet do not enter the
     same pass: the second waits a pass and then finds the block computed; ``policy``:
-    :class:`FilePolicy` (default) or :class:`ServePolicy`.
+    :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode, :func:`policy_for`).
 
     ``prefill_tokens``: the prompt tokens one pass computes. A new micro-batch gets rows for every group
     packed into it, but its first pass computes only the prompts that fit rows x the longest prompt
     <= this many tokens (at least one); the rest stay queued and join its free rows in the next
     passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
     first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
-    the others (:func:`pipeline.config.scheduler_config.pass_prefill_tokens`); a pass of scoring
-    prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.scheduler_config.pass_scoring_tokens`).
+    the others (:func:`pipeline.config.pass_sizes.pass_prefill_tokens`); a pass of scoring
+    prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.pass_sizes.pass_scoring_tokens`).
     Bigger passes hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's
     alone 262 MB in float32); the benchmark's scoring file took 6.2 s against 5.0 s with at most 8192
     a pass.
@@ -49,7 +50,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
         self.config, self.prefix = config, prefix
-        self.policy = policy if policy is not None else FilePolicy()
+        self.policy = policy if policy is not None else policy_for(config)
         self.budget, self.max_rows, self.stages = config.budget, config.max_rows, config.stages
         self.prefill_tokens, self.scoring_tokens = config.prefill_tokens, config.scoring_cap
         self.chunk = config.chunk  # prompt tokens a pass computes of a chunkable group (0: all)

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from pipeline.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 def cache_dir() -> Path:
     """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (the project's cache root)."""
-    from pipeline.loading.default_model import cache_root
 
     return cache_root() / "kernels"
 

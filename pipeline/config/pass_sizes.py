@@ -1,5 +1,6 @@
-"""The scheduler's sizes and policy, resolved once from the options: pass sizes, chunked prefill,
-the prefix cache's block size, file or serve policy (:mod:`pipeline.scheduling.policy`).
+"""The scheduler's sizes and mode, resolved once from the options into a
+:class:`~pipeline.config.components.SchedulerConfig`: pass sizes, chunked prefill, micro-batches,
+file or serve (which policy it runs, :mod:`pipeline.scheduling.policy`); and the prefix cache's block size.
 
 Rank 0's factory (:func:`pipeline.runtime.roles.first_rank`) calls :func:`scheduler_config` with the
 run's budget once it is known (``--budget auto`` needs the loaded stage); every rank derives the same
@@ -12,22 +13,20 @@ import logging
 
 from pipeline.config.options import AUTO_PREFILL_CHUNK
 from pipeline.models.families import DecoderSpec
-from pipeline.scheduling.policy import PREFILL_TOKENS, FilePolicy, SchedulerConfig, ServePolicy
+from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig
 
 log = logging.getLogger("runner")
 
 
 def scheduler_config(plan, opts, pipeline_size: int, gpu: bool, budget: int) -> SchedulerConfig:
-    """Every size the scheduler works with, for this run (a pipeline of ``pipeline_size`` stages)."""
+    """Every size the scheduler works with, for this run (a pipeline of ``pipeline_size`` stages, the
+    budget in KV cells once resolved); serve mode (``--serve``) sizes micro-batches for requests still
+    to come, a file knows its requests."""
     return SchedulerConfig(budget, plan.slots, opts.max_micro_batch_size,
                            prefill_tokens=pass_prefill_tokens(pipeline_size, gpu),
                            scoring_tokens=pass_scoring_tokens(pipeline_size, gpu),
-                           chunk=prefill_chunk(plan, opts, pipeline_size, gpu), stages=pipeline_size)
-
-
-def scheduler_policy(opts) -> FilePolicy | ServePolicy:
-    """Serve mode (``--serve``) sizes micro-batches for requests still to come; a file knows its requests."""
-    return ServePolicy() if opts.serve else FilePolicy()
+                           chunk=prefill_chunk(plan, opts, pipeline_size, gpu), stages=pipeline_size,
+                           serve=bool(opts.serve))
 
 
 def prefix_block(plan, opts) -> int:
@@ -69,7 +68,7 @@ def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
     chunks and 48.8 s with 512; on its mixed file (generation and echo scoring) 2048 did better
     (53.9-55.0 s against 54.6-59.0 s with 1024, busy 87%), as fewer of its whole scoring prompts
     wait a pass for room. One stage has no one to wait for: it keeps
-    :data:`~pipeline.scheduling.policy.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
+    :data:`~pipeline.config.components.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
     computes a few hundred tokens in about a decode step's time, so its passes are far more even,
     and what cap pays there is for a GPU run to tell."""
     return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
