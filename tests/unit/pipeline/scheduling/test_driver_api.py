@@ -3,6 +3,9 @@ and ids, tells the scheduler the outcome, and answers what status and metrics re
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import orjson
 
 from pipeline.runtime.messages import Reply
@@ -70,3 +73,21 @@ def test_cancel_and_shed_through_the_driver():
     req.index = 60
     d.submit_live(req)
     assert [m.req for m in d.shed()] == [60] and d.queued == 0 and d.exhausted
+
+
+def test_nothing_outside_scheduling_reaches_into_the_scheduler():
+    """Rank 0's loops, the server and the factory go through the driver: no ``.sched`` attribute is
+    read outside pipeline/scheduling."""
+    root = Path(__file__).resolve().parents[4]
+    bad, seen = [], set()
+    for pkg in ("pipeline", "serve", "tasks", "comm"):
+        for path in (root / pkg).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            seen.add(rel)
+            if rel.startswith("pipeline/scheduling/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "sched":
+                    bad.append(f"{rel}:{node.lineno}")
+    assert {"pipeline/runtime/first_rank.py", "serve/engine.py", "serve/run.py"} <= seen
+    assert not bad, bad
