@@ -25,7 +25,6 @@ from tasks.shards import share_of
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
-from pipeline.scheduling.assembly import decode_layout  # noqa: F401  (re-exported)
 from pipeline.scheduling.scheduler import Group, Pass, Scheduler
 
 
