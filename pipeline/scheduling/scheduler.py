@@ -10,11 +10,11 @@ from a look-ahead window, and a slot whose rows finish takes new groups into tho
 The scheduler owns the decision: :meth:`Scheduler.next_pass` returns a complete, immutable
 :class:`~pipeline.scheduling.batches.Pass` (rows, segments, prefix loads and saves, chunk ends,
 adapters, releases, drops; :mod:`pipeline.scheduling.assembly`) and :meth:`Scheduler.on_reply` is
-told the outcome. Its sizes come in a :class:`~pipeline.scheduling.policy.SchedulerConfig`, what
+told the outcome. Its sizes come in a :class:`~pipeline.config.components.SchedulerConfig`, what
 differs between a file and the server in a policy object (:mod:`pipeline.scheduling.policy`).
 Nothing outside it edits its queue or slots.
 
-Nothing here imports torch.distributed or runs a model (tests/test_schedule.py).
+Nothing here imports torch.distributed or runs a model (tests/unit/pipeline/scheduling/test_scheduler.py).
 """
 
 from __future__ import annotations

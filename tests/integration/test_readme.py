@@ -1,0 +1,213 @@
+"""The README and the docs pages, run command by command in order on a fresh copy of the repository,
+as a new user would.
+
+Every indented code block of README.md and of every docs/**/*.md page that holds a shell command is
+preceded by a marker comment (invisible when rendered):
+
+    <!-- readme-test: run [line N] [expect "TEXT"]... (note) -->   run the block (or only its line N)
+    <!-- readme-test: skip (why) -->                                 do not run it
+
+A command block without a marker fails the test, so a new command in the manual must be classified. The
+runnable blocks run in the order of ``PAGES`` (the README first, then the docs pages; within a page
+top to bottom), each in its own bash, in one copy of the repository's tracked files, so a block may
+use what an earlier block of its page or of an earlier page wrote; each must exit 0 and print every
+``expect`` text. The only changes to the commands:
+``/tmp/`` becomes a private folder and the fixed ports (29400, 29511; torchrun's default 29500
+through ``PET_MASTER_PORT``) become free ones, so concurrent test runs do not collide. Scheduler
+submissions are skipped (tests/integration/test_launch.py runs the scripts with stub srun/blaunch).
+
+The pages also link each other: the README links every docs page, every page says in one line what
+it is for and links back to the README, and every relative link and anchor resolves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.utils import REPO, free_port, read_jsonl
+
+# Every page whose commands run, in the order they run. A new docs page must be added here (the test
+# below fails otherwise). Dependencies: docs/usage/scale.md's blocks build on one another (split ->
+# drain -> rerun over the folder -> merge) and are all on that page; the final assertions of
+# test_commands_run_in_order name the files the pages leave behind.
+PAGES = (
+    "README.md",
+    "docs/usage/default-model.md",
+    "docs/usage/models.md",  # examples/output_requests_opt.jsonl
+    "docs/usage/flags.md",
+    "docs/usage/formats.md",
+    "docs/usage/serve.md",
+    "docs/usage/stage-sizes.md",
+    "docs/usage/scale.md",  # local/legacy/dp/two-node outputs, queries/, merged_output.jsonl
+    "docs/usage/lora.md",
+    "docs/usage/quantization.md",
+    "docs/usage/recovery.md",
+    "docs/usage/gpus.md",
+    "docs/design/architecture.md",
+    "docs/design/scheduler.md",
+    "docs/design/prefix-cache.md",
+    "docs/design/chunked-prefill.md",
+    "docs/design/attention-and-cpu-kernels.md",
+    "docs/design/host-memory.md",
+    "docs/design/gpu-notes.md",
+    "docs/design/determinism.md",
+    "docs/benchmarks.md",
+    "docs/performance-log.md",
+    "docs/testing.md",
+)
+
+MARKER = re.compile(r"<!-- readme-test: (run|skip)\b(.*?)-->")
+COMMAND = re.compile(r"^(python|torchrun|pip|bash|for |[A-Z_]+=\S* |sbatch|bsub|launch/)")
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the page where the block starts
+    text: list[str]
+    action: str | None = None  # run | skip | None (no marker)
+    only_line: int | None = None
+    expect: list[str] = field(default_factory=list)
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The indented code blocks, each with the marker comment just before it (if any)."""
+    lines = text.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+            start = i
+            while i < len(lines) and lines[i].startswith("    "):
+                i += 1
+            block = Block(start + 1, [x[4:] for x in lines[start:i]])
+            j = start - 1
+            while j >= 0 and not lines[j].strip():
+                j -= 1
+            m = MARKER.search(lines[j]) if j >= 0 else None
+            if m:
+                block.action = m.group(1)
+                rest = m.group(2)
+                n = re.search(r"\bline (\d+)", rest)
+                block.only_line = int(n.group(1)) if n else None
+                block.expect = re.findall(r'expect "([^"]*)"', rest)
+            blocks.append(block)
+        else:
+            i += 1
+    return blocks
+
+
+def is_command(block: Block) -> bool:
+    return bool(COMMAND.match(block.text[0]))
+
+
+def page_blocks(root: Path = REPO) -> list[tuple[str, Block]]:
+    """Every page's indented code blocks, pages in ``PAGES`` order, as (page, block)."""
+    return [(page, b) for page in PAGES for b in readme_blocks((root / page).read_text())]
+
+
+def test_every_page_is_listed():
+    pages = {"README.md"} | {p.relative_to(REPO).as_posix() for p in (REPO / "docs").rglob("*.md")}
+    assert len(set(PAGES)) == len(PAGES)
+    assert pages == set(PAGES), "add new docs pages to PAGES (in an order that keeps their commands' dependencies)"
+
+
+def test_every_command_block_is_marked():
+    blocks = [(page, b) for page, b in page_blocks() if is_command(b)]
+    unmarked = [f"{page}:{b.line}: {b.text[0]}" for page, b in blocks if b.action is None]
+    assert unmarked == [], "mark these with <!-- readme-test: run --> or <!-- readme-test: skip (why) -->"
+    assert sum(b.action == "run" for _, b in blocks) >= 10
+    assert any(b.action == "run" for page, b in blocks if page == "README.md")  # the quick start
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(x.lstrip("#")) for x in path.read_text().splitlines() if re.match(r"#{1,6} ", x)}
+
+
+def test_pages_link_each_other():
+    readme_links = {(REPO / m).resolve() for m in
+                    (x.split("#")[0] for x in LINK.findall((REPO / "README.md").read_text())) if m}
+    broken = []
+    for page in PAGES:
+        path = REPO / page
+        lines = path.read_text().splitlines()
+        for target in LINK.findall(path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # an external address
+            file, _, frag = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.is_file() or (frag and dest.suffix == ".md" and frag not in anchors(dest)):
+                broken.append(f"{page}: {target}")
+        if page == "README.md":
+            continue
+        assert path.resolve() in readme_links, f"README.md does not link {page}"
+        assert lines[0].startswith("# ") and not lines[1].strip(), f"{page}: a title, then a blank line"
+        purpose = lines[2]
+        assert purpose.strip() and not lines[3].strip(), f"{page}: line 3 says in one line what the page is for"
+        back = [(path.parent / x.split("#")[0]).resolve() for x in LINK.findall(purpose)]
+        assert (REPO / "README.md").resolve() in back, f"{page}: its purpose line links back to the README"
+    assert broken == [], "links that do not resolve"
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The repository's tracked files (as they are in the work tree), nothing else: a fresh clone."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")
+def test_commands_run_in_order(tmp_path):
+    repo = fresh_copy(tmp_path / "clone")
+    private = tmp_path / "tmp"
+    private.mkdir()
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port()),
+           "DIST_INFER_PROGRESS_SECONDS": "600"}
+    env.pop("DIST_INFER_FAULT", None)
+    ran = []
+    for page, block in page_blocks(repo):
+        if block.action != "run":
+            continue
+        lines = [block.text[block.only_line - 1]] if block.only_line else block.text
+        script = "\n".join(lines).replace("/tmp/", f"{private}/")
+        script = script.replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}").replace("PORT=29511", f"PORT={free_port()}")
+        p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=300)
+        shown = f"{page}:{block.line}:\n{script}\n--- exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        assert p.returncode == 0, shown
+        for text in block.expect:
+            assert text in p.stdout + p.stderr, f"expected {text!r}\n{shown}"
+        ran.append((page, block.line))
+    assert len(ran) >= 10
+    # what the README and the docs pages say the commands leave behind
+    quick = read_jsonl(repo / "examples" / "output_requests.jsonl")
+    opt = read_jsonl(repo / "examples" / "output_requests_opt.jsonl")
+    assert len(quick) == len(opt) == 6 and quick[0]["result"]["model"] != opt[0]["result"]["model"]
+    merged = read_jsonl(repo / "merged_output.jsonl")
+    requests = read_jsonl(repo / "examples" / "requests.jsonl")
+    assert [x["request"] for x in merged] == requests
+    for name in ("local_output.jsonl", "legacy_output.jsonl", "dp_output.jsonl", "two_node_output.jsonl"):
+        assert len(read_jsonl(repo / name)) == 6, name
+    assert (repo / "dp_output.jsonl.summary.json").exists()
+    assert sorted(p.name for p in (repo / "queries" / "jobs" / "default").glob("request_*.jsonl")) == \
+        [f"request_{k}.jsonl" for k in range(6)]
