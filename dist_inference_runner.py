@@ -38,7 +38,7 @@ from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
 from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
-from tasks.inflight import stop_all  # noqa: E402
+from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
 
 if TYPE_CHECKING:
@@ -166,6 +166,7 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
+STOP_GRACE = 0.5  # seconds the last stage waits, after a signal, to tell a stop from a dead peer (P > 1)
 RECEIVED: list[int] = []  # the stopping signal, once received (serve mode exits 128 + it after draining)
 
 
@@ -194,7 +195,11 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
         RECEIVED.append(sig)
-
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and recording():
+            # the last stage: when an earlier stage dies, torchrun sends this signal to the others; the
+            # connection to the dead stage is seen lost meanwhile (the main thread exits 1 and the run
+            # counts as a crash, not a stop: tasks.inflight). The other ranks wait longer below.
+            time.sleep(STOP_GRACE)
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
         if serving:
 
@@ -206,6 +211,8 @@ def watch_signals(rank: int, serving: bool = False) -> None:
             return
         log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
                   rank, name)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not recording():
+            time.sleep(2 * STOP_GRACE)  # the last stage records the stop before this rank's connections close
         _hard_exit(128 + sig)
 
     threading.Thread(target=wait, name="signals", daemon=True).start()

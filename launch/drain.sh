@@ -10,9 +10,10 @@
 #   [MODEL=DIR] [QUERY_DIR=DIR] [MAX_INDEX=K] [NPROC=N] launch/drain.sh [runner flags...]
 # Example (shards from `python split_queries.py --input-file helm.jsonl --output-dir queries --requests-per-shard 500`):
 #   MODEL=/models/llama-2-70b-hf QUERY_DIR=queries/default MAX_INDEX=199 NPROC=8 launch/drain.sh --budget 32768
+#   MODEL=meta-llama/Llama-3.1-70B NPROC=8 launch/drain.sh --revision main   (a hub id: cache first, fetched once)
 #
 # Environment (defaults in brackets):
-#   MODEL        HuggingFace model folder                   [empty: the runner's embedded default model]
+#   MODEL        HuggingFace folder or hub id               [empty: the runner's embedded default model]
 #   QUERY_DIR    folder of request_<k>.jsonl shards (DATA is accepted as an alias)  [queries/default]
 #   MIN_INDEX    first shard index                          [0]
 #   MAX_INDEX    last shard index, inclusive                 [99]

@@ -21,7 +21,9 @@ from tasks.shards import index_of
 from tasks.writer import input_id
 
 from pipeline.scheduling.driver import Driver, read_lines
+from pipeline.runtime.last_rank import LastRank
 from pipeline.runtime.link import Link
+from pipeline.runtime.retry import Retry
 from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from pipeline.runtime.stage import Stage, allocate_ahead, pack
 
@@ -59,6 +61,7 @@ class FirstRank:
         self.stage, self.driver, self.link, self.last = stage, driver, link, last
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
+        self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
 
     def drive(self, jobs: list[Job]) -> list[FileReport]:
         """Run every file; the last message tells every rank to stop."""
@@ -135,8 +138,16 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
-        if self.last is not None:  # P = 1: the lines it admits are recorded before they are computed
-            self.last.record(hdr)
+        admitting = LastRank.admitting(hdr)  # the lines it admits are recorded before any stage computes them
+        if self.last is not None:
+            self.last.record(admitting)
+        elif admitting is not None:
+            self.link.send_next_now(admitting)
+        self.retry.sending(hdr, dec, pre)
+        self._compute(hdr, dec, pre, ahead)
+
+    def _compute(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
+                 ahead: bool = False) -> None:
         self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None]), ahead))
 
     def _down(self, msg: Message, x: torch.Tensor | None = None) -> None:
@@ -149,4 +160,8 @@ class FirstRank:
             self.local.append(reply)
 
     def _reply(self) -> Message:
+        """The next answer from the last stage (a failed pass's replaced by its retry's: pipeline.runtime.retry)."""
+        return self.retry.next()
+
+    def _receive(self) -> Message:
         return self.local.popleft() if self.last is not None else self.link.recv_last()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.config.options import UsageError
 from pipeline.config.pass_sizes import prefix_block, scheduler_config
+from pipeline.loading.hub import ModelUnavailable
 from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
@@ -21,6 +22,7 @@ from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
+from pipeline.models.kernels import fp8, weight_only
 from pipeline.config.budget import resolve_budget
 from comm.p2p import Messenger
 from pipeline.runtime.link import Link
@@ -31,6 +33,8 @@ from pipeline.runtime.first_rank import FirstRank
 from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
+from pipeline.sampling.grammar import Grammars
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
 
@@ -44,10 +48,11 @@ def load_stage(plan, opts, info):
     first, last = plan.layers
     t0 = time.perf_counter()
     try:
-        model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
+        # plan.source: a hub snapshot fetches this stage's shards as they are opened
+        model, store = build_stage(plan.source or plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
                                    opts.model_type, opts.batch_invariant, opts.backend,
                                    None if opts.quantize == "none" else opts.quantize)
-    except (CheckpointError, UnsupportedModel) as e:
+    except (CheckpointError, UnsupportedModel, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
@@ -55,6 +60,8 @@ def load_stage(plan, opts, info):
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
+    elif plan.fingerprint.get("checkpoint_format"):
+        choose_packed_kernels(model, dtype, opts, info.stage, plan.fingerprint["checkpoint_format"])
     if info.device.type == "cpu":
         pack_cpu_linears(model, dtype, opts, info)
     if plan.adapters:
@@ -66,7 +73,9 @@ def load_stage(plan, opts, info):
     if opts.profiling:
 
         trace = Trace(info.rank)
-    return Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage = Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage.index = info.stage
+    return stage
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
@@ -83,6 +92,20 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
              opts.max_micro_batch_size,
              "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
                        for shape, c in chosen.items()), fused)
+
+
+def choose_packed_kernels(model, dtype, opts, stage: int, fmt: str) -> None:
+    """A pre-quantized checkpoint (pipeline.loading.quantized): time the int4 / int8 kernels on this
+    stage's shapes and keep the fastest per shape (FP8: torch._scaled_mm on CUDA where it runs); the
+    choice is logged and goes into the run summary (``model.quantized``)."""
+    t0 = time.perf_counter()
+    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    kernels = {shape: c["kernel"] for shape, c in chosen.items()} | fp8.choose_kernels(model, dtype)
+    model.quantized = {"weights": fmt, "compute_dtype": str(dtype).removeprefix("torch."), "kernels": kernels}
+    log.info("stage %d: %s kernels chosen in %.1fs (rows %d and 256; best ms per kernel): %s", stage, fmt,
+             time.perf_counter() - t0, opts.max_micro_batch_size,
+             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                       for shape, c in chosen.items()) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:
@@ -116,12 +139,14 @@ def make_link(info, stage):
     return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
-def last_rank(plan, opts, info, stage, tokenizer=None):
-    """The last stage's handler: the head, and the fingerprint its journals are checked against."""
+def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
+    """The last stage's handler: the head, and the fingerprint its journals are checked against.
+    ``grammars``: rank 0's compiled structured-output grammars when it is also the last rank (P = 1)."""
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    name = (opts.served_model_name if opts.serve else None) or plan.model_name
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
+    name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
+    grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars)
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 
@@ -135,10 +160,13 @@ def first_rank(plan, opts, info, stage):
     models = None
     if plan.adapters:
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
+                             plan.source.repo_id if plan.source else None,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
+    grammars = Grammars(tokenizer, plan.spec.vocab_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size, models)
-    last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
+                    info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout))
+    # P = 1: one tokenizer, and the grammars rank 0 compiled
+    last = last_rank(plan, opts, info, stage, tokenizer, grammars) if info.is_last else None
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
 

@@ -22,6 +22,7 @@ from tasks.requests import Request, RequestError, parse_line
 from pipeline.output.results import output_line
 from tasks.shards import share_of
 
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
@@ -46,7 +47,7 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: ModelNames | None = None):
+                 models: ModelNames | None = None, grammars: GrammarIntake | None = None):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
@@ -57,6 +58,7 @@ class Driver:
         self.prompts: dict[int, list[int]] = {}  # gid -> prompt ids, until its prompt is computed
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
+        self.grammars = grammars  # structured outputs: each constraint compiled (bounded) before admission
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
@@ -185,6 +187,10 @@ class Driver:
         if bad:
             raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
                                "logit_bias")
+        if p.structured is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs are not available here", "structured_outputs")
+            self.grammars.check(p.structured)
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
@@ -309,6 +315,10 @@ class Driver:
     def take_released(self) -> list[int]:
         """Slots emptied since the last pass was built."""
         return self.sched.take_released()
+
+    def group_of(self, sid: int, row: int) -> int | None:
+        """The group slot ``sid``'s ``row`` holds (None: a free row)."""
+        return self.sched.group_of(sid, row)
 
     @property
     def padding_ratio(self) -> float:

@@ -107,6 +107,11 @@ class Scheduler:
     def allocated(self, sid: int) -> bool:
         return self.slots[sid].allocated
 
+    def group_of(self, sid: int, row: int) -> int | None:
+        """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
+        groups = self.slots[sid].row_group
+        return groups[row] if row < len(groups) else None
+
     def take_released(self) -> list[int]:
         """Slots emptied since the last pass (a file's end sends them with its close)."""
         out, self.released = self.released, []

@@ -51,6 +51,7 @@ PAGES = (
     "docs/usage/quantization.md",
     "docs/usage/recovery.md",
     "docs/usage/gpus.md",
+    "docs/usage/structured-outputs.md",
     "docs/design/architecture.md",
     "docs/design/scheduler.md",
     "docs/design/prefix-cache.md",
