@@ -33,6 +33,8 @@ from pipeline.config.options import UsageError, parse_options, quiet_exit_grace 
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
 from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
+from pipeline.config.estimate import dry_run  # noqa: E402
+from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
 from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
@@ -40,6 +42,7 @@ from serve.state_dir import serve_dir_problem  # noqa: E402
 from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
 from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
+from tasks.status import fail_active  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +76,11 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
+    if opts.dry_run:  # the plan and an estimate; no process group, no weights, no outputs
+        try:
+            return dry_run(opts, sys.argv[1:] if argv is None else argv)
+        except UsageError as e:
+            return usage_error(e, quiet=rank != 0)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()
@@ -201,6 +209,8 @@ def watch_signals(rank: int, serving: bool = False) -> None:
             # counts as a crash, not a stop: tasks.inflight). The other ranks wait longer below.
             time.sleep(STOP_GRACE)
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
+        if not serving:
+            fail_active(f"{name} received")
         if serving:
 
             log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
@@ -260,14 +270,20 @@ def execute(plan, opts) -> int:
                                 opts.dist_url, opts.cuda_id, opts.timeout)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
-    stage = load_stage(plan, opts, info)
-    LOAD.tick()
-    opts.budget = run_budget(opts, info, stage, plan)
+    status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
+    try:
+        start_metrics(opts, status)
+        stage = load_stage(plan, opts, info)
+        LOAD.tick()
+        opts.budget = run_budget(opts, info, stage, plan)
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     last_output = None  # the profile trace goes beside the run's last output
     clean = False
     try:
         if not info.is_first:
-            last_output = serve_rank(plan, opts, info, stage)
+            last_output = serve_rank(plan, opts, info, stage, status)
             clean = True
             return stopped_code() if opts.serve is not None else 0
         if opts.serve is not None:
@@ -277,8 +293,14 @@ def execute(plan, opts) -> int:
             return stopped_code()
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
-        reports = first_rank(plan, opts, info, stage).drive(jobs)
+        rank0 = first_rank(plan, opts, info, stage)
+        rank0.stats_every = opts.status_interval
+        if rank0.last is not None:
+            rank0.last.status = status
+        reports = rank0.drive(jobs)
         clean = True
+        if status is not None:
+            status.finish("finished")
         summarize(reports)
         if dummy:
 
@@ -286,6 +308,9 @@ def execute(plan, opts) -> int:
             for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
                 Path(path).unlink(missing_ok=True)
         return 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     finally:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))

@@ -23,6 +23,8 @@
 #   TORCHRUN     launcher command for NPROC>1, split on spaces  [torchrun]
 #   PYTHON       interpreter for NPROC=1                     [python]
 #   REPO         checkout holding dist_inference_runner.py  [this script's parent folder]
+#   STATUS_EVERY seconds between status lines of the running shard (its <output>.status.json); 0 = only
+#                the line at its end  [60]
 # Any further arguments go to every run unchanged.
 set -euo pipefail
 
@@ -35,6 +37,7 @@ NPROC=${NPROC:-1}
 OUTPUT_DIR=${OUTPUT_DIR:-}
 KEEP_GOING=${KEEP_GOING:-1}
 PYTHON=${PYTHON:-python}
+STATUS_EVERY=${STATUS_EVERY:-60}
 read -r -a TORCHRUN_CMD <<< "${TORCHRUN:-torchrun}"
 
 if [[ ! -d $QUERY_DIR ]]; then
@@ -67,8 +70,20 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     else
         echo "drain: run $input -> $output" >&2
     fi
-    rc=0
+    rc=0 watcher=
+    status="$output.status.json"  # the runner's default status file (docs/usage/monitoring.md)
+    if ((STATUS_EVERY > 0)); then
+        PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" "$$" </dev/null &
+        watcher=$!
+    fi
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
+    if [[ -n $watcher ]]; then  # (killed before its trap is set, it ends with 143: not this shard's status)
+        kill "$watcher" 2>/dev/null || true
+        wait "$watcher" 2>/dev/null || true
+    fi
+    if ((! existed)) && [[ -f $status ]]; then
+        echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
+    fi
     if ((rc == 130 || rc == 143)); then
         echo "drain: $input interrupted (status $rc); rerun to resume" >&2
         exit "$rc"

@@ -9,7 +9,8 @@
 - :mod:`serve.intake`   per-request caps before tokenizing, tokenizing on worker threads;
 - :mod:`serve.protocol` the connection cap and the header/body/send timeouts (uvicorn's h11 protocol);
 - :mod:`serve.upload`   ``POST /v1/files`` parsed and written to disk as it arrives;
-- :mod:`serve.responses` JSON answers in OpenAI's shapes, bodies read under a size limit.
+- :mod:`serve.responses` JSON answers in OpenAI's shapes, bodies read under a size limit;
+- :mod:`serve.metrics`  Prometheus metrics at ``/metrics`` (requests, load, tokens, latencies, stages).
 
 May import every pipeline package, tasks and comm; nothing imports serve but the entry point.
 """

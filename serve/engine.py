@@ -57,6 +57,8 @@ class ServeRank(FirstRank):
         self.live: dict[int, Live] = {}  # request index -> a request in the scheduler
         self.batch: BatchRun | None = None
         self.fingerprint: dict | None = None  # the run's (pipeline.config.plan): a batch's journal resumes only under it
+        self.metrics = None  # serve.metrics.ServeMetrics: /metrics
+        self._load_at = 0.0
         self._swept = 0.0
 
     def serve(self) -> None:
@@ -137,13 +139,32 @@ class ServeRank(FirstRank):
         for index, choice, text, logprobs in msg.deltas:
             live = self.live.get(index)
             if live is not None:
+                if live.first_at is None and self.metrics is not None:
+                    live.first_at = time.monotonic()
+                    self.metrics.first_token(live.started)
                 self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
             if live is not None:  # a request whose computation failed gets its error, the others go on
+                if self.metrics is not None and line.get("error") is None:
+                    self.metrics.answered(live.started, line["result"].get("usage"), live.first_at)
                 self.source.resolve(live, ("ok", line) if line.get("error") is None else ("error", 500, line["error"]))
+        if self.metrics is not None:
+            self._measure(msg)
         if self.batch is not None:
             self.batch.done += msg.written
+
+    def _measure(self, msg: Reply) -> None:
+        """/metrics: the stages' figures a pass brought back; the scheduler's load at most twice a second."""
+        if msg.stats:
+            self.metrics.on_stats(msg.stats)
+        now = time.monotonic()
+        if now - self._load_at < 0.5:
+            return
+        self._load_at = now
+        d, prefix = self.driver, self.driver.prefix
+        self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
+                              prefix.prompt_tokens if prefix else 0)
 
     # -- the running batch --------------------------------------------------------------------
     def _batch_step(self) -> None:
@@ -233,6 +254,8 @@ class ServeRank(FirstRank):
 
     def _closed(self, msg: Closed) -> None:
         b, self.batch = self.batch, None
+        if self.metrics is not None:
+            self.metrics.tokens(msg.summary.prompt_tokens, msg.summary.completion_tokens)
         self.driver.lines = None
         if b.error:
             self._deliver(b.job.id, b.error)

@@ -100,6 +100,10 @@ class RunOptions:
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
+    status_file: str | None = _opt(None, "File mode: a JSON file replaced atomically every --status-interval seconds and at the end with the run's state (loading, running, finished, failed: reason), lines done per file, tokens, tokens/s, ETA, per-stage busy and memory (see docs/usage/monitoring.md). Default: <output>.status.json beside the (first) output; 'none' turns it off.", metavar="PATH")
+    status_interval: int = _opt(5, "File mode: seconds between status file updates (the file's heartbeat_seconds: an updated_at older than a few of these means the writing rank is gone).")
+    metrics_port: int | None = _opt(None, "File mode: serve Prometheus metrics at http://127.0.0.1:PORT/metrics from the writing rank while the run lasts (serve mode has /metrics on its own port).", metavar="PORT")
+    dry_run: bool = _opt(False, "Read the request files and the model's config (no weights), count prompt tokens, print the plan (layers and memory per stage, budget, micro-batches, shared-prefix ratio) and an estimate of the run's time, then exit 0 without writing outputs.")
     # dummy-data mode (no --infer-data)
     batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
     input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
@@ -260,6 +264,13 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
     if opts.data_group_size < 1:
         problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.status_interval < 1:
+        problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
+    if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
+        problems.append(f"--metrics-port must be a TCP port (1-65535), got {opts.metrics_port}")
+    if opts.serve is not None and (opts.dry_run or opts.metrics_port is not None or opts.status_file):
+        problems.append("--dry-run, --metrics-port and --status-file are for file mode: serve mode has /metrics on "
+                        "its own port; drop them or --serve")
     if opts.fp16 and opts.dtype not in ("auto", "float16"):
         problems.append(f"--fp16 contradicts --dtype {opts.dtype}: pass only one of them")
     if opts.model_name is not None and not Path(opts.model_name).is_dir() and not looks_like_repo_id(opts.model_name):

@@ -61,6 +61,8 @@ class FirstRank:
         self.stage, self.driver, self.link, self.last = stage, driver, link, last
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
+        self.stats_every = 0.0  # seconds between passes that collect the stages' figures (0: never)
+        self._stats_at = 0.0
         self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
 
     def drive(self, jobs: list[Job]) -> list[FileReport]:
@@ -138,6 +140,9 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
+        if self.stats_every and time.monotonic() - self._stats_at >= self.stats_every:
+            self._stats_at = time.monotonic()
+            hdr.stats = []  # each stage appends its figures (pipeline.runtime.monitor reads them)
         admitting = LastRank.admitting(hdr)  # the lines it admits are recorded before any stage computes them
         if self.last is not None:
             self.last.record(admitting)

@@ -15,6 +15,7 @@ import torch
 from comm.dist import DistInfo
 from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
+from tasks.shards import share_size
 
 from pipeline.output.head import Head
 from pipeline.runtime.messages import Admitting, CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
@@ -27,6 +28,7 @@ class LastRank:
         self.stage, self.info, self.head = stage, info, head
         self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
         self.file: OutputFile | None = None
+        self.status = None  # file mode: the run's tasks.status.RunStatus (pipeline.runtime.monitor)
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
@@ -49,6 +51,12 @@ class LastRank:
         self.head.start_file()
         try:
             skip = self.file.open(msg.total, self.overwrite, self.show_progress)
+            if self.status is not None:
+                if skip is None:
+                    self.status.skip_file(msg.output)
+                else:
+                    self.status.open_file(msg.input, msg.output, share_size(self.info.data_rank, msg.total,
+                                                                            self.info.data_size), skip)
             return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
@@ -119,8 +127,12 @@ class LastRank:
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
+        if self.status is not None and self.file is not None:
+            f = self.file
+            self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
+                                 self.head.generated_tokens, hdr.stats)
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     self.head.take_live(), written, self.head.take_deltas())
+                     self.head.take_live(), written, self.head.take_deltas(), stats=hdr.stats)
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
@@ -133,4 +145,6 @@ class LastRank:
                                             self.head.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells, msg.gpu_peak_mb, msg.precision)
         self.file = None
+        if self.status is not None:
+            self.status.close_file(complete)
         return Closed(complete, summary)

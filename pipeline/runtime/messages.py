@@ -103,6 +103,9 @@ class PassHeader:
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
     drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
     adapters: list[int] = field(default_factory=list)  # LoRA adapter of each slot row (0: base); empty: all base
+    # every --status-interval seconds rank 0 sends [] and each stage appends [busy seconds since the file
+    # opened, KV cells held, peak memory MiB] after its forward (the status file, /metrics: pipeline.runtime.monitor)
+    stats: list[list[float]] | None = None
     failed: str | None = None  # a stage's forward raised on this pass (or skipped it): later stages skip it too
     retry: bool = False  # rank 0 computes again one group of a pass that failed (pipeline.runtime.retry)
 
@@ -156,6 +159,7 @@ class Reply:
     answers: list[tuple[int, dict]] = field(default_factory=list)  # serve mode: finished live requests
     written: int = 0  # results put into the open file by this pass (serve mode counts a batch's progress)
     deltas: list[tuple] = field(default_factory=list)  # streaming: (request, choice, new text, its logprobs or None)
+    stats: list[list[float]] | None = None  # the pass's per-stage figures (PassHeader.stats), back to rank 0
     failed: str | None = None  # the pass was not computed (a stage's forward raised): nothing sampled
 
 

@@ -170,12 +170,17 @@ def first_rank(plan, opts, info, stage):
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
 
-def serve_rank(plan, opts, info, stage) -> str | None:
-    """Every rank but the first; returns the last output it saw opened."""
-
+def serve_rank(plan, opts, info, stage, status=None) -> str | None:
+    """Every rank but the first; returns the last output it saw opened. ``status``: the last rank's
+    status file (pipeline.runtime.monitor), finished after the last file closed."""
     link = make_link(info, stage)
-    last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
+    last = last_rank(plan, opts, info, stage) if info.is_last else None
+    if last is not None:
+        last.status = status
+    last_output = serve(link, stage, last)
     link.flush()
+    if status is not None:
+        status.finish("finished")
     return last_output
 
 

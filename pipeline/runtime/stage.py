@@ -22,6 +22,7 @@ from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
 from pipeline.loading.upload import to_device
+from tasks.status import peak_memory_mb
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class Stage:
             self.bad_blocks.update(bid for p in hdr.prefill for _, bid in p.save)  # not written here
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
                    **({"ahead": True} if ahead else {}))
+        if hdr.stats is not None:  # this stage's figures for the status file and /metrics (every few seconds)
+            hdr.stats.append([round(self.busy, 4), self.kv_cells, peak_memory_mb(self.device)])
         return out
 
     def _forward(self, hdr: PassHeader, x: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor | None:

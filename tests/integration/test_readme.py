@@ -50,6 +50,7 @@ PAGES = (
     "docs/usage/lora.md",
     "docs/usage/quantization.md",
     "docs/usage/recovery.md",
+    "docs/usage/monitoring.md",
     "docs/usage/gpus.md",
     "docs/usage/structured-outputs.md",
     "docs/design/architecture.md",
