@@ -40,7 +40,7 @@ from serve.interactive import run_chat_client, run_interactive  # noqa: E402
 from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
-from tasks.dummy import print_latency, write_dummy_requests  # noqa: E402
+from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
 from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
 from tasks.status import fail_active  # noqa: E402
@@ -260,9 +260,10 @@ def execute(plan, opts) -> int:
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
     talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
+    workload = DummyWorkload(opts.batch_size, opts.input_seq_length, opts.generate_seq_length)
     if plan.stage == 0 and not inputs and opts.serve is None and not talking:
 
-        dummy = write_dummy_requests(opts)
+        dummy = write_dummy_requests(workload)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
@@ -311,7 +312,7 @@ def execute(plan, opts) -> int:
         summarize(reports)
         if dummy:
 
-            print_latency(reports[0], opts)
+            print_latency(reports[0], workload)
             for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
                 Path(path).unlink(missing_ok=True)
         return 1 if (opts.strict and sum(r.errors for r in reports)) else 0

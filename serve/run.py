@@ -39,8 +39,7 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     if root is None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
-    fr = first_rank(plan, opts, info, stage)
-    fr.driver.sched.headroom = True
+    fr = first_rank(plan, opts, info, stage)  # opts.serve: its scheduler runs the serve policy
     source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root, store_limits(opts))
     name = opts.served_model_name or plan.served_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)

@@ -63,7 +63,7 @@ class FirstRank:
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
         self.stats_every = 0.0  # seconds between passes that collect the stages' figures (0: never)
         self._stats_at = 0.0
-        self.retry = Retry(self._compute, self._receive, self._group_of, driver.prefix)  # a pass whose forward raised
+        self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
 
     def drive(self, jobs: list[Job]) -> list[FileReport]:
         """Run every file; the last message tells every rank to stop."""
@@ -88,46 +88,42 @@ class FirstRank:
 
     def _run_file(self, job: Job, done: int, total: int, suspects=(), culprits=()) -> FileReport:
         t0 = time.perf_counter()
-        d, sched = self.driver, self.driver.sched
+        d = self.driver
         # `done` counts this share's finished lines; read from its next one on (tasks/shards.py)
         d.start(read_lines(job.input, skip=index_of(self.data_rank, done, self.data_size)), suspects, culprits)
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
-        inflight, release = 0, []
+        inflight = 0
         ahead = self.link is not None  # several stages: a slot computing prompts has a second pass in flight
         while True:
             d.fill()
-            for slot in sched.slots:
+            for sid in d.slot_ids:
                 while True:  # one pass, then a second one ahead of its answer if it computes prompts only
                     # (Scheduler.next_pass(ahead=True)), or at the end of a file the passes its decode rows split over
-                    busy = bool(slot.inflight)
-                    ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
-                    if ps is None:
+                    busy = d.busy(sid)
+                    built = d.next_pass(sid, ahead)
+                    if built is None:
                         break
-                    hdr, dec, pre = d.build(ps, release)
-                    release = []
-                    self._launch_pass(hdr, dec, pre, busy)
+                    self._launch_pass(*built, busy)
                     inflight += 1
                     d.fill()
             if inflight == 0:
-                if d.exhausted and not sched.queue:
+                if d.done:
                     break
                 raise RuntimeError("scheduler stalled with queued requests and nothing in flight")
             reply = self._reply()
             assert isinstance(reply, Reply)
             inflight -= 1
             DRIVE.tick()
-            was = sched.slots[reply.slot].allocated
-            d.on_reply(reply)
-            if was and not sched.slots[reply.slot].allocated:
-                release.append(reply.slot)
-        return self._close(job, total, release, t0)
+            d.on_reply(reply)  # a slot it empties is released with the next pass (or the close)
+        return self._close(job, total, t0)
 
-    def _close(self, job: Job, total: int, release: list[int], t0: float) -> FileReport:
-        d, sched = self.driver, self.driver.sched
+    def _close(self, job: Job, total: int, t0: float) -> FileReport:
+        d = self.driver
+        release = d.take_released()
         self.stage.release(release)
-        self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds,
-                             sched.padding_waste / max(1, sched.allocated_cells), release, d.take_errors(),
+        self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
+                             d.take_errors(),
                              busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
                              precision=[self.stage.precision()]))
         closed = self._reply()
@@ -174,7 +170,3 @@ class FirstRank:
 
     def _receive(self) -> Message:
         return self.local.popleft() if self.last is not None else self.link.recv_last()
-
-    def _group_of(self, slot: int, row: int) -> int | None:
-        groups = self.driver.sched.slots[slot].row_group
-        return groups[row] if row < len(groups) else None
