@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline.output.head as head
+import pipeline.sampling.step as step
 from tests.fuzz_requests import MISTRAL_INSTRUCT
 from tests.utils import REPO, assert_identical_results, read_jsonl, run_inprocess, run_single, run_torchrun
 
@@ -160,9 +162,7 @@ def test_a_tiny_temperature_is_greedy(tmp_path):
 def test_a_row_whose_sampling_or_output_raises_is_its_own_error(monkeypatch, tmp_path):
     """Failures on the last rank while computing one row (a sampling kernel, detokenizing, stop
     strings) answer that request with an error; its micro-batch neighbours are answered."""
-    import pipeline.output.head as head
-
-    real_sample, real_find = head.sample, head._find_stop
+    real_sample, real_find = step.sample, head._find_stop
 
     def sample(logits, temperature, *a, **k):  # a kernel that fails on one row's settings
         if bool((temperature == 1.25).any()):
@@ -174,7 +174,7 @@ def test_a_row_whose_sampling_or_output_raises_is_its_own_error(monkeypatch, tmp
             raise ValueError("stop failure")
         return real_find(text, stops, since)
 
-    monkeypatch.setattr(head, "sample", sample)
+    monkeypatch.setattr(step, "sample", sample)
     monkeypatch.setattr(head, "_find_stop", find_stop)
     reqs = [{"prompt": f"Line {i} is", "max_tokens": 3, "temperature": 0.5, "seed": i} for i in range(8)]
     reqs[2]["temperature"] = 1.25
