@@ -152,3 +152,14 @@ def test_unit_tests_start_no_processes(request):
     """tests/unit is the fast tier's home: a test that starts processes belongs in tests/integration."""
     offenders = getattr(request.config, "unit_tests_starting_processes", [])
     assert not offenders, "move to tests/integration:\n" + "\n".join(offenders)
+
+
+def test_every_package_readme_lists_its_modules():
+    """Each package's README.md (what it holds, what it may import, a line per module) names every
+    module in it, so a newcomer finds each file from its folder's page."""
+    for init in [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")]:
+        readme = init.with_name("README.md")
+        assert readme.is_file(), f"{readme.relative_to(ROOT)} is missing"
+        text = readme.read_text()
+        missing = [p.name for p in init.parent.glob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in text]
+        assert not missing, f"{readme.relative_to(ROOT)} does not list {', '.join(missing)}"
