@@ -6,7 +6,9 @@ process as SIGINT:
 under torchrun the workers run in their own session and the terminal's SIGINT would go to torchrun,
 which stops every rank. At the prompt readline reads Ctrl-C as a key bound to "clear the line";
 while an answer streams, the terminal is in cbreak mode and the shell polls for the Ctrl-C byte,
-which stops that answer. Without a terminal (stdin a pipe) Ctrl-C is the usual KeyboardInterrupt.
+which stops that answer. Keys typed while an answer streams are kept, not lost: a whole line typed
+ahead is the next line read, a part of one is put in readline's buffer to finish. Without a terminal
+(stdin a pipe) Ctrl-C is the usual KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Terminal:
         self.fd = self.stdin.fileno()
         self.tty = os.isatty(self.fd)
         self.saved = termios.tcgetattr(self.fd) if self.tty else None
+        self.typed = b""  # keys typed while an answer streamed, for the next read
         if readline is not None:
             readline.parse_and_bind(r'"\C-c": "\C-e\C-u\C-m"')  # Ctrl-C at the prompt: an empty line
             readline.set_auto_history(True)
@@ -51,12 +54,33 @@ class Terminal:
         """One line (EOFError at end of input). A line ending in a backslash continues on the next."""
         lines = []
         while True:
-            line = input(prompt if not lines else "... ")
+            line = self._typed_line(prompt if not lines else "... ")
+            if line is None:
+                line = input(prompt if not lines else "... ")
             if line.endswith("\\") and not line.endswith("\\\\"):
                 lines.append(line[:-1])
                 continue
             lines.append(line)
             return "\n".join(lines)
+
+    def _typed_line(self, prompt: str) -> str | None:
+        """A line typed ahead while an answer streamed (echoed after the prompt), or None after putting a
+        partial one in readline's buffer for :func:`input` to finish. EOFError for a Ctrl-D typed ahead."""
+        if not self.typed:
+            return None
+        text = self.typed.decode(errors="replace")
+        if text.startswith("\x04"):
+            self.typed = b""
+            raise EOFError
+        line, newline, rest = text.partition("\n")
+        if newline:
+            self.typed = rest.encode()
+            print(prompt + line, flush=True)
+            return line
+        self.typed = b""
+        if readline is not None and line:
+            readline.set_startup_hook(lambda: (readline.insert_text(line), readline.set_startup_hook(None)))
+        return None
 
     def streaming(self) -> "Streaming":
         return Streaming(self)
@@ -83,7 +107,8 @@ class Streaming:
             termios.tcsetattr(self.term.fd, termios.TCSANOW, self.saved)
 
     def interrupted(self) -> bool:
-        """Ctrl-C pressed since the answer began (other keys typed meanwhile are dropped)."""
+        """Ctrl-C pressed since the answer began. Other keys are kept for the next read (those typed before
+        a Ctrl-C are dropped with it: it clears what was typed, as at the prompt)."""
         if self.hit or not self.term.tty:
             return self.hit
         while select.select([self.term.fd], [], [], 0)[0]:
@@ -92,4 +117,7 @@ class Streaming:
                 break
             if CTRL_C in data:
                 self.hit = True
+                self.term.typed = data.rsplit(CTRL_C, 1)[1]
+            else:
+                self.term.typed += data.replace(b"\r", b"\n")
         return self.hit
