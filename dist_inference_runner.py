@@ -33,6 +33,16 @@ log = logging.getLogger("runner")
 from pipeline.config.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
+def __getattr__(name: str):
+    """The Python API (``from dist_inference_runner import LLM, SamplingParams``), imported on first use
+    so that the command line does not pay for it."""
+    if name in ("LLM", "SamplingParams", "Result", "Choice", "Score", "EngineDead", "RequestFailed"):
+        import pipeline.api
+
+        return getattr(pipeline.api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
     """The run's dtype (pipeline.config.plan.resolve_dtype, kept here for callers of the runner module)."""
     from pipeline.config.plan import resolve_dtype as resolve
