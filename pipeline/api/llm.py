@@ -43,6 +43,7 @@ POLL_S = 0.2  # how often a waiting call looks at the engine and the workers
 IN_FLIGHT = 1024  # requests handed to the pipeline at once; more are handed as these finish
 START_TIMEOUT = 600.0  # seconds loading may take before LLM() gives up
 STOP_GRACE = 30.0  # seconds close() waits for the pipeline to stop cleanly
+WORKER_EXIT_S = 3.0  # seconds a failed pipeline waits for its dead worker to be seen exiting
 
 
 class EngineDead(RuntimeError):
@@ -112,8 +113,12 @@ class LLM:
         if self._closed:
             raise EngineDead("this LLM is closed")
         problem = self.workers.problem() if self.workers is not None else None
-        if problem and not self.engine.failure:
-            self.engine.failure = problem
+        if problem is None and self.workers is not None and self.engine.finished.is_set():
+            # rank 0 saw the peer go first: the dead worker's own message says more (give it a moment to exit)
+            self.workers.wait(WORKER_EXIT_S)
+            problem = self.workers.problem()
+        if problem and problem not in (self.engine.failure or ""):
+            self.engine.failure = problem + (f"\n(rank 0: {self.engine.failure})" if self.engine.failure else "")
         if self.engine.failure or self.engine.finished.is_set():
             raise EngineDead(self.engine.failure or "the pipeline stopped")
 
