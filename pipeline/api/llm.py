@@ -35,6 +35,7 @@ from pipeline.config.plan import make_plan, output_for
 from pipeline.runtime.roles import load_stage, run_budget, serve_rank
 from serve.intake import rows_of
 from serve.source import Live
+from tasks.progress import Progress
 from tasks.requests import RequestError, parse_body, parse_request
 
 log = logging.getLogger("api")
@@ -205,6 +206,10 @@ class LLM:
             done: queue.Queue = queue.Queue()
             waiting: dict[int, Live] = {}
             todo = iter(enumerate(items))
+            # as file mode shows it: a bar on a terminal, else a log line a minute (tasks.progress)
+            progress = Progress("chat" if chat else "generate", len(items)) \
+                if len(items) > 1 and not self.opts.no_progress else None
+            tokens = 0
             try:
                 while True:
                     while len(waiting) < IN_FLIGHT:
@@ -214,6 +219,8 @@ class LLM:
                         i, item = nxt
                         early = self._submit(i, item, per_row[i], chat, done, waiting)
                         if early is not None:
+                            if progress is not None:
+                                progress.update(1, tokens)
                             yield _checked(early, raise_errors)
                     if not waiting:
                         return
@@ -222,9 +229,14 @@ class LLM:
                     except queue.Empty:
                         self._check()
                         continue
-                    live = waiting.pop(i)
-                    yield _checked(self._result(i, live, value), raise_errors)
+                    result = self._result(i, waiting.pop(i), value)
+                    if progress is not None:
+                        tokens += (result.usage or {}).get("completion_tokens", 0)
+                        progress.update(1, tokens)
+                    yield _checked(result, raise_errors)
             finally:
+                if progress is not None:
+                    progress.close()
                 for live in waiting.values():  # the caller left the loop (or it raised): free their rows
                     self.engine.source.cancel(live)
 
