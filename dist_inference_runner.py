@@ -21,16 +21,30 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is started from
+    sys.path.insert(0, str(ROOT))
+
+from comm.dist import init_distributed, shutdown  # noqa: E402
+from comm.faults import LOAD, set_rank  # noqa: E402
+from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
+from comm.p2p import PeerLost  # noqa: E402
+from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
+from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
+from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
+from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
+from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
+from serve.run import run_server  # noqa: E402
+from serve.source import STOPPING  # noqa: E402
+from serve.state_dir import serve_dir_problem  # noqa: E402
+from tasks.dummy import print_latency, write_dummy_requests  # noqa: E402
+from tasks.inflight import stop_all  # noqa: E402
+from tasks.output_file import precision_note  # noqa: E402
+
 if TYPE_CHECKING:
     import torch
 
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 log = logging.getLogger("runner")
-
-from pipeline.config.options import UsageError  # noqa: E402  (light: no torch; after the sys.path line above)
 
 
 def __getattr__(name: str):
@@ -45,7 +59,6 @@ def __getattr__(name: str):
 
 def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
     """The run's dtype (pipeline.config.plan.resolve_dtype, kept here for callers of the runner module)."""
-    from pipeline.config.plan import resolve_dtype as resolve
 
     return resolve(name, cfg, device, model_dir)
 
@@ -66,7 +79,6 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     caller (tests); otherwise SIGTERM and SIGINT are masked before anything (torch's import
     included) can start a thread.
     """
-    from pipeline.config.options import parse_options
 
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
@@ -74,7 +86,6 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()
-    from pipeline.config.plan import make_plan
 
     try:
         plan = make_plan(opts)
@@ -88,7 +99,6 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
             log.info("%s", plan.layout_note)
     if plan.nothing_to_do:  # every output is complete and this run's: start nothing, load nothing
         if rank == 0:
-            from pipeline.config.plan import output_for
 
             for path in plan.all_inputs:
                 output = output_for(path, opts.output_path, len(plan.all_inputs) > 1)
@@ -100,8 +110,6 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     except UsageError as e:
         return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
-        from comm.p2p import PeerLost
-        from pipeline.runtime.first_rank import RunError
 
         if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
@@ -118,7 +126,6 @@ def check_serve_dir(opts) -> None:
     before anything loads."""
     if opts.serve is None or opts.serve_dir is None:
         return
-    from serve.state_dir import serve_dir_problem
 
     problem = serve_dir_problem(opts.serve_dir)
     if problem:
@@ -145,7 +152,6 @@ def launch_rank(argv: list[str]) -> int:
 def usage_error(e: UsageError, quiet: bool = False) -> int:
     """Exit code 2; the message on stderr and, under torchrun, in the agent's error file."""
     if quiet:
-        from pipeline.config.options import quiet_exit_grace
 
         quiet_exit_grace()
         return 2
@@ -198,11 +204,9 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
         RECEIVED.append(sig)
-        from tasks.inflight import stop_all
 
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
         if serving:
-            from serve.source import STOPPING
 
             log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
             STOPPING.set()
@@ -220,7 +224,6 @@ def watch_signals(rank: int, serving: bool = False) -> None:
 def watch_launcher() -> None:
     """A rank started by torchrun or launch/legacy_per_rank.sh exits (SIGTERM's way) when that launcher
     is gone, even after ``kill -9`` of it (comm.lifeline)."""
-    from comm.lifeline import launcher_pid, watch_launcher as watch
 
     expected = launcher_pid(os.environ, START_PPID)
     if expected is not None:
@@ -229,7 +232,6 @@ def watch_launcher() -> None:
 
 def run(opts) -> int:
     """Plan (every flag checked, nothing loaded), then execute on this rank (in-process use, tests)."""
-    from pipeline.config.plan import make_plan
 
     plan = make_plan(opts)
     for warning in plan.warnings:
@@ -243,23 +245,16 @@ def execute(plan, opts) -> int:
     """Start distributed, load this stage, play this rank's role; returns the exit code."""
     import torch
 
-    from comm.dist import init_distributed, shutdown
-    from comm.faults import LOAD, set_rank
 
-    from pipeline.runtime.first_rank import Job
-    from pipeline.config.plan import output_for
-    from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
     if plan.stage == 0 and not inputs and opts.serve is None:
-        from tasks.dummy import write_dummy_requests
 
         dummy = write_dummy_requests(opts)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
-        from pipeline.runtime.host_memory import keep_freed_memory
 
         keep_freed_memory()
     try:
@@ -278,7 +273,6 @@ def execute(plan, opts) -> int:
             clean = True
             return stopped_code() if opts.serve is not None else 0
         if opts.serve is not None:
-            from serve.run import run_server
 
             run_server(plan, opts, info, stage, first_rank)
             clean = True
@@ -289,7 +283,6 @@ def execute(plan, opts) -> int:
         clean = True
         summarize(reports)
         if dummy:
-            from tasks.dummy import print_latency
 
             print_latency(reports[0], opts)
             for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
@@ -302,7 +295,6 @@ def execute(plan, opts) -> int:
 
 
 def summarize(reports) -> None:
-    from tasks.output_file import precision_note
 
     for r in reports:
         if r.skipped:

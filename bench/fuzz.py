@@ -1,4 +1,4 @@
-"""Fuzz the runner for as long as you like: the generated requests of tests/test_request_fuzz.py
+"""Fuzz the runner for as long as you like: the generated requests of tests/unit/tasks/test_request_fuzz.py
 (tests/fuzz_requests.py) against whole runs (the driver, in files) and a running server. One command:
 
     python bench/fuzz.py --minutes 60                   # both targets, half the time each
@@ -72,7 +72,7 @@ def fuzz_driver(model: str, until: float, work: Path, stats: dict, rng_seed: int
 
 
 def fuzz_server(model: str, until: float, work: Path, stats: dict, rng_seed: int) -> None:
-    from tests.test_serve import KEY, Server, httpx
+    from tests.integration.test_serve import KEY, Server, httpx
 
     server = Server(model, 1, work / "state", work / "server.log")
     server.start()

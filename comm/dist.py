@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from comm.p2p import open_channels
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,6 @@ def init_distributed(
         device, backend = torch.device("cpu"), "gloo"
     if world == 1:
         return DistInfo(rank, 1, 0, 1, 1, 1, device, None)
-    from comm.p2p import open_channels
 
     init_method = dist_url or "env://"
     if init_method == "env://" and "MASTER_ADDR" not in os.environ:

@@ -8,5 +8,8 @@
 - :mod:`serve.auth`     API keys and their names, the Host/Origin allow-lists;
 - :mod:`serve.intake`   per-request caps before tokenizing, tokenizing on worker threads;
 - :mod:`serve.protocol` the connection cap and the header/body/send timeouts (uvicorn's h11 protocol);
-- :mod:`serve.upload`   ``POST /v1/files`` parsed and written to disk as it arrives.
+- :mod:`serve.upload`   ``POST /v1/files`` parsed and written to disk as it arrives;
+- :mod:`serve.responses` JSON answers in OpenAI's shapes, bodies read under a size limit.
+
+May import every pipeline package, tasks and comm; nothing imports serve but the entry point.
 """

@@ -13,13 +13,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.requests import RequestError, json_problem, parse_body
+from tasks.requests import RequestError, parse_body
 
 from serve.auth import Access, Keys, origin_list
 from serve.batches import BatchStore, StoreError
@@ -27,6 +26,9 @@ from serve.guard import Guard
 from serve.intake import Caps, Tokenizing, check_caps, rows_of
 from serve.source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
 from serve.sse import DONE, ChunkMaker, event
+from serve.files_routes import add_batch_routes
+from serve.protocol import protocol_class
+from serve.responses import error, ok, read_json
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +49,6 @@ class ServeState:
     allowed_origins: str | None = None  # --allowed-origins as given (CORS headers)
     caps: Caps | None = None  # per-request caps checked before tokenizing (None: none)
     tokenizing: Tokenizing | None = None  # None: the pipeline thread tokenizes (tests of the engine alone)
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None, headers: dict | None = None) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
-
-
-def ok(obj: dict) -> Response:
-    return Response(orjson.dumps(obj), 200, media_type="application/json")
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -103,7 +95,6 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _complete(state, request, chat=True)
 
-    from serve.files_routes import add_batch_routes
 
     add_batch_routes(app, state)
     return app
@@ -118,16 +109,6 @@ def _model(state: ServeState, name: str) -> dict:
 
 def _served(state: ServeState) -> str:
     return ", ".join(repr(m) for m in (state.model, *state.adapters))
-
-
-async def read_json(request: Request, limit: int):
-    body = await request.body()
-    if len(body) > limit:
-        raise StoreError(f"the request body of {len(body)} bytes exceeds the limit of {limit} bytes", 413)
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise StoreError(f"the body is not valid JSON: {json_problem(body, e)}", 400) from None
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
@@ -277,7 +258,6 @@ class HttpThread:
 
         extra = {}
         if limits is not None:
-            from serve.protocol import protocol_class
 
             # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
             # by the protocol, which closes idle connections first)

@@ -20,6 +20,7 @@ import os
 import socket
 import stat
 from dataclasses import dataclass, field
+from pipeline.config.options import read_key_file
 
 log = logging.getLogger("serve")
 
@@ -51,7 +52,6 @@ class Keys:
 def load_keys(api_key: str | None, api_key_file: str | None, env: dict | None = None) -> Keys:
     """The keys of the flags (checked before loading: pipeline.config.options) or the environment; warns about
     ``--api-key`` (every local user sees it in ``ps``) and a key file other users can read."""
-    from pipeline.config.options import read_key_file
 
     env = os.environ if env is None else env
     if api_key_file:

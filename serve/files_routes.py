@@ -12,6 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from serve.batch_checks import CheckError, check_expires_after
 from serve.batches import StoreError, owner_slug
+from serve.responses import error, ok, read_json
+from serve.upload import receive_upload
 
 
 STORAGE_FULL = "the server could not store this (its disk is full); try again later"
@@ -24,8 +26,6 @@ def owner_of(request: Request) -> str:
 
 
 def add_batch_routes(app: FastAPI, state) -> None:
-    from serve.app import error, ok, read_json
-    from serve.upload import receive_upload
 
     store = state.store
 

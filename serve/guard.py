@@ -13,6 +13,7 @@ BaseHTTPMiddleware would hide client disconnects from the handlers), in this ord
 from __future__ import annotations
 
 from serve.auth import DEFAULT_NAME, Access, Keys
+from serve.responses import error
 
 UPLOAD_ROUTE = "/v1/files"
 MULTIPART_SLACK = 64 << 10  # an upload's body holds the file plus part headers and the purpose field
@@ -107,7 +108,6 @@ def _media_refusal(path: str, headers: dict) -> tuple[int, str, str] | None:
 
 
 async def _answer(status: int, message: str, code: str, scope, receive, send) -> None:
-    from serve.app import error
 
     headers = {"Connection": "close"} if status == 413 else None  # the rest of the body is not read
     await error(status, message, code=code, headers=headers)(scope, receive, send)

@@ -8,6 +8,15 @@ import sys
 import tempfile
 
 from serve.auth import API_KEY_ENVS, loopback
+from pipeline.config.options import serve_address
+from serve.app import HttpThread, ServeState, create_app
+from serve.auth import load_keys, make_access
+from serve.batches import BatchStore
+from serve.engine import ServeRank
+from serve.intake import Caps, Tokenizing, max_token_bytes
+from serve.protocol import Limits, connection_cap
+from serve.source import RequestSource
+from serve.batches import StoreLimits
 
 log = logging.getLogger("serve")
 
@@ -17,15 +26,7 @@ _loopback = loopback  # tests import it from here
 
 def run_server(plan, opts, info, stage, first_rank) -> None:
     """``first_rank`` builds rank 0's driver pieces (pipeline.runtime.roles.first_rank)."""
-    from pipeline.config.options import serve_address
 
-    from serve.app import HttpThread, ServeState, create_app
-    from serve.auth import load_keys, make_access
-    from serve.batches import BatchStore
-    from serve.engine import ServeRank
-    from serve.intake import Caps, Tokenizing, max_token_bytes
-    from serve.protocol import Limits, connection_cap
-    from serve.source import RequestSource
 
     host, port = serve_address(opts.serve)
     keys = load_keys(opts.api_key, getattr(opts, "api_key_file", None))
@@ -65,7 +66,6 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
 
 def store_limits(opts):
     """The Batch API's per-key quotas and lifetimes from the flags."""
-    from serve.batches import StoreLimits
 
     return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
                        int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)

@@ -1,0 +1,6 @@
+"""The jobs' I/O (the design card's name): request files in (completions, chat, Batch API lines),
+validation of request fields, the ordered resumable writer, atomic files, shards for data
+parallelism, progress, in-flight records that prevent crash loops, and dummy-data mode.
+
+May import comm and pipeline's lower layers; never pipeline.runtime or serve.
+"""

@@ -25,6 +25,7 @@ from tasks.files import write_atomic
 from tasks.inflight import InFlight
 from tasks.shards import share_size
 from tasks.writer import OrderedWriter, record_path, try_merge_shares
+from tasks.progress import Progress
 
 
 @dataclass
@@ -98,7 +99,6 @@ class OutputFile:
                 self.inflight.path.unlink(missing_ok=True)
             self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
-            from tasks.progress import Progress
 
             share_total = share_size(self.data_rank, total, self.data_size)
             self.progress = Progress(str(self.writer.output), share_total, skip)

@@ -1,4 +1,4 @@
-"""Generated requests for the property-based tests (tests/test_request_fuzz.py) and the fuzz benchmark
+"""Generated requests for the property-based tests (tests/unit/tasks/test_request_fuzz.py) and the fuzz benchmark
 (bench/fuzz.py): every field of a completion / chat request with values of every JSON type, edge
 numbers, huge and tiny values, unicode, token-id prompts, and chat messages of every shape; plus
 chat templates written as real model families ship them in tokenizer_config.json (they refuse

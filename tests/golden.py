@@ -2,7 +2,7 @@
 
 ``tests/data/golden/`` holds a tiny Llama (weights and tokenizer committed, so every machine loads
 the same numbers) and what the runner answered on ``tests/data/*.jsonl`` at P = 1 and P = 2 when
-they were recorded. tests/test_golden.py reruns the files and compares with
+they were recorded. tests/integration/test_golden.py reruns the files and compares with
 ``assert_consistent_results``: tokens and texts equal, logprobs within 1e-4, except where float
 rounding decides a near-tie (the rules of tests.utils). Record again only when a change of results
 is intended, and say why in the commit:

@@ -18,7 +18,7 @@ import mmap
 
 import torch
 
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 from pipeline.models.kernels import native
 from pipeline.models.spec import DecoderSpec
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.models.spec import DecoderSpec
+from pipeline.config.sizing import CPU_BUDGET, available_ram
 
-CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
 CPU_MAX_BUDGET = 1 << 16
 GiB = 1 << 30
 
@@ -66,7 +66,6 @@ def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None
     if value != "auto":
         return int(value)
     if device.type != "cuda":
-        from pipeline.config.sizing import available_ram
 
         cell = kv_cell_bytes(model)
         layers = len(getattr(model, "layers", ()))

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
+from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
+from pipeline.models.backends import BACKENDS  # what each means
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "int8")
-BACKENDS = ("auto", "native", "transformers")  # what each means: pipeline.models.backends
 # --prefill-chunk auto with several stages. A GPU computes a few hundred tokens in about a decode
 # step's time (both read the weights once), so chunks of 512 even out its passes; on the CPU a pass's
 # time grows with its tokens from the first: 64 tokens cost about a 32-row decode step (docs/design/chunked-prefill.md)
@@ -279,7 +280,6 @@ def check_options(opts: RunOptions) -> list[str]:
 
 
 def _layout_problems(opts: RunOptions) -> list[str]:
-    from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 
     problems = []
     given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]

@@ -1,4 +1,4 @@
-"""Which layers each pipeline stage holds. Pure, table-tested (tests/test_partition.py)."""
+"""Which layers each pipeline stage holds. Pure, table-tested (tests/unit/pipeline/config/test_partition.py)."""
 
 from __future__ import annotations
 

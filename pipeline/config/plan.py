@@ -2,7 +2,7 @@
 
 :func:`make_plan` is pure apart from reading ``config.json``, listing input files and looking at
 their outputs: it starts no process and loads no weights, so every mistake in the flags fails here,
-on every rank alike, with a message that says what to change (tests/test_plan.py). That includes
+on every rank alike, with a message that says what to change (tests/unit/pipeline/config/test_plan.py). That includes
 an output or journal written by another model or other settings (tasks/writer.py): a finished
 output counts as this run's, and is skipped, only when its record matches this run's fingerprint.
 """
@@ -24,6 +24,14 @@ from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.options import RunOptions, UsageError
 from pipeline.config.partition import stage_ranges
+from pipeline.loading.adapters import check_adapter, read_adapter
+from pipeline.config.options import parse_lora_flag
+from pipeline.config.partition import parse_layers_per_stage
+from pipeline.config.sizing import memory_layout
+from pipeline.loading.adapters import layer_bytes
+from pipeline.loading.stage_weights import SafetensorsFile
+from pipeline.loading.default_model import default_model_dir
+from pipeline.loading.default_model import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -143,8 +151,6 @@ def load_adapters(opts: RunOptions, config: dict, spec) -> list:
     """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
     if not opts.lora:
         return []
-    from pipeline.loading.adapters import check_adapter, read_adapter
-    from pipeline.config.options import parse_lora_flag
 
     if not isinstance(spec, DecoderSpec):
         raise UsageError(f"--lora needs a native family; {spec.family} runs on transformers' own layers "
@@ -160,17 +166,14 @@ def load_adapters(opts: RunOptions, config: dict, spec) -> list:
 def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,
                  adapters: list) -> tuple[list[tuple[int, int]], str | None]:
     """Layers of each stage: even, --num-layers, --layers-per-stage or --stage-memory."""
-    from pipeline.config.partition import parse_layers_per_stage
 
     if opts.stage_memory is None:
         sizes = parse_layers_per_stage(opts.layers_per_stage) if opts.layers_per_stage else None
         return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
-    from pipeline.config.sizing import memory_layout
 
     depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
     per_layer = None
     if adapters:
-        from pipeline.loading.adapters import layer_bytes
 
         per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
     sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
@@ -214,7 +217,6 @@ def stored_dtype(model_dir: str) -> str | None:
     """The dtype of the first floating-point tensor of the safetensors weights (None: not safetensors)."""
     import json
 
-    from pipeline.loading.stage_weights import SafetensorsFile
 
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
@@ -229,13 +231,11 @@ def stored_dtype(model_dir: str) -> str | None:
 
 
 def _default_model_dir() -> str:
-    from pipeline.loading.default_model import default_model_dir
 
     return default_model_dir()
 
 
 def _default_model_name() -> str:
-    from pipeline.loading.default_model import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME
 

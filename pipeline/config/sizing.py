@@ -11,10 +11,14 @@ import os
 
 import torch
 
-from pipeline.config.budget import CPU_BUDGET
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.models.families import DecoderSpec
 from pipeline.config.partition import gib, memory_sizes, parse_stage_memory
+from pipeline.models.hf_stage import HFStageModel, hf_config
+from pipeline.models.decoder import StageModel
+from pipeline.models.kernels.int8 import quantize_linears
+
+CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
 
 
 def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
@@ -48,8 +52,6 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
     """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
-        from pipeline.models.decoder import StageModel
-        from pipeline.models.kernels.int8 import quantize_linears
 
         with torch.device("meta"):
             embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
@@ -60,7 +62,6 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
             part = "layer" if name.startswith("layers.") else "embs" if name in embs else "head"
             yield name, p.numel(), part, p.numel() + 4 * p.shape[0] if p.dtype == torch.int8 else None
         return
-    from pipeline.models.hf_stage import HFStageModel, hf_config
 
     model = HFStageModel(hf_config(config, model_type), 0, spec.num_layers, True, True)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -16,9 +16,10 @@ Importing this module is cheap: transformers is imported only inside the functio
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pipeline.paths import cache_root  # noqa: F401 (re-exported: benchmarks build their models under it)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -48,12 +49,6 @@ def default_model_dir() -> str:
             f"the default model is missing from {SHIPPED_DIR}; restore it from git, or retrain it "
             "with: python examples/train_default_model.py")
     return str(SHIPPED_DIR)
-
-
-def cache_root() -> Path:
-    """``$DIST_INFER_CACHE`` if set, else ``~/.cache/dist-inference-runner`` (benchmarks' models)."""
-    env = os.environ.get("DIST_INFER_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dist-inference-runner"
 
 
 def make_tokenizer(tok: Any) -> PreTrainedTokenizerFast:

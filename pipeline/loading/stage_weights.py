@@ -53,6 +53,7 @@ from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
     check_weights_present,
 )
 from pipeline.loading.upload import Uploader
+from pipeline.models.hf_stage import hf_config
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,6 @@ def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.
 def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
                     model_type: str | None):
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
-    from pipeline.models.hf_stage import hf_config
 
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
@@ -232,7 +232,6 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
             sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
             return [[n] for n in dict.fromkeys(n for s in sources for n in s.names)]
     else:  # the generic stage: HF names straight from transformers' modules
-        from pipeline.models.hf_stage import hf_config
 
         config = hf_config(cfg, model_type)
         num_layers = config.num_hidden_layers

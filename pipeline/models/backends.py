@@ -12,14 +12,15 @@ Everything but the stage model (scheduler, sampling, logprobs, resume...) is the
 
 from __future__ import annotations
 
-from pipeline.config.options import BACKENDS
 from pipeline.models.hf_stage import ModelShape, UnsupportedModel, model_shape
 from pipeline.models.spec import DecoderSpec
+from pipeline.models.families import family_for, supported_model_types
+
+BACKENDS = ("auto", "native", "transformers")  # --backend: native family code, or transformers' own layers
 
 
 def native_family(cfg: dict, model_type: str | None = None):
     """The native family module for a config, or None."""
-    from pipeline.models.families import family_for
 
     try:
         return family_for(cfg, model_type)
@@ -31,7 +32,6 @@ def native_family(cfg: dict, model_type: str | None = None):
 
 def choose_backend(cfg: dict, model_type: str | None = None, backend: str = "auto") -> str:
     """'native' or 'transformers' for this model; ValueError (a usage error) when ``backend`` cannot run it."""
-    from pipeline.models.families import supported_model_types
 
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")

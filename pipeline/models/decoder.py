@@ -17,24 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.kernels.invariant import attend_rows, fix_linears, fixed_elementwise, fixed_linear, map_rows
+from pipeline.models.kernels.invariant import attend_rows, fix_linears, fixed_linear, map_rows
 from pipeline.models.kernels import native
 from pipeline.models.context import Segment, StageContext  # noqa: F401 (Segment re-exported)
 from pipeline.cache.kv_cache import KVCache
 from pipeline.models.kernels.logits import float32_linear
-from pipeline.models.lora import LoraRows, StageAdapters
+from pipeline.models.lora import StageAdapters
 from pipeline.models.moe import SparseMoE
 from pipeline.models.positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from pipeline.models.kernels.sdpa import attend, kv_runs, softcapped_attention
 from pipeline.models.spec import DecoderSpec
+from pipeline.models.mlp import MLP  # noqa: F401 (re-exported)
 from pipeline.models.kernels.unpad import attend_by_row, packed_layout, real_tokens, row_layout
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 class Norm(nn.Module):
@@ -176,34 +170,6 @@ class Attention(nn.Module):
             keys, values = [k for k, _ in kvs], [v for _, v in kvs]
         return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
                            scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, tile: int = 0):
-        super().__init__()
-        self.gated, self.tile = spec.mlp == "gated", tile
-        width = 2 * spec.intermediate_size if self.gated else spec.intermediate_size
-        self.up = nn.Linear(spec.hidden_size, width, bias=spec.mlp_bias)  # gated: [gate; up]
-        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-        self.act = _ACTIVATIONS[spec.activation]
-
-    def forward(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
-        return map_rows(self._mlp, x, self.tile) if self.tile else self._mlp(x, lora, layer)
-
-    def _mlp(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
-        h = self.up(x)
-        if getattr(self.down, "prologue", None) == "silu_gate":  # int8 down: act(gate) * up as it quantizes
-            return self.down(h)
-        if lora is not None:  # never with tiles: --batch-invariant refuses adapters
-            h = lora.add(layer, "mlp.up", x, h)
-        act = (lambda a: fixed_elementwise(self.act, a)) if self.tile else self.act  # tile: x is (rows, w)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            a = act(gate.contiguous() if self.tile else gate) * up
-        else:
-            a = act(h)
-        y = self.down(a)
-        return y if lora is None else lora.add(layer, "mlp.down", a, y)
 
 
 def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 
 MODULES = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # the projections an adapter may target
 

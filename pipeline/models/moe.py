@@ -28,6 +28,7 @@ from torch import nn
 
 from pipeline.models.kernels.invariant import fixed_elementwise, fixed_linear, map_rows
 from pipeline.models.spec import DecoderSpec
+from pipeline.models.mlp import ACTIVATIONS, MLP
 
 
 class SparseMoE(nn.Module):
@@ -35,7 +36,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, spec: DecoderSpec, tile: int = 0):
         super().__init__()
-        from pipeline.models.decoder import _ACTIVATIONS, MLP  # the decoder imports this module
 
         m = spec.moe
         assert m is not None and spec.mlp == "gated", "experts are SwiGLU MLPs"
@@ -44,7 +44,7 @@ class SparseMoE(nn.Module):
         self.router = nn.Linear(h, e, bias=False)
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # expert j: rows [gate_j; up_j]
         self.down = nn.Parameter(torch.empty(e, h, i))
-        self.act = _ACTIVATIONS[spec.activation]
+        self.act = ACTIVATIONS[spec.activation]
         self.shared = self.shared_gate = None
         if m.shared_expert_size:
             self.shared = MLP(replace(spec, intermediate_size=m.shared_expert_size, mlp_bias=False, moe=None), tile)

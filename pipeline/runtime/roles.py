@@ -12,16 +12,35 @@ import time
 from pathlib import Path
 
 from pipeline.config.options import UsageError
+from pipeline.loading.stage_weights import CheckpointError, build_stage
+from pipeline.models.hf_stage import UnsupportedModel
+from pipeline.config.plan import resolve_dtype
+from pipeline.runtime.stage import Stage
+from pipeline.loading.adapters import stage_adapters
+from pipeline.runtime.trace import Trace
+from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
+from pipeline.models.kernels.packed import pack_stage
+from pipeline.config.budget import resolve_budget
+from pipeline.models.families import DecoderSpec
+from pipeline.config.options import AUTO_PREFILL_CHUNK
+from pipeline.scheduling.scheduler import PREFILL_TOKENS
+from comm.p2p import Messenger
+from pipeline.runtime.link import Link
+from pipeline.output.head import Head
+from pipeline.runtime.last_rank import LastRank
+from pipeline.scheduling.driver import Driver
+from pipeline.runtime.first_rank import FirstRank
+from pipeline.scheduling.scheduler import Scheduler
+from pipeline.cache.prefix import PrefixCache
+from pipeline.scheduling.driver import ModelNames
+from pipeline.runtime.stage import serve
+from pipeline.loading.tokenizer import load_tokenizer as load
 
 log = logging.getLogger("runner")
 
 
 def load_stage(plan, opts, info):
     """This rank's layers in the run's dtype, as a :class:`pipeline.runtime.stage.Stage`."""
-    from pipeline.loading.stage_weights import CheckpointError, build_stage
-    from pipeline.models.hf_stage import UnsupportedModel
-    from pipeline.config.plan import resolve_dtype
-    from pipeline.runtime.stage import Stage
 
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
     first, last = plan.layers
@@ -41,7 +60,6 @@ def load_stage(plan, opts, info):
     if info.device.type == "cpu":
         pack_cpu_linears(model, dtype, opts, info)
     if plan.adapters:
-        from pipeline.loading.adapters import stage_adapters
 
         model.adapters, read = stage_adapters(plan.adapters, plan.config, plan.spec, first, last, dtype, info.device,
                                               opts.model_type)
@@ -49,7 +67,6 @@ def load_stage(plan, opts, info):
                  ", ".join(a.name for a in plan.adapters), len(read), model.adapters.nbytes() / 2**20)
     trace = None
     if opts.profiling:
-        from pipeline.runtime.trace import Trace
 
         trace = Trace(info.rank)
     return Stage(model, info.device, trace, prefix_block(plan, opts))
@@ -58,7 +75,6 @@ def load_stage(plan, opts, info):
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
     """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
     faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
-    from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 
     t0 = time.perf_counter()
     chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
@@ -76,7 +92,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
     """A CPU stage with ``--cpu-linear onednn``: the layers' projections multiply against oneDNN's
     prepacked weights (:mod:`pipeline.models.kernels.packed`); ``model.cpu_linear`` says which kernel runs
     (the run summary's ``stage_precision``)."""
-    from pipeline.models.kernels.packed import pack_stage
 
     t0 = time.perf_counter()
     n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear)
@@ -88,7 +103,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
 
 def run_budget(opts, info, stage, plan=None) -> int:
     """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
-    from pipeline.config.budget import resolve_budget
 
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
@@ -105,7 +119,6 @@ def prefix_block(plan, opts) -> int:
     --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
     longrope models (a prefix's keys depend on the length of the prompt that computed them) and on
     the generic transformers stage."""
-    from pipeline.models.families import DecoderSpec
 
     if opts.prefix_cache != "on" or opts.batch_invariant or not isinstance(plan.spec, DecoderSpec):
         return 0  # the generic stage keeps its cache its own way: no prefix pool there (yet)
@@ -118,8 +131,6 @@ def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
     """Prompt tokens a pass computes per chunkable prompt, 0 for whole prompts (``--prefill-chunk``).
     A chunk resumes after the prompt's earlier tokens in the cache, as a prefix-cache hit does: the
     same stages that cannot hold a prefix pool cannot chunk (:func:`prefix_block`)."""
-    from pipeline.models.families import DecoderSpec
-    from pipeline.config.options import AUTO_PREFILL_CHUNK
 
     chunk = opts.prefill_chunk
     if chunk == "auto":
@@ -147,7 +158,6 @@ def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
     :data:`~pipeline.scheduling.scheduler.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
     computes a few hundred tokens in about a decode step's time, so its passes are far more even,
     and what cap pays there is for a GPU run to tell."""
-    from pipeline.scheduling.scheduler import PREFILL_TOKENS
 
     return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
 
@@ -167,16 +177,12 @@ def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
 
 
 def make_link(info, stage):
-    from comm.p2p import Messenger
-    from pipeline.runtime.link import Link
 
     return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
 def last_rank(plan, opts, info, stage, tokenizer=None):
     """The last stage's handler: the head, and the fingerprint its journals are checked against."""
-    from pipeline.output.head import Head
-    from pipeline.runtime.last_rank import LastRank
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name if opts.serve else None) or plan.model_name
@@ -185,12 +191,8 @@ def last_rank(plan, opts, info, stage, tokenizer=None):
 
 
 def first_rank(plan, opts, info, stage):
-    from pipeline.scheduling.driver import Driver
-    from pipeline.runtime.first_rank import FirstRank
-    from pipeline.scheduling.scheduler import Scheduler
 
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    from pipeline.cache.prefix import PrefixCache
 
     block = prefix_block(plan, opts)
     gpu = info.device.type == "cuda"
@@ -201,7 +203,6 @@ def first_rank(plan, opts, info, stage):
                       scoring_tokens=pass_scoring_tokens(info.pipeline_size, gpu), stages=info.pipeline_size)
     models = None
     if plan.adapters:
-        from pipeline.scheduling.driver import ModelNames
 
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
@@ -213,7 +214,6 @@ def first_rank(plan, opts, info, stage):
 
 def serve_rank(plan, opts, info, stage) -> str | None:
     """Every rank but the first; returns the last output it saw opened."""
-    from pipeline.runtime.stage import serve
 
     link = make_link(info, stage)
     last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
@@ -223,8 +223,6 @@ def serve_rank(plan, opts, info, stage) -> str | None:
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool):
     """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading.tokenizer)."""
-    from pipeline.loading.stage_weights import CheckpointError
-    from pipeline.loading.tokenizer import load_tokenizer as load
 
     try:
         return load(model_dir, trust_remote_code)

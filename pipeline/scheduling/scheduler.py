@@ -7,7 +7,7 @@ over allocated slots. A new slot is packed with groups of similar length (prompt
 from a look-ahead window, and a slot whose rows finish takes new groups into those rows at once
 (continuous refill) instead of waiting for the whole micro-batch to end.
 
-Nothing here imports torch.distributed or runs a model (tests/test_schedule.py).
+Nothing here imports torch.distributed or runs a model (tests/unit/pipeline/scheduling/test_scheduler.py).
 """
 
 from __future__ import annotations

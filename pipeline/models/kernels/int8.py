@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.kernels import native
+from pipeline.models.decoder import projections
+from pipeline.models.decoder import MLP, Block, Norm
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +224,6 @@ def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor,
 def quantize_linears(model: nn.Module) -> int:
     """Replace the projections of every Attention and MLP in ``model`` (on the meta device, before
     loading) by :class:`Int8Linear` of the same shape; returns how many."""
-    from pipeline.models.decoder import projections
 
     found = projections(model)
     for module, name in found:
@@ -306,7 +307,6 @@ def fuse_prologues(model: nn.Module) -> int:
     no other reader) and SiLU(gate) * up of a gated MLP's ``down``. The float tensors in between
     are never written, and four to six eager operators a projection go (decode micro-batches spend
     about as long in them as in the product). Returns how many projections took a prologue."""
-    from pipeline.models.decoder import MLP, Block, Norm
 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     if native.library() is None or dtype not in (torch.float32, torch.bfloat16):

@@ -15,7 +15,7 @@ every such dependence, at a measured cost (bench/determinism.py):
   (1024x4096, 2048x768, the head's 4096x32000 all differ between 1 and 2 threads), MKL on an AVX2
   EPYC did not. So the product is summed, in order, over pieces of ``K_PIECE`` input features,
   each too short to be split; measured bit-identical for 1-4 threads on every shape from 256x768
-  to 2048x151936, at 1.2-1.5x the plain product's time (tests/test_batch_invariant.py).
+  to 2048x151936, at 1.2-1.5x the plain product's time (tests/unit/pipeline/models/kernels/test_invariant.py).
 - **Transcendental element-wise ops** (SiLU, GELU) run in pieces small enough that ATen computes
   each on one thread, cut at row boundaries (:func:`fixed_elementwise`): ATen splits a large
   element-wise op among threads at arbitrary offsets and handles each piece's tail with scalar
@@ -108,7 +108,7 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     causal kernel (it splits work by query blocks, whatever the threads); everything else (one
     query, a mask or a bias) through plain matmuls: SDPA's CPU kernel splits a single query's keys
     among threads, and its masked path differs with the thread count too (measured,
-    tests/test_batch_invariant.py).
+    tests/unit/pipeline/models/kernels/test_invariant.py).
     """
     b, h, t, d = q.shape
     scale = d**-0.5 if scale is None else scale

@@ -9,7 +9,7 @@ In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; 
 inputs they took as long as oneDNN's int8 product itself (AVX-512 Xeon, 1 thread, 32 rows of 768
 to 2304 in bfloat16: 197 us a projection, 94 of them the product). One C loop each does the same
 arithmetic in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the
-eager results, which ``tests/test_quantize.py`` asserts): 133 us. torch.compile was tried first:
+eager results, which ``tests/unit/pipeline/models/kernels/test_int8.py`` asserts): 133 us. torch.compile was tried first:
 its fused kernel is as fast, but each compiled call costs ~17 us of guards and wrappers, more
 than it saves at these sizes.
 
@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from pipeline.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 def cache_dir() -> Path:
     """``$DIST_INFER_CACHE/kernels``, else ``~/.cache/dist-inference-runner/kernels`` (the project's cache root)."""
-    from pipeline.loading.default_model import cache_root
 
     return cache_root() / "kernels"
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from pipeline.models.decoder import projections
+from pipeline.models.decoder import StageModel
 
 DECODE_ROWS_HINT = 32  # oneDNN picks its blocking for this many rows; measured: any of 4..256 does as well
 
@@ -82,7 +84,6 @@ def native_bf16() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace the projections of every Attention and MLP in the loaded ``model`` by
     :class:`PackedLinear`; returns how many."""
-    from pipeline.models.decoder import projections
 
     count = 0
     for module, name in projections(model):
@@ -97,7 +98,6 @@ def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
                quantize: str = "none", kernel: str = "onednn") -> tuple[int, str | None]:
     """``--cpu-linear KERNEL`` on a loaded stage: (projections packed, None), or (0, why not).
     Sets ``model.cpu_linear`` ("onednn" or "plain") on a CPU stage, for the run summary."""
-    from pipeline.models.decoder import StageModel
 
     if not isinstance(model, StageModel):
         return 0, "the generic transformers stage runs transformers' own layers"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 
 if TYPE_CHECKING:
     from pipeline.models.context import Segment, StageContext

@@ -134,7 +134,7 @@ SHARED = (0, 3, 4, 5)  # base requests after SHOTS
 def setup(make_llama, tmp_path_factory):
     """The model (head dim 16: int8 KV records need a multiple of 4), a LoRA adapter and its merged
     HF model, and the request files with and without adapter requests."""
-    from tests.test_lora import make_adapter, merged
+    from tests.unit.pipeline.models.test_lora import make_adapter, merged
 
     d = tmp_path_factory.mktemp("matrix")
     model = make_llama(num_hidden_layers=3, max_position_embeddings=512)

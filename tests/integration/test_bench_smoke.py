@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "throughput.py"
 
 FIGURES = {"generated_tokens", "scored_prompt_tokens", "gen_tokens_per_s", "scored_tokens_per_s", "gen_seconds",

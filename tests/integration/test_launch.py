@@ -25,7 +25,7 @@ from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, r
 LAUNCH = REPO / "launch"
 SCRIPTS = ["local_torchrun.sh", "legacy_per_rank.sh", "drain.sh", "slurm_pipeline.sbatch", "lsf_pipeline.bsub"]
 # --batch-invariant: shards change every request's neighbours, and the comparison with the
-# unsplit run is then exact (tests/test_batch_invariant.py)
+# unsplit run is then exact (tests/unit/pipeline/models/kernels/test_invariant.py)
 FAST = ["--num-threads", "1", "--no-progress", "--batch-invariant"]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
 

@@ -178,7 +178,7 @@ def test_a_run_answers_every_generated_line_once(tmp_path_factory, lines):
 # -- (d) a running server -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.test_serve import Server
+    from tests.integration.test_serve import Server
 
     folder = tmp_path_factory.mktemp("fuzzserve")
     s = Server(str(DEFAULT_MODEL), 1, folder / "state", folder / "server.log")
@@ -190,9 +190,9 @@ def server(tmp_path_factory):
 @settings(SLOW, max_examples=40)
 @given(chat=st.booleans(), data=st.data())
 def test_a_server_answers_every_generated_request_with_a_result_or_an_error(server, chat, data):
-    from tests.test_serve import httpx
+    from tests.integration.test_serve import httpx
 
-    from tests.test_serve import KEY
+    from tests.integration.test_serve import KEY
 
     body = data.draw(gen.bodies(chat=chat, cheap=True))
     r = httpx.post(server.url("/v1/chat/completions" if chat else "/v1/completions"),
@@ -211,7 +211,7 @@ def test_a_server_answers_every_generated_request_with_a_result_or_an_error(serv
 
 
 def test_the_server_is_alive_after_the_generated_requests(server):
-    from tests.test_serve import httpx
+    from tests.integration.test_serve import httpx
 
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
     assert server.proc.poll() is None

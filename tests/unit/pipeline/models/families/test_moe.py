@@ -12,7 +12,7 @@ from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.families import spec_from_config
 from pipeline.models.moe import SparseMoE
 from pipeline.config.partition import stage_ranges
-from tests.test_batch_invariant import OTHERS, TARGET, _prefill_and_decode, threads  # noqa: F401 (fixture)
+from tests.unit.pipeline.models.kernels.test_invariant import OTHERS, TARGET, _prefill_and_decode, threads  # noqa: F401 (fixture)
 from tests.utils import (assert_hf_parity, chain_logits, hf_logits, local_tokenizer, read_jsonl, run_torchrun,
                          save_hf_model, stage_chain)
 

@@ -15,7 +15,7 @@ from pipeline.models.decoder import Segment
 from pipeline.cache.kv_cache import KVCache, dequantize_records, quantize_records
 from pipeline.config.options import RunOptions, UsageError, check_options
 from pipeline.config.plan import make_plan
-from tests.test_attention_runs import _per_row_reference
+from tests.unit.pipeline.models.test_attention_runs import _per_row_reference
 from tests.utils import random_hf_model, stage_chain
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: the PyTorch forms run instead")

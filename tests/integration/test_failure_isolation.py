@@ -251,7 +251,7 @@ def test_a_line_whose_forward_raises_is_found_alone_and_answered_with_an_error(t
 # -- serve mode ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(mistral_model, tmp_path_factory):
-    from tests.test_serve import Server
+    from tests.integration.test_serve import Server
 
     folder = tmp_path_factory.mktemp("isolation")
     s = Server(str(mistral_model), 1, folder / "state", folder / "server.log")
@@ -261,7 +261,7 @@ def server(mistral_model, tmp_path_factory):
 
 
 def test_the_server_answers_each_bad_request_400_and_goes_on(server):
-    from tests.test_serve import KEY, httpx
+    from tests.integration.test_serve import KEY, httpx
 
     headers = {"Authorization": f"Bearer {KEY}"}
     for body, param in BAD:
@@ -278,7 +278,7 @@ def test_the_server_answers_each_bad_request_400_and_goes_on(server):
 
 
 def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works(server):
-    from tests.test_serve import wait_batch
+    from tests.integration.test_serve import wait_batch
 
     client = server.client()
     lines, errors = mixed_lines(30, chat_only=True)
@@ -312,7 +312,7 @@ def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works
 def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistral_model, tmp_path):
     """Each restart on the same --serve-dir resumes the batch; the line that ends the server is run
     alone after the first crash and answered with an error after the second: the batch completes."""
-    from tests.test_serve import Server, wait_batch
+    from tests.integration.test_serve import Server, wait_batch
 
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Line {i} is", "max_tokens": 2, "temperature": 0}} for i in range(12)]

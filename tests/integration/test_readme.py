@@ -14,7 +14,7 @@ use what an earlier block of its page or of an earlier page wrote; each must exi
 ``expect`` text. The only changes to the commands:
 ``/tmp/`` becomes a private folder and the fixed ports (29400, 29511; torchrun's default 29500
 through ``PET_MASTER_PORT``) become free ones, so concurrent test runs do not collide. Scheduler
-submissions are skipped (tests/test_launch.py runs the scripts with stub srun/blaunch).
+submissions are skipped (tests/integration/test_launch.py runs the scripts with stub srun/blaunch).
 
 The pages also link each other: the README links every docs page, every page says in one line what
 it is for and links back to the README, and every relative link and anchor resolves.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pipeline.models.decoder import Segment
 from pipeline.models.kernels.invariant import ROW_TILE, fixed_elementwise, fixed_linear, map_rows
 from pipeline.config.partition import stage_ranges
-from tests.test_families_opt_bloom_gpt2 import build as build_family
+from tests.unit.pipeline.models.families.test_opt_bloom_gpt2 import build as build_family
 from tests.utils import hf_logits, stage_chain, tiny_llama
 
 TARGET = [5, 17, 300, 42, 9, 11, 200, 7, 13, 64, 3]

@@ -17,7 +17,7 @@ from pipeline.scheduling.driver import Driver
 from pipeline.runtime.messages import PassHeader, Reply
 from pipeline.cache.prefix import PrefixCache, PrefixStore, block_digests
 from pipeline.scheduling.scheduler import Scheduler
-from tests.test_prefix_cache import assert_same_answers, cached
+from tests.unit.pipeline.cache.test_prefix import assert_same_answers, cached
 from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from pipeline.config.options import build_parser
-from tests.test_readme import PAGES, readme_blocks
+from tests.integration.test_readme import PAGES, readme_blocks
 from tests.utils import REPO, RUNNER
 
 FLAGS_PAGE = REPO / "docs" / "usage" / "flags.md"

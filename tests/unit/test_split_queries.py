@@ -9,7 +9,7 @@ import pytest
 
 import split_queries as sq
 
-DATA = Path(__file__).resolve().parent / "data"  # copies of ../shared/data
+DATA = Path(__file__).resolve().parents[1] / "data"  # copies of ../shared/data
 DATA_FILES = sorted(DATA.glob("*.jsonl"))
 assert DATA_FILES, f"no request files in {DATA}"  # committed: none means a broken checkout
 

@@ -99,7 +99,7 @@ def moe_formats(tmp_path_factory):
     save_pretrained writes it (one tensor per expert), sharded, and pre-split."""
     from transformers import AutoModelForCausalLM
 
-    from tests.test_families_moe import tiny_moe
+    from tests.unit.pipeline.models.families.test_moe import tiny_moe
 
     root = tmp_path_factory.mktemp("moe")
     base = Path(tiny_moe(root / "safetensors", "qwen2_moe"))

@@ -1,0 +1,30 @@
+"""JSON answers in OpenAI's shapes, and request bodies read under a size limit."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from serve.batches import StoreError
+from tasks.requests import json_problem
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None, headers: dict | None = None) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
+
+
+def ok(obj: dict) -> Response:
+    return Response(orjson.dumps(obj), 200, media_type="application/json")
+
+
+async def read_json(request: Request, limit: int):
+    body = await request.body()
+    if len(body) > limit:
+        raise StoreError(f"the request body of {len(body)} bytes exceeds the limit of {limit} bytes", 413)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise StoreError(f"the body is not valid JSON: {json_problem(body, e)}", 400) from None
