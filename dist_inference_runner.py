@@ -29,6 +29,7 @@ from comm.dist import init_distributed, shutdown  # noqa: E402
 from comm.faults import LOAD, set_rank  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402
+from pipeline.api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
@@ -45,16 +46,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("runner")
-
-
-def __getattr__(name: str):
-    """The Python API (``from dist_inference_runner import LLM, SamplingParams``), imported on first use
-    so that the command line does not pay for it."""
-    if name in ("LLM", "SamplingParams", "Result", "Choice", "Score", "EngineDead", "RequestFailed"):
-        import pipeline.api
-
-        return getattr(pipeline.api, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
