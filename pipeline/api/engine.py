@@ -140,7 +140,8 @@ class Engine:
             self._fail_pending()
             self.finished.set()
             try:
-                shutdown(info, clean)
+                if info is not None and info.backend is not None:  # one stage has no group (another LLM's may exist)
+                    shutdown(info, clean)
             except Exception as e:  # noqa: BLE001 - a peer gone at shutdown: the group is torn down anyway
                 log.warning("shutdown: %s", e)
 

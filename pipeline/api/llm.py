@@ -81,6 +81,9 @@ class LLM:
             if int(os.environ.get("RANK", "0")) != 0:
                 _serve_and_exit(opts)  # never returns: this rank serves rank 0 until it closes
         elif pipeline_size > 1:
+            if dist.is_initialized():
+                raise UsageError("another LLM with pipeline_size > 1 is open in this process (a process holds one "
+                                 "process group): close it first, or use pipeline_size=1 beside it")
             opts.rank, opts.world_size, opts.pipeline_group_size = 0, pipeline_size, pipeline_size
             opts.dist_url = f"tcp://127.0.0.1:{free_port()}"
         elif pipeline_size < 1:
@@ -272,7 +275,8 @@ class LLM:
                 log.warning("the pipeline thread did not stop within %.0f s", STOP_GRACE)
         if self.workers is not None:
             self.workers.stop()
-        _destroy_group()
+        if self.engine is not None and (self.opts.dist_url is not None or under_torchrun()):
+            _destroy_group()  # the pipeline thread could not (it died, or did not stop in time)
 
     def __enter__(self) -> LLM:
         return self

@@ -1,19 +1,17 @@
 """The Python API (pipeline.api) against file mode on the same request files, at P = 1 and P = 2 (the
-API starts the second stage itself), plus per-row parameters, bad requests, a killed worker and torchrun."""
+API starts the second stage itself), plus per-row parameters, bad requests and torchrun (a killed worker:
+test_python_api_workers.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import orjson
 import pytest
 
-from dist_inference_runner import LLM, EngineDead, RequestFailed, SamplingParams
+from dist_inference_runner import LLM, RequestFailed, SamplingParams
 from tests.utils import DATA, REPO, RUNNER, free_port, read_jsonl, run_cmd, strip_volatile
 
 FILES = ("babi_fewshot.jsonl", "mixed_params.jsonl", "helm_scoring.jsonl", "bad_lines.jsonl")
@@ -174,31 +172,6 @@ def test_generate_file_is_file_mode(llm, file_mode, tmp_path):
     assert len(lines) == len(file_mode["babi_fewshot.jsonl"])
     for i, (a, b) in enumerate(zip(lines, file_mode["babi_fewshot.jsonl"], strict=True)):
         _same(a, b, f"line {i}")
-
-
-def _children() -> list[int]:
-    out = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        f = task / "children"
-        if f.exists():
-            out += [int(c) for c in f.read_text().split()]
-    return out
-
-
-def test_killed_worker_raises_and_leaves_nothing(tmp_path):
-    before = set(_children())
-    llm = LLM(pipeline_size=2, **FLAGS)
-    worker = llm.workers.procs[0]
-    assert worker.pid in _children()
-    threading.Timer(2.0, os.kill, (worker.pid, signal.SIGKILL)).start()
-    with pytest.raises(EngineDead, match="rank 1 died"):
-        llm.generate(["Once upon a time"] * 64, SamplingParams(max_tokens=400, temperature=1.0))
-    with pytest.raises(EngineDead):  # it stays dead until closed
-        llm.generate("Hello")
-    llm.close()
-    assert set(_children()) <= before
-    with LLM(**FLAGS) as again:  # and the process can load another
-        assert again.generate("Hello", {"max_tokens": 2})[0].ok
 
 
 SCRIPT = """
