@@ -97,7 +97,11 @@ def _starts_processes(obj, seen: set) -> bool:
                if (inspect.isfunction(h) or inspect.isclass(h)) and h.__module__.split(".")[0] == "tests")
 
 
-def pytest_collection_modifyitems(items):
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    config.unit_tests_starting_processes = []  # read by tests/unit/test_layout.py: unit/ starts none
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         funcs = [getattr(item, "function", None)]
@@ -105,3 +109,5 @@ def pytest_collection_modifyitems(items):
         seen: set = set()
         if any(f is not None and _starts_processes(f, seen) for f in funcs):
             item.add_marker(pytest.mark.multiprocess)
+            if UNIT in Path(str(item.fspath)).resolve().parents:
+                config.unit_tests_starting_processes.append(item.nodeid)

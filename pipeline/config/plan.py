@@ -27,7 +27,8 @@ from pipeline.config.partition import stage_ranges
 from pipeline.loading.adapters import check_adapter, read_adapter
 from pipeline.config.options import parse_lora_flag
 from pipeline.config.partition import parse_layers_per_stage
-from pipeline.config.sizing import memory_layout
+from pipeline.config.fit import fit_problem, local_stages, stage_needs, suggestions
+from pipeline.config.sizing import available_ram, memory_layout, model_parts, planned_budget
 from pipeline.loading.adapters import layer_bytes
 from pipeline.loading.stage_weights import SafetensorsFile
 from pipeline.loading.default_model import default_model_dir
@@ -108,6 +109,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
+        if not opts.no_memory_check and opts.stage_memory is None:
+            check_memory(opts, config, spec, ranges, (rank, local_world, pipeline), dtype, device, adapters)
     except (ValueError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
@@ -145,6 +148,28 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
                    slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note)
+
+
+def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], where: tuple[int, int, int],
+                 dtype: torch.dtype, device: torch.device, adapters: list) -> None:
+    """UsageError (exit 2, before loading) when the stages on this node cannot fit its memory."""
+    rank, local_world, pipeline = where
+    per_layer = None
+    if adapters:
+        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
+                                           planned_budget(opts.budget, device), per_layer, opts.quantize == "int8",
+                                           opts.kv_cache_dtype == "int8")
+    needs = stage_needs(weights, kv, first, last, ranges)
+    here = local_stages(rank, local_world, pipeline)
+    free = None
+    if device.type == "cuda":
+        free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
+    problem = fit_problem(needs, here, available_ram(), device, free)
+    if problem:
+        fixes = suggestions(sum(weights) + first + last, sum(kv), pipeline, dtype, available_ram(), local_world)
+        raise UsageError(f"the plan does not fit: {problem}. What would: " + "; ".join(fixes)
+                         + " (--no-memory-check skips this check)")
 
 
 def load_adapters(opts: RunOptions, config: dict, spec) -> list:

@@ -30,6 +30,16 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
     caches and the prefix pool together never exceed the budget) and its adapters' factors. ``int8``
     (--quantize int8): the projections' weights at one byte each plus a float32 scale per row;
     ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
+    weights, kv, first, last = model_parts(config, spec, model_type, backend, dtype, budget, adapter_layers, int8,
+                                           kv_int8)
+    return [w + k for w, k in zip(weights, kv)], first, last
+
+
+def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
+                adapter_layers: list[int] | None = None, int8: bool = False,
+                kv_int8: bool = False) -> tuple[list[int], list[int], int, int]:
+    """(weights and adapters per layer, KV cache per layer, embedding-side, head-side bytes): the parts
+    of :func:`model_costs`, apart for the memory check (:mod:`pipeline.config.fit`)."""
     size = torch.empty((), dtype=dtype).element_size()
     layers = [0] * spec.num_layers
     first = last = 0
@@ -45,7 +55,7 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
     if kv_int8:  # the plan allows it only for native families (a DecoderSpec)
         kv = budget * int8_layer_bytes(spec)
     extra = adapter_layers or [0] * spec.num_layers
-    return [w + kv + a for w, a in zip(layers, extra)], first, last
+    return [w + a for w, a in zip(layers, extra)], [kv] * spec.num_layers, first, last
 
 
 def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: bool = False):

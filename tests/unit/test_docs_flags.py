@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 
 import pytest
 
 from pipeline.config.options import build_parser
 from tests.integration.test_readme import PAGES, readme_blocks
-from tests.utils import REPO, RUNNER
+from tests.utils import REPO
 
 FLAGS_PAGE = REPO / "docs" / "usage" / "flags.md"
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
@@ -53,14 +51,6 @@ def test_flags_page_and_help_list_the_same_flags():
     actions = parser_actions()
     assert sorted(set(actions) - set(documented)) == [], f"flags in --help without a row in {FLAGS_PAGE.name}"
     assert sorted(set(documented) - set(actions)) == [], f"rows of {FLAGS_PAGE.name} for flags --help does not have"
-
-
-def test_entry_script_help_lists_the_parser_flags():
-    out = subprocess.run([sys.executable, str(RUNNER), "--help"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    listed = set(re.findall(r"^  (--[a-z][a-z0-9-]*)", out.stdout, flags=re.M)) - {"--help"}
-    assert listed == set(parser_actions())
 
 
 def literal(cell: str):

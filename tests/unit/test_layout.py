@@ -146,3 +146,9 @@ def test_every_package_says_what_it_holds():
         if path.name == "__init__.py" and m.count(".") <= 2:
             doc = ast.get_docstring(TREES[m]) or ""
             assert len(doc) > 40, f"{path.relative_to(ROOT)}: say what the package holds and what it may import"
+
+
+def test_unit_tests_start_no_processes(request):
+    """tests/unit is the fast tier's home: a test that starts processes belongs in tests/integration."""
+    offenders = getattr(request.config, "unit_tests_starting_processes", [])
+    assert not offenders, "move to tests/integration:\n" + "\n".join(offenders)

@@ -8,8 +8,7 @@ import pytest
 
 from pipeline.cache.prefix import PrefixCache, block_digests
 from pipeline.scheduling.scheduler import Group, Scheduler
-from tests.utils import (assert_consistent_results, local_tokenizer, read_jsonl, run_inprocess, run_single,
-                         run_torchrun, write_jsonl)
+from tests.utils import assert_consistent_results, local_tokenizer, read_jsonl, run_inprocess, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -105,32 +104,6 @@ def test_p1_answers_equal_cache_off_and_prefixes_hit(model_dir, workload, refere
     assert all(h == 0 for x, h in zip(lines, hits) if "Unshared" in str(x["request"]["prompt"]))
     summary = json.loads((tmp_path / "on.jsonl.summary.json").read_text())
     assert summary["cached_prompt_tokens"] == sum(hits) and summary["prefix_hit_rate"] > 0.5
-
-
-@pytest.mark.parametrize("stages, extra", [(2, ["--prefill-chunk", "48", "--budget", "8192"]),
-                                           (3, ["--budget", "520", "--max-micro-batch-size", "3"])])
-def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages, extra):
-    """P = 2 with chunked prefill (48 tokens a pass), and P = 3 with a budget so small that blocks are
-    evicted and recomputed mid-file; the stages never hold more KV cells (micro-batches + pool) than
-    --budget."""
-    out = tmp_path / "on.jsonl"
-    p = run_torchrun(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out), *extra], stages)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = read_jsonl(out)
-    assert_same_answers(lines, reference)
-    summary = json.loads((tmp_path / "on.jsonl.summary.json").read_text())
-    budget = int(extra[extra.index("--budget") + 1])
-    assert 0 < summary["kv_cells_peak"] <= budget
-    assert summary["cached_prompt_tokens"] > 0
-
-
-def test_kill_and_resume_with_the_cache_equals_cache_off(model_dir, workload, reference, tmp_path):
-    out = tmp_path / "out.jsonl"
-    args = ["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out), "--budget", "900"]
-    assert run_single(args, env={"DIST_INFER_FAULT": "midgen", "DIST_INFER_FAULT_RANK": "0"}).returncode != 0
-    p = run_single(args)
-    assert p.returncode == 0 and "resuming after" in p.stderr, p.stderr[-3000:]
-    assert_same_answers(read_jsonl(out), reference)
 
 
 # -- bookkeeping --------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ import openai.types as openai_types  # a declared test dependency (requirements-
 import pytest
 import torch
 
-from tests.utils import (DATA, assert_consistent_results, assert_identical_results, hf_logits, local_tokenizer, read_jsonl, run_inprocess,
-                         run_torchrun, write_jsonl)
+from tests.utils import DATA, assert_identical_results, hf_logits, local_tokenizer, read_jsonl, run_inprocess, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +77,6 @@ def test_mixed_params_all_answered_and_valid_openai_types(model_dir, tmp_path):
 def _hf_loglik(model_dir, ids: list[int]) -> float:
     lp = torch.log_softmax(hf_logits(model_dir, ids), -1)
     return sum(float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1))  # float64 sum
-
-
-def test_echo_scoring_matches_hf_loglikelihood_p1_and_p2(model_dir, tmp_path):
-    requests = [json.loads(l) for l in (DATA / "helm_scoring.jsonl").read_text().splitlines()[:8]]
-    tok = local_tokenizer()
-    out1 = run(model_dir, tmp_path, requests)
-    src = write_jsonl(tmp_path / "helm.jsonl", requests)
-    p = run_torchrun(["--model-name", model_dir, "--infer-data", src, "--output-path", str(tmp_path / "p2.jsonl")], 2)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out2 = read_jsonl(tmp_path / "p2.jsonl")
-    assert_consistent_results(out1, out2)  # scoring only: logprobs within 1e-4
-    for req, line in zip(requests, out1, strict=True):
-        c = line["result"]["choices"][0]
-        assert c["finish_reason"] == "length" and c["text"] == req["prompt"]
-        assert line["result"]["usage"]["completion_tokens"] == 0
-        ids = tok(req["prompt"])["input_ids"]
-        assert len(c["logprobs"]["tokens"]) == len(ids)
-        ours = sum(c["logprobs"]["token_logprobs"][1:])
-        assert abs(ours - _hf_loglik(model_dir, ids)) < 1e-3
-        check_offsets(c)
-        assert all(1 <= len(t) <= 5 for t in c["logprobs"]["top_logprobs"][1:])  # equal strings collapse
 
 
 def test_lm_eval_recipe_loglikelihood_and_greedy_flag(model_dir, tmp_path):

@@ -7,8 +7,7 @@ import torch
 
 from pipeline.models.families import spec_from_config
 from pipeline.config.partition import stage_ranges
-from tests.utils import (assert_hf_parity, chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer,
-                         random_hf_model, read_jsonl, run_torchrun, stage_chain, write_jsonl)
+from tests.utils import assert_hf_parity, chain_greedy, chain_logits, hf_greedy, hf_logits, local_tokenizer, random_hf_model, stage_chain
 
 SHORT = [[5, 17, 300, 42, 9, 11, 1000, 7, 13], [100, 200], [31, 1020, 8, 99, 900]]
 LONG = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 383, 279, 502, 88, 41, 97, 169, 399, 37, 510, 58, 20]
@@ -99,29 +98,6 @@ def test_hub_style_configs():
     assert g1.activation == "gelu_tanh" and g1.tie_embeddings
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         spec_from_config(dict(base, model_type="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-
-
-def test_runner_p2_echo_scoring_and_greedy_match_hf(tmp_path):
-    """Through the CLI at P = 2: Gemma 3 (local/global layers, window 4) echo-scores prompts several
-    windows long and generates greedily, as HF does."""
-    model_type, overrides = VARIANTS["gemma3"]
-    path = random_hf_model(tmp_path / "gemma3", model_type, **overrides)
-    requests = [{"prompt": p, "echo": True, "logprobs": 1, "max_tokens": 0} for p in PROMPTS]
-    requests += [{"prompt": p, "max_tokens": 5, "temperature": 0, "logprobs": 0} for p in PROMPTS]
-    src = write_jsonl(tmp_path / "requests.jsonl", requests)
-    out = tmp_path / "out.jsonl"
-    proc = run_torchrun(["--model-name", path, "--infer-data", src, "--output-path", str(out), "--no-progress"], 2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = read_jsonl(out)
-    for prompt, line in zip(PROMPTS, lines[: len(PROMPTS)], strict=True):
-        lps = line["result"]["choices"][0]["logprobs"]["token_logprobs"]
-        ref = torch.log_softmax(hf_logits(path, prompt), -1)
-        assert lps[0] is None and len(lps) == len(prompt)
-        assert max(abs(lps[i] - float(ref[i - 1, prompt[i]])) for i in range(1, len(prompt))) < 1e-4
-    tok = local_tokenizer()
-    for prompt, line in zip(PROMPTS, lines[len(PROMPTS):], strict=True):
-        toks, _ = hf_greedy(path, prompt, 5)
-        assert line["result"]["choices"][0]["text"] == tok.decode(toks)
 
 
 def test_gemma3_image_text_checkpoint_runs_its_text_decoder(tmp_path):
