@@ -117,7 +117,7 @@ class LLM:
         if self._closed:
             raise EngineDead("this LLM is closed")
         problem = self.workers.problem() if self.workers is not None else None
-        if problem is None and self.workers is not None and self.engine.finished.is_set():
+        if problem is None and self.workers is not None and (self.engine.failure or self.engine.finished.is_set()):
             # rank 0 saw the peer go first: the dead worker's own message says more (give it a moment to exit)
             self.workers.wait(WORKER_EXIT_S)
             problem = self.workers.problem()
@@ -260,6 +260,7 @@ class LLM:
             return from_line(i, value[1])
         if value[0] == "error":
             return error_result(i, live.req.raw, value[2])
+        self._check()  # the pipeline stopped: with a dead worker's own message when there is one
         raise EngineDead(value[1])
 
     # -- lifetime ---------------------------------------------------------------------------------
