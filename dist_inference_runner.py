@@ -34,13 +34,17 @@ from pipeline.config.options import UsageError, parse_options, quiet_exit_grace 
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
 from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
+from pipeline.config.estimate import dry_run  # noqa: E402
+from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
+from serve.interactive import run_chat_client, run_interactive  # noqa: E402
 from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
-from tasks.dummy import print_latency, write_dummy_requests  # noqa: E402
-from tasks.inflight import stop_all  # noqa: E402
+from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
+from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
+from tasks.status import fail_active  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +78,13 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
+    if opts.chat and opts.url:  # a client of a running server: nothing to load here
+        return run_chat_client(opts)
+    if opts.dry_run:  # the plan and an estimate; no process group, no weights, no outputs
+        try:
+            return dry_run(opts, sys.argv[1:] if argv is None else argv)
+        except UsageError as e:
+            return usage_error(e, quiet=rank != 0)
     if signals:
         watch_signals(rank, serving=opts.serve is not None)
         watch_launcher()
@@ -167,6 +178,7 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
+STOP_GRACE = 0.5  # seconds the last stage waits, after a signal, to tell a stop from a dead peer (P > 1)
 RECEIVED: list[int] = []  # the stopping signal, once received (serve mode exits 128 + it after draining)
 
 
@@ -195,8 +207,14 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         sig = signal.sigwait(sigs)
         name = signal.Signals(sig).name
         RECEIVED.append(sig)
-
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and recording():
+            # the last stage: when an earlier stage dies, torchrun sends this signal to the others; the
+            # connection to the dead stage is seen lost meanwhile (the main thread exits 1 and the run
+            # counts as a crash, not a stop: tasks.inflight). The other ranks wait longer below.
+            time.sleep(STOP_GRACE)
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
+        if not serving:
+            fail_active(f"{name} received")
         if serving:
 
             log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
@@ -207,6 +225,8 @@ def watch_signals(rank: int, serving: bool = False) -> None:
             return
         log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
                   rank, name)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not recording():
+            time.sleep(2 * STOP_GRACE)  # the last stage records the stop before this rank's connections close
         _hard_exit(128 + sig)
 
     threading.Thread(target=wait, name="signals", daemon=True).start()
@@ -240,9 +260,11 @@ def execute(plan, opts) -> int:
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
-    if plan.stage == 0 and not inputs and opts.serve is None:
+    talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
+    workload = DummyWorkload(opts.batch_size, opts.input_seq_length, opts.generate_seq_length)
+    if plan.stage == 0 and not inputs and opts.serve is None and not talking:
 
-        dummy = write_dummy_requests(opts)
+        dummy = write_dummy_requests(workload)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
@@ -253,16 +275,26 @@ def execute(plan, opts) -> int:
                                 opts.dist_url, opts.cuda_id, opts.timeout)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
-    stage = load_stage(plan, opts, info)
-    LOAD.tick()
-    opts.budget = run_budget(opts, info, stage, plan)
+    status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
+    try:
+        start_metrics(opts, status)
+        stage = load_stage(plan, opts, info)
+        LOAD.tick()
+        opts.budget = run_budget(opts, info, stage, plan)
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     last_output = None  # the profile trace goes beside the run's last output
     clean = False
     try:
         if not info.is_first:
-            last_output = serve_rank(plan, opts, info, stage)
+            last_output = serve_rank(plan, opts, info, stage, status)
             clean = True
             return stopped_code() if opts.serve is not None else 0
+        if talking:
+            code = run_interactive(plan, opts, info, stage, first_rank)
+            clean = True
+            return code
         if opts.serve is not None:
 
             run_server(plan, opts, info, stage, first_rank)
@@ -270,15 +302,24 @@ def execute(plan, opts) -> int:
             return stopped_code()
         jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
         last_output = jobs[-1].output if jobs else None
-        reports = first_rank(plan, opts, info, stage).drive(jobs)
+        rank0 = first_rank(plan, opts, info, stage)
+        rank0.stats_every = opts.status_interval
+        if rank0.last is not None:
+            rank0.last.status = status
+        reports = rank0.drive(jobs)
         clean = True
+        if status is not None:
+            status.finish("finished")
         summarize(reports)
         if dummy:
 
-            print_latency(reports[0], opts)
+            print_latency(reports[0], workload)
             for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
                 Path(path).unlink(missing_ok=True)
         return 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        raise
     finally:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))

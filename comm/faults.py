@@ -8,8 +8,12 @@ point, exactly like a crash or an OOM kill would. The points:
 - ``drive``: rank 0, at its 10th reply;
 - ``finalize``: the journal is complete and synced, not yet published;
 - ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE`` (a request that
-  kills the process each time it runs: tasks.inflight); ``line-raise``: raises there instead, as a
-  stage's forward that fails on that request would.
+  kills the process each time it runs: tasks.inflight);
+- ``forward-raise``: a stage's forward raises whenever its pass computes a row of input line
+  ``DIST_INFER_FAULT_LINE`` (on the rank ``DIST_INFER_FAULT_RANK``, default every rank), as a kernel
+  failing on that request would (pipeline.runtime.retry); ``forward-kill``: SIGKILL there instead
+  (a segfault on that request, at any stage). ``DIST_INFER_FAULT_PASS=k``: only from the k-th pass
+  computing that line on (k > 1: while it decodes).
 
 Unset in normal runs, where each call costs one attribute test.
 """
@@ -45,20 +49,52 @@ class LinePoint(FaultPoint):
 
     def __init__(self):
         super().__init__("line")
-        self.raises = os.environ.get("DIST_INFER_FAULT") == "line-raise"
-        self.armed |= self.raises
         self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
 
     def admit(self, indices) -> None:
         if self.armed and self.line in indices:
-            if self.raises:
-                raise RuntimeError(f"injected fault: a forward failing on line {self.line}")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ForwardPoint(FaultPoint):
+    """A stage's forward fails (raises, or kills the process) on line ``DIST_INFER_FAULT_LINE``'s rows.
+    The stage learns which rows hold that line from the admissions passing through it."""
+
+    def __init__(self):
+        super().__init__("forward-raise")
+        self.kills = os.environ.get("DIST_INFER_FAULT") == "forward-kill"
+        self.armed |= self.kills
+        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
+        self.rows: set[tuple[int, int]] = set()  # (slot, row) holding the line
+        self.from_pass = int(os.environ.get("DIST_INFER_FAULT_PASS", "1"))
+        self.passes = 0  # passes of this stage that computed the line's rows
+
+    def watch(self, hdr) -> None:
+        """Every pass (a PassHeader) through the stage: note which rows its admissions take."""
+        if not self.armed:
+            return
+        for meta in hdr.admit:
+            for r in meta.rows:
+                (self.rows.add if meta.req == self.line and not meta.live else self.rows.discard)((hdr.slot, r))
+
+    def check(self, hdr) -> None:
+        """Before a stage computes ``hdr``: fail when it computes the line's rows."""
+        if not self.armed:
+            return
+        rows = {*hdr.decode_rows, *(p.row for p in hdr.prefill)}
+        if any((hdr.slot, r) in self.rows for r in rows):
+            self.passes += 1
+            if self.passes < self.from_pass:
+                return
+            if self.kills:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault: a forward failing on line {self.line}")
 
 
 LOAD, PREFILL, MIDGEN = FaultPoint("load"), FaultPoint("prefill"), FaultPoint("midgen")
 DRIVE, FINALIZE, LINE = FaultPoint("drive", after=10), FaultPoint("finalize"), LinePoint()
-POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE, LINE)
+FORWARD = ForwardPoint()
+POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE, LINE, FORWARD)
 
 
 def set_rank(rank: int) -> None:

@@ -127,6 +127,17 @@ class Messenger:
             except RuntimeError as e:
                 raise PeerLost(dst, e, "payload") from None
 
+    def send_now(self, dst: int, header: bytes) -> None:
+        """:meth:`send` a header and wait until it has left this process: a message that must reach the
+        peer even if this process dies right after (pipeline.runtime.messages.Admitting)."""
+        n = len(self._pending)
+        self.send(dst, header)
+        try:
+            for work, _ in self._pending[n:]:
+                work.wait()
+        except RuntimeError as e:
+            raise PeerLost(dst, e) from None
+
     def expect(self, src: int) -> None:
         """Post the receive for ``src``'s next message now (see the module docstring). Not after the
         last message (stop): a receive nobody answers would be left at shutdown."""

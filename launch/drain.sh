@@ -10,9 +10,10 @@
 #   [MODEL=DIR] [QUERY_DIR=DIR] [MAX_INDEX=K] [NPROC=N] launch/drain.sh [runner flags...]
 # Example (shards from `python split_queries.py --input-file helm.jsonl --output-dir queries --requests-per-shard 500`):
 #   MODEL=/models/llama-2-70b-hf QUERY_DIR=queries/default MAX_INDEX=199 NPROC=8 launch/drain.sh --budget 32768
+#   MODEL=meta-llama/Llama-3.1-70B NPROC=8 launch/drain.sh --revision main   (a hub id: cache first, fetched once)
 #
 # Environment (defaults in brackets):
-#   MODEL        HuggingFace model folder                   [empty: the runner's embedded default model]
+#   MODEL        HuggingFace folder or hub id               [empty: the runner's embedded default model]
 #   QUERY_DIR    folder of request_<k>.jsonl shards (DATA is accepted as an alias)  [queries/default]
 #   MIN_INDEX    first shard index                          [0]
 #   MAX_INDEX    last shard index, inclusive                 [99]
@@ -22,6 +23,8 @@
 #   TORCHRUN     launcher command for NPROC>1, split on spaces  [torchrun]
 #   PYTHON       interpreter for NPROC=1                     [python]
 #   REPO         checkout holding dist_inference_runner.py  [this script's parent folder]
+#   STATUS_EVERY seconds between status lines of the running shard (its <output>.status.json); 0 = only
+#                the line at its end  [60]
 # Any further arguments go to every run unchanged.
 set -euo pipefail
 
@@ -34,6 +37,7 @@ NPROC=${NPROC:-1}
 OUTPUT_DIR=${OUTPUT_DIR:-}
 KEEP_GOING=${KEEP_GOING:-1}
 PYTHON=${PYTHON:-python}
+STATUS_EVERY=${STATUS_EVERY:-60}
 read -r -a TORCHRUN_CMD <<< "${TORCHRUN:-torchrun}"
 
 if [[ ! -d $QUERY_DIR ]]; then
@@ -66,8 +70,20 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     else
         echo "drain: run $input -> $output" >&2
     fi
-    rc=0
+    rc=0 watcher=
+    status="$output.status.json"  # the runner's default status file (docs/usage/monitoring.md)
+    if ((STATUS_EVERY > 0)); then
+        PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" "$$" </dev/null &
+        watcher=$!
+    fi
     "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
+    if [[ -n $watcher ]]; then  # (killed before its trap is set, it ends with 143: not this shard's status)
+        kill "$watcher" 2>/dev/null || true
+        wait "$watcher" 2>/dev/null || true
+    fi
+    if ((! existed)) && [[ -f $status ]]; then
+        echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
+    fi
     if ((rc == 130 || rc == 143)); then
         echo "drain: $input interrupted (status $rc); rerun to resume" >&2
         exit "$rc"

@@ -12,7 +12,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC=8 DATA=requests.jsonl launch/legacy_per_rank.sh
 #
 # Environment (defaults in brackets):
-#   MODEL        HuggingFace model folder                   [empty: the runner's embedded default model]
+#   MODEL        HuggingFace folder or hub id               [empty: the runner's embedded default model]
 #   DATA         request file, directory of *.jsonl or a quoted glob  [examples/requests.jsonl]
 #   NPROC        ranks started on this node (P)            [2]
 #   NNODES       nodes taking part; world size = NNODES x NPROC, all of them one pipeline  [1]

@@ -8,7 +8,7 @@
 #   MODEL=/models/llama-2-13b-hf DATA=queries/default NPROC=4 launch/local_torchrun.sh --budget 16384
 #
 # Environment (defaults in brackets):
-#   MODEL        HuggingFace model folder                   [empty: the runner's embedded default model]
+#   MODEL        HuggingFace folder or hub id               [empty: the runner's embedded default model]
 #   DATA         request file, directory of *.jsonl or a quoted glob  [examples/requests.jsonl]
 #   NPROC        ranks = pipeline stages on this node      [visible GPUs per nvidia-smi, else 1]
 #   OUTPUT       --output-path: a file (one input) or a directory (several)  [empty: output_<name> beside each input]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.requests import RequestError, parse_body
@@ -23,12 +24,14 @@ from tasks.requests import RequestError, parse_body
 from serve.auth import Access, Keys, origin_list
 from serve.batches import BatchStore, StoreError
 from serve.guard import Guard
+from serve.metrics import CountRequests, ServeMetrics
 from serve.intake import Caps, Tokenizing, check_caps, rows_of
 from serve.source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
 from serve.sse import DONE, ChunkMaker, event
 from serve.files_routes import add_batch_routes
 from serve.protocol import protocol_class
 from serve.responses import error, ok, read_json
+from serve.web_page import add_page_route
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class ServeState:
     allowed_origins: str | None = None  # --allowed-origins as given (CORS headers)
     caps: Caps | None = None  # per-request caps checked before tokenizing (None: none)
     tokenizing: Tokenizing | None = None  # None: the pipeline thread tokenizes (tests of the engine alone)
+    metrics: ServeMetrics | None = None  # GET /metrics (serve.metrics); None: no such route
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -63,6 +67,12 @@ def create_app(state: ServeState) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
+    if state.metrics is not None:  # outermost: refused requests are counted too
+        app.add_middleware(CountRequests, metrics=state.metrics, routes=app)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(state.metrics.text(), 200, media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -97,6 +107,7 @@ def create_app(state: ServeState) -> FastAPI:
 
 
     add_batch_routes(app, state)
+    add_page_route(app)  # the chat page at / (serve/static/index.html)
     return app
 
 

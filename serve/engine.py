@@ -55,10 +55,10 @@ class ServeRank(FirstRank):
         self.source, self.batches = source, batches
         self.owed = 0  # answers the last rank owes: passes, OpenFile, CloseFile
         self.live: dict[int, Live] = {}  # request index -> a request in the scheduler
-        self.drops: dict[int, set[int]] = {}  # slot -> live requests to forget with its next pass
-        self.release: list[int] = []
         self.batch: BatchRun | None = None
         self.fingerprint: dict | None = None  # the run's (pipeline.config.plan): a batch's journal resumes only under it
+        self.metrics = None  # serve.metrics.ServeMetrics: /metrics
+        self._load_at = 0.0
         self._swept = 0.0
 
     def serve(self) -> None:
@@ -110,40 +110,23 @@ class ServeRank(FirstRank):
         if self.live.pop(live.req.index, None) is None:
             return  # answered already
         self.source.forget(live)
-        gids, sched = set(live.gids), self.driver.sched
-        for g in [g for g in sched.queue if g.gid in gids]:
-            sched.queue.remove(g)
-            self.driver.unqueue(g)
-        held = [slot.sid for slot in sched.slots if gids.intersection(x for x in slot.row_group if x is not None)]
-        for sid in held:
-            self.drops.setdefault(sid, set()).add(live.req.index)
-        log.info("request %d: the client left; its rows are freed (%d micro-batch(es))", live.req.index, len(held))
+        held = self.driver.cancel(set(live.gids), live.req.index)
+        log.info("request %d: the client left; its rows are freed (%d micro-batch(es))", live.req.index, held)
 
     def _shed(self) -> None:
         """Shutdown: nothing queued starts (batch lines come back from the journal after a restart)."""
-        sched = self.driver.sched
-        for g in list(sched.queue):
-            meta = self.driver.unqueue(g)
-            if meta is not None and meta.live and meta.req in self.live:
+        for meta in self.driver.shed():
+            if meta.live and meta.req in self.live:
                 live = self.live.pop(meta.req)
                 self.source.resolve(live, ("error", 503, _error("the server is shutting down", "server_error")))
-        sched.queue.clear()
-        self.driver.lines = None
 
     # -- passes and answers -------------------------------------------------------------------
     def _launch(self) -> None:
-        d, sched = self.driver, self.driver.sched
-        for slot in sched.slots:
-            ps = None if slot.inflight else sched.next_pass(slot.sid)
-            if ps is None:
-                if not slot.inflight:
-                    self.drops.pop(slot.sid, None)
-                continue
-            hdr, dec, pre = d.build(ps, self.release)
-            self.release = []
-            hdr.drop = sorted(self.drops.pop(slot.sid, ()))
-            self._launch_pass(hdr, dec, pre)
-            self.owed += 1
+        for sid in self.driver.slot_ids:
+            built = self.driver.next_pass(sid)  # None while its pass is in flight (no passes ahead here)
+            if built is not None:
+                self._launch_pass(*built)
+                self.owed += 1
 
     def _on(self, msg: Message) -> None:
         self.owed -= 1
@@ -152,21 +135,36 @@ class ServeRank(FirstRank):
         if isinstance(msg, Closed):
             return self._closed(msg)
         assert isinstance(msg, Reply), msg
-        sched = self.driver.sched
-        was = sched.slots[msg.slot].allocated
-        self.driver.on_reply(msg)
-        if was and not sched.slots[msg.slot].allocated:
-            self.release.append(msg.slot)
+        self.driver.on_reply(msg)  # a slot it empties is released with the next pass
         for index, choice, text, logprobs in msg.deltas:
             live = self.live.get(index)
             if live is not None:
+                if live.first_at is None and self.metrics is not None:
+                    live.first_at = time.monotonic()
+                    self.metrics.first_token(live.started)
                 self.source.emit(live, choice, text, logprobs)
         for index, line in msg.answers:
             live = self.live.pop(index, None)
             if live is not None:  # a request whose computation failed gets its error, the others go on
+                if self.metrics is not None and line.get("error") is None:
+                    self.metrics.answered(live.started, line["result"].get("usage"), live.first_at)
                 self.source.resolve(live, ("ok", line) if line.get("error") is None else ("error", 500, line["error"]))
+        if self.metrics is not None:
+            self._measure(msg)
         if self.batch is not None:
             self.batch.done += msg.written
+
+    def _measure(self, msg: Reply) -> None:
+        """/metrics: the stages' figures a pass brought back; the scheduler's load at most twice a second."""
+        if msg.stats:
+            self.metrics.on_stats(msg.stats)
+        now = time.monotonic()
+        if now - self._load_at < 0.5:
+            return
+        self._load_at = now
+        d, prefix = self.driver, self.driver.prefix
+        self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
+                              prefix.prompt_tokens if prefix else 0)
 
     # -- the running batch --------------------------------------------------------------------
     def _batch_step(self) -> None:
@@ -256,6 +254,8 @@ class ServeRank(FirstRank):
 
     def _closed(self, msg: Closed) -> None:
         b, self.batch = self.batch, None
+        if self.metrics is not None:
+            self.metrics.tokens(msg.summary.prompt_tokens, msg.summary.completion_tokens)
         self.driver.lines = None
         if b.error:
             self._deliver(b.job.id, b.error)

@@ -13,6 +13,7 @@ from serve.app import HttpThread, ServeState, create_app
 from serve.auth import load_keys, make_access
 from serve.batches import BatchStore
 from serve.engine import ServeRank
+from serve.metrics import ServeMetrics
 from serve.intake import Caps, Tokenizing, max_token_bytes
 from serve.protocol import Limits, connection_cap
 from serve.source import RequestSource
@@ -38,19 +39,21 @@ def run_server(plan, opts, info, stage, first_rank) -> None:
     if root is None:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are not resumed after a restart", root)
-    fr = first_rank(plan, opts, info, stage)
-    fr.driver.sched.headroom = True
+    fr = first_rank(plan, opts, info, stage)  # opts.serve: its scheduler runs the serve policy
     source, store = RequestSource(opts.max_pending, opts.max_pending_rows), BatchStore(root, store_limits(opts))
-    name = opts.served_model_name or plan.model_name
+    name = opts.served_model_name or plan.served_name
     engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, source, store)
     engine.fingerprint = plan.fingerprint
+    engine.metrics = metrics = ServeMetrics()
+    engine.stats_every = opts.status_interval  # passes bring the stages' figures back for /metrics
     driver = fr.driver
     caps = Caps(opts.max_prompts_per_request, opts.max_pending_rows, driver.max_positions, max_token_bytes(driver.tok),
                 opts.truncate_prompts)
     tokenizing = Tokenizing(driver.tok, driver.encode_prompts)
     state = ServeState(source, store, name, keys, opts.max_request_bytes, opts.max_upload_bytes,
                        adapters=tuple(a.name for a in plan.adapters), access=make_access(host, opts.allowed_hosts,
-                       opts.allowed_origins), allowed_origins=opts.allowed_origins, caps=caps, tokenizing=tokenizing)
+                       opts.allowed_origins), allowed_origins=opts.allowed_origins, caps=caps, tokenizing=tokenizing,
+                       metrics=metrics)
     limits = Limits(connection_cap(opts.max_connections), opts.header_timeout, opts.body_timeout, opts.send_timeout)
     http = HttpThread(create_app(state), host, port, limits, opts.keep_alive_timeout)
     http.start()

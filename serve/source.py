@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from tasks.requests import Request
@@ -46,6 +47,8 @@ class Live:
     prompt_ids: list[list[int]] | None = None  # its prompts, tokenized off the pipeline thread
     admitted: bool = False  # counted in pending/rows until released (source lock)
     overflow: bool = False  # its stream buffer filled: later deltas wait for the final chunk (HTTP loop)
+    started: float = field(default_factory=time.monotonic)  # for /metrics' latencies (serve.metrics)
+    first_at: float | None = None  # streams: when its first text went out
 
 
 class RequestSource:

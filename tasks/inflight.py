@@ -18,8 +18,11 @@ and its admitted lines that are not journaled were in flight then:
   names its line and an innocent one is answered as usual. A SIGKILL mid-batch therefore costs the
   in-flight lines one run each, alone, and marks none of them failed.
 
-The file goes when the output is complete. With P > 1 the record is made when a pass reaches the
-last stage, so a line that kills an earlier stage in its very first pass is not recorded.
+The file goes when the output is complete. With P > 1 rank 0 sends the lines a pass admits ahead of
+the pass (pipeline.runtime.messages.Admitting); each rank forwards that notice and waits until it has
+left the process before computing anything more, so the lines are recorded even when an earlier stage
+dies computing their first pass. A stage's forward that raises (rather than killing the process)
+ends nothing: rank 0 retries that pass group by group in the same run (pipeline.runtime.retry).
 """
 
 from __future__ import annotations
@@ -144,6 +147,11 @@ def crashed_runs(path: Path, written: int) -> int:
             break
         n += 1
     return n
+
+
+def recording() -> bool:
+    """This process keeps a record (the last stage, a file open)."""
+    return bool(_OPEN)
 
 
 def stop_all() -> None:

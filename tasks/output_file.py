@@ -66,6 +66,9 @@ class FileSummary:
     stage_gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: torch.cuda.max_memory_allocated per stage
     # per stage: weights and compute dtype; with --quantize the int8 kernel kept per (in x out) shape
     stage_precision: list[dict] = field(default_factory=list)
+    # structured outputs (only when some row was constrained): constrained_rows, grammars_compiled,
+    # compile_seconds (the last rank's; with P = 1 also rank 0's intake), mask_seconds
+    structured: dict = field(default_factory=dict)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -78,6 +81,7 @@ class OutputFile:
         self.writer = OrderedWriter(output, fingerprint, data_rank, data_size)
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
+        self.structured: dict = {}  # structured outputs' figures (the last rank sets them before close)
         self.kinds: dict[str, int] = {}  # error lines the last rank wrote, by kind (rank 0 counts the others)
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -134,7 +138,7 @@ class OutputFile:
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
             pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
-            kv_cells_peak, gpu_peak_mb or [], precision or [])
+            kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured)
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it

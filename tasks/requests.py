@@ -58,6 +58,7 @@ class Params:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: dict | None = None  # structured outputs: {"kind": json|json_object|regex|choice|grammar, "value"}
 
     @classmethod
     def from_json(cls, d: dict) -> "Params":
@@ -220,7 +221,55 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body),
+        structured=_structured(body),
     )
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def _structured(body: dict) -> dict | None:
+    """The request's output constraint, from ``response_format`` (OpenAI: json_object, json_schema) or
+    ``structured_outputs`` (one of regex, choice, grammar (Lark or GBNF), json); None: free text.
+    Only its shape is checked here: whether it compiles is pipeline.scheduling.grammars' question."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise RequestError("give either 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"kind": "json_object", "value": None}
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("'response_format.json_schema.schema' must be a JSON schema object",
+                                   "response_format")
+            return {"kind": "json", "value": schema}
+        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")
+    if so is None:
+        return None
+    keys = [k for k in STRUCTURED_KINDS if isinstance(so, dict) and so.get(k) is not None]
+    if len(keys) != 1:
+        raise RequestError("'structured_outputs' must be an object with exactly one of "
+                           "'regex', 'choice', 'grammar' or 'json'", "structured_outputs")
+    kind, value = keys[0], so[keys[0]]
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            value = None
+    ok = {"json": isinstance(value, dict), "regex": isinstance(value, str) and value != "",
+          "grammar": isinstance(value, str) and value.strip() != "",
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[kind]
+    if not ok:
+        what = {"json": "a JSON schema object", "regex": "a non-empty string", "grammar": "a Lark or GBNF grammar",
+                "choice": "a non-empty list of non-empty strings"}[kind]
+        raise RequestError(f"'structured_outputs.{kind}' must be {what}", "structured_outputs")
+    return {"kind": kind, "value": value}
 
 
 def _messages(body: dict) -> list[dict]:

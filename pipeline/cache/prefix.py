@@ -97,9 +97,9 @@ class PrefixCache:
         self.blocks.clear()
         self.free, self.capacity, self.grow_to = [], 0, 0
 
-    def plan(self, ids: list[int], digests: list[bytes], room: int, pinned: set[int],
+    def plan(self, prompt_len: int, digests: list[bytes], room: int, pinned: set[int],
              saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]], int]:
-        """For a group entering now: (cached tokens, block ids to load, [block index, block id] to save,
+        """For a group entering now (a prompt of ``prompt_len`` tokens): (cached tokens, block ids to load, [block index, block id] to save,
         shared blocks).
 
         At least the last prompt token is always computed (its hidden state samples the first
@@ -123,9 +123,9 @@ class PrefixCache:
             self.blocks.move_to_end(d)
             hits.append(self.blocks[d])
         pinned.update(hits)
-        cached = min(len(hits) * self.block_size, len(ids) - 1)
+        cached = min(len(hits) * self.block_size, prompt_len - 1)
         saves, shared = [], len(hits)
-        end = cached + chunk if chunk else len(ids)
+        end = cached + chunk if chunk else prompt_len
         for b in range(len(hits), len(digests)):
             d = digests[b]
             if not (self.pending[d] > 0 or d in self.recent):
@@ -142,7 +142,7 @@ class PrefixCache:
         while len(self.recent) > RECENT:
             self.recent.popitem(last=False)
         self.hit_tokens += cached
-        self.prompt_tokens += len(ids)
+        self.prompt_tokens += prompt_len
         return cached, hits, saves, shared
 
     def plan_chunk(self, digests: list[bytes], start: int, end: int, shared: int, room: int, pinned: set[int],

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.interactive_options import interactive_problems
+from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
 from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 from pipeline.models.backends import BACKENDS  # what each means
@@ -52,7 +54,9 @@ def _opt(default, help: str, **argparse_kwargs):
 @dataclass
 class RunOptions:
     # what to run
-    model_name: str | None = _opt(None, "HuggingFace model folder (config.json + weights + tokenizer). Omitted: the embedded default tiny Llama, built locally on first use.")
+    model_name: str | None = _opt(None, "HuggingFace model folder (config.json + weights + tokenizer), or a hub id org/name (org/name@REVISION too), found in the HuggingFace cache or downloaded (each stage fetches only its own shards; HF_HUB_OFFLINE=1: the cache only). Omitted: the embedded default tiny Llama, built locally on first use.")
+    revision: str | None = _opt(None, "Hub id only: the branch, tag or commit of --model-name (default: main).")
+    cache_dir: str | None = _opt(None, "Hub id only: the HuggingFace cache folder to find and download models and --lora adapters in (default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
     model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or any HF model_type, see --backend). Omitted: read from config.json.")
     backend: str = _opt("auto", "Stage code: auto = the native family if there is one, else transformers' own decoder layers (any decoder-only *ForCausalLM); native = native code only; transformers = force the generic stage.", choices=BACKENDS)
     infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
@@ -72,7 +76,7 @@ class RunOptions:
     max_layers: int | None = _opt(None, "Use only the first N layers of the model (trailing layers dropped).")
     layers_per_stage: str | None = _opt(None, "Explicit, possibly unequal layers of each stage, e.g. 10,14,14,10: one number per pipeline stage, adding up to the model's layers (or --max-layers).", metavar="N,N,...")
     stage_memory: str | None = _opt(None, "Size stages by memory: each stage's memory, e.g. 20GiB,40GiB (one per stage, or one for all), or auto (GPU: each device's free memory; CPU: available RAM divided by the local processes). Layers go to stages in proportion to what is left after the embedding (first stage), the head (last stage), the --budget KV cache and the adapters; the plan is printed before loading.", metavar="SIZES|auto")
-    lora: list[str] = _opt(None, "A PEFT LoRA adapter folder as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
+    lora: list[str] = _opt(None, "A PEFT LoRA adapter folder, or a hub id org/adapter (org/adapter@REVISION too), as NAME=PATH (repeat for several). A request's 'model' names the adapter it runs with; the base model's name, or no 'model', runs the base. Requests for different adapters share micro-batches.", action="append", metavar="NAME=PATH")
     fp16: bool = _opt(False, "Shorthand for --dtype float16.")
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
     quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
@@ -92,14 +96,34 @@ class RunOptions:
     num_threads: int = _opt(0, "CPU threads per process; 0 = the machine's cores divided among local processes.")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
+    status_file: str | None = _opt(None, "File mode: a JSON file replaced atomically every --status-interval seconds and at the end with the run's state (loading, running, finished, failed: reason), lines done per file, tokens, tokens/s, ETA, per-stage busy and memory (see docs/usage/monitoring.md). Default: <output>.status.json beside the (first) output; 'none' turns it off.", metavar="PATH")
+    status_interval: int = _opt(5, "File mode: seconds between status file updates (the file's heartbeat_seconds: an updated_at older than a few of these means the writing rank is gone).")
+    metrics_port: int | None = _opt(None, "File mode: serve Prometheus metrics at http://127.0.0.1:PORT/metrics from the writing rank while the run lasts (serve mode has /metrics on its own port).", metavar="PORT")
+    dry_run: bool = _opt(False, "Read the request files and the model's config (no weights), count prompt tokens, print the plan (layers and memory per stage, budget, micro-batches, shared-prefix ratio) and an estimate of the run's time, then exit 0 without writing outputs.")
     # dummy-data mode (no --infer-data)
     batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
     input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
     generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    # talking to the model (serve/prompts.py, serve/chat_shell.py; docs/usage/chat.md)
+    prompts: list[str] = _opt(None, "Generate for these prompts (one quoted text each) with the sampling flags below, print each with its completion and a latency report, then exit.", nargs="+", metavar="TEXT")
+    prompts_file: str | None = _opt(None, "Like --prompts, one prompt per line of this text file (blank lines skipped; \\n in a line is a newline).")
+    chat: bool = _opt(False, "An interactive chat shell on the loaded pipeline (rank 0 reads the terminal), or with --url on a running --serve server; /help lists its commands.")
+    url: str | None = _opt(None, "--chat: the address of a running server (http://HOST:PORT), instead of loading a model; --api-key (or $DIST_INFER_API_KEY) is its key.")
+    max_tokens: int = _opt(128, "--prompts and --chat: most tokens generated per answer.")
+    temperature: float = _opt(1.0, "--prompts and --chat: sampling temperature (0: greedy).", type=float)
+    top_p: float = _opt(1.0, "--prompts and --chat: nucleus sampling, in (0, 1].", type=float)
+    top_k: int = _opt(0, "--prompts and --chat: sample among the k likeliest tokens (0: all).")
+    presence_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's presence penalty, in [-2, 2].", type=float)
+    frequency_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's frequency penalty, in [-2, 2] (the runner has no multiplicative repetition penalty).", type=float)
+    stop: list[str] = _opt(None, "--prompts and --chat: a stop string (repeat for up to 4); \\n is a newline.", action="append", metavar="TEXT")
+    system_prompt: str | None = _opt(None, "--chat: the system message the conversation starts with (/system changes it).")
+    user_msg_fmt: str | None = _opt(None, "--chat on a model without a chat template (or to bypass it): each user turn as this text with {} for the message, e.g. 'Question: {}\\nAnswer:'; the prompt is the system prompt followed by the turns.")
+    assistant_msg_fmt: str | None = _opt(None, "--chat with --user-msg-fmt: each answer as this text with {} for it (default '{}\\n'); the text before {} starts the answer being generated.")
     # serve mode
     serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
     served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
@@ -206,6 +230,8 @@ def _type_ok(annotation: str, value) -> bool:
         return (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
     if annotation.startswith("int"):
         return isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation.startswith("list"):
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return isinstance(value, str)
@@ -214,7 +240,7 @@ def _type_ok(annotation: str, value) -> bool:
 def _type_word(annotation: str) -> str:
     if annotation == "int | str":
         return "an integer or auto"
-    return {"bool": "true or false", "list": "a list of paths"}.get(
+    return {"bool": "true or false", "list": "a list of paths", "float": "a number"}.get(
         annotation.split("[")[0].split(" ")[0], "an integer" if annotation.startswith("int") else "a string")
 
 
@@ -239,6 +265,8 @@ def check_options(opts: RunOptions) -> list[str]:
     problems = []
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if not opts.grammar_timeout > 0:
+        problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
     if opts.prefix_block_size < 1:
         problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
     if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):
@@ -252,13 +280,22 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
     if opts.data_group_size < 1:
         problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.status_interval < 1:
+        problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
+    if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
+        problems.append(f"--metrics-port must be a TCP port (1-65535), got {opts.metrics_port}")
+    if opts.serve is not None and (opts.dry_run or opts.metrics_port is not None or opts.status_file):
+        problems.append("--dry-run, --metrics-port and --status-file are for file mode: serve mode has /metrics on "
+                        "its own port; drop them or --serve")
     if opts.fp16 and opts.dtype not in ("auto", "float16"):
         problems.append(f"--fp16 contradicts --dtype {opts.dtype}: pass only one of them")
-    if opts.model_name is not None and not Path(opts.model_name).is_dir():
+    if opts.model_name is not None and not Path(opts.model_name).is_dir() and not looks_like_repo_id(opts.model_name):
         problems.append(
-            f"--model-name {opts.model_name}: no such folder (this runner loads local HuggingFace "
-            "model folders only; omit --model-name to use the embedded default model)"
+            f"--model-name {opts.model_name}: no such folder, nor a hub id org/name (give a HuggingFace model "
+            "folder or a hub id such as Qwen/Qwen2.5-0.5B; omit --model-name to use the embedded default model)"
         )
+    if opts.revision is not None and (opts.model_name is None or Path(opts.model_name).is_dir()):
+        problems.append("--revision applies to a hub id given as --model-name org/name: drop --revision")
     for name in ("batch_size", "input_seq_length", "generate_seq_length", "timeout"):
         if getattr(opts, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
@@ -277,6 +314,7 @@ def check_options(opts: RunOptions) -> list[str]:
                         "cache: drop --kv-cache-dtype or use --backend auto")
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
+    problems += interactive_problems(opts)
     return problems
 
 
@@ -310,8 +348,8 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         if name in names:
             problems.append(f"--lora {value}: the name {name!r} is given twice")
         names.add(name)
-        if not Path(path).is_dir():
-            problems.append(f"--lora {value}: no such folder")
+        if not Path(path).is_dir() and not looks_like_repo_id(path):
+            problems.append(f"--lora {value}: no such folder, nor a hub id org/name")
     if opts.batch_invariant:
         problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
                         "adapter path): drop --batch-invariant or --lora")

@@ -19,6 +19,8 @@ import torch
 from comm.dist import resolve_layout
 from tasks.writer import input_id, journal_path, output_problem
 
+from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
+from pipeline.loading.quantized import checkpoint_format
 from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
@@ -56,11 +58,18 @@ class RunPlan:
     all_inputs: list[str] = field(default_factory=list)  # the request files (every rank)
     adapters: list = field(default_factory=list)  # LoRA adapters (pipeline.loading.adapters.Adapter), index 1, 2, ...
     layout_note: str | None = None  # the --stage-memory plan, printed before loading
+    source: ModelSource | None = None  # where the weights are: the folder, or a hub snapshot fetching on demand
 
     @property
     def nothing_to_do(self) -> bool:
         """Every input's output is finished already: no rank needs to start or load anything."""
         return bool(self.all_inputs) and len(self.complete) == len(self.all_inputs)
+
+    @property
+    def served_name(self) -> str:
+        """Serve mode's default model name: the hub id as clients write it (``org/name``; the commit is in
+        the log), else the results' name."""
+        return self.source.repo_id if self.source and self.source.repo_id else self.model_name
 
     @property
     def stage(self) -> int:
@@ -86,22 +95,44 @@ def _check_kv_cache_dtype(opts: RunOptions, spec, device: torch.device) -> None:
                          f"dimension divisible by 4 (this model's is {spec.head_dim}): drop --kv-cache-dtype")
 
 
+def _check_checkpoint_format(opts: RunOptions, config: dict, spec):
+    """A pre-quantized checkpoint's format (None: float), refused where it cannot run exactly."""
+    fmt = checkpoint_format(config)  # UnsupportedQuantization (a ValueError) names what is not understood
+    if fmt is None:
+        return None
+    if not isinstance(spec, DecoderSpec):
+        raise UsageError(f"a {fmt.name} checkpoint needs a native family; {spec.family} runs on transformers' own "
+                         "layers (--backend auto/transformers), which this runner does not load packed weights into")
+    if spec.moe is not None:
+        raise UsageError(f"a {fmt.name} checkpoint of a mixture-of-experts model: quantized experts are not supported")
+    if opts.quantize != "none":
+        raise UsageError(f"--quantize {opts.quantize} on a checkpoint that is already quantized ({fmt.name}): "
+                         "drop --quantize")
+    if opts.batch_invariant:
+        raise UsageError(f"--batch-invariant has no fixed-shape kernels for {fmt.name} weights: drop --batch-invariant")
+    return fmt
+
+
 def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: int | None = None) -> RunPlan:
     """The plan of this process (``env``: torchrun's variables; default ``os.environ``)."""
     env = os.environ if env is None else env
     try:
         rank, world, _, local_world, pipeline, data = resolve_layout(
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
-        model_dir = opts.model_name or _default_model_dir()
+        source = resolve_model(opts.model_name, opts.revision, opts.cache_dir) if opts.model_name else \
+            ModelSource(Path(_default_model_dir()))
+        model_dir = str(source.folder)
         config = read_config(model_dir)
         spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
-        check_weights_present(model_dir)
+        if source.repo_id is None:
+            check_weights_present(model_dir)
         if opts.batch_invariant and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers): drop --batch-invariant")
         if opts.quantize != "none" and not isinstance(spec, DecoderSpec):
             raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
                              "layers (--backend auto/transformers), which are not quantized: drop --quantize")
+        fmt = _check_checkpoint_format(opts, config, spec)
         all_inputs = resolve_inputs(opts, env)
         check_outputs_distinct(all_inputs, opts.output_path)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,19 +140,22 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
+        missing_weights(source, ranges[-1][1])  # every shard of the plan's layers cached or fetchable
         if not opts.no_memory_check and opts.stage_memory is None:
             check_memory(opts, config, spec, ranges, (rank, local_world, pipeline), dtype, device, adapters)
-    except (ValueError, CheckpointError) as e:
+    except (ValueError, CheckpointError, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
-    fingerprint = {"model": str(Path(model_dir).resolve()), "seed": opts.seed, "dtype": str(dtype),
+    fingerprint = {"model": source.record, "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
     if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
         fingerprint["quantize"] = opts.quantize
+    if fmt is not None:
+        fingerprint["checkpoint_format"] = fmt.name
     if opts.kv_cache_dtype != "auto":
         fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
-        fingerprint["lora"] = {a.name: str(a.path.resolve()) for a in adapters}
+        fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     threads = opts.num_threads or max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world))
     # one micro-batch more than stages on the CPU: it covers the ring's host work (the last stage's
@@ -132,8 +166,10 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if slots < pipeline:
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
-    name = Path(opts.model_name).name if opts.model_name else _default_model_name()
+    name = source.name if opts.model_name else _default_model_name()
     precision = [opts.quantize] if opts.quantize != "none" else []
+    if fmt is not None:  # a pre-quantized checkpoint: its format (gptq-int4, awq-int4, ct-fp8, ...)
+        precision.insert(0, fmt.name)
     if opts.kv_cache_dtype != "auto":
         precision.append(f"kv-{opts.kv_cache_dtype}")
     if precision:  # every result's "model" says what is quantized
@@ -147,7 +183,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                         f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
     inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
-                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note)
+                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source)
 
 
 def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], where: tuple[int, int, int],
@@ -182,10 +218,19 @@ def load_adapters(opts: RunOptions, config: dict, spec) -> list:
                          "(--backend auto/transformers), which do not apply adapters")
     adapters = []
     for value in opts.lora:
-        adapter = read_adapter(*parse_lora_flag(value))
+        name, path = parse_lora_flag(value)
+        adapter = read_adapter(name, resolve_adapter(path, opts.cache_dir).folder)
         check_adapter(adapter, config, spec, opts.model_type)
         adapters.append(adapter)
     return adapters
+
+
+def adapter_record(folder: Path) -> str:
+    """An adapter in the run record: its hub id and commit when it is a hub snapshot, else its folder."""
+    parts = folder.resolve().parts
+    if len(parts) > 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return "hub:" + parts[-3].removeprefix("models--").replace("--", "/") + "@" + parts[-1]
+    return str(folder.resolve())
 
 
 def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,

@@ -12,7 +12,8 @@ import os
 import torch
 
 from pipeline.cache.kv_cache import int8_layer_bytes
-from pipeline.models.families import DecoderSpec
+from pipeline.loading.quantized import checkpoint_format, quantize_projections, quantized_bytes
+from pipeline.models.families import DecoderSpec, family_for
 from pipeline.config.partition import gib, memory_sizes, parse_stage_memory
 from pipeline.models.hf_stage import HFStageModel, hf_config
 from pipeline.models.decoder import StageModel
@@ -28,7 +29,8 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
 
     A layer's bytes are its weights, its keys and values for ``--budget`` cells (the micro-batch
     caches and the prefix pool together never exceed the budget) and its adapters' factors. ``int8``
-    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row;
+    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row; a
+    pre-quantized checkpoint (pipeline.loading.quantized): its projections at their packed sizes;
     ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
     weights, kv, first, last = model_parts(config, spec, model_type, backend, dtype, budget, adapter_layers, int8,
                                            kv_int8)
@@ -63,14 +65,20 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
 
+        fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
         with torch.device("meta"):
             embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
             model = StageModel(spec, 0, spec.num_layers, True, True)
             if int8:
                 quantize_linears(model)
+            if fmt is not None:
+                quantize_projections(model, family_for(config, model_type), spec, fmt)
         for name, p in model.named_parameters(remove_duplicate=False):
             part = "layer" if name.startswith("layers.") else "embs" if name in embs else "head"
             yield name, p.numel(), part, p.numel() + 4 * p.shape[0] if p.dtype == torch.int8 else None
+        for name, nbytes in (quantized_bytes(model) if fmt is not None else {}).items():
+            bias = model.get_submodule(name).bias  # counted above, in the run's dtype
+            yield name + ".packed", 0, "layer", nbytes - (0 if bias is None else bias.numel() * bias.element_size())
         return
 
     model = HFStageModel(hf_config(config, model_type), 0, spec.num_layers, True, True)

@@ -52,6 +52,7 @@ from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
     TensorStore,
     check_weights_present,
 )
+from pipeline.loading.quantized import checkpoint_format, load_projections, quantize_projections
 from pipeline.loading.upload import Uploader
 from pipeline.models.hf_stage import hf_config
 
@@ -114,15 +115,19 @@ def build_stage(
         return _build_hf_stage(model_dir, cfg, first, last, has_embed, has_head, dtype, device, model_type)
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)
+    fmt = checkpoint_format(cfg)  # a pre-quantized checkpoint (pipeline.loading.quantized), or None
+    store, up = TensorStore(model_dir), Uploader(device)
     with torch.device("meta"):
         model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
         if quantize == "int8":
             quantize_linears(model)
+        packed = {} if fmt is None else quantize_projections(model, family, spec, fmt, store.has)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
-    store, up = TensorStore(model_dir), Uploader(device)
     embs = _embed_side(spec)
     params = dict(model.named_parameters())
     try:
+        if packed:
+            load_projections(model, packed, fmt, _packed_getter(store, device))
         for name, source in parameter_sources(family, spec, model).items():
             part = _part_of(name, first, embs)
             source = store.layout(source, part)
@@ -161,6 +166,17 @@ def build_stage(
     log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
              len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
+
+
+def _packed_getter(store: TensorStore, device):
+    """``get(name, layer, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
+
+    def get(name: str, part: int, optional: bool = False):
+        if optional and not store.has(name, part):
+            return None
+        return store.get(name, part).to(device)
+
+    return get
 
 
 def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.Tensor | None = None):

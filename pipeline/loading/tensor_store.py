@@ -100,6 +100,9 @@ class TensorStore:
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
+        # a hub snapshot (pipeline.loading.hub.ModelSource) fetches a file when first opened: a stage
+        # downloads only the shards of its own layers
+        self.fetch = getattr(model_dir, "fetch", None)
         self.file_of: dict[str, Path] = {}  # HF name -> file (pre-split: filled as tensors are read)
         self.loaded: list[str] = []  # accounting: HF names this stage actually read
         self.opened_files: list[Path] = []  # accounting: weight files this stage opened, in order
@@ -122,7 +125,7 @@ class TensorStore:
                 return
         for single in ("model.safetensors", "pytorch_model.bin"):
             path = self.dir / single
-            if path.is_file():
+            if path.is_file() or (self.fetch and self.fetch(single)):
                 self.file_of = {k: path for k in self._open(path, None).keys()}
                 self.listing = path
                 return
@@ -135,6 +138,8 @@ class TensorStore:
         """The open file (SafetensorsFile or an mmap'd state dict); ``wanted`` names the tensor for errors."""
         if path not in self._handles:
             need = f" (needed for tensor {wanted!r})" if wanted else ""
+            if not path.is_file() and self.fetch and path.parent == self.dir:
+                self.fetch(path.name)
             if not path.is_file():
                 what = f"listed in {self.listing.name}" if self.listing else "of the pre-split layout"
                 raise CheckpointError(f"{path}: checkpoint file {what} is missing{need}")

@@ -246,7 +246,9 @@ class StageModel(nn.Module):
 
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables; called again after building on the meta device."""
-        device = self.layers[0].attn.o.weight.device if len(self.layers) else next(self.parameters()).device
+        # a buffer or parameter of the first layer (packed projections of quantized checkpoints have no weight)
+        o = self.layers[0].attn.o if len(self.layers) else None
+        device = next(iter(o.state_dict().values())).device if o is not None else next(self.parameters()).device
         self.rotary: dict[str, Rotary] = {}
         if self.spec.position == "rope" and device.type != "meta":
             for key in sorted({layer.attn.rope_key for layer in self.layers}):

@@ -1,9 +1,9 @@
-"""The last stage's work after the layers: logits -> logprobs -> tokens, stops, finished choices.
+"""The last stage's output assembly after the layers: which rows need logits, their per-row state,
+stop strings, streaming deltas, best_of selection and finished requests.
 
-Everything for a micro-batch is batched: one head matmul for the rows that need logits, one
-log-softmax/top-k, one sampling call. Echo scoring runs the head over the prompt in chunks so a
-(prompt length x vocabulary) float32 tensor never exists beyond one chunk. Finished requests are
-formatted (pipeline.output.results) and handed to the ordered writer.
+The device work (logits -> tokens and logprobs for the whole micro-batch, echo scoring) is
+pipeline.sampling's; finished requests are formatted (pipeline.output.results) and handed to the
+ordered writer.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, ch
 
 from pipeline.output.head_state import GroupState, RequestState, RowState
 from pipeline.runtime.messages import Admission, Prefill
-from pipeline.sampling.sampler import apply_penalties, logprob_info, sample, stream_key, uniform
-from pipeline.loading.upload import to_device
-
-ECHO_CHUNK = 256  # prompt positions per head call when scoring
+from pipeline.sampling.grammar import GrammarError, Grammars, allowed_mask
+from pipeline.sampling.sampler import stream_key, uniform
+from pipeline.sampling.scoring import PromptScorer
+from pipeline.sampling.step import draw, head_logits
 
 
 class Head:
-    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int):
+    def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int,
+                 grammars: Grammars | None = None):
         self.model, self.detok = model, Detokenizer(tokenizer)
+        self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
         self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
         self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
@@ -36,12 +38,27 @@ class Head:
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
         self.format_seconds = 0.0  # detokenizing and formatting results
+        self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
+        self.constrained_rows = 0  # rows sampled under a grammar's mask
+        self.mask_seconds = 0.0  # computing those masks
+        self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
         self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
         """A new file: its counters from zero."""
         self.generated_tokens, self.format_seconds = 0, 0.0
+        self.constrained_rows, self.mask_seconds = 0, 0.0
+        self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
+
+    def structured_figures(self) -> dict:
+        """This file's structured-output figures for its summary ({} when no row was constrained)."""
+        if not self.constrained_rows or self.grammars is None:
+            return {}
+        return {"constrained_rows": self.constrained_rows,
+                "grammars_compiled": self.grammars.compiled - self.compile_base[1],
+                "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
+                "mask_seconds": round(self.mask_seconds, 4)}
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -68,6 +85,14 @@ class Head:
                 rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
             except Exception as e:
                 self._failed(req, "reading its prompt", e)
+            if p.structured is not None:
+                try:
+                    if self.grammars is None:
+                        raise GrammarError("no grammar compiler on this rank")
+                    rows[r].matcher = self.grammars.matcher(p.structured)
+                    self.constrained_rows += 1
+                except Exception as e:
+                    self._failed(req, "compiling its output constraint", e)
 
     def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
         """A request whose computation raised is answered with an error (its rows finish at their
@@ -123,10 +148,7 @@ class Head:
             hiddens.append(h_prefill[i, n - 1 : n])
             targets.append(g.rows)
         if hiddens:
-            logits = self.model.head(torch.cat(hiddens))  # (m, V) float32
-            if any(len(rows) > 1 for rows in targets):  # best_of: a prefill lead's logits serve its group
-                expand = [i for i, rows in enumerate(targets) for _ in rows]
-                logits = logits[to_device(expand, logits.device, torch.long)]
+            logits = head_logits(self.model, hiddens, targets)  # (rows, V) float32
             rows = [r for rs in targets for r in rs]
             try:
                 self._step(states, rows, logits, feed, finished)
@@ -151,36 +173,24 @@ class Head:
 
     def _step(self, states, rows: list[int], logits: torch.Tensor, feed: dict, finished: list[int]) -> None:
         """Sample a token for each of ``rows`` (logits (len(rows), V)) and advance them. The batched
-        device work raises before any row changes; a row whose own bookkeeping raises (detokenizing,
-        stop strings, streaming) is answered with an error and the others go on."""
+        device work (pipeline.sampling.step) raises before any row changes; a row whose own bookkeeping
+        raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
         ps = [self.groups[states[r].gid].params for r in rows]
-        vocab = logits.shape[-1]
-        raw = logits
-        if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
-            logits = apply_penalties(logits.clone(), list(range(len(rows))), [states[r].counts for r in rows],
-                                     [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
-                                     [p.logit_bias for p in ps])
-        # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
-        params = to_device([[p.temperature for p in ps], [p.top_p for p in ps],
-                            [float(min(p.top_k, vocab)) for p in ps],  # top_k beyond the vocabulary: all of it
-                            [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
-                             for r, p in zip(rows, ps)]], logits.device, torch.float32)
-        hot = [i for i, p in enumerate(ps) if p.temperature > 0]
-        chosen = sample(logits, params[0], params[2].long(), params[1], params[3],
-                        to_device(hot, logits.device, torch.long) if hot else None)
-        k = max((p.logprobs or 0) for p in ps)
-        chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
-        # one device->host copy for the pass: ids and logprobs side by side (float64 holds both exactly)
-        cols = [chosen[:, None], chosen_lp[:, None]] + ([top_i, top_v] if k else [])
-        host = torch.cat([c.double() for c in cols], dim=1).tolist()
-        chosen, chosen_lp = [int(h[0]) for h in host], [h[1] for h in host]
-        if k:
-            top_i, top_v = [[int(x) for x in h[2 : 2 + k]] for h in host], [h[2 + k :] for h in host]
+        allowed = None
+        matchers = [states[r].matcher for r in rows]
+        if any(m is not None for m in matchers):  # structured outputs: the grammars' next-token masks
+            t0 = time.perf_counter()
+            allowed = allowed_mask(matchers, self.eos_ids, self.grammars.tok.vocab_size, logits.shape[-1],
+                                   logits.device)
+            self.mask_seconds += time.perf_counter() - t0
+        d = draw(logits, ps, [states[r].counts for r in rows],
+                 [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
+                  for r, p in zip(rows, ps)], allowed)
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
             try:
-                self._advance(states[r], r, p, chosen[i], chosen_lp[i], top_i[i] if k else None,
-                              top_v[i] if k else None, feed, finished)
+                self._advance(states[r], r, p, d.chosen[i], d.chosen_lp[i], d.top_i[i] if d.top_i else None,
+                              d.top_v[i] if d.top_v else None, feed, finished)
             except Exception as e:
                 self._failed(self._request_of(states[r].gid), "producing its output", e)
                 feed.pop(r, None)
@@ -196,6 +206,8 @@ class Head:
             cand.finish_reason = "stop"
             finished.append(r)
             return
+        if st.matcher is not None and not st.matcher.consume_token(tok):  # the mask allowed it: never expected
+            raise GrammarError(f"the grammar refused token {tok}: {st.matcher.get_error()[:200]}")
         cand.ids.append(tok)
         cand.logprobs.append(tok_lp)
         if cand.top is not None:
@@ -212,6 +224,10 @@ class Head:
                 return
             if st.sent >= 0:
                 self._stream(st, p)
+        if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
+            cand.finish_reason = "stop"
+            finished.append(r)
+            return
         if len(cand.ids) >= p.max_tokens:
             cand.finish_reason = "length"
             finished.append(r)
@@ -220,49 +236,8 @@ class Head:
 
     def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
                       pool=None) -> dict:
-        """Logprob of every prompt token given the ones before it (the first is None) and the top ``k``.
-
-        ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on). The
-        cached positions' scores come from the pool when an earlier echo request left them there
-        (the head then runs only over each cached block's last position, whose next token is not the
-        block's), else from the pool's hidden states; the blocks this prompt saves keep its scores."""
-        cached = item.cached if item is not None else 0
-        parts = [self._cached_scores(ids, k, item, pool)] if cached else []
-        if len(ids) - 1 > cached:
-            parts.append(self._head_scores(h[: len(ids) - 1 - cached], ids[cached + 1 :], k))
-        if not parts:
-            return {"ids": ids, "logprobs": [None], "top": [None] if k else None}
-        lp, top_v, top_i = (torch.cat([p[j] for p in parts]) if k or j == 0 else None for j in range(3))
-        if item is not None and item.save and pool is not None:
-            pool.put_scores(item.save, lp, top_v, top_i, k)
-        tops = [None] + [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())] if k else None
-        return {"ids": ids, "logprobs": [None] + lp.tolist(), "top": tops}
-
-    def _head_scores(self, h: torch.Tensor, following: list[int], k: int):
-        """(logprob of ``following[j]`` at position ``j``, top-k values, top-k ids), the head in chunks."""
-        out = []
-        for a in range(0, h.shape[0], ECHO_CHUNK):
-            chunk = self.model.head(h[a : a + ECHO_CHUNK])  # (rows, V) float32
-            out.append(logprob_info(chunk, torch.tensor(following[a : a + ECHO_CHUNK], device=chunk.device), k))
-        return tuple(torch.cat([o[j] for o in out]) if k or j == 0 else None for j in range(3))
-
-    def _cached_scores(self, ids: list[int], k: int, item: Prefill, pool):
-        """Scores of the first ``item.cached`` positions, which the pool holds."""
-        cached, bs = item.cached, pool.block_size
-        stored = pool.scores(item.load, cached, k)
-        if stored is None:  # first echo over these blocks: the head over their hidden states, kept
-            scores = self._head_scores(pool.hidden(item.load, cached), ids[1 : cached + 1], k)
-            pool.put_scores(list(enumerate(item.load)), *scores, k)
-            return scores
-        lp, top_v, top_i = stored
-        ends = list(range(bs - 1, cached, bs))  # each block's last position: its next token is the next block's
-        if ends:
-            rows = [item.load[j // bs] * bs + j % bs for j in ends]
-            e_lp, e_v, e_i = self._head_scores(pool.h[rows], [ids[j + 1] for j in ends], k)
-            lp[ends] = e_lp
-            if k:
-                top_v[ends], top_i[ends] = e_v, e_i
-        return lp, top_v, top_i
+        """Echo scores of a prompt (pipeline.sampling.scoring)."""
+        return self.scorer.score(h, ids, k, item, pool)
 
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:
@@ -346,6 +321,25 @@ class Head:
         for req in live_reqs:
             if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
                 self.requests.pop((True, req), None)
+        return rows
+
+    def rows_of(self, gid: int) -> list[int]:
+        """The slot rows of group ``gid`` (none once it finished)."""
+        g = self.groups.get(gid)
+        return list(g.rows) if g is not None else []
+
+    def fail_rows(self, slot: int, rows: list[int], cause: str) -> list[int]:
+        """A stage's forward raised (``cause``) computing ``rows`` alone (pipeline.runtime.retry): their
+        requests are answered with an error, the rows finish; returns those that did."""
+        rows = [r for r in rows if r in self.slots.get(slot, {})]
+        for r in rows:
+            req = self._request_of(self.slots[slot][r].gid)
+            if req is not None and req.error is None:
+                req.error = {"message": f"a stage's forward raised while computing this request alone ({cause}); "
+                                        "the other requests of its micro-batch were answered",
+                             "type": "server_error", "param": None}
+        for r in rows:
+            self._finish_row(slot, r)
         return rows
 
     def _format(self, key: tuple[bool, int], req: RequestState) -> None:

@@ -19,6 +19,7 @@ class RowState:
     sent: int = -1  # streaming: tokens whose text was sent as deltas (-1: not streamed)
     sent_chars: int = 0  # streaming: the characters of those tokens
     counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
+    matcher: object = None  # structured outputs: this row's llguidance matcher (pipeline.sampling.grammar)
 
 
 @dataclass

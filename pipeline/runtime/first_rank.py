@@ -21,7 +21,9 @@ from tasks.shards import index_of
 from tasks.writer import input_id
 
 from pipeline.scheduling.driver import Driver, read_lines
+from pipeline.runtime.last_rank import LastRank
 from pipeline.runtime.link import Link
+from pipeline.runtime.retry import Retry
 from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from pipeline.runtime.stage import Stage, allocate_ahead, pack
 
@@ -59,6 +61,9 @@ class FirstRank:
         self.stage, self.driver, self.link, self.last = stage, driver, link, last
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
+        self.stats_every = 0.0  # seconds between passes that collect the stages' figures (0: never)
+        self._stats_at = 0.0
+        self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
 
     def drive(self, jobs: list[Job]) -> list[FileReport]:
         """Run every file; the last message tells every rank to stop."""
@@ -83,46 +88,42 @@ class FirstRank:
 
     def _run_file(self, job: Job, done: int, total: int, suspects=(), culprits=()) -> FileReport:
         t0 = time.perf_counter()
-        d, sched = self.driver, self.driver.sched
+        d = self.driver
         # `done` counts this share's finished lines; read from its next one on (tasks/shards.py)
         d.start(read_lines(job.input, skip=index_of(self.data_rank, done, self.data_size)), suspects, culprits)
         if done:
             log.info("%s: resuming after %d finished requests", job.input, done)
-        inflight, release = 0, []
+        inflight = 0
         ahead = self.link is not None  # several stages: a slot computing prompts has a second pass in flight
         while True:
             d.fill()
-            for slot in sched.slots:
+            for sid in d.slot_ids:
                 while True:  # one pass, then a second one ahead of its answer if it computes prompts only
                     # (Scheduler.next_pass(ahead=True)), or at the end of a file the passes its decode rows split over
-                    busy = bool(slot.inflight)
-                    ps = sched.next_pass(slot.sid) if not busy else sched.next_pass(slot.sid, True) if ahead else None
-                    if ps is None:
+                    busy = d.busy(sid)
+                    built = d.next_pass(sid, ahead)
+                    if built is None:
                         break
-                    hdr, dec, pre = d.build(ps, release)
-                    release = []
-                    self._launch_pass(hdr, dec, pre, busy)
+                    self._launch_pass(*built, busy)
                     inflight += 1
                     d.fill()
             if inflight == 0:
-                if d.exhausted and not sched.queue:
+                if d.done:
                     break
                 raise RuntimeError("scheduler stalled with queued requests and nothing in flight")
             reply = self._reply()
             assert isinstance(reply, Reply)
             inflight -= 1
             DRIVE.tick()
-            was = sched.slots[reply.slot].allocated
-            d.on_reply(reply)
-            if was and not sched.slots[reply.slot].allocated:
-                release.append(reply.slot)
-        return self._close(job, total, release, t0)
+            d.on_reply(reply)  # a slot it empties is released with the next pass (or the close)
+        return self._close(job, total, t0)
 
-    def _close(self, job: Job, total: int, release: list[int], t0: float) -> FileReport:
-        d, sched = self.driver, self.driver.sched
+    def _close(self, job: Job, total: int, t0: float) -> FileReport:
+        d = self.driver
+        release = d.take_released()
         self.stage.release(release)
-        self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds,
-                             sched.padding_waste / max(1, sched.allocated_cells), release, d.take_errors(),
+        self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
+                             d.take_errors(),
                              busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
                              precision=[self.stage.precision()]))
         closed = self._reply()
@@ -139,8 +140,19 @@ class FirstRank:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
         allocate_ahead(self.link, hdr)
-        if self.last is not None:  # P = 1: the lines it admits are recorded before they are computed
-            self.last.record(hdr)
+        if self.stats_every and time.monotonic() - self._stats_at >= self.stats_every:
+            self._stats_at = time.monotonic()
+            hdr.stats = []  # each stage appends its figures (pipeline.runtime.monitor reads them)
+        admitting = LastRank.admitting(hdr)  # the lines it admits are recorded before any stage computes them
+        if self.last is not None:
+            self.last.record(admitting)
+        elif admitting is not None:
+            self.link.send_next_now(admitting)
+        self.retry.sending(hdr, dec, pre)
+        self._compute(hdr, dec, pre, ahead)
+
+    def _compute(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
+                 ahead: bool = False) -> None:
         self._down(hdr, self.stage.step(hdr, pack([t for t in (dec, pre) if t is not None]), ahead))
 
     def _down(self, msg: Message, x: torch.Tensor | None = None) -> None:
@@ -153,4 +165,8 @@ class FirstRank:
             self.local.append(reply)
 
     def _reply(self) -> Message:
+        """The next answer from the last stage (a failed pass's replaced by its retry's: pipeline.runtime.retry)."""
+        return self.retry.next()
+
+    def _receive(self) -> Message:
         return self.local.popleft() if self.last is not None else self.link.recv_last()

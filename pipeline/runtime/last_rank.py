@@ -15,9 +15,10 @@ import torch
 from comm.dist import DistInfo
 from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
+from tasks.shards import share_size
 
 from pipeline.output.head import Head
-from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from pipeline.runtime.messages import Admitting, CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
 from pipeline.runtime.stage import Stage, unpack
 
 
@@ -27,6 +28,7 @@ class LastRank:
         self.stage, self.info, self.head = stage, info, head
         self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
         self.file: OutputFile | None = None
+        self.status = None  # file mode: the run's tasks.status.RunStatus (pipeline.runtime.monitor)
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
@@ -34,6 +36,8 @@ class LastRank:
             self.file.put(index, line, error=True)
         if isinstance(msg, PassHeader):
             return self._pass(msg, x)
+        if isinstance(msg, Admitting):
+            return self.record(msg)
         if isinstance(msg, OpenFile):
             return self._open(msg)
         if isinstance(msg, CloseFile):
@@ -47,30 +51,42 @@ class LastRank:
         self.head.start_file()
         try:
             skip = self.file.open(msg.total, self.overwrite, self.show_progress)
+            if self.status is not None:
+                if skip is None:
+                    self.status.skip_file(msg.output)
+                else:
+                    self.status.open_file(msg.input, msg.output, share_size(self.info.data_rank, msg.total,
+                                                                            self.info.data_size), skip)
             return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
             return Opened(None, error=str(e))
 
-    def record(self, hdr: PassHeader) -> None:
-        """Note the file's lines this pass admits before they are computed (tasks.inflight); with
-        P = 1 rank 0 calls this before its forward, else it runs when the pass arrives here."""
-        if self.file is None or self.file.inflight is None or not hdr.admit:
-            return
+    @staticmethod
+    def admitting(hdr: PassHeader) -> Admitting | None:
+        """The open file's lines ``hdr`` admits (None: none), to record before anything computes them."""
         batch = [m for m in hdr.admit if not m.live]
-        alone = sorted({m.req for m in batch if m.alone})
-        self.file.inflight.admitted(sorted({m.req for m in batch if not m.alone}), alone)
-        LINE.admit([m.req for m in batch])
+        if not batch:
+            return None
+        return Admitting(sorted({m.req for m in batch if not m.alone}), sorted({m.req for m in batch if m.alone}))
+
+    def record(self, msg: Admitting | None) -> None:
+        """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
+        0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
+        if msg is None or self.file is None or self.file.inflight is None:
+            return
+        self.file.inflight.admitted(msg.lines, msg.alone)
+        LINE.admit(msg.lines + msg.alone)
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()
-        if not self.info.is_first:
-            self.record(hdr)
         for meta in hdr.admit:
             self.head.admit(hdr.slot, meta, hdr.rows)
             if not meta.live:
                 self.file.prompt_tokens += len(meta.prompt_ids)
         dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
+        if hdr.failed is not None:
+            return self._failed(hdr, dropped, t0)
         h_dec, h_pre = unpack(hdr, h)
         h_live, decode_rows = None, hdr.decode_rows
         if h_dec is not None:  # a dense decode segment computed every slot row: keep the live ones
@@ -84,6 +100,22 @@ class LastRank:
                                            if g and not g.meta.live and not p.resumed)
         with torch.inference_mode():
             feed, finished = self.head.on_pass(hdr.slot, decode_rows, h_live, hdr.prefill, h_pre, self.stage.prefix)
+        return self._reply(hdr, feed, finished, dropped, t0)
+
+    def _failed(self, hdr: PassHeader, dropped: list[int], t0: float) -> Reply:
+        """A pass no stage computed to the end: nothing is sampled (rank 0 computes its groups again
+        one at a time, pipeline.runtime.retry); when it was such a retry, its group is the culprit and
+        its request is answered with an error."""
+        finished = []
+        if hdr.retry:
+            rows = [*hdr.decode_rows, *(r for p in hdr.prefill for r in self.head.rows_of(p.gid))]
+            finished = self.head.fail_rows(hdr.slot, [r for r in dict.fromkeys(rows) if r not in dropped],
+                                           hdr.failed)
+        reply = self._reply(hdr, {}, finished, dropped, t0)
+        reply.failed = hdr.failed
+        return reply
+
+    def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
         written = 0
         for index, line in self.head.take_results():
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
@@ -95,17 +127,24 @@ class LastRank:
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
+        if self.status is not None and self.file is not None:
+            f = self.file
+            self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
+                                 self.head.generated_tokens, hdr.stats)
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     self.head.take_live(), written, self.head.take_deltas())
+                     self.head.take_live(), written, self.head.take_deltas(), stats=hdr.stats)
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
             msg.busy.append(self.stage.busy)
             msg.gpu_peak_mb += self.stage.gpu_peak_mb()
             msg.precision.append(self.stage.precision())
+        self.file.structured = self.head.structured_figures()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells, msg.gpu_peak_mb, msg.precision)
         self.file = None
+        if self.status is not None:
+            self.status.close_file(complete)
         return Closed(complete, summary)

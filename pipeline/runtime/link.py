@@ -25,6 +25,11 @@ class Link:
     def send_next(self, msg: Message, x: torch.Tensor | None = None) -> None:
         self.messenger.send(self.next, encode(msg), x)
 
+    def send_next_now(self, msg: Message) -> None:
+        """:meth:`send_next`, returning once the message has left this process (it must arrive even if
+        this process dies computing what follows)."""
+        self.messenger.send_now(self.next, encode(msg))
+
     def recv_prev(self) -> tuple[Message, torch.Tensor | None]:
         data, x = self.messenger.recv(self.prev)
         msg = decode(data)

@@ -6,6 +6,8 @@ Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where i
 - :class:`Allocate`   ahead of a pass that allocates a micro-batch's KV cache: each rank forwards
   it at once and allocates, so the ranks zero their caches at the same time instead of one after
   another as the pass reaches them (zeroing a CPU cache of a few GB takes seconds).
+- :class:`Admitting` ahead of a pass that admits the open file's lines (P > 1): forwarded at once, the
+  last rank records them before any stage computes them (tasks.inflight).
 - :class:`PassHeader` one micro-batch's trip: which slot, which rows decode (the layout computed
   once, here), which groups prefill, each row's LoRA adapter, cache forks and releases, and the :class:`Admission` of every
   group that enters (parameters, prompt ids, the original request), which the middle ranks forward
@@ -101,6 +103,11 @@ class PassHeader:
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
     drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
     adapters: list[int] = field(default_factory=list)  # LoRA adapter of each slot row (0: base); empty: all base
+    # every --status-interval seconds rank 0 sends [] and each stage appends [busy seconds since the file
+    # opened, KV cells held, peak memory MiB] after its forward (the status file, /metrics: pipeline.runtime.monitor)
+    stats: list[list[float]] | None = None
+    failed: str | None = None  # a stage's forward raised on this pass (or skipped it): later stages skip it too
+    retry: bool = False  # rank 0 computes again one group of a pass that failed (pipeline.runtime.retry)
 
     @property
     def prefill_len(self) -> int:
@@ -133,6 +140,17 @@ class Allocate:
 
 
 @dataclass
+class Admitting:
+    """Ahead of a pass that admits lines of the open file (P > 1): each rank forwards it at once, and
+    the last rank records the lines (tasks.inflight) before any stage computes them, so that a line
+    killing an earlier stage in its first pass is known to the rerun."""
+
+    KIND: ClassVar[str] = "admitting"
+    lines: list[int]  # admitted with others
+    alone: list[int] = field(default_factory=list)  # suspects of an earlier crash, nothing else in flight
+
+
+@dataclass
 class Reply:
     KIND: ClassVar[str] = "reply"
     slot: int
@@ -141,6 +159,8 @@ class Reply:
     answers: list[tuple[int, dict]] = field(default_factory=list)  # serve mode: finished live requests
     written: int = 0  # results put into the open file by this pass (serve mode counts a batch's progress)
     deltas: list[tuple] = field(default_factory=list)  # streaming: (request, choice, new text, its logprobs or None)
+    stats: list[list[float]] | None = None  # the pass's per-stage figures (PassHeader.stats), back to rank 0
+    failed: str | None = None  # the pass was not computed (a stage's forward raised): nothing sampled
 
 
 @dataclass
@@ -191,8 +211,9 @@ class Stop:
     errors: list[ErrorLine] = field(default_factory=list)
 
 
-Message = PassHeader | Allocate | Reply | OpenFile | Opened | CloseFile | Closed | Stop
-_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Reply, OpenFile, Opened, CloseFile, Closed, Stop)}
+Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Stop
+_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Admitting, Reply, OpenFile, Opened, CloseFile,
+                                               Closed, Stop)}
 
 
 class MessageError(ValueError):

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from pipeline.config.options import UsageError
+from pipeline.config.pass_sizes import prefix_block, scheduler_config
+from pipeline.loading.hub import ModelUnavailable
 from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
@@ -20,19 +22,19 @@ from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
+from pipeline.models.kernels import fp8, weight_only
 from pipeline.config.budget import resolve_budget
-from pipeline.models.families import DecoderSpec
-from pipeline.config.options import AUTO_PREFILL_CHUNK
-from pipeline.scheduling.scheduler import PREFILL_TOKENS
 from comm.p2p import Messenger
 from pipeline.runtime.link import Link
 from pipeline.output.head import Head
 from pipeline.runtime.last_rank import LastRank
 from pipeline.scheduling.driver import Driver
 from pipeline.runtime.first_rank import FirstRank
-from pipeline.scheduling.scheduler import Scheduler
+from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
+from pipeline.sampling.grammar import Grammars
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
 
@@ -46,10 +48,11 @@ def load_stage(plan, opts, info):
     first, last = plan.layers
     t0 = time.perf_counter()
     try:
-        model, store = build_stage(plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
+        # plan.source: a hub snapshot fetches this stage's shards as they are opened
+        model, store = build_stage(plan.source or plan.model_dir, first, last, info.is_first, info.is_last, dtype, info.device,
                                    opts.model_type, opts.batch_invariant, opts.backend,
                                    None if opts.quantize == "none" else opts.quantize)
-    except (CheckpointError, UnsupportedModel) as e:
+    except (CheckpointError, UnsupportedModel, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
@@ -57,10 +60,11 @@ def load_stage(plan, opts, info):
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
+    elif plan.fingerprint.get("checkpoint_format"):
+        choose_packed_kernels(model, dtype, opts, info.stage, plan.fingerprint["checkpoint_format"])
     if info.device.type == "cpu":
         pack_cpu_linears(model, dtype, opts, info)
     if plan.adapters:
-
         model.adapters, read = stage_adapters(plan.adapters, plan.config, plan.spec, first, last, dtype, info.device,
                                               opts.model_type)
         log.info("stage %d: %d LoRA adapters (%s), %d tensors, %.1f MiB", info.stage, len(plan.adapters),
@@ -69,7 +73,9 @@ def load_stage(plan, opts, info):
     if opts.profiling:
 
         trace = Trace(info.rank)
-    return Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage = Stage(model, info.device, trace, prefix_block(plan, opts))
+    stage.index = info.stage
+    return stage
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
@@ -86,6 +92,20 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
              opts.max_micro_batch_size,
              "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
                        for shape, c in chosen.items()), fused)
+
+
+def choose_packed_kernels(model, dtype, opts, stage: int, fmt: str) -> None:
+    """A pre-quantized checkpoint (pipeline.loading.quantized): time the int4 / int8 kernels on this
+    stage's shapes and keep the fastest per shape (FP8: torch._scaled_mm on CUDA where it runs); the
+    choice is logged and goes into the run summary (``model.quantized``)."""
+    t0 = time.perf_counter()
+    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    kernels = {shape: c["kernel"] for shape, c in chosen.items()} | fp8.choose_kernels(model, dtype)
+    model.quantized = {"weights": fmt, "compute_dtype": str(dtype).removeprefix("torch."), "kernels": kernels}
+    log.info("stage %d: %s kernels chosen in %.1fs (rows %d and 256; best ms per kernel): %s", stage, fmt,
+             time.perf_counter() - t0, opts.max_micro_batch_size,
+             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                       for shape, c in chosen.items()) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:
@@ -114,110 +134,53 @@ def run_budget(opts, info, stage, plan=None) -> int:
     return budget
 
 
-def prefix_block(plan, opts) -> int:
-    """The prefix cache's block size, 0 when it is off. Every rank derives the same answer. Off with
-    --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
-    longrope models (a prefix's keys depend on the length of the prompt that computed them) and on
-    the generic transformers stage."""
-
-    if opts.prefix_cache != "on" or opts.batch_invariant or not isinstance(plan.spec, DecoderSpec):
-        return 0  # the generic stage keeps its cache its own way: no prefix pool there (yet)
-    if plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope":
-        return 0
-    return opts.prefix_block_size
-
-
-def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
-    """Prompt tokens a pass computes per chunkable prompt, 0 for whole prompts (``--prefill-chunk``).
-    A chunk resumes after the prompt's earlier tokens in the cache, as a prefix-cache hit does: the
-    same stages that cannot hold a prefix pool cannot chunk (:func:`prefix_block`)."""
-
-    chunk = opts.prefill_chunk
-    if chunk == "auto":
-        chunk = AUTO_PREFILL_CHUNK["cuda" if gpu else "cpu"] if pipeline_size > 1 and not opts.batch_invariant else 0
-    resumable = isinstance(plan.spec, DecoderSpec) and not (
-        plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope")
-    if chunk and not resumable:
-        if opts.prefill_chunk != "auto":
-            log.warning("--prefill-chunk %d ignored: this model's stage computes whole prompts only (the generic "
-                        "transformers stage, or longrope)", chunk)
-        return 0
-    return chunk
-
-
-def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
-    """Prompt tokens one pass computes (chunks of longer prompts included; at least one prompt's).
-
-    A pipeline of CPU stages wants passes of even length: a pass of 45 prompts' 64-token chunks
-    (2880 tokens) took ~1.9 s on a stage where a 64-row decode step takes ~0.1 s, and while it ran the
-    other stage ran out of work. On the benchmark's generation file at P = 2 (2 cores) 1024 or 2048
-    tokens a pass measured alike (44.6-47.4 s, stages busy 91-94%) against 53.3 s with 8192 counting
-    chunks and 48.8 s with 512; on its mixed file (generation and echo scoring) 2048 did better
-    (53.9-55.0 s against 54.6-59.0 s with 1024, busy 87%), as fewer of its whole scoring prompts
-    wait a pass for room. One stage has no one to wait for: it keeps
-    :data:`~pipeline.scheduling.scheduler.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
-    computes a few hundred tokens in about a decode step's time, so its passes are far more even,
-    and what cap pays there is for a GPU run to tell."""
-
-    return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
-
-
-def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
-    """Prompt tokens a pass of scoring prompts alone computes (echo, ``max_tokens`` 0: no decode rows).
-
-    A scoring file is prefill passes only, and a pipeline pays about one pass at each end (the last
-    stage waits for the first pass to come through, the first stage for the last pass to leave): with
-    1024-token passes that was ~18% of the benchmark's scoring file at P = 2 on 2 CPU cores (4.1-4.5 s,
-    stages busy 80-87%, 14 passes); at most 512 tokens 3.8-4.0 s (87-92%), 256 3.8-3.9 s (89-94%;
-    P = 1: 3.6 s). Generation keeps :func:`pass_prefill_tokens`: there smaller passes admitted prompts
-    more slowly (512: 48.8 s against 44.6-47.4 with 1024-2048). One stage and GPUs keep their prefill
-    cap. On a tiny model, where a pass's fixed cost dominates, the smaller passes cost a little (the
-    default model's helm_scoring.jsonl at P = 2: 0.5 -> 0.6 s)."""
-    return 256 if pipeline_size > 1 and not gpu else pass_prefill_tokens(pipeline_size, gpu)
-
-
 def make_link(info, stage):
 
     return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
 
 
-def last_rank(plan, opts, info, stage, tokenizer=None):
-    """The last stage's handler: the head, and the fingerprint its journals are checked against."""
+def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
+    """The last stage's handler: the head, and the fingerprint its journals are checked against.
+    ``grammars``: rank 0's compiled structured-output grammars when it is also the last rank (P = 1)."""
 
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
-    name = (opts.served_model_name if opts.serve else None) or plan.model_name
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed)
+    name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
+    grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars)
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 
 def first_rank(plan, opts, info, stage):
-
+    """Rank 0: the driver over a scheduler with this run's sizes and policy (file, or serve with --serve)."""
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
 
     block = prefix_block(plan, opts)
-    gpu = info.device.type == "cuda"
-    chunk = prefill_chunk(plan, opts, info.pipeline_size, gpu)
-    sched = Scheduler(opts.budget, plan.slots, opts.max_micro_batch_size,
-                      prefix=PrefixCache(block, opts.budget) if block else None, chunk=chunk,
-                      prefill_tokens=pass_prefill_tokens(info.pipeline_size, gpu),
-                      scoring_tokens=pass_scoring_tokens(info.pipeline_size, gpu), stages=info.pipeline_size)
+    config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", opts.budget)
+    sched = Scheduler(config, PrefixCache(block, opts.budget) if block else None, policy_for(config))
     models = None
     if plan.adapters:
-
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
+                             plan.source.repo_id if plan.source else None,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
+    grammars = Grammars(tokenizer, plan.spec.vocab_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size, models, chunk)
-    last = last_rank(plan, opts, info, stage, tokenizer) if info.is_last else None  # P = 1: one tokenizer
+                    info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout))
+    # P = 1: one tokenizer, and the grammars rank 0 compiled
+    last = last_rank(plan, opts, info, stage, tokenizer, grammars) if info.is_last else None
     return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
 
 
-def serve_rank(plan, opts, info, stage) -> str | None:
-    """Every rank but the first; returns the last output it saw opened."""
-
+def serve_rank(plan, opts, info, stage, status=None) -> str | None:
+    """Every rank but the first; returns the last output it saw opened. ``status``: the last rank's
+    status file (pipeline.runtime.monitor), finished after the last file closed."""
     link = make_link(info, stage)
-    last_output = serve(link, stage, last_rank(plan, opts, info, stage) if info.is_last else None)
+    last = last_rank(plan, opts, info, stage) if info.is_last else None
+    if last is not None:
+        last.status = status
+    last_output = serve(link, stage, last)
     link.flush()
+    if status is not None:
+        status.finish("finished")
     return last_output
 
 

@@ -10,15 +10,21 @@ its :class:`~pipeline.runtime.last_rank.LastRank`, whose reply rings back to ran
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from pipeline.runtime.messages import Allocate, CloseFile, OpenFile, PassHeader, Stop
+from comm.faults import FORWARD
+
+from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Stop
 from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
 from pipeline.loading.upload import to_device
+from tasks.status import peak_memory_mb
+
+log = logging.getLogger(__name__)
 
 
 class Stage:
@@ -34,6 +40,9 @@ class Stage:
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed on the stream, not resolved yet
         self._start: torch.cuda.Event | None = None
         self.peak_cells = 0  # most KV cells (micro-batch caches + prefix pool) held since the file opened
+        self.index = 0  # this stage's position in the pipeline (for logs)
+        self.poisoned: set[int] = set()  # slots whose pass failed here or before: skipped until rank 0's retry
+        self.bad_blocks: set[int] = set()  # prefix pool blocks a failed pass did not write here
 
     @property
     def busy(self) -> float:
@@ -77,8 +86,16 @@ class Stage:
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None, ahead: bool = False) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output. ``ahead``
-        (rank 0, for the trace): the slot's previous pass is still in flight."""
+        (rank 0, for the trace): the slot's previous pass is still in flight.
+
+        A forward that raises does not end the process: the pass is marked ``failed`` (None goes on
+        instead of activations) and rank 0 computes its groups again one at a time
+        (:mod:`pipeline.runtime.retry`). The later stages skip a failed pass, and every stage skips the
+        slot's later passes until that retry (their cache rows miss this pass's keys here); the
+        bookkeeping (release, allocation, prefix pool size) runs in any case, so that every stage
+        keeps the same caches."""
         t0 = self.mark()
+        FORWARD.watch(hdr)
         self.release(hdr.release)
         if hdr.alloc:
             self.caches.pop(hdr.slot, None)
@@ -87,27 +104,53 @@ class Stage:
                 self.caches[hdr.slot] = cache
             else:
                 self.pending[hdr.slot] = hdr.alloc
-        x_dec, x_pre = unpack(hdr, x)
         cache = self._cache(hdr)
         if hdr.prefix_grow is not None:
             dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())  # an int8 cache's hidden
+            if hdr.prefix_grow < self.prefix.capacity or not hdr.prefix_grow:
+                self.bad_blocks.clear()  # the pool is dropped
             self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size, dtype)
         self.peak_cells = max(self.peak_cells, self.kv_cells)
+        if hdr.retry:
+            self.poisoned.discard(hdr.slot)  # every pass of the slot sent before the retry went by
+        elif hdr.failed is None and hdr.slot in self.poisoned:
+            hdr.failed = "an earlier pass of this micro-batch failed"
+        out = None
+        if hdr.failed is None:
+            try:
+                FORWARD.check(hdr)
+                out = self._forward(hdr, x, cache)
+            except Exception as e:  # the pass fails, not the process: rank 0 finds the row it was
+                hdr.failed = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("stage %s: the forward of a pass of micro-batch %d raised (%s); its groups are "
+                            "computed again one at a time", self.index, hdr.slot, hdr.failed)
+        if hdr.failed is not None and not hdr.retry:
+            self.poisoned.add(hdr.slot)
+            self.bad_blocks.update(bid for p in hdr.prefill for _, bid in p.save)  # not written here
+        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
+                   **({"ahead": True} if ahead else {}))
+        if hdr.stats is not None:  # this stage's figures for the status file and /metrics (every few seconds)
+            hdr.stats.append([round(self.busy, 4), self.kv_cells, peak_memory_mb(self.device)])
+        return out
+
+    def _forward(self, hdr: PassHeader, x: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor | None:
+        x_dec, x_pre = unpack(hdr, x)
         outs = []
         with torch.inference_mode():
             if x_dec is not None:  # a dense decode segment writes column 0 of idle rows: load after it
                 outs.append(self.model(to_device(x_dec, self.device), decode_segment(hdr, self.device), cache))
             for p in hdr.prefill:
                 if p.load:
+                    if self.bad_blocks.intersection(p.load):
+                        raise RuntimeError("its prompt's cached blocks were not written here (a failed pass)")
                     self.prefix.load(cache, p.row, p.load, p.cached)
             if x_pre is not None:
                 outs.append(self.model(to_device(x_pre, self.device), prefill_segment(hdr, self.device), cache))
                 if self.prefix is not None:
                     self.prefix.save_pass(hdr.slot, hdr.prefill, cache, outs[-1] if self.model.has_head else None)
+                    self.bad_blocks.difference_update(bid for p in hdr.prefill for _, bid in p.save)
             for f in hdr.forks:
                 cache.fork(f.lead, f.rows, f.cols)
-        self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
-                   **({"ahead": True} if ahead else {}))
         return pack(outs)
 
     def prepare(self, msg: Allocate) -> None:
@@ -140,6 +183,7 @@ class Stage:
         for sid in slots:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
+            self.poisoned.discard(sid)  # rank 0 releases a slot only once all its passes are answered
             # (not ``prepared``: a slot released and allocated again in one pass gets its new cache ahead)
         if self.prefix is not None and slots:
             self.prefix.forget(slots)
@@ -164,6 +208,12 @@ def serve(link, stage: Stage, last=None) -> str | None:
     output = None
     while True:
         msg, x = link.recv_prev()
+        if isinstance(msg, Admitting):  # on at once: the last rank records the lines before they are computed
+            if last is None:
+                link.send_next_now(msg)
+            else:
+                last.record(msg)
+            continue
         if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
             if last is None:
                 link.send_next(msg)

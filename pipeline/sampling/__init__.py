@@ -1,5 +1,7 @@
 """Device work on the last stage after its layers: logits to tokens and logprobs for a whole
-micro-batch with per-row parameters.
+micro-batch with per-row parameters (sampler, step), echo scoring (scoring) and structured outputs'
+token masks (grammar).
 
-May import torch only (and pipeline.models.kernels). Never output, runtime or serve.
+May import torch, pipeline.loading.upload and pipeline.models.kernels. Never tasks, output, runtime,
+scheduling or serve.
 """

@@ -1,5 +1,6 @@
 """What the scheduler (:mod:`pipeline.scheduling.scheduler`) works with: a request's prompt (:class:`Group`), a
-micro-batch (:class:`Slot`) and one trip of a micro-batch through the pipeline (:class:`Pass`)."""
+micro-batch (:class:`Slot`), and what it decides: one trip of a micro-batch through the pipeline
+(:class:`Pass`, complete and immutable) and what it learns from its answer (:class:`Outcome`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ class Group:
     width: int = 1  # rows: best_of candidates
     digests: tuple[bytes, ...] = ()  # the prompt's prefix-cache block digests (empty: cache off or short)
     priority: bool = False  # serve mode: interactive requests go ahead of batch lines
-    chunkable: bool = False  # its prompt may be computed over several passes (driver: --prefill-chunk)
+    chunkable: bool = False  # its prompt may be computed over several passes (--prefill-chunk)
+    adapter: int = 0  # LoRA adapter of its rows (0: the base model)
+    request: int | None = None  # the request's input index (serve mode: what a cancelled request drops)
 
     @property
     def key(self) -> bytes | None:
@@ -30,6 +33,8 @@ class Group:
 
 @dataclass
 class Slot:
+    """A micro-batch's state, the scheduler's own (nothing else edits it)."""
+
     sid: int
     rows: int = 0
     cols: int = 0
@@ -38,6 +43,8 @@ class Slot:
     decoding: set[int] = field(default_factory=set)  # rows whose next token is known and not yet fed
     prefilling: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed (chunked prefill)
     fed: deque[list[int]] = field(default_factory=deque)  # decode rows of each pass in flight, oldest first
+    adapters: list[int] = field(default_factory=list)  # LoRA adapter per row (set when its group enters)
+    drops: set[int] = field(default_factory=set)  # serve mode: requests to forget with the slot's next pass
 
     @property
     def inflight(self) -> int:
@@ -48,21 +55,77 @@ class Slot:
     def allocated(self) -> bool:
         return self.rows > 0
 
+    @property
+    def live_rows(self) -> int:
+        """Rows holding a group."""
+        return sum(g is not None for g in self.row_group)
+
     def free_rows(self) -> list[int]:
         return [r for r, g in enumerate(self.row_group) if g is None]
 
 
-@dataclass
+@dataclass(frozen=True)
+class PromptPart:
+    """The part of a group's prompt a pass computes: tokens ``cached`` .. ``end`` - 1 of ``prompt_len``."""
+
+    gid: int
+    row: int  # the group's lead row; its cache is forked to the others
+    end: int  # prompt tokens up to where this pass computes
+    prompt_len: int
+    cached: int = 0  # leading tokens in the cache already (prefix pool hits, or its own earlier chunks)
+    load: tuple[int, ...] = ()  # prefix pool blocks holding the cached tokens, in order
+    save: tuple[tuple[int, int], ...] = ()  # (block index in the prompt, pool block) to keep
+    ends: bool = False  # the row ends with this pass (max_tokens 0, one row)
+    resumed: bool = False  # continues a chunked prompt: ``cached`` counts its own earlier chunks
+
+    @property
+    def partial(self) -> bool:
+        """More of the prompt follows in the slot's next passes (no token is sampled yet)."""
+        return self.end < self.prompt_len
+
+
+@dataclass(frozen=True)
 class Pass:
-    """One trip of a slot through the pipeline."""
+    """One trip of a slot through the pipeline, complete: nothing about it is decided elsewhere."""
 
     slot: int
+    rows: int  # the slot's rows
     alloc: tuple[int, int] | None  # (rows, cols) to (re)allocate before the pass
-    decode_rows: list[int]  # rows whose last token is fed this pass (all other rows are idle)
-    decode_start: list[int]  # cache column per slot row for the decode segment (0 for idle rows)
-    prefill: list[tuple[int, int]]  # (gid, lead row): admitted groups, then prompts resuming (``resume``)
-    forks: list[tuple[int, list[int]]]  # (lead row, other rows of the group)
-    admitted: list[int]  # gids admitted in this pass
-    rows_of: dict[int, list[int]]  # gid -> its rows, for admitted groups
-    resume: dict[int, int] = field(default_factory=dict)  # lead row -> prompt tokens computed by earlier passes
+    release: tuple[int, ...]  # slots whose caches can be freed (emptied since the last pass)
+    decode_rows: tuple[int, ...]  # rows whose last token is fed this pass (all other rows are idle)
+    decode_layout: tuple[int, ...]  # rows the decode segment computes: every slot row, or only the live ones
+    decode_start: tuple[int, ...]  # cache column of each decode_layout row's token
+    prompts: tuple[PromptPart, ...] = ()  # admitted groups' prompts first, then chunked prompts resuming
+    forks: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (lead row, other rows, columns to copy)
+    admitted: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (gid, its rows) of each group entering
+    prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
+    adapters: tuple[int, ...] = ()  # LoRA adapter of each slot row; empty: every row is the base model
+    drop: tuple[int, ...] = ()  # serve mode: requests whose client left (their rows end)
     split: bool = False  # its slot's decode rows are split over several passes in flight (Scheduler.parts)
+
+    @property
+    def prefill(self) -> list[tuple[int, int]]:
+        """(gid, lead row) of each prompt the pass computes."""
+        return [(p.gid, p.row) for p in self.prompts]
+
+    @property
+    def resume(self) -> dict[int, int]:
+        """Lead row -> prompt tokens computed by earlier passes, for the chunked prompts it continues."""
+        return {p.row: p.cached for p in self.prompts if p.resumed}
+
+    @property
+    def rows_of(self) -> dict[int, tuple[int, ...]]:
+        """gid -> rows of each admitted group."""
+        return dict(self.admitted)
+
+    def column(self, row: int) -> int:
+        """Cache column of ``row``'s decode token (0 for a row outside the decode segment)."""
+        return dict(zip(self.decode_layout, self.decode_start)).get(row, 0)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the scheduler made of a pass's answer."""
+
+    finished: tuple[int | None, ...]  # gid of each finished row (None: the row was free already)
+    released: bool  # the slot emptied: its caches can be freed (sent with the next pass)

@@ -2,8 +2,10 @@
 
 The driver turns each prompt of a request into a scheduler :class:`Group` (``best_of`` rows),
 keeps the scheduler's queue filled from the input stream (never the whole file in memory), and
-builds each pass's header and input token ids. Lines that cannot run become error records,
-passed along to the writer in their input position.
+turns each pass the scheduler decides (complete: :class:`~pipeline.scheduling.batches.Pass`) into its
+header and input token ids, adding what the scheduler does not hold: prompt ids, admissions, the
+tokens to feed, error lines. Lines that cannot run become error records, passed along to the writer
+in their input position. Rank 0's loops talk to the driver only; it alone talks to the scheduler.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tasks.requests import Request, RequestError, parse_line
 from pipeline.output.results import output_line
 from tasks.shards import share_of
 
+from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
@@ -44,9 +47,8 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: ModelNames | None = None, prefill_chunk: int = 0):
+                 models: ModelNames | None = None, grammars: GrammarIntake | None = None):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
-        self.chunk = prefill_chunk  # prompt tokens a pass computes per chunkable prompt (0: whole prompts)
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
         self.data_rank, self.data_size = data_rank, data_size
@@ -54,10 +56,9 @@ class Driver:
         self.errors: list[ErrorLine] = []  # (index, output line) not yet sent to the writer
         self.metas: dict[int, Admission] = {}  # gid -> what the last rank needs when the group enters
         self.prompts: dict[int, list[int]] = {}  # gid -> prompt ids, until its prompt is computed
-        self.shared: dict[int, int] = {}  # gid -> leading blocks of a chunked prompt worth keeping (PrefixCache.plan)
         self.last_token: dict[int, dict[int, int]] = {}  # slot -> row -> token to feed next
         self.models = models  # LoRA adapters by name (None: no adapters, "model" is not read)
-        self.row_adapters: dict[int, list[int]] = {}  # slot -> adapter of each row
+        self.grammars = grammars  # structured outputs: each constraint compiled (bounded) before admission
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
@@ -86,7 +87,7 @@ class Driver:
             if not self._empty():
                 return
             self.alone = False
-        while self.lines is not None and len(self.sched.queue) < self.sched.window:
+        while self.lines is not None and self.sched.wants_more:
             item, self.held = self.held or next(self.lines, None), None
             if item is None:
                 self.lines = None
@@ -119,8 +120,7 @@ class Driver:
 
     def _empty(self) -> bool:
         """Nothing queued, no row live: a suspect line can run alone."""
-        return not self.sched.queue and not any(s.inflight or any(g is not None for g in s.row_group)
-                                                for s in self.sched.slots)
+        return self.sched.empty
 
     def error_line(self, index: int, raw, e: RequestError) -> None:
         """Line ``index`` is answered with the error ``e`` in its place."""
@@ -131,6 +131,11 @@ class Driver:
     @property
     def exhausted(self) -> bool:
         return self.lines is None
+
+    @property
+    def done(self) -> bool:
+        """The input is read and every group it made has started (nothing queued)."""
+        return self.lines is None and not self.sched.queued
 
     def _tokenize(self, req: Request, prompt) -> list[int]:
         t0 = time.perf_counter()
@@ -182,6 +187,10 @@ class Driver:
         if bad:
             raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
                                "logit_bias")
+        if p.structured is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs are not available here", "structured_outputs")
+            self.grammars.check(p.structured)
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []
@@ -201,7 +210,7 @@ class Driver:
             digests = block_digests(ids, self.prefix.block_size, salt) if self.prefix is not None else []
             chunkable = p.max_tokens > 0 and p.best_of == 1 and not p.echo  # whole-prompt logprobs: one pass
             g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live,
-                      chunkable=chunkable)
+                      chunkable=chunkable, adapter=adapter, request=req.index)
             if not self.sched.fits(g):
                 spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
                 raise RequestError(
@@ -228,89 +237,107 @@ class Driver:
         self.prompts.pop(g.gid, None)
         return self.metas.pop(g.gid, None)
 
+    def cancel(self, gids: set[int], request: int) -> int:
+        """Serve mode, a client left: its queued groups are forgotten, its admitted rows end with their
+        slots' next passes. Returns how many micro-batches hold its rows."""
+        gone, held = self.sched.cancel(gids, request)
+        for g in gone:
+            self.unqueue(g)
+        return len(held)
+
+    def shed(self) -> list[Admission]:
+        """Shutdown: nothing queued starts and no line is read; the admissions of the groups dropped."""
+        metas = [self.unqueue(g) for g in self.sched.shed()]
+        self.lines = None
+        return [m for m in metas if m is not None]
+
     # -- passes -----------------------------------------------------------------------------
-    def build(self, ps: Pass, release: list[int]) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:
+    def next_pass(self, sid: int, ahead: bool = False) -> tuple[PassHeader, torch.Tensor | None,
+                                                               torch.Tensor | None] | None:
+        """Slot ``sid``'s next pass built, or None: the scheduler's decision for an idle slot or, with
+        ``ahead``, for one with a pass in flight (:meth:`Scheduler.next_pass`)."""
+        if self.sched.busy(sid) and not ahead:
+            return None
+        ps = self.sched.next_pass(sid, ahead=self.sched.busy(sid))
+        return None if ps is None else self.build(ps)
+
+    def build(self, ps: Pass) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
-        slot = self.sched.slots[ps.slot]
         feed = self.last_token.setdefault(ps.slot, {})
-        # a dense decode segment writes column 0 of its idle rows: not beside a prompt's earlier chunks,
-        # nor beside rows decoding in another pass of the slot
-        dense = not slot.prefilling and not ps.split
-        layout = decode_layout(ps.decode_rows, slot.rows, dense) if ps.decode_rows else []
-        hdr = PassHeader(ps.slot, slot.rows, list(ps.alloc) if ps.alloc else None, release, ps.decode_rows, layout,
-                         [ps.decode_start[r] for r in layout], errors=self.take_errors())
+        hdr = PassHeader(ps.slot, ps.rows, list(ps.alloc) if ps.alloc else None, list(ps.release),
+                         list(ps.decode_rows), list(ps.decode_layout), list(ps.decode_start), errors=self.take_errors(),
+                         prefix_grow=ps.prefix_grow, drop=list(ps.drop), adapters=list(ps.adapters))
+        layout = ps.decode_layout
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
         prefill_ids = None
-        if ps.prefill:
-            prompts = [self.prompts[gid] for gid, _ in ps.prefill]
-            groups = [self.sched.groups[gid] for gid, _ in ps.prefill]
-            hdr.prefill = [Prefill(g.gid, row, len(p), ends=not g.max_tokens and g.width == 1)
-                           for g, (_, row), p in zip(groups, ps.prefill, prompts)]
-            pinned: set[int] = set()
-            saving: set[int] = set()
-            for item, ids, g in zip(hdr.prefill, prompts, groups):
-                room = self.sched.budget - self.sched.used
-                if item.row in ps.resume:  # the rest of a chunked prompt: its earlier tokens are in the cache
-                    item.cached, item.resumed = ps.resume[item.row], True
-                elif self.prefix is not None:
-                    item.cached, item.load, item.save, self.shared[g.gid] = self.prefix.plan(
-                        ids, g.digests, room, pinned, saving, self.chunk if g.chunkable else 0)
-                item.len = self._chunk_end(g, item.cached)
-                item.partial = item.len < len(ids)
-                if item.resumed and self.prefix is not None:  # the shared blocks this chunk completes
-                    item.save = self.prefix.plan_chunk(g.digests, item.cached, item.len, self.shared.get(g.gid, 0),
-                                                       room, pinned, saving)
-                self.sched.prefilled(ps.slot, item.row, item.len)
-            if self.prefix is not None:
-                hdr.prefix_grow = self.prefix.take_grow()
+        if ps.prompts:
+            prompts = [self.prompts[p.gid] for p in ps.prompts]
+            hdr.prefill = [Prefill(p.gid, p.row, p.end, p.cached, list(p.load), [list(s) for s in p.save], p.ends,
+                                   p.partial, p.resumed) for p in ps.prompts]
             prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
             for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):
                 prefill_ids[i, : item.len - item.cached] = torch.tensor(ids[item.cached : item.len])
-            lens = {row: len(p) for (_, row), p in zip(ps.prefill, prompts)}
-            hdr.forks = [Fork(lead, rows, lens[lead]) for lead, rows in ps.forks]
-            for gid in ps.admitted:
+            hdr.forks = [Fork(lead, list(rows), cols) for lead, rows, cols in ps.forks]
+            for gid, rows in ps.admitted:
                 meta = self.metas.pop(gid)
-                meta.rows = ps.rows_of[gid]
+                meta.rows = list(rows)
                 hdr.admit.append(meta)
             for item in hdr.prefill:
                 if not item.partial:
                     self.prompts.pop(item.gid, None)
-                    self.shared.pop(item.gid, None)
-        if self.models is not None:
-            hdr.adapters = self._adapters(ps, hdr.admit, slot.rows)
         return hdr, decode_ids, prefill_ids
-
-    def _chunk_end(self, g: Group, start: int) -> int:
-        """Where this pass's part of ``g``'s prompt ends when it computes from token ``start`` on:
-        ``chunk`` tokens at a time for a group that may be chunked (one row that generates and needs
-        no prompt logprobs; see ``--prefill-chunk``), else the whole prompt."""
-        if self.chunk and g.chunkable:
-            return min(g.prompt_len, start + self.chunk)
-        return g.prompt_len
-
-    def _adapters(self, ps: Pass, admitted: list[Admission], rows: int) -> list[int]:
-        """Each slot row's adapter after this pass's admissions (empty when every row is base)."""
-        if ps.alloc:
-            self.row_adapters[ps.slot] = [0] * rows
-        per_row = self.row_adapters.setdefault(ps.slot, [0] * rows)
-        for meta in admitted:
-            for r in meta.rows:
-                per_row[r] = meta.adapter
-        return list(per_row) if any(per_row) else []
 
     def take_errors(self) -> list[ErrorLine]:
         errors, self.errors = self.errors, []
         return errors
 
-    def on_reply(self, reply: Reply) -> None:
+    def on_reply(self, reply: Reply) -> bool:
+        """A pass's answer: the tokens to feed next; the scheduler is told the outcome. True when the
+        slot emptied (its caches are released with the next pass, or the file's close)."""
         slot_feed = self.last_token.setdefault(reply.slot, {})
-        groups = self.sched.slots[reply.slot].row_group
         for r in reply.finished:
             slot_feed.pop(r, None)
-            self.prompts.pop(groups[r], None)  # serve mode: a client left during a chunked prompt
-            self.shared.pop(groups[r], None)
         slot_feed.update(dict(reply.feed))
-        self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
+        out = self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
+        for gid in out.finished:
+            self.prompts.pop(gid, None)  # serve mode: a client left during a chunked prompt
+        return out.released
+
+    # -- what the loops and status read -----------------------------------------------------
+    @property
+    def slot_ids(self) -> range:
+        return range(len(self.sched.slots))
+
+    def busy(self, sid: int) -> bool:
+        """Slot ``sid`` has a pass in flight."""
+        return self.sched.busy(sid)
+
+    def take_released(self) -> list[int]:
+        """Slots emptied since the last pass was built."""
+        return self.sched.take_released()
+
+    def group_of(self, sid: int, row: int) -> int | None:
+        """The group slot ``sid``'s ``row`` holds (None: a free row)."""
+        return self.sched.group_of(sid, row)
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.sched.padding_ratio
+
+    @property
+    def queued(self) -> int:
+        """Groups waiting for rows (status and metrics read these; nothing here changes them)."""
+        return self.sched.queued
+
+    @property
+    def running_rows(self) -> int:
+        """Rows holding a group, over every micro-batch."""
+        return self.sched.running_rows
+
+    @property
+    def cells_in_use(self) -> int:
+        """KV cells allocated: micro-batches and the prefix pool (what --budget bounds)."""
+        return self.sched.cells_in_use
 
 
 class ModelNames:
@@ -333,9 +360,3 @@ class ModelNames:
             return 0, None
         raise RequestError(f"unknown model {model!r}: this run serves the base model {self.base[0]!r} and the LoRA "
                            f"adapters {', '.join(repr(a) for a in self.adapters)}", "model", reason="model")
-
-
-def decode_layout(decode_rows: list[int], slot_rows: int, dense: bool = True) -> list[int]:
-    """Rows the decode segment computes: every row of the slot (no cache gather) unless few are live
-    or ``dense`` is false (an idle row holds keys that its column 0 must keep: a chunked prompt's)."""
-    return list(range(slot_rows)) if dense and 2 * len(decode_rows) >= slot_rows else list(decode_rows)

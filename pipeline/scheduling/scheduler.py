@@ -7,6 +7,13 @@ over allocated slots. A new slot is packed with groups of similar length (prompt
 from a look-ahead window, and a slot whose rows finish takes new groups into those rows at once
 (continuous refill) instead of waiting for the whole micro-batch to end.
 
+The scheduler owns the decision: :meth:`Scheduler.next_pass` returns a complete, immutable
+:class:`~pipeline.scheduling.batches.Pass` (rows, segments, prefix loads and saves, chunk ends,
+adapters, releases, drops; :mod:`pipeline.scheduling.assembly`) and :meth:`Scheduler.on_reply` is
+told the outcome. Its sizes come in a :class:`~pipeline.config.components.SchedulerConfig`, what
+differs between a file and the server in a policy object (:mod:`pipeline.scheduling.policy`).
+Nothing outside it edits its queue or slots.
+
 Nothing here imports torch.distributed or runs a model (tests/unit/pipeline/scheduling/test_scheduler.py).
 """
 
@@ -14,52 +21,101 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipeline.scheduling.batches import Group, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
-
-
-PREFILL_TOKENS = 8192  # prompt tokens a pass admits; more wait for the slot's next passes (see Scheduler)
+from pipeline.scheduling.assembly import assemble
+from pipeline.scheduling.batches import Group, Outcome, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
+from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig  # noqa: F401  (re-exported)
+from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # noqa: F401
+from pipeline.scheduling.prefix_rules import blocks_coming, prompt_work, scoring_share, uneven_prefill, waits_for_block
 
 
 class Scheduler:
-    """``prefix`` (a :class:`~pipeline.cache.prefix.PrefixCache`): its pool counts against the budget, a
-    slot gets one spare column (a prefill that resumes after cached tokens pads its shorter rows
-    past their length: those writes land there), and two groups whose first block is not resident
-    yet do not enter the same pass: the second waits a pass and then finds the block computed.
+    """``config``: the sizes (:class:`SchedulerConfig`); ``prefix`` (a
+    :class:`~pipeline.cache.prefix.PrefixCache`): its pool counts against the budget, a slot gets one
+    spare column (a prefill that resumes after cached tokens pads its shorter rows past their length:
+    those writes land there), and two groups whose first block is not resident yet do not enter the
+    same pass: the second waits a pass and then finds the block computed; ``policy``:
+    :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode, :func:`policy_for`).
 
     ``prefill_tokens``: the prompt tokens one pass computes. A new micro-batch gets rows for every group
     packed into it, but its first pass computes only the prompts that fit rows x the longest prompt
     <= this many tokens (at least one); the rest stay queued and join its free rows in the next
     passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
     first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
-    the others (``roles.pass_prefill_tokens``); a pass of scoring prompts alone, by ``scoring_tokens``
-    (``roles.pass_scoring_tokens``). Bigger passes hold activations far beyond the CPU's caches (32
-    prompts of 500 tokens: the MLP's alone 262 MB in float32); the benchmark's scoring file took
-    6.2 s against 5.0 s with at most 8192 a pass.
-
-    ``headroom`` (serve mode): a new micro-batch gets free rows sized for recent requests (the largest
-    need of the last 64) within its share of the budget; a request longer than every micro-batch
-    drains only the one with the fewest rows in use while the others keep taking requests.
+    the others (:func:`pipeline.config.pass_sizes.pass_prefill_tokens`); a pass of scoring
+    prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.pass_sizes.pass_scoring_tokens`).
+    Bigger passes hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's
+    alone 262 MB in float32); the benchmark's scoring file took 6.2 s against 5.0 s with at most 8192
+    a pass.
     """
 
-    def __init__(self, budget: int, num_slots: int, max_rows: int, window: int | None = None, prefix=None,
-                 headroom: bool = False, prefill_tokens: int = PREFILL_TOKENS, chunk: int = 0,
-                 scoring_tokens: int | None = None, stages: int = 1):
-        self.budget, self.max_rows, self.prefix = budget, max_rows, prefix
-        self.stages = stages  # pipeline stages: at the end of a file decode rows split over passes (parts)
-        self.prefill_tokens = prefill_tokens  # prompt tokens one pass computes (at least one prompt's part)
-        # ... when the pass holds only scoring prompts (no decoding rows, no chunks it continues)
-        self.scoring_tokens = scoring_tokens or prefill_tokens
-        self.chunk = chunk  # prompt tokens a pass computes of a chunkable group (driver: --prefill-chunk; 0: all)
+    def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
+        self.config, self.prefix = config, prefix
+        self.policy = policy if policy is not None else policy_for(config)
+        self.budget, self.max_rows, self.stages = config.budget, config.max_rows, config.stages
+        self.prefill_tokens, self.scoring_tokens = config.prefill_tokens, config.scoring_cap
+        self.chunk = config.chunk  # prompt tokens a pass computes of a chunkable group (0: all)
+        self.window = config.look_ahead
         self.spare = 1 if prefix is not None else 0  # columns
-        self.headroom = headroom
-        self.recent: deque[int] = deque(maxlen=64)  # serve mode: the needs of recent groups
-        self.draining: int | None = None  # serve mode: the slot left to drain for a blocked head
-        self.slots = [Slot(i) for i in range(num_slots)]
-        self.queue: deque[Group] = deque()
-        self.window = window or max(64, 4 * max_rows)
-        self.groups: dict[int, Group] = {}
+        self.slots = [Slot(i) for i in range(config.num_slots)]
+        self._queue: deque[Group] = deque()
+        self.groups: dict[int, Group] = {}  # gid -> group, while it holds rows
+        self.shared: dict[int, int] = {}  # gid -> leading blocks of a chunked prompt worth keeping (PrefixCache.plan)
+        self.released: list[int] = []  # slots emptied since the last pass: their caches go with the next one
         self.padding_waste = 0  # allocated cells never needed by the groups packed into them
         self.allocated_cells = 0
+
+    # -- what others may read ---------------------------------------------------------------
+    @property
+    def queue(self) -> tuple[Group, ...]:
+        """The queued groups, oldest (or interactive) first; read-only."""
+        return tuple(self._queue)
+
+    @property
+    def queued(self) -> int:
+        """Groups waiting for rows."""
+        return len(self._queue)
+
+    @property
+    def wants_more(self) -> bool:
+        """The look-ahead window has room for more groups."""
+        return len(self._queue) < self.window
+
+    @property
+    def running_rows(self) -> int:
+        """Rows holding a group, over every micro-batch."""
+        return sum(s.live_rows for s in self.slots)
+
+    @property
+    def cells_in_use(self) -> int:
+        """KV cells allocated: micro-batches and the prefix pool (what ``--budget`` bounds)."""
+        return self.used
+
+    @property
+    def padding_ratio(self) -> float:
+        """Allocated cells never needed by the groups packed into them, over every cell allocated."""
+        return self.padding_waste / max(1, self.allocated_cells)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing queued, no row live, no pass in flight."""
+        return not self._queue and not any(s.inflight or s.live_rows for s in self.slots)
+
+    def busy(self, sid: int) -> bool:
+        """Slot ``sid`` has a pass in flight."""
+        return bool(self.slots[sid].inflight)
+
+    def allocated(self, sid: int) -> bool:
+        return self.slots[sid].allocated
+
+    def group_of(self, sid: int, row: int) -> int | None:
+        """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
+        groups = self.slots[sid].row_group
+        return groups[row] if row < len(groups) else None
+
+    def take_released(self) -> list[int]:
+        """Slots emptied since the last pass (a file's end sends them with its close)."""
+        out, self.released = self.released, []
+        return out
 
     # -- input side -------------------------------------------------------------------------
     def fits(self, g: Group) -> bool:
@@ -69,14 +125,31 @@ class Scheduler:
     def submit(self, g: Group) -> None:
         """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
-        self.recent.append(g.need)
+        self.policy.submitted(g)
         if not g.priority:
-            self.queue.append(g)
+            self._queue.append(g)
             return
         i = 0
-        while i < len(self.queue) and self.queue[i].priority:
+        while i < len(self._queue) and self._queue[i].priority:
             i += 1
-        self.queue.insert(i, g)
+        self._queue.insert(i, g)
+
+    def cancel(self, gids: set[int], request: int) -> tuple[list[Group], list[int]]:
+        """Serve mode, a client left: its queued groups leave the queue (returned), and each slot
+        holding rows of ``gids`` drops ``request`` with its next pass (the slots are returned)."""
+        gone = [g for g in self._queue if g.gid in gids]
+        for g in gone:
+            self._queue.remove(g)
+        held = [s.sid for s in self.slots if gids.intersection(x for x in s.row_group if x is not None)]
+        for sid in held:
+            self.slots[sid].drops.add(request)
+        return gone, held
+
+    def shed(self) -> list[Group]:
+        """Shutdown: every queued group leaves the queue (returned, oldest first); nothing new starts."""
+        gone = list(self._queue)
+        self._queue.clear()
+        return gone
 
     @property
     def used(self) -> int:
@@ -86,97 +159,35 @@ class Scheduler:
         """KV cells the group's rows take: its columns (and the spare one) per row."""
         return (g.need + self.spare) * g.width
 
-    def _coming(self) -> set[bytes]:
-        """Digests of the blocks that prompts computed chunk by chunk have not completed yet (the block
-        holding the next token to compute, and every later one)."""
-        if self.prefix is None or not self.chunk:
-            return set()
-        bs, out = self.prefix.block_size, set()
-        for s in self.slots:
-            for row, done in s.prefilling.items():
-                g = self.groups.get(s.row_group[row])
-                if g is not None:
-                    out.update(g.digests[done // bs :])
-        return out
-
-    def _waits(self, g: Group, chosen: list[Group], coming: set[bytes]) -> bool:
-        """``g``'s first block that is not resident will be computed by a group chosen for this pass or by
-        a prompt being computed chunk by chunk (``coming``, :meth:`_coming`): ``g`` waits and then loads
-        it (and, by the chain, the rest of that shared prefix) instead of computing it beside them."""
-        if self.prefix is None or (i := self.prefix.hits(g.digests)) == len(g.digests):
-            return False  # no cache, or every block resident (or none: a prompt shorter than a block)
-        d = g.digests[i]
-        return d in coming or any(i < len(c.digests) and c.digests[i] == d for c in chosen)
-
-    def _work(self, g: Group) -> int:
-        """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
-        if self.prefix is None:
-            return g.prompt_len
-        hits = self.prefix.hits(g.digests) * self.prefix.block_size
-        return g.prompt_len - min(hits, g.prompt_len - 1)
-
-    def _share(self, window: list[Group]) -> int | None:
-        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
-        new slot may compute: half an even share of the window's scoring work (a prompt counts only
-        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
-        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
-        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
-        if len(self.slots) == 1 or self.headroom:
-            return None
-        total, seen = 0, set()
-        bs = self.prefix.block_size if self.prefix is not None else 0
-        for g in window:
-            if g.max_tokens:
-                continue
-            shared = 0
-            for d in g.digests:
-                if d not in seen and not self.prefix.resident(d):
-                    break
-                shared += 1
-            seen.update(g.digests)
-            total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
-        return -(-total // (2 * len(self.slots)))
-
-    def _uneven(self, g: Group, chosen: list[Group]) -> bool:
-        """With the prefix cache, ``g`` would make this pass's prefill pad: a pass computes every new
-        prompt to the longest one's length, so a prompt resuming after cached blocks (a few tokens
-        left) and one computed from the start (hundreds) do not share a pass; similar ones do."""
-        if self.prefix is None or not chosen:
-            return False
-        works = [self._work(x) for x in (*chosen, g)]
-        if all(w == x.prompt_len for w, x in zip(works, (*chosen, g))):
-            return False  # nothing cached: packing by length as without the cache
-        return max(works) > 2 * min(works) + 2 * self.prefix.block_size
-
     def idle(self) -> bool:
-        return not self.queue and not any(s.allocated for s in self.slots)
+        return not self._queue and not any(s.allocated for s in self.slots)
 
     # -- building passes --------------------------------------------------------------------
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group that need not wait for blocks being computed
-        (:meth:`_waits`) plus the most similar ones that fit."""
-        coming = self._coming()
-        window = list(self.queue)[: self.window]
-        seed = next((g for g in window if not self._waits(g, [], coming)), None)
+        (:func:`~pipeline.scheduling.prefix_rules.waits_for_block`) plus the most similar ones that fit."""
+        coming = blocks_coming(self)
+        window = list(self._queue)[: self.window]
+        seed = next((g for g in window if not waits_for_block(self, g, [], coming)), None)
         if seed is None:
             return []
         target = max(self.budget // len(self.slots), self.cells(seed))
         cap = min(available, target)
         if self.cells(seed) > cap:
             return []
-        share = self._share(window)
-        scoring = (lambda g: 0 if g.max_tokens else self._work(g)) if share is not None else (lambda g: 0)
+        share = scoring_share(self, window)
+        scoring = (lambda g: 0 if g.max_tokens else prompt_work(self, g)) if share is not None else (lambda g: 0)
         chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
         most = self.max_rows
-        if len(self.slots) > 1 and not self.headroom and len(self.queue) < self.window:
+        if self.policy.even_tail(self) and len(self._queue) < self.window:
             # the queue is the rest of the file: an even share of its rows for each free micro-batch, so
             # that a pipeline's last micro-batches are alike (40 prompts in 32 + 8 rows at P = 2: the
             # stages took turns on the 8-row passes)
-            most = min(most, max(seed.width, -(-sum(g.width for g in self.queue) // sum(
+            most = min(most, max(seed.width, -(-sum(g.width for g in self._queue) // sum(
                 not s.allocated for s in self.slots))))
         for g in sorted((g for g in window if g is not seed), key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
-            if self._waits(g, chosen, coming) or self._uneven(g, chosen):
+            if waits_for_block(self, g, chosen, coming) or uneven_prefill(self, g, chosen):
                 continue
             if scoring(g) and work + scoring(g) > share:
                 continue
@@ -187,7 +198,7 @@ class Scheduler:
 
     def _pass_work(self, g: Group) -> int:
         """Prompt tokens a pass computes for ``g``: its first chunk when its prompt is chunked."""
-        work = self._work(g)
+        work = prompt_work(self, g)
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
     def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
@@ -225,16 +236,16 @@ class Scheduler:
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
-        chosen, coming = [], self._coming()
-        for g in list(self.queue)[: self.window]:
+        chosen, coming = [], blocks_coming(self)
+        for g in list(self._queue)[: self.window]:
             if free == 0:
                 break
             if not self._fits_pass(chosen, g, held, bool(slot.decoding)):
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue
-            if (g.width <= free and g.need + self.spare <= slot.cols and not self._waits(g, chosen, coming)
-                    and not self._uneven(g, chosen)):
+            if (g.width <= free and g.need + self.spare <= slot.cols and not waits_for_block(self, g, chosen, coming)
+                    and not uneven_prefill(self, g, chosen)):
                 chosen.append(g)
                 free -= g.width
         return chosen
@@ -242,9 +253,9 @@ class Scheduler:
     def _head_blocked(self) -> bool:
         """The oldest queued group cannot start anywhere now: stop refilling so slots drain (else a long
         request could wait behind endless short refills, the ordered writer holding every later result)."""
-        if not self.queue:
+        if not self._queue:
             return False
-        head = self.queue[0]
+        head = self._queue[0]
         if self.cells(head) <= self.budget - self.used:
             return False
         return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
@@ -254,17 +265,9 @@ class Scheduler:
         oldest queued group is blocked, file mode: every slot drains for it (0); serve mode: only the
         slot with the fewest rows in use, taking groups that end before its longest row (backfill)."""
         if not self._head_blocked():
-            self.draining = None
+            self.policy.unblocked()
             return None
-        if not self.headroom:
-            return 0
-        if self.draining is None or not self.slots[self.draining].allocated:
-            held = [s for s in self.slots if s.allocated]
-            self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
-        if slot.sid != self.draining:
-            return None
-        left = [self.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in self.groups]
-        return max(left, default=1) - 1
+        return self.policy.blocked_limit(self, slot)
 
     @property
     def slot_share(self) -> int:
@@ -284,117 +287,88 @@ class Scheduler:
         budget, and the pool was dropped before every request that came alone."""
         if self.prefix is None or not self.prefix.cells:
             return
-        free, want = self.budget - self.used, self.cells(self.queue[0])
-        if self.headroom:
-            want = max(want, self.slot_share)
-        elif any(s.allocated for s in self.slots):
+        free, want = self.budget - self.used, self.policy.pool_want(self, self.cells(self._queue[0]))
+        if want is None:
             return
         if free < want <= free + self.prefix.cells:
             self.prefix.reset()
 
     def next_pass(self, sid: int, ahead: bool = False) -> Pass | None:
-        """The next pass for an idle slot, or None when it has nothing to do now. ``ahead``: a second
-        pass in flight for a slot whose pass in flight decodes no row, continuing its chunked prompts
-        (nothing in it waits for the answer; docs/design/chunked-prefill.md, "Passes ahead")."""
+        """The next pass for an idle slot, complete, or None when it has nothing to do now. ``ahead``: a
+        second pass in flight for a slot whose pass in flight decodes no row, continuing its chunked
+        prompts (nothing in it waits for the answer; docs/design/chunked-prefill.md, "Passes ahead"),
+        or at the end of a file the other share of its decode rows (:meth:`parts`)."""
         slot = self.slots[sid]
         if ahead:
             parts = self.parts()
             if parts > 1 and slot.decoding and slot.inflight < parts:  # the other rows' share
-                return self._build(slot, None, [], {}, parts)
+                return assemble(self, slot, None, [], {}, parts)
             if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
                 return None
-            return self._build(slot, None, [], self._resume(slot)[0])
+            return assemble(self, slot, None, [], self._resume(slot)[0])
         assert not slot.inflight
-        alloc, resume = None, {}
-        if not slot.allocated and self.queue:
-            self._pool_yields()
-            new = self._pack(self.budget - self.used)
-            if new:
-                rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
-                if self.headroom:  # free rows with room for recent requests, within this slot's share
-                    cap = min(self.budget - self.used, max(self.slot_share, rows * cols))
-                    typical = max(self.recent, default=0)
-                    cols = max(cols, min(typical + self.spare, cap // max(rows, 1)), cap // self.max_rows)
-                    rows = max(rows, min(self.max_rows, cap // cols))
-                slot.rows, slot.cols = rows, cols
-                slot.row_group, slot.row_len = [None] * rows, [0] * rows
-                alloc = (rows, cols)
-                self.allocated_cells += rows * cols
-                self.padding_waste += rows * cols - sum(g.need * g.width for g in new)  # spare columns count
-                new = self._admit(new)  # the others stay queued: the slot's free rows take them next passes
+        alloc, resume, new = None, {}, []
+        if not slot.allocated and self._queue:
+            alloc, new = self._allocate(slot)
         elif slot.allocated:
             limit = self._refill_limit(slot)
             resume, held = self._resume(slot)
             new = self._refill(slot, limit, held) if limit != 0 else []
-        else:
-            new = []
         for g in new:
-            self.queue.remove(g)
-        if not slot.allocated:
-            return None
-        return self._build(slot, alloc, new, resume, self.parts())
+            self._queue.remove(g)
+        ps = assemble(self, slot, alloc, new, resume, self.parts()) if slot.allocated else None
+        if ps is None:
+            slot.drops.clear()  # nothing runs there: its rows are gone already
+        return ps
+
+    def _allocate(self, slot: Slot) -> tuple[tuple[int, int] | None, list[Group]]:
+        """A new micro-batch for an empty slot: its shape and the groups its first pass admits (the
+        others packed into it stay queued: its free rows take them in the next passes)."""
+        self._pool_yields()
+        new = self._pack(self.budget - self.used)
+        if not new:
+            return None, []
+        rows, cols = sum(g.width for g in new), max(g.need for g in new) + self.spare
+        rows, cols = self.policy.new_slot(self, rows, cols)
+        slot.rows, slot.cols = rows, cols
+        slot.row_group, slot.row_len = [None] * rows, [0] * rows
+        self.allocated_cells += rows * cols
+        self.padding_waste += rows * cols - sum(g.need * g.width for g in new)  # spare columns count
+        return (rows, cols), self._admit(new)
 
     def parts(self) -> int:
         """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
         queued) with fewer micro-batches holding rows than there are stages: enough that every stage
         has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time)."""
         active = sum(s.allocated for s in self.slots)
-        if self.headroom or self.queue or not active or active >= self.stages:
+        if not self.policy.split_tail() or self._queue or not active or active >= self.stages:
             return 1
         return -(-self.stages // active)
 
-    def _build(self, slot: Slot, alloc: tuple[int, int] | None, new: list[Group], resume: dict[int, int],
-               parts: int = 1) -> Pass | None:
-        """The pass: rows with a token to feed decode (with ``parts`` > 1 a share of the slot's live
-        rows), ``new`` groups enter free rows, ``resume`` continues chunked prompts."""
-        decode_rows = sorted(slot.decoding)
-        if parts > 1:
-            decode_rows = decode_rows[: -(-sum(g is not None for g in slot.row_group) // parts)]
-        fed = set(decode_rows)
-        decode_start = [slot.row_len[r] if r in fed else 0 for r in range(slot.rows)]
-        prefill, forks, rows_of = [], [], {}
-        free = slot.free_rows()
-        for g in new:
-            rows, free = free[: g.width], free[g.width :]
-            for r in rows:
-                slot.row_group[r], slot.row_len[r] = g.gid, g.prompt_len
-            self.groups[g.gid] = g
-            prefill.append((g.gid, rows[0]))
-            if len(rows) > 1:
-                forks.append((rows[0], rows[1:]))
-            rows_of[g.gid] = rows
-        prefill += [(slot.row_group[r], r) for r in resume]
-        if not decode_rows and not prefill:
-            return None
-        slot.fed.append(decode_rows)
-        slot.decoding -= fed
-        return Pass(slot.sid, alloc, decode_rows, decode_start, prefill, forks, [g.gid for g in new], rows_of, resume,
-                    split=parts > 1 and bool(decode_rows))
-
-    def prefilled(self, sid: int, row: int, done: int) -> None:
-        """The pass being built computes the prompt of ``row`` up to token ``done``: the rest of the
-        prompt (chunked prefill) follows in the slot's next passes; once all of it is computed the
-        row samples its first token and decodes (:meth:`on_reply`)."""
-        slot = self.slots[sid]
-        if done < self.groups[slot.row_group[row]].prompt_len:
-            slot.prefilling[row] = done
-        else:
-            slot.prefilling.pop(row, None)
-
     # -- results side -----------------------------------------------------------------------
-    def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> None:
-        """After a pass: ``continuing`` rows got a token to feed next; ``finished`` rows are done."""
+    def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> Outcome:
+        """The outcome of the slot's oldest pass in flight: ``continuing`` rows got a token to feed
+        next; ``finished`` rows are done (their groups leave once all their rows are)."""
         slot = self.slots[sid]
+        was = slot.allocated
         for r in slot.fed.popleft():
             slot.row_len[r] += 1  # the token fed this pass is now in the cache
         slot.decoding.update(continuing)
+        gids = []
         for r in finished:
             slot.decoding.discard(r)
             slot.prefilling.pop(r, None)  # serve mode: a client left mid-prompt
             gid = slot.row_group[r]
+            gids.append(gid)
+            self.shared.pop(gid, None)
             slot.row_group[r] = None
             if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
                 del self.groups[gid]
         if all(g is None for g in slot.row_group) and not slot.inflight:
             slot.rows = slot.cols = 0
             slot.row_group, slot.row_len, slot.decoding, slot.prefilling = [], [], set(), {}
+            slot.adapters = []
+        released = was and not slot.allocated
+        if released:
+            self.released.append(sid)
+        return Outcome(tuple(gids), released)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline.output.head as head
+import pipeline.sampling.step as step
 from tests.fuzz_requests import MISTRAL_INSTRUCT
 from tests.utils import REPO, assert_identical_results, read_jsonl, run_inprocess, run_single, run_torchrun
 
@@ -160,9 +162,7 @@ def test_a_tiny_temperature_is_greedy(tmp_path):
 def test_a_row_whose_sampling_or_output_raises_is_its_own_error(monkeypatch, tmp_path):
     """Failures on the last rank while computing one row (a sampling kernel, detokenizing, stop
     strings) answer that request with an error; its micro-batch neighbours are answered."""
-    import pipeline.output.head as head
-
-    real_sample, real_find = head.sample, head._find_stop
+    real_sample, real_find = step.sample, head._find_stop
 
     def sample(logits, temperature, *a, **k):  # a kernel that fails on one row's settings
         if bool((temperature == 1.25).any()):
@@ -174,7 +174,7 @@ def test_a_row_whose_sampling_or_output_raises_is_its_own_error(monkeypatch, tmp
             raise ValueError("stop failure")
         return real_find(text, stops, since)
 
-    monkeypatch.setattr(head, "sample", sample)
+    monkeypatch.setattr(step, "sample", sample)
     monkeypatch.setattr(head, "_find_stop", find_stop)
     reqs = [{"prompt": f"Line {i} is", "max_tokens": 3, "temperature": 0.5, "seed": i} for i in range(8)]
     reqs[2]["temperature"] = 1.25
@@ -231,21 +231,7 @@ def test_a_line_that_kills_the_process_is_answered_with_an_error_not_a_crash_loo
     assert_identical_results([got[i] for i in keep], [ref[i] for i in keep])
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_a_line_whose_forward_raises_is_found_alone_and_answered_with_an_error(tmp_path, stages):
-    """A stage's forward that raises on one request ends the run (exit 1, finished lines journaled);
-    the reruns find the line the same way as a crash: alone, then answered with an error."""
-    reqs = [{"prompt": f"Request {i}: the garden is", "max_tokens": 2, "temperature": 0} for i in range(10)]
-    src = _write(tmp_path / "w.jsonl", reqs)
-    out = tmp_path / "out.jsonl"
-    args = ["--model-name", str(DEFAULT_MODEL), "--infer-data", str(src), "--output-path", str(out), "--no-progress",
-            "--max-micro-batch-size", "4"]
-    fault = {"DIST_INFER_FAULT": "line-raise", "DIST_INFER_FAULT_LINE": "5", "DIST_INFER_FAULT_RANK": str(stages - 1)}
-    run = run_single if stages == 1 else (lambda a, env: run_torchrun(a, 2, env=env))
-    codes = [run(args, env=fault).returncode for _ in range(3)]
-    assert codes == [1, 1, 0]
-    got = read_jsonl(out)
-    assert [i for i, x in enumerate(got) if "error" in x] == [5] and all(x["result"]["choices"] for x in got[:5])
+# a stage's forward that raises on one request: tests/integration/test_forward_retry.py
 
 
 # -- serve mode ---------------------------------------------------------------------------------

@@ -622,3 +622,15 @@ time.sleep(60)
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("script,launcher,cluster", [("slurm_pipeline.sbatch", "srun.args", SLURM),
+                                                     ("lsf_pipeline.bsub", "blaunch.args", LSF)])
+def test_cluster_recipes_pass_a_hub_id(stubs, shards, tmp_path, script, launcher, cluster):
+    """MODEL=org/name@rev reaches the runner as given (it resolves ids: docs/usage/models.md#models-by-hub-id)."""
+    env, log = stubs
+    qdir = shard_copy(shards, tmp_path / "q")
+    p = run_script(script, {**env, **cluster, "QUERY_DIR": str(qdir), "STUB_DRY_RUN": "1", "MODEL": "acme/tiny@v1",
+                            "SLURM_ARRAY_TASK_ID": "1", "LSB_JOBINDEX": "2"}, tmp_path, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert _opt((log / launcher).read_text().splitlines(), "--model-name") == "acme/tiny@v1"

@@ -16,7 +16,7 @@ import torch
 from pipeline.scheduling.driver import Driver
 from pipeline.runtime.messages import PassHeader, Reply
 from pipeline.cache.prefix import PrefixCache, PrefixStore, block_digests
-from pipeline.scheduling.scheduler import Scheduler
+from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.unit.pipeline.cache.test_prefix import assert_same_answers, cached
 from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
@@ -41,9 +41,9 @@ class Run:
     """Rank 0 (a real Driver and Scheduler) and a stand-in last stage that checks every pass."""
 
     def __init__(self, requests: list[dict], block: int, chunk: int, slots: int = 3, budget: int = 100_000):
-        self.sched = Scheduler(budget, slots, 8, prefix=PrefixCache(block, budget), chunk=chunk,
-                               prefill_tokens=256, stages=2)
-        self.driver = Driver(None, 1000, 4096, self.sched, prefill_chunk=chunk)
+        self.sched = Scheduler(SchedulerConfig(budget, slots, 8, chunk=chunk, prefill_tokens=256, stages=2),
+                               prefix=PrefixCache(block, budget))
+        self.driver = Driver(None, 1000, 4096, self.sched)
         self.driver.start(iter(enumerate(orjson.dumps(r) for r in requests)))
         self.pool = PrefixStore(block, keep_hidden=True)
         self.caches: dict[int, FakeCache] = {}
@@ -57,14 +57,17 @@ class Run:
         inflight: deque[PassHeader] = deque()
         for _ in range(10_000):
             self.driver.fill()
-            for slot in self.sched.slots:  # as pipeline.runtime.first_rank.FirstRank._run_file does
-                while (ps := self.sched.next_pass(slot.sid, ahead=(busy := bool(slot.inflight)))) is not None:
-                    hdr, _, _ = self.driver.build(ps, [])
+            for sid in self.driver.slot_ids:  # as pipeline.runtime.first_rank.FirstRank._run_file does
+                while True:
+                    busy = self.driver.busy(sid)
+                    if (built := self.driver.next_pass(sid, ahead=True)) is None:
+                        break
+                    hdr = built[0]
                     self.ahead += busy
                     self.step(hdr)
                     inflight.append(hdr)
             if not inflight:
-                assert self.driver.exhausted and not self.sched.queue, "stalled with work queued"
+                assert self.driver.done, "stalled with work queued"
                 return self
             self.driver.on_reply(self.reply(inflight.popleft()))
         raise AssertionError("did not finish")

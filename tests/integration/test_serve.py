@@ -435,15 +435,15 @@ def test_sigterm_stops_every_rank(server):
 def test_scheduler_priority_and_spare_rows():
     """Pure scheduler logic: interactive groups go ahead of queued batch lines (in their own arrival
     order), and serve mode sizes a new micro-batch with free rows for requests still to come."""
-    from pipeline.scheduling.scheduler import Group, Scheduler
+    from pipeline.scheduling.scheduler import Group, Scheduler, SchedulerConfig, ServePolicy
 
-    s = Scheduler(budget=4096, num_slots=1, max_rows=8, headroom=True)
+    s = Scheduler(SchedulerConfig(budget=4096, num_slots=1, max_rows=8), policy=ServePolicy())
     for gid in range(3):
         s.submit(Group(gid, 10, 10))
     s.submit(Group(10, 10, 10, priority=True))
     s.submit(Group(11, 10, 10, priority=True))
     assert [g.gid for g in s.queue] == [10, 11, 0, 1, 2]
-    s.queue.clear()
+    s.shed()
     s.submit(Group(20, 10, 10, priority=True))
     ps = s.next_pass(0)
     assert ps.alloc == (8, 512)  # one request, but 8 rows of 4096 / 8 columns
@@ -477,13 +477,13 @@ def test_dropped_request_releases_its_prefix_digests():
 
     from pipeline.scheduling.driver import Driver
     from pipeline.cache.prefix import PrefixCache
-    from pipeline.scheduling.scheduler import Scheduler
+    from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig, ServePolicy
     from serve.engine import ServeRank
     from serve.source import Live, RequestSource
     from tasks.requests import parse_body
 
     prefix = PrefixCache(4, 4096)
-    driver = Driver(None, 100, 512, Scheduler(4096, 1, 8, prefix=prefix, headroom=True))
+    driver = Driver(None, 100, 512, Scheduler(SchedulerConfig(4096, 1, 8), prefix=prefix, policy=ServePolicy()))
     source = RequestSource(10)
     rank = ServeRank(None, driver, None, object(), source, None)
     loop = asyncio.new_event_loop()

@@ -18,7 +18,7 @@ from pipeline.scheduling.driver import Driver
 from pipeline.scheduling.intake import chat_ids
 from pipeline.runtime.messages import Admission, PassHeader, decode, encode
 from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
-from pipeline.scheduling.scheduler import Scheduler
+from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
 from tasks.requests import GREEDY_BELOW, RequestError, parse_body, parse_params, parse_request
 from tests import fuzz_requests as gen
 from tests.utils import REPO, run_inprocess
@@ -40,7 +40,7 @@ def tokenizer():
 
 
 def _driver(tok) -> Driver:
-    return Driver(tok, VOCAB, 2048, Scheduler(65536, 2, 64))
+    return Driver(tok, VOCAB, 2048, Scheduler(SchedulerConfig(65536, 2, 64)))
 
 
 def _check_error(e: RequestError) -> None:

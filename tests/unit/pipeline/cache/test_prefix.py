@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.cache.prefix import PrefixCache, block_digests
-from pipeline.scheduling.scheduler import Group, Scheduler
+from pipeline.scheduling.scheduler import Group, Scheduler, SchedulerConfig
 from tests.utils import assert_consistent_results, local_tokenizer, read_jsonl, run_inprocess, write_jsonl
 
 
@@ -122,20 +122,20 @@ def test_plan_hits_saves_only_shared_blocks_and_evicts_lru():
     d1, d2 = block_digests(shared + [50, 51], 4), block_digests(shared + [60], 4)
     pc.queued(d1), pc.queued(d2)
     pinned: set[int] = set()
-    assert pc.plan(shared + [50, 51], d1, room=64, pinned=pinned)[0:2] == (0, [])
-    cached, load, save, _ = pc.plan(shared + [60], d2, room=64, pinned=set())
+    assert pc.plan(len(shared + [50, 51]), d1, room=64, pinned=pinned)[0:2] == (0, [])
+    cached, load, save, _ = pc.plan(len(shared + [60]), d2, room=64, pinned=set())
     assert cached == 12 and len(load) == 3 and save == []
     lone = list(range(100, 120))
-    assert pc.plan(lone, block_digests(lone, 4), room=64, pinned=set())[2] == []  # nobody shares it
+    assert pc.plan(len(lone), block_digests(lone, 4), room=64, pinned=set())[2] == []  # nobody shares it
     # a whole prompt in the pool still computes its last token
     again = block_digests(shared, 4)
-    assert pc.plan(shared, again, room=64, pinned=set())[0] == 11
+    assert pc.plan(len(shared), again, room=64, pinned=set())[0] == 11
     # fill the pool with other shared prompts: the oldest blocks go first, never pinned ones
     for k in range(3):
         other = [200 + 10 * k + i for i in range(8)]
         dg = block_digests(other, 4)
         pc.queued(dg), pc.queued(dg)
-        pc.plan(other, dg, room=0, pinned=set())
+        pc.plan(len(other), dg, room=0, pinned=set())
     assert pc.capacity <= pc.max_blocks == 8
     assert len(pc.blocks) <= 8
 
@@ -149,18 +149,18 @@ def test_a_chunked_prompt_saves_each_chunks_shared_blocks():
     d = block_digests(ids, 4)
     pc.queued(d), pc.queued(block_digests(other, 4))  # both queued (the driver queues at submission)
     pinned, saving = set(), set()
-    cached, load, save, blocks = pc.plan(ids, d, room=1000, pinned=pinned, saving=saving, chunk=8)
+    cached, load, save, blocks = pc.plan(len(ids), d, room=1000, pinned=pinned, saving=saving, chunk=8)
     assert (cached, load, [b for b, _ in save], blocks) == (0, [], [0, 1], 6)
     later = [pc.plan_chunk(d, start, min(start + 8, len(ids)), blocks, room=1000, pinned=set(), saving=set())
              for start in (8, 16, 24, 32)]
     assert [[b for b, _ in s] for s in later] == [[2, 3], [4, 5], [], []]  # blocks 6.. are this prompt's own
-    cached, load, save, _ = pc.plan(other, block_digests(other, 4), room=1000, pinned=set())
+    cached, load, save, _ = pc.plan(len(other), block_digests(other, 4), room=1000, pinned=set())
     assert cached == 24 and len(load) == 6
 
 
 def test_scheduler_holds_a_second_prompt_of_a_new_prefix_for_one_pass():
     pc = PrefixCache(4, budget=1000)
-    s = Scheduler(1000, 1, 8, prefix=pc)
+    s = Scheduler(SchedulerConfig(1000, 1, 8), prefix=pc)
     for gid, key in enumerate([b"A", b"A", b"B", None]):
         s.submit(Group(gid, 10, 2, digests=(key,) if key else ()))
     first = s.next_pass(0)
@@ -178,7 +178,7 @@ def test_pool_growth_stays_within_the_room_it_is_given():
     ids = list(range(40))
     d = block_digests(ids, 4)
     pc.queued(d), pc.queued(d)
-    cached, load, save, _ = pc.plan(ids, d, room=12, pinned=set())
+    cached, load, save, _ = pc.plan(len(ids), d, room=12, pinned=set())
     assert pc.cells == 12 and len(save) == 3  # three blocks fit; the rest are not kept
     assert pc.take_grow() == 3
 
@@ -187,7 +187,7 @@ def test_scheduler_keeps_resumed_and_fresh_prompts_in_separate_passes():
     """A pass computes every new prompt to the longest one's length: a prompt that resumes after
     cached blocks (few tokens left) must not be padded to a fresh prompt's length."""
     pc = PrefixCache(4, budget=4000)
-    s = Scheduler(4000, 1, 8, prefix=pc)
+    s = Scheduler(SchedulerConfig(4000, 1, 8), prefix=pc)
     cached = (b"A", b"B", b"C", b"D")  # 16 tokens resident: 2 left of 18
     pc.blocks.update({d: i for i, d in enumerate(cached)})
     s.submit(Group(0, 18, 2, digests=cached))
@@ -216,12 +216,12 @@ def test_scoring_work_spreads_over_the_micro_batches_of_a_pipeline():
     firsts = {}
     for slots in (1, 2):
         pc = PrefixCache(4, budget=100_000)
-        s = Scheduler(100_000, slots, 64, prefix=pc)
+        s = Scheduler(SchedulerConfig(100_000, slots, 64), prefix=pc)
         submit(s)
         firsts[slots] = [len(s.next_pass(i).prefill) for i in range(slots)]
     assert firsts[1] == [8]  # every fresh context (the continuations wait for their blocks)
     assert firsts[2] == [2, 2]  # 8 x 42 fresh + 24 x 2 resumed = 384 tokens: 96 per pass
-    s = Scheduler(100_000, 2, 64, prefix=PrefixCache(4, budget=100_000))
+    s = Scheduler(SchedulerConfig(100_000, 2, 64), prefix=PrefixCache(4, budget=100_000))
     submit(s, max_tokens=5)
     assert len(s.next_pass(0).prefill) == 8
 
@@ -293,10 +293,15 @@ def test_chunked_prefill_equals_whole_prompts(model_dir, workload, reference, tm
     prefills, echo scoring and best_of keep whole prompts, and prefixes still hit."""
     from pipeline.scheduling.scheduler import Scheduler
 
-    chunks = []
-    real = Scheduler.prefilled
-    monkeypatch.setattr(Scheduler, "prefilled", lambda self, sid, row, done: chunks.append(
-        (self.groups[self.slots[sid].row_group[row]].prompt_len, done)) or real(self, sid, row, done))
+    chunks = []  # (prompt length, where a pass's part of it ends)
+    real = Scheduler.next_pass
+
+    def next_pass(self, sid, ahead=False):
+        ps = real(self, sid, ahead)
+        chunks.extend((p.prompt_len, p.end) for p in (ps.prompts if ps is not None else ()))
+        return ps
+
+    monkeypatch.setattr(Scheduler, "next_pass", next_pass)
     out = tmp_path / "chunked.jsonl"
     assert run_inprocess(["--model-name", model_dir, "--infer-data", workload, "--output-path", str(out),
                           "--prefill-chunk", "48", "--prefix-cache", prefix, "--no-progress"]) == 0

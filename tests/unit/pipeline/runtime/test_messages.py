@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.runtime.messages import (Admission, Allocate, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
+from pipeline.runtime.messages import (Admission, Admitting, Allocate, CloseFile, Closed, Fork, MessageError, OpenFile, Opened, PassHeader, Prefill,
                                Reply, Stop, build, decode, encode)
 from tasks.output_file import FileSummary
 from tasks.requests import Params
@@ -19,6 +19,9 @@ MESSAGES = [
     OpenFile("in.jsonl", "out.jsonl", 9, "123:abc"), Opened(skip=None, error="journal mismatch"), Opened(skip=3),
     CloseFile(total=9, requests=9, error_kinds={"prompt": 1}, encode_seconds=0.1, padding_waste=0.2, busy=[1.0]),
     Closed(True, SUMMARY), Stop(), Allocate(slot=2, rows=36, cols=593),
+    Admitting(lines=[3, 4], alone=[7]), Reply(slot=0, feed=[], finished=[1], failed="RuntimeError: x"),
+    PassHeader(slot=0, rows=2, alloc=None, release=[], decode_rows=[1], decode_layout=[1], decode_start=[4],
+               failed="RuntimeError: x", retry=True),
 ]
 
 

@@ -1,0 +1,111 @@
+"""Structured outputs' cost: a request file where half the rows are constrained (the varied cases of
+tests/structured_cases.py: JSON schemas, regexes, choices, Lark and GBNF grammars) against the same
+file with no constraint, in one run of this script, one runner process (or torchrun group) each.
+
+    python bench/structured.py                        # the default model, 96 requests, P = 1
+    python bench/structured.py --model DIR --requests 256 --nproc 2 --max-tokens 64
+
+Prints generated tokens/s of both files (from each run's summary), their ratio (target >= 0.9x),
+the grammars' compile time and the last rank's mask time. Greedy, so both runs are deterministic.
+The mixed file runs first; the free file then gives each request the ``max_tokens`` its mixed twin
+generated (a constrained row often ends early: without this the free file would decode longer,
+fuller micro-batches and the ratio would measure row lengths, not the constraints' cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.structured_cases import cases  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def mixed_file(out: Path, n: int, max_tokens: int) -> Path:
+    """The requests; every other one carries a constraint (cycling through the test cases)."""
+    kinds = cases()
+    lines = []
+    for i in range(n):
+        body = {"prompt": f"Request {i}: answer in the format asked.", "max_tokens": max_tokens, "temperature": 0}
+        lines.append({**body, **kinds[(i // 2) % len(kinds)][0]} if i % 2 else body)
+    path = out / "mixed.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def free_file(out: Path, mixed: Path, answers: Path) -> Path:
+    """The same requests with no constraint, each generating as many tokens as its mixed twin did."""
+    path = out / "free.jsonl"
+    with open(mixed) as src, open(answers) as got, open(path, "w") as dst:
+        for line, answer in zip(src, got):
+            body = {k: v for k, v in json.loads(line).items() if k not in ("response_format", "structured_outputs")}
+            body["max_tokens"] = max(1, json.loads(answer)["result"]["usage"]["completion_tokens"])
+            dst.write(json.dumps(body) + "\n")
+    return path
+
+
+def run(data: Path, out: Path, model: str | None, nproc: int) -> dict:
+    args = [str(REPO / "dist_inference_runner.py"), "--infer-data", str(data), "--output-path", str(out),
+            "--no-progress", "--overwrite", "--num-threads", str(max(1, (os.cpu_count() or 2) // nproc))]
+    if model:
+        args += ["--model-name", model]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                "--master-port", "29533", *args]
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"the runner failed on {data.name}:\n{p.stderr[-3000:]}")
+    return json.loads(Path(str(out) + ".summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model folder (default: the embedded default model)")
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mixed = mixed_file(Path(tmp), a.requests, a.max_tokens)
+        s_mixed = run(mixed, Path(tmp) / "out-mixed.jsonl", a.model, a.nproc)
+        free = free_file(Path(tmp), mixed, Path(tmp) / "out-mixed.jsonl")
+        s_free = run(free, Path(tmp) / "out-free.jsonl", a.model, a.nproc)
+    st = s_mixed.get("structured", {})
+    ratio = s_mixed["completion_tokens_per_second"] / s_free["completion_tokens_per_second"]
+    figures = {"cpu": cpu_name(), "requests": a.requests, "nproc": a.nproc, "max_tokens": a.max_tokens,
+               "free_tokens_per_s": s_free["completion_tokens_per_second"],
+               "mixed_tokens_per_s": s_mixed["completion_tokens_per_second"], "ratio": round(ratio, 3),
+               "free_completion_tokens": s_free["completion_tokens"],
+               "mixed_completion_tokens": s_mixed["completion_tokens"], **st}
+    print(f"CPU: {figures['cpu']}; {a.requests} requests (half constrained), max_tokens {a.max_tokens}, P = {a.nproc}")
+    print(f"free:  {s_free['completion_tokens']} tokens, {s_free['completion_tokens_per_second']} tok/s")
+    print(f"mixed: {s_mixed['completion_tokens']} tokens, {s_mixed['completion_tokens_per_second']} tok/s "
+          f"({st.get('constrained_rows', 0)} constrained rows)")
+    print(f"ratio mixed/free: {ratio:.3f}x ({'PASS' if ratio >= 0.9 else 'FAIL'}: target >= 0.9x); "
+          f"{st.get('grammars_compiled', 0)} grammars compiled in {st.get('compile_seconds', 0)} s, "
+          f"masks {st.get('mask_seconds', 0)} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Rank 0's structured-output intake: every distinct constraint compiled once, as its line is read, on
+a worker thread with a time limit (``--grammar-timeout``); one that fails or runs out of time becomes
+that request's error and the rest of the file runs.
+
+The compiled grammars are pipeline.sampling.grammar's :class:`Grammars` (with P = 1 the same object the
+last rank samples with, so nothing compiles twice; with P > 1 the last rank compiles each spec again
+once, from the spec its admission message carries, which rank 0 has already proven to compile in time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tasks.requests import RequestError
+from pipeline.sampling.grammar import GrammarError, Grammars, spec_key
+
+DEFAULT_GRAMMAR_TIMEOUT = 5.0  # seconds
+
+
+class GrammarIntake:
+    def __init__(self, grammars: Grammars, timeout: float = DEFAULT_GRAMMAR_TIMEOUT):
+        self.grammars, self.timeout = grammars, timeout
+        self.timed_out: set[str] = set()  # specs that ran out of time: their next requests fail at once
+        self.constrained = 0  # requests with a constraint that compiled
+        self.wait_seconds = 0.0  # time intake waited for compilations
+
+    def check(self, spec: dict) -> None:
+        """Raise :class:`RequestError` unless ``spec`` compiles within the time limit (cached by text)."""
+        key = spec_key(spec)
+        if key in self.timed_out:
+            raise self._timeout_error()
+        if not self.grammars.known(spec):
+            t0 = time.perf_counter()
+            # a daemon thread per new grammar: one that never ends cannot hold up later ones or the exit
+            worker = threading.Thread(target=self._compile_quietly, args=(spec,), daemon=True,
+                                      name="grammar-compile")
+            worker.start()
+            worker.join(self.timeout)
+            self.wait_seconds += time.perf_counter() - t0
+            if worker.is_alive():
+                self.timed_out.add(key)
+                raise self._timeout_error()
+        try:
+            self.grammars.compile(spec)
+        except GrammarError as e:
+            raise RequestError(f"the output constraint cannot be compiled: {e}", _param(spec),
+                               reason="grammar") from None
+        self.constrained += 1
+
+    def _compile_quietly(self, spec: dict) -> None:
+        try:
+            self.grammars.compile(spec)
+        except GrammarError:
+            pass  # cached as the spec's error: check() raises it
+
+    def _timeout_error(self) -> RequestError:
+        return RequestError(f"the output constraint did not compile within {self.timeout:g} s "
+                            "(--grammar-timeout); simplify the schema or raise the limit", "response_format",
+                            reason="grammar_timeout")
+
+
+def _param(spec: dict) -> str:
+    return "response_format" if spec["kind"] == "json_object" else "structured_outputs"

@@ -1,0 +1,100 @@
+"""The scheduler's two policies (its sizes are a :class:`~pipeline.config.components.SchedulerConfig`,
+resolved once from the options by :mod:`pipeline.config.pass_sizes`): :class:`FilePolicy` for a request file
+(all of it known ahead: even tails, scoring work spread, drain everything for a long request) and
+:class:`ServePolicy` for the HTTP server (requests arrive one by one: free rows for those to come,
+drain one micro-batch for a long request). The :class:`~pipeline.scheduling.scheduler.Scheduler` is
+given both and asks the policy where the modes differ."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pipeline.config.components import SchedulerConfig
+from pipeline.scheduling.batches import Group, Slot
+
+if TYPE_CHECKING:  # the scheduler calls its policy with itself
+    from pipeline.scheduling.scheduler import Scheduler
+
+class FilePolicy:
+    """A request file: the queue is the rest of the file once it is shorter than the look-ahead."""
+
+    serve = False
+
+    def submitted(self, g: Group) -> None:
+        """A group was queued (the file policy keeps no history)."""
+
+    def even_tail(self, sched: Scheduler) -> bool:
+        """Several micro-batches share the file's rest evenly (rows, scoring work) and, at its very end,
+        a slot's decode rows split over passes for every stage (:meth:`Scheduler.parts`)."""
+        return len(sched.slots) > 1
+
+    def split_tail(self) -> bool:
+        return True
+
+    def new_slot(self, sched: Scheduler, rows: int, cols: int) -> tuple[int, int]:
+        """A new micro-batch's (rows, cols): exactly what its groups need."""
+        return rows, cols
+
+    def pool_want(self, sched: Scheduler, want: int) -> int | None:
+        """Cells the prefix pool gives way to (None: it stays): the oldest group's, once no slot is allocated."""
+        return None if any(s.allocated for s in sched.slots) else want
+
+    def blocked_limit(self, sched: Scheduler, slot: Slot) -> int | None:
+        """The oldest queued group fits no slot: every slot drains for it (nothing joins)."""
+        return 0
+
+    def unblocked(self) -> None:
+        """The oldest queued group can start (the file policy keeps no state for it)."""
+
+
+class ServePolicy:
+    """HTTP traffic: a new micro-batch gets free rows sized for recent requests (the largest need of the
+    last ``recent`` ones) within its share of the budget; a request longer than every micro-batch drains
+    only the one with the fewest rows in use while the others keep taking requests."""
+
+    serve = True
+
+    def __init__(self, recent: int = 64):
+        self.recent: deque[int] = deque(maxlen=recent)  # the needs of recent groups
+        self.draining: int | None = None  # the slot left to drain for a blocked head
+
+    def submitted(self, g: Group) -> None:
+        self.recent.append(g.need)
+
+    def even_tail(self, sched: Scheduler) -> bool:
+        return False  # the queue is never "the rest": more requests come
+
+    def split_tail(self) -> bool:
+        return False
+
+    def new_slot(self, sched: Scheduler, rows: int, cols: int) -> tuple[int, int]:
+        """Free rows with room for recent requests, within this slot's share."""
+        spare, cap = sched.spare, min(sched.budget - sched.used, max(sched.slot_share, rows * cols))
+        typical = max(self.recent, default=0)
+        cols = max(cols, min(typical + spare, cap // max(rows, 1)), cap // sched.max_rows)
+        return max(rows, min(sched.max_rows, cap // cols)), cols
+
+    def pool_want(self, sched: Scheduler, want: int) -> int | None:
+        """A new micro-batch's share too: slots rarely all drain here, and a pool grown while traffic was
+        light would keep every new slot small."""
+        return max(want, sched.slot_share)
+
+    def blocked_limit(self, sched: Scheduler, slot: Slot) -> int | None:
+        """Only the slot with the fewest rows in use drains, taking groups that end before its longest
+        row (backfill); the others take requests as usual (None)."""
+        if self.draining is None or not sched.slots[self.draining].allocated:
+            held = [s for s in sched.slots if s.allocated]
+            self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
+        if slot.sid != self.draining:
+            return None
+        left = [sched.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in sched.groups]
+        return max(left, default=1) - 1
+
+    def unblocked(self) -> None:
+        self.draining = None
+
+
+def policy_for(config: SchedulerConfig) -> FilePolicy | ServePolicy:
+    """The policy of the config's mode: serve (``--serve``) or a request file."""
+    return ServePolicy() if config.serve else FilePolicy()

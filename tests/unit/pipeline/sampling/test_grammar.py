@@ -1,0 +1,60 @@
+"""pipeline.sampling.grammar and step: compiled once per spec, masks that allow exactly the grammar's
+next tokens (EOS only where it may end), masks applied before penalties and sampling, logprobs of the
+raw distribution."""
+
+import pytest
+import torch
+
+from pipeline.sampling.grammar import GrammarError, Grammars, allowed_mask, spec_key
+from pipeline.sampling.step import draw
+from tasks.requests import Params
+from tests.utils import local_tokenizer
+
+CHOICE = {"kind": "choice", "value": ["yes", "no"]}
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = local_tokenizer()
+    return Grammars(tok, len(tok) + 7)  # the model's logits may be wider than the tokenizer
+
+
+def test_each_spec_compiles_once(grammars):
+    before = grammars.compiled
+    a, b = grammars.matcher(CHOICE), grammars.matcher({"value": ["yes", "no"], "kind": "choice"})
+    assert grammars.compiled == before + 1 and spec_key(CHOICE) == spec_key(dict(reversed(CHOICE.items())))
+    assert a is not b  # each row its own state
+    with pytest.raises(GrammarError):
+        grammars.compile({"kind": "json", "value": {"type": "no-such-type"}})
+    with pytest.raises(GrammarError):  # the error is cached with the spec
+        grammars.compile({"kind": "json", "value": {"type": "no-such-type"}})
+
+
+def test_mask_allows_the_grammar_and_eos_only_at_its_end(grammars):
+    tok = local_tokenizer()
+    vocab, eos = grammars.vocab_size, {tok.eos_token_id}
+    m = grammars.matcher({"kind": "regex", "value": "ab?"})
+    allowed = allowed_mask([m, None], eos, grammars.tok.vocab_size, vocab, torch.device("cpu"))
+    assert allowed.shape == (2, vocab) and allowed[1].all()
+    assert not allowed[0, tok.eos_token_id] and not allowed[0, len(tok):].any()
+    assert all(tok.decode([t]).lstrip() in ("a", "ab") for t in allowed[0].nonzero().flatten().tolist())
+    a = tok.convert_tokens_to_ids("a") if "a" in tok.get_vocab() else allowed[0].nonzero()[0, 0].item()
+    assert m.consume_token(a)
+    after = allowed_mask([m], eos, grammars.tok.vocab_size, vocab, torch.device("cpu"))
+    assert after[0, tok.eos_token_id]  # "a" may end the output
+
+
+def test_draw_samples_inside_the_mask_and_reports_raw_logprobs(grammars):
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[:, [5, 9]] = True
+    allowed[2] = True  # a free row in the same micro-batch
+    ps = [Params(temperature=0.0, logprobs=2), Params(temperature=1.0, top_k=3, logit_bias={7: 100.0}),
+          Params(temperature=0.0)]
+    d = draw(logits, ps, [{}, {}, {}], [0.0, 0.99, 0.0], allowed)
+    assert d.chosen[0] in (5, 9) and d.chosen[1] in (5, 9)  # a logit_bias cannot lift a masked token
+    assert d.chosen[2] == int(logits[2].argmax())
+    raw = torch.log_softmax(logits, -1)
+    assert d.chosen_lp[0] == pytest.approx(raw[0, d.chosen[0]].item(), abs=1e-6)
+    assert d.top_i[0] == raw[0].topk(2).indices.tolist()  # the raw distribution's top tokens, masked or not
