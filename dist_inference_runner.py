@@ -29,6 +29,7 @@ from comm.dist import init_distributed, shutdown  # noqa: E402
 from comm.faults import LOAD, set_rank  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402
+from pipeline.api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.first_rank import Job, RunError  # noqa: E402

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "tiny-llama-default-v4"
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"  # the checkout's examples/: weights and corpus
-SHIPPED_DIR = EXAMPLES_DIR / "tiny-llama-default"
+# an installed wheel has no examples/: setup.py copies the model's files beside this module instead
+PACKAGED_DIR = Path(__file__).resolve().parent / "tiny-llama-default"
+SHIPPED_DIR = PACKAGED_DIR if (PACKAGED_DIR / "model.safetensors").is_file() else EXAMPLES_DIR / "tiny-llama-default"
 CORPUS_PATH = EXAMPLES_DIR / "corpus.txt"
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2: the trainer puts special tokens first
 # Plain-text role markers, so the template needs no extra special tokens:

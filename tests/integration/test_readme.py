@@ -45,6 +45,7 @@ PAGES = (
     "docs/usage/flags.md",
     "docs/usage/formats.md",
     "docs/usage/serve.md",
+    "docs/usage/python-api.md",
     "docs/usage/chat.md",
     "docs/usage/stage-sizes.md",
     "docs/usage/scale.md",  # local/legacy/dp/two-node outputs, queries/, merged_output.jsonl
