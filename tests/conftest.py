@@ -98,6 +98,7 @@ def _starts_processes(obj, seen: set) -> bool:
 
 
 UNIT = Path(__file__).resolve().parent / "unit"
+INTEGRATION = Path(__file__).resolve().parent / "integration"  # every test there counts as starting processes
 
 
 def pytest_collection_modifyitems(config, items):
@@ -107,7 +108,9 @@ def pytest_collection_modifyitems(config, items):
         funcs = [getattr(item, "function", None)]
         funcs += [d.func for defs in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in defs]
         seen: set = set()
-        if any(f is not None and _starts_processes(f, seen) for f in funcs):
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.multiprocess)  # processes started through the project's own code too
+        elif any(f is not None and _starts_processes(f, seen) for f in funcs):
             item.add_marker(pytest.mark.multiprocess)
             if UNIT in Path(str(item.fspath)).resolve().parents:
                 config.unit_tests_starting_processes.append(item.nodeid)

@@ -1,6 +1,6 @@
 """The chat shell through a real terminal (pexpect's pty): the default model's path question, history,
 /set temperature 0, /system, /context, Ctrl-C mid-answer, bad commands, /quit and end of input; on the
-pipeline at P = 1, at P = 2 (the per-rank launch: rank 0 on the terminal), and as a client of --serve."""
+pipeline at P = 1, at P = 2 (torchrun, and the per-rank launch: rank 0 on the terminal), and as a client of --serve."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ BASE = ["--user-msg-fmt", r"Passage: {}\nAnswer:", "--assistant-msg-fmt", r"{}\n
 KEY = "chat-test-key"
 
 
-def spawn(args: list[str], log) -> "pexpect.spawn":
+def spawn(args: list[str], log, launcher: list[str] = ()) -> "pexpect.spawn":
     env = _env({"DIST_INFER_LOG": "WARNING", "TERM": "dumb"})
-    child = pexpect.spawn(sys.executable, [str(RUNNER), *args], env=env, encoding="utf-8", timeout=300,
+    child = pexpect.spawn(sys.executable, [*launcher, str(RUNNER), *args], env=env, encoding="utf-8", timeout=300,
                           dimensions=(50, 200))
     child.logfile_read = log
     return child
@@ -118,6 +118,15 @@ def test_chat_p2_per_rank_launch(tmp_path):
         assert rank1.wait(120) == 0, (tmp_path / "rank1.log").read_text()[-3000:]
     finally:
         _stop(rank1)
+
+
+def test_chat_p2_torchrun(tmp_path):
+    """Every rank under torchrun shares the terminal; rank 0 reads it. Lines typed right after an answer
+    (pexpect sends them as soon as the prompt shows) are read, not lost."""
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    with open(tmp_path / "chat.log", "w") as log:
+        conversation(spawn(["--chat", *BASE], log, launcher), "quit")
 
 
 def test_chat_client_of_serve(tmp_path):
