@@ -59,6 +59,7 @@ class Params:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict | None = None  # structured outputs: {"kind": json|json_object|regex|choice|grammar, "value"}
+    return_token_ids: bool = False  # each choice also carries the ids of its tokens (vLLM's field)
 
     @classmethod
     def from_json(cls, d: dict) -> "Params":
@@ -202,6 +203,9 @@ def parse_params(body: dict, chat: bool = False) -> Params:
             echo = False
         if not isinstance(echo, bool):
             raise RequestError("'echo' must be true or false", "echo")
+    return_ids = body.get("return_token_ids", False)
+    if return_ids is not None and not isinstance(return_ids, bool):
+        raise RequestError("'return_token_ids' must be true or false", "return_token_ids")
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"'seed' must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}", "seed")
@@ -222,6 +226,7 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body),
         structured=_structured(body),
+        return_token_ids=bool(return_ids),
     )
 
 

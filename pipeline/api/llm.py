@@ -345,7 +345,7 @@ def _is_pair(x) -> bool:
 
 def _request(i: int, item, params, chat: bool):
     """A tasks.requests.Request from a prompt and its parameters (the request dict's own fields win)."""
-    fields = fields_of(params, chat or (isinstance(item, dict) and "messages" in item))
+    fields = {"return_token_ids": True, **fields_of(params, chat or (isinstance(item, dict) and "messages" in item))}
     if chat:
         return parse_body({**fields, "messages": item}, True, i)
     if isinstance(item, dict):

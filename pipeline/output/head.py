@@ -369,7 +369,8 @@ class Head:
                 if req.kind == "chat":
                     choices.append(chat_choice(self.detok, cand, idx, p))
                 else:
-                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i)))
+                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i),
+                                                      p.return_token_ids))
         result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:

@@ -112,8 +112,10 @@ def completion_choice(
     index: int,
     want_top: int | None,
     echo: dict | None = None,
+    token_ids: bool = False,
 ) -> dict:
-    """One OpenAI completion choice. ``echo`` = {"ids", "logprobs", "top"} of the prompt (first entry None)."""
+    """One OpenAI completion choice. ``echo`` = {"ids", "logprobs", "top"} of the prompt (first entry None);
+    ``token_ids``: also the ids of ``logprobs.tokens`` (the prompt's first with echo), as vLLM's field."""
     prompt_ids = echo["ids"] if echo else []
     pieces_prompt = detok.pieces(prompt_ids) if echo else []
     pieces_gen = list(cand.pieces) if cand.pieces is not None else detok.pieces(cand.ids, context=prompt_ids)
@@ -144,14 +146,19 @@ def completion_choice(
         prompt_top = [None if t is None else top_dict(detok, t) for t in echo["top"]] if echo else []
         gen_top = [top_dict(detok, t) for t in (tops or [])]
         logprobs["top_logprobs"] = prompt_top + gen_top
-    return {"text": text, "index": index, "finish_reason": cand.finish_reason, "logprobs": logprobs}
+    choice = {"text": text, "index": index, "finish_reason": cand.finish_reason, "logprobs": logprobs}
+    if token_ids:
+        choice["token_ids"] = list(prompt_ids) + ids
+    return choice
 
 
 def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict:
     """One chat.completion choice; logprobs in the chat format when requested."""
-    c = completion_choice(detok, cand, index, params.logprobs)
+    c = completion_choice(detok, cand, index, params.logprobs, token_ids=params.return_token_ids)
     choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
               "finish_reason": cand.finish_reason, "logprobs": None}
+    if "token_ids" in c:
+        choice["token_ids"] = c["token_ids"]
     if params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(c["logprobs"])
     return choice

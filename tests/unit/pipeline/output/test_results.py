@@ -88,8 +88,9 @@ def test_top_dict_keeps_the_best_logprob_of_tokens_that_print_alike():
 def test_chat_choice_and_its_logprobs(want):
     ids = TOK.encode("Hello there", add_special_tokens=False)
     cand = Candidate(0, ids=ids, logprobs=[-1.0] * len(ids), top=[[(t, -1.0)] for t in ids], finish_reason="length")
-    c = chat_choice(DETOK, cand, 0, SimpleNamespace(logprobs=want))
+    c = chat_choice(DETOK, cand, 0, SimpleNamespace(logprobs=want, return_token_ids=want == 2))
     assert c["message"] == {"role": "assistant", "content": decode(ids)} and c["finish_reason"] == "length"
+    assert c.get("token_ids") == (ids if want == 2 else None)
     if want is None:
         assert c["logprobs"] is None
     else:
@@ -118,3 +119,16 @@ def test_output_lines_in_both_shapes():
     bad = output_line({}, "c2", error=err)
     assert bad["response"] == {"status_code": 400, "request_id": bad["response"]["request_id"], "body": {"error": err}}
     assert bad["error"] == {"code": "invalid_request_error", "message": "bad"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=ids_st, prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), cut=st.floats(0, 1))
+def test_token_ids_are_the_ids_of_the_tokens_listed(ids, prompt, cut):
+    """return_token_ids: the ids behind logprobs.tokens, the prompt's first with echo, cut with the text."""
+    stop_at = int(cut * len(decode(ids)))
+    cand = Candidate(0, ids=ids, logprobs=[-1.0] * len(ids), stop_at=stop_at)
+    echo = {"ids": prompt, "logprobs": [None] + [-1.0] * (len(prompt) - 1), "top": [None] * len(prompt)}
+    c = completion_choice(DETOK, cand, 0, None, echo=echo, token_ids=True)
+    assert len(c["token_ids"]) == len(c["logprobs"]["tokens"]) and c["token_ids"][: len(prompt)] == prompt
+    assert c["token_ids"] == prompt + ids[: len(c["token_ids"]) - len(prompt)]
+    assert "token_ids" not in completion_choice(DETOK, cand, 0, None, echo=echo)
