@@ -24,7 +24,7 @@ def interactive(opts) -> bool:
 
 def run_interactive(plan, opts, info, stage, first_rank) -> int:
     """Rank 0: serve mode's engine on a pipeline thread, the terminal on this one; stops every rank at the end."""
-    fr = first_rank(plan, opts, info, stage)
+    fr = first_rank(plan, opts, info, stage, arriving=True)  # serve mode's policy: requests come one by one
     engine = LocalEngine(fr).start()
     code = 1
     try:

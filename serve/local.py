@@ -69,7 +69,6 @@ class LocalEngine:
     def __init__(self, fr, max_pending: int = 256):
         self.source = LocalSource(max_pending)
         self.source.stopping = threading.Event()  # this face's own: serve mode's STOPPING is SIGTERM's
-        fr.driver.sched.headroom = True
         self.engine = _LocalRank(fr.stage, fr.driver, fr.link, fr.last, self.source, None)
         self.driver = fr.driver
         self.tok = _own_copy(fr.driver.tok)  # the terminal thread's: the pipeline thread detokenizes with its own

@@ -125,8 +125,7 @@ class Engine:
                                     self.opts.data_group_size, self.opts.dist_url, self.opts.cuda_id, self.opts.timeout)
             stage = load_stage(self.plan, self.opts, info)
             self.opts.budget = run_budget(self.opts, info, stage, self.plan)
-            fr = first_rank(self.plan, self.opts, info, stage)
-            fr.driver.sched.headroom = True  # requests arrive over time, as in serve mode
+            fr = first_rank(self.plan, self.opts, info, stage, arriving=True)  # serve mode's policy
             engine = ServeRank(fr.stage, fr.driver, fr.link, fr.last, self.source, self.files)
             engine.fingerprint = self.plan.fingerprint
             self.loaded = Loaded(engine, info, fr.driver.tok)

@@ -18,15 +18,15 @@ from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig
 log = logging.getLogger("runner")
 
 
-def scheduler_config(plan, opts, pipeline_size: int, gpu: bool, budget: int) -> SchedulerConfig:
+def scheduler_config(plan, opts, pipeline_size: int, gpu: bool, budget: int, arriving: bool = False) -> SchedulerConfig:
     """Every size the scheduler works with, for this run (a pipeline of ``pipeline_size`` stages, the
     budget in KV cells once resolved); serve mode (``--serve``) sizes micro-batches for requests still
-    to come, a file knows its requests."""
+    to come, a file knows its requests (``arriving``: requests come over time from another face too)."""
     return SchedulerConfig(budget, plan.slots, opts.max_micro_batch_size,
                            prefill_tokens=pass_prefill_tokens(pipeline_size, gpu),
                            scoring_tokens=pass_scoring_tokens(pipeline_size, gpu),
                            chunk=prefill_chunk(plan, opts, pipeline_size, gpu), stages=pipeline_size,
-                           serve=bool(opts.serve))
+                           serve=bool(opts.serve) or arriving)
 
 
 def prefix_block(plan, opts) -> int:

@@ -150,12 +150,13 @@ def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 
-def first_rank(plan, opts, info, stage):
-    """Rank 0: the driver over a scheduler with this run's sizes and policy (file, or serve with --serve)."""
+def first_rank(plan, opts, info, stage, arriving: bool = False):
+    """Rank 0: the driver over a scheduler with this run's sizes and policy: serve's with --serve or when
+    requests arrive over time from another face (``arriving``: the chat shell, the Python API), else file's."""
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
 
     block = prefix_block(plan, opts)
-    config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", opts.budget)
+    config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", opts.budget, arriving)
     sched = Scheduler(config, PrefixCache(block, opts.budget) if block else None, policy_for(config))
     models = None
     if plan.adapters:
