@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests import quant_checkpoints as qk
-from tests.unit.pipeline.models.test_lora import make_adapter
-from tests.utils import RUNNER, read_jsonl, run_inprocess, run_torchrun, write_jsonl
+from tests.unit.pipeline.models.test_lora import _http, make_adapter
+from tests.utils import RUNNER, _env, free_port, read_jsonl, run_inprocess, run_torchrun, wait_healthy, write_jsonl
 
 TOL = 1e-4
 SHARED = "the quick brown fox jumps over the lazy dog and runs far away into the woods, " * 2
@@ -100,3 +100,33 @@ def test_refused_combinations(make_llama, tmp_path, flag):
     with pytest.raises(UsageError, match="gptq-int4"):
         run_inprocess(["--model-name", q, "--infer-data", _requests(tmp_path), "--output-path",
                        str(tmp_path / "o.jsonl"), *flag])
+
+
+def test_serve_mode_answers_from_a_gptq_checkpoint_as_file_mode_does(make_llama, tmp_path):
+    """The server on a GPTQ int4 checkpoint answers /v1/completions with file mode's tokens and logprobs
+    on the same checkpoint (and names the format in ``model``)."""
+    base = make_llama(num_hidden_layers=2, seed=5)
+    q, _ = qk.gptq(base, tmp_path / "q", tmp_path / "ref", bits=4, group=32)
+    data = _requests(tmp_path)
+    want = _run(q, data, tmp_path / "q.jsonl", 1)
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", q, "--serve", str(port),
+                                 "--num-threads", "1", "--serve-dir", str(tmp_path / "s")], stdout=out, stderr=out,
+                                env=_env(None), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url + "/health", log, 300)
+        got = []
+        for line in read_jsonl(data):
+            status, r = _http(url + "/v1/completions", line)
+            assert status == 200, r
+            assert "gptq-int4" in r["model"], r["model"]
+            got.append({"result": r})
+        _same(got, want)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
