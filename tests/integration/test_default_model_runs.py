@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from examples import check_default_model as check
 from tests.utils import REPO
-from tests.unit.pipeline.loading.test_default_model import FLOORS, N_PER_TASK, heldout_runs  # noqa: F401 (fixtures and helpers)
+from tests.unit.pipeline.loading.test_default_model import FLOORS, N_PER_TASK, heldout_runs, model_dir, tokenizer  # noqa: F401 (fixtures and helpers)
 
 
 def test_import_is_cheap() -> None:
