@@ -39,7 +39,11 @@ def test_data_parallel_two_pipelines_give_one_ordered_output(model_dir, dp_reque
                       "--data-group-size", "2", exact], 2)
     assert p.returncode == 0, p.stderr[-3000:]
     assert_identical_results(read_jsonl(one), read_jsonl(two))
-    leftovers = [f.name for f in tmp_path.iterdir() if ".partial" in f.name or "merge" in f.name or "-of-" in f.name]
+    status = sorted(f.name for f in tmp_path.iterdir() if ".status" in f.name)  # each data group's, kept
+    assert status == ["one.jsonl.status.json", "two.jsonl.status-0-of-2.json", "two.jsonl.status-1-of-2.json"]
+    assert all(json.loads((tmp_path / n).read_text())["state"] == "finished" for n in status)
+    leftovers = [f.name for f in tmp_path.iterdir()
+                 if (".partial" in f.name or "merge" in f.name or "-of-" in f.name) and ".status" not in f.name]
     assert leftovers == []
     # one summary, like the output: the totals, and each data group's figures
     merged, single = (json.loads((tmp_path / f"{n}.jsonl.summary.json").read_text()) for n in ("two", "one"))
