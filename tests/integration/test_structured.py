@@ -74,7 +74,8 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     errors = [line["error"]["message"] for (_, kind), line in zip(cases, out) if kind == "error"]
     assert "cannot be compiled" in errors[0]
     if stages == 1:
-        assert "did not compile within 1 s" in errors[1]
+        # a grammar too big to compile in time: the time limit, or the library's own size limit first
+        assert "did not compile within 1 s" in errors[1] or "cannot be compiled" in errors[1], errors[1]
     assert stopped >= constrained // 2, (stopped, constrained)  # the check above is not vacuous
     cut = out[[k for _, k in cases].index("cut")]
     assert choices_of(cut)[0]["finish_reason"] == "stop" and '",' not in choices_of(cut)[0]["text"]
