@@ -67,7 +67,7 @@ class Grammars:
     """Compiled matchers of one tokenizer, by spec; thread-safe (rank 0 compiles on a worker thread)."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        self.tok = llguidance.hf.from_tokenizer(tokenizer)
+        self._hf_tok, self.tok = tokenizer, None  # llguidance's view, built on first use: a slow tokenizer
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self._ready: dict[str, llguidance.LLMatcher | GrammarError] = {}
         self._lock = threading.Lock()
@@ -82,6 +82,8 @@ class Grammars:
         if got is None:
             t0 = time.perf_counter()
             try:
+                if self.tok is None:  # (sentencepiece only) fails only the constrained requests, not the run
+                    self.tok = llguidance.hf.from_tokenizer(self._hf_tok)
                 m = llguidance.LLMatcher(self.tok, grammar_text(spec), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
                 bm = torch.zeros(1, (self.tok.vocab_size + 31) // 32, dtype=torch.int32)
