@@ -85,6 +85,16 @@ def _part_of(param: str, first: int, embs: set[str]) -> Part:
     return EMBS if param in embs else HEAD
 
 
+def _refuse_on_generic(quantize: str | None, batch_invariant: bool) -> None:
+    """The generic transformers stage has neither int8 layers nor fixed-shape kernels."""
+    if quantize:
+        raise UnsupportedModel(f"--quantize {quantize} needs the native code of a family; the generic transformers "
+                               "stage does not quantize (drop --quantize)")
+    if batch_invariant:
+        raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
+                               "stage does not have its fixed-shape kernels (drop --batch-invariant)")
+
+
 def build_stage(
     model_dir: str | os.PathLike,
     first: int,
@@ -106,12 +116,7 @@ def build_stage(
     kernel is chosen afterwards by :func:`~pipeline.models.kernels.int8.choose_kernels`)."""
     cfg = read_config(model_dir)
     if choose_backend(cfg, model_type, backend) == "transformers":
-        if quantize:
-            raise UnsupportedModel(f"--quantize {quantize} needs the native code of a family; the generic transformers "
-                                   "stage does not quantize (drop --quantize)")
-        if batch_invariant:
-            raise UnsupportedModel("--batch-invariant needs the native code of a family; the generic transformers "
-                                   "stage does not have its fixed-shape kernels (drop --batch-invariant)")
+        _refuse_on_generic(quantize, batch_invariant)
         return _build_hf_stage(model_dir, cfg, first, last, has_embed, has_head, dtype, device, model_type)
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)

@@ -4,6 +4,7 @@ the installed runner. Slow (a venv, torch from pip's cache, the other dependenci
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -34,7 +35,9 @@ def test_pip_install_then_api_outside_the_checkout(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path)
     py = venv / "bin" / "python"
     _run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], tmp_path)
-    _run([str(py), "-m", "pip", "install", "-q", str(REPO)], tmp_path)
+    src = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources, not in the checkout
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis"))
+    _run([str(py), "-m", "pip", "install", "-q", str(src)], tmp_path)
     env_free = [str(py), "-I", "-c", SCRIPT]  # -I: no PYTHONPATH, no current folder
     out = dict(line.split(" ", 1) for line in _run(env_free, tmp_path, 900).splitlines() if " " in line)
     assert out["MODULE"].startswith(str(venv)) and out["MODEL"].startswith(str(venv))
