@@ -6,10 +6,15 @@ file with no constraint, in one run of this script, one runner process (or torch
     python bench/structured.py --model DIR --requests 256 --nproc 2 --max-tokens 64
 
 Prints generated tokens/s of both files (from each run's summary), their ratio (target >= 0.9x),
-the grammars' compile time and the last rank's mask time. Greedy, so both runs are deterministic.
-The mixed file runs first; the free file then gives each request the ``max_tokens`` its mixed twin
-generated (a constrained row often ends early: without this the free file would decode longer,
-fuller micro-batches and the ratio would measure row lengths, not the constraints' cost).
+the grammars' compile time and the last rank's mask time. Greedy, so every run is deterministic.
+
+The free file must decode the same rows for the same number of steps as the mixed one, without
+telling the scheduler more than the mixed file does (a constrained row ends when its grammar does,
+before its ``max_tokens``, at a step nobody knew ahead). So each free request keeps its mixed twin's
+``max_tokens`` and ends through a stop string: the whole text it generates in that many steps
+(learnt by a first, unmeasured run that gives it its twin's length as ``max_tokens``), which the
+last rank finds exactly where its twin ended and the scheduler cannot see. Mixed and free then run
+``--repeats`` times each, interleaved, and the medians are compared.
 """
 
 from __future__ import annotations
@@ -51,15 +56,31 @@ def mixed_file(out: Path, n: int, max_tokens: int) -> Path:
     return path
 
 
-def free_file(out: Path, mixed: Path, answers: Path) -> Path:
-    """The same requests with no constraint, each generating as many tokens as its mixed twin did."""
-    path = out / "free.jsonl"
-    with open(mixed) as src, open(answers) as got, open(path, "w") as dst:
-        for line, answer in zip(src, got):
+def twin_lengths(mixed: Path, answers: Path) -> list[int]:
+    with open(answers) as got:
+        return [max(1, json.loads(a)["result"]["usage"]["completion_tokens"]) for a in got]
+
+
+def free_file(out: Path, mixed: Path, lengths: list[int], texts: list[str] | None = None) -> Path:
+    """The same requests with no constraint. Without ``texts``: each generates as many tokens as its
+    twin (``max_tokens`` = that length). With them: each keeps its twin's ``max_tokens`` and stops on
+    its own text of that length (a text that is empty, or that shows up early, keeps the exact length)."""
+    path = out / ("free.jsonl" if texts else "free-lengths.jsonl")
+    with open(mixed) as src, open(path, "w") as dst:
+        for i, line in enumerate(src):
             body = {k: v for k, v in json.loads(line).items() if k not in ("response_format", "structured_outputs")}
-            body["max_tokens"] = max(1, json.loads(answer)["result"]["usage"]["completion_tokens"])
+            text = texts[i] if texts else ""
+            if text.strip() and len(text) <= 256:
+                body["stop"] = [text]
+            else:
+                body["max_tokens"] = lengths[i]
             dst.write(json.dumps(body) + "\n")
     return path
+
+
+def texts_of(answers: Path) -> list[str]:
+    with open(answers) as got:
+        return [json.loads(a)["result"]["choices"][0]["text"] for a in got]
 
 
 def run(data: Path, out: Path, model: str | None, nproc: int) -> dict:
@@ -82,27 +103,40 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs of each file, interleaved (medians compared)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
+    ap_runs: dict[str, list[dict]] = {"mixed": [], "free": []}
     with tempfile.TemporaryDirectory() as tmp:
-        mixed = mixed_file(Path(tmp), a.requests, a.max_tokens)
-        s_mixed = run(mixed, Path(tmp) / "out-mixed.jsonl", a.model, a.nproc)
-        free = free_file(Path(tmp), mixed, Path(tmp) / "out-mixed.jsonl")
-        s_free = run(free, Path(tmp) / "out-free.jsonl", a.model, a.nproc)
+        t = Path(tmp)
+        mixed = mixed_file(t, a.requests, a.max_tokens)
+        run(mixed, t / "out-mixed.jsonl", a.model, a.nproc)  # also warms the page cache
+        lengths = twin_lengths(mixed, t / "out-mixed.jsonl")
+        run(free_file(t, mixed, lengths), t / "out-lengths.jsonl", a.model, a.nproc)
+        free = free_file(t, mixed, lengths, texts_of(t / "out-lengths.jsonl"))
+        for _ in range(a.repeats):
+            ap_runs["mixed"].append(run(mixed, t / "out-mixed.jsonl", a.model, a.nproc))
+            ap_runs["free"].append(run(free, t / "out-free.jsonl", a.model, a.nproc))
+    s_mixed, s_free = (sorted(r, key=lambda x: x["completion_tokens_per_second"])[len(r) // 2]
+                       for r in (ap_runs["mixed"], ap_runs["free"]))  # the median run of each
     st = s_mixed.get("structured", {})
     ratio = s_mixed["completion_tokens_per_second"] / s_free["completion_tokens_per_second"]
     figures = {"cpu": cpu_name(), "requests": a.requests, "nproc": a.nproc, "max_tokens": a.max_tokens,
+               "repeats": a.repeats, "mixed_runs": [r["completion_tokens_per_second"] for r in ap_runs["mixed"]],
+               "free_runs": [r["completion_tokens_per_second"] for r in ap_runs["free"]],
                "free_tokens_per_s": s_free["completion_tokens_per_second"],
                "mixed_tokens_per_s": s_mixed["completion_tokens_per_second"], "ratio": round(ratio, 3),
                "free_completion_tokens": s_free["completion_tokens"],
                "mixed_completion_tokens": s_mixed["completion_tokens"], **st}
     print(f"CPU: {figures['cpu']}; {a.requests} requests (half constrained), max_tokens {a.max_tokens}, P = {a.nproc}")
-    print(f"free:  {s_free['completion_tokens']} tokens, {s_free['completion_tokens_per_second']} tok/s")
+    print(f"free:  {s_free['completion_tokens']} tokens, {s_free['completion_tokens_per_second']} tok/s "
+          f"(median of {figures['free_runs']})")
     print(f"mixed: {s_mixed['completion_tokens']} tokens, {s_mixed['completion_tokens_per_second']} tok/s "
+          f"(median of {figures['mixed_runs']}) "
           f"({st.get('constrained_rows', 0)} constrained rows)")
     print(f"ratio mixed/free: {ratio:.3f}x ({'PASS' if ratio >= 0.9 else 'FAIL'}: target >= 0.9x); "
           f"{st.get('grammars_compiled', 0)} grammars compiled in {st.get('compile_seconds', 0)} s, "
-          f"masks {st.get('mask_seconds', 0)} s")
+          f"masks {st.get('mask_seconds', 0)} s on the step, {st.get('mask_ahead_seconds', 0)} s computed ahead")
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
 

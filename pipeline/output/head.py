@@ -18,7 +18,7 @@ from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, ch
 
 from pipeline.output.head_state import GroupState, RequestState, RowState
 from pipeline.runtime.messages import Admission, Prefill
-from pipeline.sampling.grammar import GrammarError, Grammars, allowed_mask
+from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask
 from pipeline.sampling.sampler import stream_key, uniform
 from pipeline.sampling.scoring import PromptScorer
 from pipeline.sampling.step import draw, head_logits
@@ -40,7 +40,9 @@ class Head:
         self.format_seconds = 0.0  # detokenizing and formatting results
         self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
         self.constrained_rows = 0  # rows sampled under a grammar's mask
-        self.mask_seconds = 0.0  # computing those masks
+        self.mask_seconds = 0.0  # the sampling step waiting for (or computing) those masks
+        self.ahead = None  # MasksAhead, made with the first constrained row
+        self.ahead_base = 0.0  # its counter when the file opened
         self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
         self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
@@ -49,6 +51,7 @@ class Head:
         """A new file: its counters from zero."""
         self.generated_tokens, self.format_seconds = 0, 0.0
         self.constrained_rows, self.mask_seconds = 0, 0.0
+        self.ahead_base = self.ahead.ahead_seconds if self.ahead is not None else 0.0
         self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
 
     def structured_figures(self) -> dict:
@@ -58,7 +61,8 @@ class Head:
         return {"constrained_rows": self.constrained_rows,
                 "grammars_compiled": self.grammars.compiled - self.compile_base[1],
                 "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
-                "mask_seconds": round(self.mask_seconds, 4)}
+                "mask_seconds": round(self.mask_seconds, 4),
+                "mask_ahead_seconds": round((self.ahead.ahead_seconds - self.ahead_base) if self.ahead else 0.0, 4)}
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -91,6 +95,9 @@ class Head:
                         raise GrammarError("no grammar compiler on this rank")
                     rows[r].matcher = self.grammars.matcher(p.structured)
                     self.constrained_rows += 1
+                    if self.ahead is None:
+                        self.ahead = MasksAhead(self.grammars.tok.vocab_size)
+                    self.ahead.start(rows[r].matcher)  # its first mask, while the prompt's pass runs
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
 
@@ -165,6 +172,10 @@ class Head:
                 finished += g.rows
         for r in finished:
             self._finish_row(slot, r)
+        if self.ahead is not None:  # the fed rows' next masks, while the stages run their next pass
+            for r in feed:
+                if states[r].matcher is not None:
+                    self.ahead.start(states[r].matcher)
         return feed, finished
 
     def _request_error(self, gid: int) -> dict | None:
@@ -181,7 +192,7 @@ class Head:
         if any(m is not None for m in matchers):  # structured outputs: the grammars' next-token masks
             t0 = time.perf_counter()
             allowed = allowed_mask(matchers, self.eos_ids, self.grammars.tok.vocab_size, logits.shape[-1],
-                                   logits.device)
+                                   logits.device, self.ahead)
             self.mask_seconds += time.perf_counter() - t0
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
@@ -242,6 +253,8 @@ class Head:
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
+        if st.matcher is not None and self.ahead is not None:
+            self.ahead.forget(st.matcher)
         g = self.groups[st.gid]
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
@@ -314,6 +327,8 @@ class Head:
                 and self.groups[st.gid].meta.req in live_reqs]
         for r in rows:
             st = self.slots[slot].pop(r)
+            if st.matcher is not None and self.ahead is not None:
+                self.ahead.forget(st.matcher)
             g = self.groups[st.gid]
             g.done += 1
             if g.done == len(g.rows):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import orjson
@@ -112,18 +113,70 @@ class Grammars:
             return spec_key(spec) in self._ready
 
 
+def mask_words(matcher, tok_vocab: int) -> np.ndarray:
+    """The next-token bitmask of one matcher: int32 words, bit j of word w = token 32w + j allowed.
+    llguidance drops the GIL while it computes, so a thread may run this beside the forward pass."""
+    words = np.zeros((tok_vocab + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    return words
+
+
+class MasksAhead:
+    """Next-token masks computed on a thread while the stages compute (structured outputs).
+
+    A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
+    as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
+    forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, at P = 1
+    this stage's own. :meth:`take` waits for a started mask (or computes one never started); a row
+    that finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
+    holds, so a key is never reused while its computation is pending."""
+
+    def __init__(self, tok_vocab: int):
+        self.tok_vocab = tok_vocab
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._pending: dict[int, tuple[object, Future]] = {}
+        self.ahead_seconds = 0.0  # computed on the thread (hidden behind the forward passes)
+
+    def _compute(self, matcher) -> np.ndarray:
+        t0 = time.perf_counter()
+        words = mask_words(matcher, self.tok_vocab)
+        self.ahead_seconds += time.perf_counter() - t0  # one thread: no race
+        return words
+
+    def start(self, matcher) -> None:
+        """Begin ``matcher``'s next mask; the caller leaves the matcher alone until :meth:`take`."""
+        if id(matcher) not in self._pending and not matcher.is_stopped():
+            self._pending[id(matcher)] = (matcher, self._pool.submit(self._compute, matcher))
+
+    def take(self, matcher) -> np.ndarray:
+        """``matcher``'s next mask: the one started ahead (waiting for it if still running), else now."""
+        got = self._pending.pop(id(matcher), None)
+        if got is not None:
+            try:
+                return got[1].result()
+            except Exception:  # computed again below, where the error reaches the row
+                pass
+        return mask_words(matcher, self.tok_vocab)
+
+    def forget(self, matcher) -> None:
+        """A finished row: its pending mask (if any) is dropped; the matcher is free once it completes."""
+        got = self._pending.pop(id(matcher), None)
+        if got is not None:
+            got[1].cancel()
+
+
 def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, ahead: MasksAhead | None = None) -> torch.Tensor:
     """(R, vocab) bool: the tokens each row's matcher allows next (a row whose matcher is None: every
     token). Ids the tokenizer does not know (``tok_vocab`` and beyond) are never allowed in a
     constrained row; the end of the output (any of ``eos_ids``) is allowed exactly where the grammar
-    may end. On the host in numpy (a handful of small torch ops cost more than the masks themselves),
-    one copy to the device."""
+    may end. Masks come from ``ahead`` when it started them; unpacked on the host in numpy (a
+    handful of small torch ops cost more than the masks themselves), one copy to the device."""
     words = (tok_vocab + 31) // 32
     bm = np.zeros((len(matchers), words), dtype=np.int32)  # bit j of word w: token 32w + j
     for i, m in enumerate(matchers):
         if m is not None:
-            m.unsafe_compute_mask_ptr(bm[i].ctypes.data, words * 4)
+            bm[i] = ahead.take(m) if ahead is not None else mask_words(m, tok_vocab)
     bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (R, words * 32), little-endian words
     allowed = np.zeros((len(matchers), vocab), dtype=bool)
     n = min(vocab, words * 32)

@@ -5,7 +5,9 @@ raw distribution."""
 import pytest
 import torch
 
-from pipeline.sampling.grammar import GrammarError, Grammars, allowed_mask, spec_key
+import random
+
+from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask, spec_key
 from pipeline.sampling.step import draw
 from tasks.requests import Params
 from tests.utils import local_tokenizer
@@ -58,3 +60,38 @@ def test_draw_samples_inside_the_mask_and_reports_raw_logprobs(grammars):
     raw = torch.log_softmax(logits, -1)
     assert d.chosen_lp[0] == pytest.approx(raw[0, d.chosen[0]].item(), abs=1e-6)
     assert d.top_i[0] == raw[0].topk(2).indices.tolist()  # the raw distribution's top tokens, masked or not
+
+
+def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
+    """Rows walking a JSON schema token by token: the mask a row's thread computed ahead (started when
+    it was fed, taken at its next step) is the one computed on the step, for every row and step;
+    a finished row's pending mask is forgotten and nothing leaks."""
+    tok = local_tokenizer()
+    vocab, eos, dev = grammars.vocab_size, {tok.eos_token_id}, torch.device("cpu")
+    spec = {"kind": "json", "value": {"type": "object", "properties": {"n": {"type": "integer"},
+                                                                         "s": {"type": "string", "maxLength": 5}},
+                                      "required": ["n", "s"]}}
+    rng = random.Random(0)
+    rows = [(grammars.matcher(spec), grammars.matcher(spec)) for _ in range(4)]  # (ahead, inline) twins
+    ahead = MasksAhead(grammars.tok.vocab_size)
+    for m, _ in rows:
+        ahead.start(m)
+    for _ in range(40):
+        live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
+        if not live:
+            break
+        got = allowed_mask([a for a, _ in live], eos, grammars.tok.vocab_size, vocab, dev, ahead)
+        want = allowed_mask([b for _, b in live], eos, grammars.tok.vocab_size, vocab, dev)
+        assert torch.equal(got, want)
+        for i, (a, b) in enumerate(live):
+            choices = [t for t in got[i].nonzero().flatten().tolist() if t not in eos]
+            if not choices:
+                ahead.forget(a)
+                rows.remove((a, b))
+                continue
+            t = rng.choice(choices)
+            assert a.consume_token(t) and b.consume_token(t)
+            ahead.start(a)
+    for a, _ in rows:
+        ahead.forget(a)
+    assert not ahead._pending and ahead.ahead_seconds > 0
