@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,12 @@ class FileSummary:
     # per stage: weights and compute dtype; with --quantize the int8 kernel kept per (in x out) shape
     stage_precision: list[dict] = field(default_factory=list)
     # structured outputs (only when some row was constrained): constrained_rows, grammars_compiled,
-    # compile_seconds (the last rank's; with P = 1 also rank 0's intake), mask_seconds
+    # compile_seconds (the last rank's; with P = 1 also rank 0's intake), mask_seconds, mask_ahead_seconds
     structured: dict = field(default_factory=dict)
+    # time to first result = startup_seconds + first_result_seconds: the last rank's process start to this
+    # file's start (imports, planning, loading the stage, earlier files), then to its first result line
+    startup_seconds: float | None = None
+    first_result_seconds: float | None = None
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -91,6 +96,8 @@ class OutputFile:
         self.suspects: list[int] = []  # from earlier runs that crashed
         self.culprits: list[int] = []
         self.t0 = time.perf_counter()
+        self.started = process_age_seconds()  # how long this process had run when the file opened
+        self.first_at: float | None = None  # when its first result line was put
 
     def open(self, total: int, overwrite: bool, show_progress: bool) -> int | None:
         """This share's lines already journaled, or None when the output is complete (skip the file)."""
@@ -109,6 +116,8 @@ class OutputFile:
         return skip
 
     def put(self, index: int, line: dict, error: bool = False) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
         self.writer.put(index, line)
         self.errors += error
 
@@ -138,7 +147,9 @@ class OutputFile:
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
             pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
-            kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured)
+            kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured,
+            round(self.started, 3) if self.started is not None else None,
+            round(self.first_at - self.t0, 3) if self.first_at is not None else None)
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it
@@ -190,6 +201,17 @@ def precision_note(stage_precision: list[dict]) -> str:
     kernels = ", ".join(f"stage {i} {'+'.join(sorted(set(p.get('kernels', {}).values()))) or '-'}"
                         for i, p in enumerate(stage_precision))
     return f"{first['weights']} weights, {first['compute_dtype']} compute{kv}, kernels: {kernels}"
+
+
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux: its start time in /proc, on the boot-time clock
+    the kernel measures it with; 10 ms steps); None where that is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def peak_rss_mb() -> float:
