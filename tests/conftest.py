@@ -114,3 +114,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiprocess)
             if UNIT in Path(str(item.fspath)).resolve().parents:
                 config.unit_tests_starting_processes.append(item.nodeid)
+    # the fast tier first (its order kept): a full run with -x stops on a unit failure in minutes
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)
