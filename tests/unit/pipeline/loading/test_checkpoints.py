@@ -272,3 +272,22 @@ def test_checkpoint_without_base_model_prefix_loads(tmp_path):
     b = chain_logits(stage_chain(str(bare_dir), [(0, 1), (1, 2)]), prompts)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_stage_with_embedding_and_head_holds_a_tied_table_once(tmp_path, tied):
+    """Tied embeddings on a stage holding both ends: the head multiplies by the embedding table itself
+    (one tensor in memory, filled once), and the logits are still HF's; untied, two tables; a split
+    model's stages each hold their own end."""
+    d = tiny_llama(tmp_path / "m", tie_word_embeddings=tied)
+    model, _ = build_stage(d, 0, 3, True, True)
+    assert (model.lm_head.weight is model.embed.weight) == tied
+    tensors = {p.data_ptr() for p in model.parameters()}
+    assert len(tensors) == len(dict(model.named_parameters(remove_duplicate=False))) - tied
+    prompt = [1, 5, 9, 14]
+    chain = stage_chain(d, [(0, 3)])
+    torch.testing.assert_close(chain_logits(chain, [prompt])[0], hf_logits(d, prompt), atol=1e-4, rtol=1e-4)
+    first, _ = build_stage(d, 0, 2, True, False)
+    last, _ = build_stage(d, 2, 3, False, True)
+    assert first.lm_head is None and last.embed is None
+    torch.testing.assert_close(last.lm_head.weight, model.lm_head.weight)
