@@ -58,11 +58,25 @@ def cpu_budget(available: int, local_world: int, cell_bytes: int) -> int:
     return min(CPU_MAX_BUDGET, max(CPU_BUDGET, budget_from_memory(share, share, cell_bytes)))
 
 
+def _agree_min(value: int, cpu_group) -> int:
+    """The least ``value`` over the ranks of ``cpu_group`` (a collective every rank calls; alone: itself)."""
+    if cpu_group is None:
+        return value
+    mine = torch.tensor([value], dtype=torch.int64)
+    try:
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
+    except RuntimeError as e:
+        raise RuntimeError(f"lost contact with another rank while the stages agreed on --budget auto "
+                           f"({str(e).splitlines()[0][:200]}); see the other ranks' logs") from None
+    return int(mine)
+
+
 def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1,
                    most_layers: int = 0) -> int:
     """The run's budget in tokens: ``value`` itself, or for ``auto`` the minimum over stages of what
-    fits in the memory left (GPU: the device's, a collective every rank must call; CPU:
-    :func:`cpu_budget` for the stage with ``most_layers`` layers, computed locally)."""
+    fits in the memory left after every stage has loaded, agreed by a collective every rank calls
+    (GPU: each device's free memory; CPU: :func:`cpu_budget`, the node's available RAM shared by its
+    local stages, sized for the stage with ``most_layers`` layers, measured once all have loaded)."""
     if value != "auto":
         return int(value)
     if device.type != "cuda":
@@ -71,17 +85,11 @@ def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None
         layers = len(getattr(model, "layers", ()))
         if most_layers and layers:
             cell = cell // layers * most_layers
-        return cpu_budget(available_ram(), local_world, cell)
+        _agree_min(0, cpu_group)  # a barrier: every stage of the node has loaded before anyone measures
+        return _agree_min(cpu_budget(available_ram(), local_world, cell), cpu_group)
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    mine = torch.tensor([budget_from_memory(free, total, kv_cell_bytes(model))], dtype=torch.int64)
-    if cpu_group is not None:
-        try:
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
-        except RuntimeError as e:
-            raise RuntimeError(f"lost contact with another rank while the stages agreed on --budget auto "
-                               f"({str(e).splitlines()[0][:200]}); see the other ranks' logs") from None
-    budget = int(mine)
+    budget = _agree_min(budget_from_memory(free, total, kv_cell_bytes(model)), cpu_group)
     if budget < 1:
         raise ValueError(f"--budget auto: no GPU memory is left for the KV cache after loading ({free / GiB:.1f} "
                          f"GiB free of {total / GiB:.1f} on this stage, 1 GiB or 10% reserved); use more stages "

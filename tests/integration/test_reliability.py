@@ -126,7 +126,10 @@ def test_killing_a_middle_rank_stops_every_rank_quickly(model_dir, work_file, tm
             _kill_group(p)
     codes = [p.returncode for p in procs]
     assert codes[1] == -signal.SIGKILL and codes[0] != 0 and codes[2] != 0
-    assert "lost contact with rank 1" in results[0][1] + results[2][1]
+    # rank 1 died loading: the others hear of it in the barrier where every stage has loaded before
+    # --budget auto measures the memory left (pipeline.config.budget), or on a link
+    said = results[0][1] + results[2][1]
+    assert "lost contact with rank 1" in said or "lost contact with another rank while the stages agreed" in said
 
 
 def test_sigterm_stops_cleanly_and_resume_completes(model_dir, work_file, clean_output, tmp_path):
