@@ -196,7 +196,9 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
     weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
                                            planned_budget(opts.budget, device), per_layer, opts.quantize == "int8",
                                            opts.kv_cache_dtype == "int8")
-    needs = stage_needs(weights, kv, first, last, ranges)
+    tied = getattr(spec, "tie_embeddings", False)  # a stage with both ends shares the table (both backends)
+    shared = spec.vocab_size * spec.word_dim * torch.empty((), dtype=dtype).element_size() if tied else 0
+    needs = stage_needs(weights, kv, first, last, ranges, shared)
     here = local_stages(rank, local_world, pipeline)
     free = None
     if device.type == "cuda":

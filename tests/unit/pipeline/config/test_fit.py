@@ -57,3 +57,10 @@ def test_the_plan_refuses_before_loading(llama_2l, monkeypatch):
         make_plan(opts, env)
     assert make_plan(parse_options(["--model-name", tmp_llama, "--no-memory-check"]), env).pipeline == 2
     assert make_plan(parse_options(["--model-name", tmp_llama, "--stage-memory", "1GiB"]), env).pipeline == 2
+
+
+def test_a_tied_table_counts_once_on_a_stage_holding_both_ends():
+    one = fit.stage_needs([10, 10], [1, 1], 100, 130, [(0, 2)], shared=120)
+    assert [(n.weights, n.kv) for n in one] == [(20 + 100 + 130 - 120, 2)]
+    two = fit.stage_needs([10, 10], [1, 1], 100, 130, [(0, 1), (1, 2)], shared=120)
+    assert [(n.weights, n.kv) for n in two] == [(110, 1), (140, 1)]  # each end its own copy
