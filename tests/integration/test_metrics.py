@@ -81,12 +81,14 @@ def test_metrics_move_with_requests(server):
 
 def test_file_mode_metrics_port(llama_2l, tmp_path):
     """--metrics-port: the status figures as metrics while the run lasts."""
-    data = write_jsonl(tmp_path / "req.jsonl", [{"prompt": f"Line {i} of a longer file", "max_tokens": 16,
-                                                 "temperature": 0} for i in range(16)])
+    # one row a pass, ~2,000 passes: seconds of running, several status intervals, on any machine (a
+    # run shorter than one interval showed no line done before it ended)
+    data = write_jsonl(tmp_path / "req.jsonl", [{"prompt": f"Line {i} of a longer file", "max_tokens": 64,
+                                                 "temperature": 0} for i in range(32)])
     port = free_port()
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", llama_2l, "--infer-data", str(data),
-                             "--metrics-port", str(port), "--status-interval", "1", "--max-micro-batch-size", "2",
+                             "--metrics-port", str(port), "--status-interval", "1", "--max-micro-batch-size", "1",
                              "--no-progress"], stdout=log, stderr=log, env=_env(None), start_new_session=True)
     try:
         seen = []
@@ -104,5 +106,5 @@ def test_file_mode_metrics_port(llama_2l, tmp_path):
     assert seen, "never scraped"
     done = [value(s, "dist_infer_lines", state="done") for s in seen]
     assert done == sorted(done) and done[-1] > 0
-    assert value(seen[-1], "dist_infer_lines", state="total") == 16
+    assert value(seen[-1], "dist_infer_lines", state="total") == 32
     assert any(value(s, "dist_infer_run_state", state="running") == 1 for s in seen)
