@@ -41,8 +41,7 @@ class Head:
         self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
         self.constrained_rows = 0  # rows sampled under a grammar's mask
         self.mask_seconds = 0.0  # the sampling step waiting for (or computing) those masks
-        self.ahead = None  # MasksAhead, made with the first constrained row
-        self.ahead_base = 0.0  # its counter when the file opened
+        self.ahead = MasksAhead()  # constrained rows' next masks, computed while the stages run
         self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
         self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
@@ -51,7 +50,7 @@ class Head:
         """A new file: its counters from zero."""
         self.generated_tokens, self.format_seconds = 0, 0.0
         self.constrained_rows, self.mask_seconds = 0, 0.0
-        self.ahead_base = self.ahead.ahead_seconds if self.ahead is not None else 0.0
+        self.ahead.ahead_seconds = 0.0  # (no mask is pending between files)
         self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
 
     def structured_figures(self) -> dict:
@@ -62,7 +61,7 @@ class Head:
                 "grammars_compiled": self.grammars.compiled - self.compile_base[1],
                 "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
                 "mask_seconds": round(self.mask_seconds, 4),
-                "mask_ahead_seconds": round((self.ahead.ahead_seconds - self.ahead_base) if self.ahead else 0.0, 4)}
+                "mask_ahead_seconds": round(self.ahead.ahead_seconds, 4)}
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -95,9 +94,7 @@ class Head:
                         raise GrammarError("no grammar compiler on this rank")
                     rows[r].matcher = self.grammars.matcher(p.structured)
                     self.constrained_rows += 1
-                    if self.ahead is None:
-                        self.ahead = MasksAhead(self.grammars.tok.vocab_size)
-                    self.ahead.start(rows[r].matcher)  # its first mask, while the prompt's pass runs
+                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # while the prompt's pass runs
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
 
@@ -172,10 +169,9 @@ class Head:
                 finished += g.rows
         for r in finished:
             self._finish_row(slot, r)
-        if self.ahead is not None:  # the fed rows' next masks, while the stages run their next pass
-            for r in feed:
-                if states[r].matcher is not None:
-                    self.ahead.start(states[r].matcher)
+        for r in feed:  # constrained rows' next masks, while the stages run their next pass
+            if states[r].matcher is not None:
+                self.ahead.start(states[r].matcher, self.grammars.tok.vocab_size)
         return feed, finished
 
     def _request_error(self, gid: int) -> dict | None:
@@ -253,8 +249,7 @@ class Head:
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
-        if st.matcher is not None and self.ahead is not None:
-            self.ahead.forget(st.matcher)
+        self.ahead.forget(st.matcher)
         g = self.groups[st.gid]
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
@@ -327,8 +322,7 @@ class Head:
                 and self.groups[st.gid].meta.req in live_reqs]
         for r in rows:
             st = self.slots[slot].pop(r)
-            if st.matcher is not None and self.ahead is not None:
-                self.ahead.forget(st.matcher)
+            self.ahead.forget(st.matcher)
             g = self.groups[st.gid]
             g.done += 1
             if g.done == len(g.rows):

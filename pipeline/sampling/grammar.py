@@ -129,26 +129,27 @@ class MasksAhead:
     forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, at P = 1
     this stage's own. :meth:`take` waits for a started mask (or computes one never started); a row
     that finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
-    holds, so a key is never reused while its computation is pending."""
+    holds, so a key is never reused while its computation is pending. ``tok_vocab``: the tokenizer's
+    vocabulary size (llguidance's mask width). The thread starts with the first mask."""
 
-    def __init__(self, tok_vocab: int):
-        self.tok_vocab = tok_vocab
+    def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._pending: dict[int, tuple[object, Future]] = {}
         self.ahead_seconds = 0.0  # computed on the thread (hidden behind the forward passes)
 
-    def _compute(self, matcher) -> np.ndarray:
+    def _compute(self, matcher, tok_vocab: int) -> np.ndarray:
         t0 = time.perf_counter()
-        words = mask_words(matcher, self.tok_vocab)
+        words = mask_words(matcher, tok_vocab)
         self.ahead_seconds += time.perf_counter() - t0  # one thread: no race
         return words
 
-    def start(self, matcher) -> None:
-        """Begin ``matcher``'s next mask; the caller leaves the matcher alone until :meth:`take`."""
-        if id(matcher) not in self._pending and not matcher.is_stopped():
-            self._pending[id(matcher)] = (matcher, self._pool.submit(self._compute, matcher))
+    def start(self, matcher, tok_vocab: int) -> None:
+        """Begin ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
+        :meth:`take`."""
+        if matcher is not None and id(matcher) not in self._pending and not matcher.is_stopped():
+            self._pending[id(matcher)] = (matcher, self._pool.submit(self._compute, matcher, tok_vocab))
 
-    def take(self, matcher) -> np.ndarray:
+    def take(self, matcher, tok_vocab: int) -> np.ndarray:
         """``matcher``'s next mask: the one started ahead (waiting for it if still running), else now."""
         got = self._pending.pop(id(matcher), None)
         if got is not None:
@@ -156,11 +157,11 @@ class MasksAhead:
                 return got[1].result()
             except Exception:  # computed again below, where the error reaches the row
                 pass
-        return mask_words(matcher, self.tok_vocab)
+        return mask_words(matcher, tok_vocab)
 
     def forget(self, matcher) -> None:
         """A finished row: its pending mask (if any) is dropped; the matcher is free once it completes."""
-        got = self._pending.pop(id(matcher), None)
+        got = self._pending.pop(id(matcher), None) if matcher is not None else None
         if got is not None:
             got[1].cancel()
 
@@ -176,7 +177,7 @@ def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
     bm = np.zeros((len(matchers), words), dtype=np.int32)  # bit j of word w: token 32w + j
     for i, m in enumerate(matchers):
         if m is not None:
-            bm[i] = ahead.take(m) if ahead is not None else mask_words(m, tok_vocab)
+            bm[i] = ahead.take(m, tok_vocab) if ahead is not None else mask_words(m, tok_vocab)
     bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (R, words * 32), little-endian words
     allowed = np.zeros((len(matchers), vocab), dtype=bool)
     n = min(vocab, words * 32)

@@ -73,9 +73,9 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
                                       "required": ["n", "s"]}}
     rng = random.Random(0)
     rows = [(grammars.matcher(spec), grammars.matcher(spec)) for _ in range(4)]  # (ahead, inline) twins
-    ahead = MasksAhead(grammars.tok.vocab_size)
+    ahead, width = MasksAhead(), grammars.tok.vocab_size
     for m, _ in rows:
-        ahead.start(m)
+        ahead.start(m, width)
     for _ in range(40):
         live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
         if not live:
@@ -91,7 +91,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
                 continue
             t = rng.choice(choices)
             assert a.consume_token(t) and b.consume_token(t)
-            ahead.start(a)
+            ahead.start(a, width)
     for a, _ in rows:
         ahead.forget(a)
     assert not ahead._pending and ahead.ahead_seconds > 0
