@@ -338,12 +338,12 @@ def summarize(reports) -> None:
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
         note = precision_note(r.summary.stage_precision)
         precision = f" [{note}]" if note else ""
-        first = getattr(r.summary, "first_result_seconds", None)
-        if first is not None and r.summary.startup_seconds is not None:
-            precision += f"; first result {r.summary.startup_seconds + first:.1f}s after the process started"
+        first, started = r.summary.first_result_seconds, r.summary.startup_seconds
+        ttft = f"; first result {started + first:.1f}s after the process started" if first is not None \
+            and started is not None else ""
         print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
               f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "
-              f"({rate:.1f} tok/s) -> {r.output}{part}{precision}", file=sys.stderr)
+              f"({rate:.1f} tok/s) -> {r.output}{part}{precision}{ttft}", file=sys.stderr)
 
 
 if __name__ == "__main__":

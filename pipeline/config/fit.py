@@ -39,7 +39,7 @@ def stage_needs(layer_weights: list[int], layer_kv: list[int], first: int, last:
                 ranges: list[tuple[int, int]], shared: int = 0) -> list[StageNeed]:
     """Per stage, from per-layer weight and KV bytes and the embedding (first) / head (last) bytes.
     ``shared``: bytes of a tied head's table, which a stage holding both ends has once
-    (pipeline.loading.stage_weights.tie_head)."""
+    (pipeline.models.decoder.StageModel.tie)."""
     out = []
     for s, (a, b) in enumerate(ranges):
         weights = sum(layer_weights[a:b]) + (first if s == 0 else 0) + (last if s == len(ranges) - 1 else 0)

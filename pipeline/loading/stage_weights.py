@@ -128,7 +128,7 @@ def build_stage(
             quantize_linears(model)
         packed = {} if fmt is None else quantize_projections(model, family, spec, fmt, store.has)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
-    tie_head(model, spec)
+    model.tie()
     embs = _embed_side(spec)
     params = dict(model.named_parameters())
     try:
@@ -172,19 +172,6 @@ def build_stage(
     log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
              len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
-
-
-def tie_head(model: StageModel, spec: DecoderSpec) -> bool:
-    """A stage holding both the embedding and the head of a model with tied embeddings: the head
-    multiplies by the embedding table itself, as the checkpoint stores it once (a second copy
-    would cost vocab x hidden, 0.8 GB for Llama-3.2-3B in bf16). The parameter is shared, so
-    loading reads and fills it once. Returns whether it tied."""
-    if not (spec.tie_embeddings and model.embed is not None and model.lm_head is not None):
-        return False
-    if model.lm_head.weight.shape != model.embed.weight.shape or model.lm_head.weight.dtype != model.embed.weight.dtype:
-        return False
-    model.lm_head.weight = model.embed.weight
-    return True
 
 
 def _packed_getter(store: TensorStore, device):

@@ -244,6 +244,16 @@ class StageModel(nn.Module):
         self.adapters: StageAdapters | None = None  # LoRA factors of this stage's layers (pipeline.loading.adapters)
         self.init_buffers()
 
+    def tie(self) -> None:
+        """A stage holding both the embedding and the head of a model with tied embeddings: the head
+        multiplies by the embedding table itself, as the checkpoint stores it once (a second copy would
+        cost vocab x hidden, 0.8 GB for Llama-3.2-3B in bf16). Called once the stage has its storage
+        (``to_empty`` would give each use of a shared parameter its own), before loading fills it once."""
+        if self.spec.tie_embeddings and self.embed is not None and self.lm_head is not None \
+                and self.lm_head.weight.shape == self.embed.weight.shape \
+                and self.lm_head.weight.dtype == self.embed.weight.dtype:
+            self.lm_head.weight = self.embed.weight
+
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables; called again after building on the meta device."""
         # a buffer or parameter of the first layer (packed projections of quantized checkpoints have no weight)
