@@ -37,7 +37,7 @@ import torch
 
 from tasks.files import atomic_path
 
-from pipeline.models.families import DecoderSpec, Source, family_for, parameter_sources, spec_from_config
+from pipeline.models.families import DecoderSpec, Source, cat0, family_for, parameter_sources, spec_from_config
 from pipeline.models.backends import choose_backend
 from pipeline.models.decoder import StageModel
 from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
@@ -53,6 +53,7 @@ from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
     check_weights_present,
 )
 from pipeline.loading.quantized import checkpoint_format, load_projections, quantize_projections
+from pipeline.loading.parallel_read import ParallelReader
 from pipeline.loading.upload import Uploader
 from pipeline.models.hf_stage import hf_config
 
@@ -131,6 +132,7 @@ def build_stage(
     model.tie()
     embs = _embed_side(spec)
     params = dict(model.named_parameters())
+    reader = None if up.cuda else ParallelReader()  # CPU: chunks read straight into the parameters
     try:
         if packed:
             load_projections(model, packed, fmt, _packed_getter(store, device))
@@ -138,6 +140,8 @@ def build_stage(
             part = _part_of(name, first, embs)
             source = store.layout(source, part)
             param = params[name]
+            if reader is not None and _fill(store, source, part, param.data, reader):
+                continue
             if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
                 with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
                     target = up.target(param.data)
@@ -164,14 +168,40 @@ def build_stage(
                 else:
                     up.put(param.data, value)  # casts to the stage dtype without another temporary
             del tensors, value
+        if reader is not None:
+            reader.wait()
         up.finish()
     finally:
+        if reader is not None:
+            reader.close()  # before the files close: its threads read them
         store.close()
     model.init_buffers()
     model.eval().requires_grad_(False)
     log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
              len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
+
+
+def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, reader: ParallelReader) -> bool:
+    """Queue ``source``'s tensors to be read straight into ``param`` (a CPU parameter): one stored
+    tensor as is, or several concatenated along dim 0 (fused q/k/v, gate/up), each into its rows.
+    False when that cannot be done (another layout or combine, int8, shapes that do not add up):
+    the caller reads and combines them, and names any mismatch."""
+    if param.dtype == torch.int8 or not param.is_contiguous():
+        return False
+    if source.combine is _AS_IS and len(source.names) == 1:
+        return store.fill(source.names[0], part, param, reader)
+    if source.combine is not cat0 or param.dim() == 0:
+        return False
+    shapes = [store.stored_shape(n, part) for n in source.names]
+    if any(s is None or s[1:] != list(param.shape[1:]) for s in shapes) or sum(s[0] for s in shapes) != param.shape[0]:
+        return False
+    row = 0
+    for n, s in zip(source.names, shapes):  # a row block of a contiguous tensor is contiguous
+        if not store.fill(n, part, param.narrow(0, row, s[0]), reader):
+            raise CheckpointError(f"{store.listing}: tensor {n!r} changed while loading")  # stored_shape said yes
+        row += s[0]
+    return True
 
 
 def _packed_getter(store: TensorStore, device):

@@ -77,6 +77,11 @@ class SafetensorsFile:
         if self.f.readinto(view) != len(view):
             raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
 
+    def locate(self, name: str) -> tuple[int, torch.dtype, list[int]]:
+        """(absolute byte offset, stored dtype, shape) of tensor ``name``, its entry checked."""
+        offset, _, dtype, shape = self._entry(name)
+        return offset, dtype, shape
+
     def __getitem__(self, name: str) -> torch.Tensor:
         offset, nbytes, dtype, shape = self._entry(name)
         buf = torch.empty(shape, dtype=dtype)
@@ -224,6 +229,36 @@ class TensorStore:
             self.stored_as[name] = key
         self.loaded.append(name)
         return tensor
+
+    def stored_shape(self, name: str, part: Part | None = None) -> list[int] | None:
+        """The shape of safetensors tensor ``name`` from its file's header (None in another layout)."""
+        if self.pre_split:
+            return None
+        key = self._resolve(name)
+        handle = self._open(self.file_of[key], name)
+        return handle.locate(key)[2] if isinstance(handle, SafetensorsFile) else None
+
+    def fill(self, name: str, part: Part | None, out: torch.Tensor, reader) -> bool:
+        """Queue tensor ``name`` to be read into ``out`` on ``reader`` (a
+        :class:`~pipeline.loading.parallel_read.ParallelReader`; ``reader.wait()`` completes it): when
+        it is stored in a safetensors file with ``out``'s shape, ``out`` is a contiguous CPU tensor and
+        both dtypes are floating point (a differing one is cast chunk by chunk). False otherwise
+        (another layout or dtype, a mismatched shape): read it with :meth:`get`, which names the problem."""
+        if self.pre_split or out.device.type != "cpu" or not out.is_contiguous() or not out.is_floating_point():
+            return False
+        key = self._resolve(name)
+        path = self.file_of[key]
+        handle = self._open(path, name)
+        if not isinstance(handle, SafetensorsFile):
+            return False
+        offset, dtype, shape = handle.locate(key)
+        if list(out.shape) != list(shape) or not dtype.is_floating_point:
+            return False
+        reader.submit(handle.f.fileno(), offset, dtype, out, f"{path}: tensor {name!r}")
+        self.file_of[name] = path
+        self.stored_as[name] = key
+        self.loaded.append(name)
+        return True
 
     def _locate_pre_split(self, name: str, part: Part | None) -> tuple[Path, str]:
         if part is None:
