@@ -235,10 +235,14 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
     store, up = TensorStore(model_dir), Uploader(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers())
+    reader = None if up.cuda else ParallelReader()  # CPU: chunks read straight into the parameters
     try:
         for name, (candidates, kind) in model.checkpoint_names().items():
             param = params[name]
             part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
+            present = next((c for c in candidates if store.has(c, part)), None)
+            if reader is not None and present and store.fill(present, part, param.data, reader):
+                continue
             with torch.no_grad():
                 target = up.target(param.data)
                 hf_name, value = _first_present(store, candidates, part, out=target)
@@ -250,8 +254,12 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
                                           f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
                                           f"{tuple(param.shape)}")
                 up.put(param.data, value)
+        if reader is not None:
+            reader.wait()
         up.finish()
     finally:
+        if reader is not None:
+            reader.close()
         store.close()
     model.tie()
     model.init_buffers()
