@@ -10,8 +10,10 @@ by tensor, so building never holds the whole model; the project's local tokenize
 ``$DIST_INFER_CACHE/real-size``. Then, per P: ``torchrun --nproc-per-node P`` runs the real runner
 with ``--dtype bfloat16`` on a few prompts (each rank under bench/memory_per_stage.py's wrapper,
 which records its peak RSS). Reported per rank: layers, weight bytes, peak RSS and the ratio; per
-run: load seconds per stage (the runner's log) and GB/s against a plain sequential read of the same
-shards (page cache as it is: the figure says which), time from launch to the first result line,
+run: load seconds per stage (the runner's log line after the stage's weights are in place: building
+the empty stage and reading its tensors, before any kernel choice or packing) and GB/s against a
+plain sequential read of the same shards just before (16 MiB reads into one reused buffer; page
+cache as it is: a rate well above the disk's means the shards were cached), with their ratio, time from launch to the first result line,
 generated tokens/s and the bound ``bandwidth / bytes of weights read per decode pass`` (bandwidth from
 a large tensor copy). ``--check-p1`` also runs P = 1: the memory check refuses it (exit 2, with the numbers) when it cannot
 fit the node's available memory, or lets it run (then its peak RSS is reported).
@@ -242,7 +244,7 @@ def main() -> int:
               f"(bound {bound * len(PROMPTS):.1f} tok/s for {len(PROMPTS)} rows a pass), wall {r['wall_s']:.0f} s")
         for rank, w, load in zip(r["ranks"], weights, r["load_s"] or [None] * stages):
             peak = rank["peak_rss"]
-            speed = f"{w / GB / load:.2f} GB/s" if load else "-"
+            speed = f"{w / GB / load:.2f} GB/s, {w / GB / load / disk:.2f}x the sequential read" if load else "-"
             print(f"  rank {rank['rank']}: weights {w / MB:.0f} MB, peak RSS {peak / MB:.0f} MB "
                   f"({peak / w:.2f}x), load {load or 0:.1f} s ({speed})")
     if args.json:
