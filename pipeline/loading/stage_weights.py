@@ -3,8 +3,11 @@
 Weight layouts, tried in this order:
 
 - ``model.safetensors.index.json`` + shards, or ``model.safetensors``. Read with plain positioned
-  reads (no mmap): the header is parsed when a file is first needed, then each tensor is read on
-  demand into its own buffer, so a stage's resident memory is its own weights plus one tensor.
+  reads (no mmap): the header is parsed when a file is first needed; on a CPU stage each tensor is
+  then read in 32 MiB chunks on two threads straight into its parameter (a fused q/k/v or gate/up
+  piece into its row block; a stored dtype other than the run's cast chunk by chunk:
+  :mod:`pipeline.loading.parallel_read`), so a stage's resident memory is its own weights plus a
+  chunk per thread; on a GPU each tensor goes through a pinned buffer (:mod:`pipeline.loading.upload`).
 - ``pytorch_model.bin.index.json`` + shards, or ``pytorch_model.bin``: ``torch.load(mmap=True,
   weights_only=True)``, so untouched tensors are never read (touched pages stay mapped until
   :meth:`TensorStore.close`).
