@@ -1,7 +1,8 @@
 """Checkpoint tensors into a stage's parameters, already in the run's dtype on the device.
 
-On the CPU a tensor is read straight into its parameter (or copied, casting, when its stored dtype
-differs). On CUDA it is read into one of two pinned (page-locked) host buffers used in turn and
+On the CPU, safetensors tensors go straight into their parameters through
+:mod:`pipeline.loading.parallel_read`; the rest (other layouts, combined tensors) are copied here,
+casting when the stored dtype differs. On CUDA it is read into one of two pinned (page-locked) host buffers used in turn and
 copied to the device asynchronously (``non_blocking=True`` from pinned memory is a DMA that does
 not block the host): reading the next tensor from disk overlaps the previous copy, and a buffer is
 reused only once the event recorded after its copy has completed.
