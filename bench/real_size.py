@@ -4,6 +4,7 @@ against the disk's, time to first token and decode speed against the memory-band
     python bench/real_size.py --model small --stages 1,2            # 1.1 GB, a few minutes (smoke)
     python bench/real_size.py --model 3b --stages 1,2               # Llama-3.2-3B shapes, 6.4 GB bf16
     python bench/real_size.py --model 8b --stages 2 --check-p1      # Llama-3.1-8B shapes, 16 GB; P = 1 too
+    python bench/real_size.py --model 3b --stages 1,2 --load-only float32  # only each stage's loading
 
 Builds the checkpoint once (random bf16 weights with the real shapes and 2 GB shards, written tensor
 by tensor, so building never holds the whole model; the project's local tokenizer) under
@@ -178,6 +179,37 @@ def run(model_dir: Path, stages: int, work: Path, max_tokens: int) -> dict:
             "load_s": loads, "ranks": ranks, "summary": summary, "stderr_tail": err[-1500:]}
 
 
+_LOAD_ONE = """
+import json, sys, time
+import torch
+import dist_inference_runner  # the runner's imports, so only the loading is timed
+from pipeline.config.partition import stage_ranges
+from pipeline.loading.stage_weights import build_stage
+from pipeline.runtime.host_memory import keep_freed_memory
+model_dir, stages, stage, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
+keep_freed_memory()  # as a CPU stage of the runner does
+torch.set_num_threads(max(1, torch.get_num_threads() // stages))
+a, b = stage_ranges(json.load(open(model_dir + "/config.json"))["num_hidden_layers"], stages)[stage]
+t0 = time.perf_counter()
+build_stage(model_dir, a, b, stage == 0, stage == stages - 1, dtype)
+load_s = time.perf_counter() - t0
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))  # ru_maxrss survives exec
+print(json.dumps({"load_s": load_s, "peak_rss": int(hwm.split()[1]) * 1024}))
+"""
+
+
+def load_only(model_dir: Path, stages: int, dtype: str) -> list[dict]:
+    """Each stage of a P-stage plan loaded alone in a fresh process (one after the other: no
+    contention between them): its build_stage seconds and the process's peak RSS."""
+    out = []
+    for stage in range(stages):
+        res = subprocess.run([sys.executable, "-c", _LOAD_ONE, str(model_dir), str(stages), str(stage), dtype],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                             timeout=3600, check=True)
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def stage_bytes(model_dir: Path, stages: int) -> list[int]:
     """Weight bytes each stage reads (bf16 as stored), from the index and the plan's even split."""
     from pipeline.config.partition import stage_ranges
@@ -206,6 +238,8 @@ def main() -> int:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--check-p1", action="store_true", help="also run P = 1: refused by the memory check, or run")
+    ap.add_argument("--load-only", metavar="DTYPE", choices=("bfloat16", "float32"),
+                    help="only load each stage alone in a fresh process (no run) in this dtype: seconds, GB/s, peak RSS")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     model_dir = cache_root() / "real-size" / f"llama-{args.model}"
@@ -219,6 +253,16 @@ def main() -> int:
     print(f"model {args.model}: {total / GB:.2f} GB bf16; sequential read {first_read:.2f} GB/s, again {disk:.2f} "
           f"GB/s (the loads below are compared with the second); copy bandwidth {bw:.1f} GB/s")
     results = []
+    if args.load_only:
+        for stages in [int(x) for x in args.stages.split(",")]:
+            for stage, (r, w) in enumerate(zip(load_only(model_dir, stages, args.load_only),
+                                               stage_bytes(model_dir, stages))):
+                speed = w / GB / r["load_s"]
+                print(f"P={stages} stage {stage} alone, --dtype {args.load_only}: {w / MB:.0f} MB stored, load "
+                      f"{r['load_s']:.2f} s ({speed:.2f} GB/s, {speed / disk:.2f}x the sequential read), "
+                      f"peak RSS {r['peak_rss'] / MB:.0f} MB")
+                results.append({"P": stages, "stage": stage, "dtype": args.load_only, **r})
+        return _write(args.json, args.model, first_read, disk, bw, results)
     if args.check_p1:
         r = run(model_dir, 1, model_dir.parent / "work", args.max_tokens)
         refused = r["exit"] == 2 and "does not fit" in r["stderr_tail"]
@@ -250,10 +294,13 @@ def main() -> int:
             speed = f"{w / GB / load:.2f} GB/s, {w / GB / load / disk:.2f}x the sequential read" if load else "-"
             print(f"  rank {rank['rank']}: weights {w / MB:.0f} MB, peak RSS {peak / MB:.0f} MB "
                   f"({peak / w:.2f}x), load {load or 0:.1f} s ({speed})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "first_read_gb_s": first_read, "disk_gb_s": disk,
-                                               "bandwidth_gb_s": bw,
-                                               "runs": results}, indent=1))
+    return _write(args.json, args.model, first_read, disk, bw, results)
+
+
+def _write(path: str | None, model: str, first_read: float, disk: float, bw: float, results: list) -> int:
+    if path:
+        Path(path).write_text(json.dumps({"model": model, "first_read_gb_s": first_read, "disk_gb_s": disk,
+                                          "bandwidth_gb_s": bw, "runs": results}, indent=1))
     return 0
 
 
