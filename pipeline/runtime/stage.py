@@ -131,7 +131,6 @@ class Stage:
             if hdr.prefix_grow < self.prefix.capacity or not hdr.prefix_grow:
                 self.bad_blocks.clear()  # the pool is dropped
             self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size, dtype)
-        self.note_peak()
         if hdr.retry:
             self.poisoned.discard(hdr.slot)  # every pass of the slot sent before the retry went by
         elif hdr.failed is None and hdr.slot in self.poisoned:
@@ -148,6 +147,7 @@ class Stage:
         if hdr.failed is not None and not hdr.retry:
             self.poisoned.add(hdr.slot)
             self.bad_blocks.update(bid for p in hdr.prefill for _, bid in p.save)  # not written here
+        self.note_peak()  # after the forward: the generic stage's caches allocate their layers in it
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
                    **({"ahead": True} if ahead else {}))
         if hdr.stats is not None:  # this stage's figures for the status file and /metrics (every few seconds)

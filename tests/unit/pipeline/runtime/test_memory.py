@@ -11,6 +11,7 @@ from torch import nn
 
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
+from pipeline.models.hf_stage import HFKVCache
 from pipeline.runtime.memory import (MIB, MemoryLedger, cache_bytes, model_tensors, reachable_tensors, tensor_bytes,
                                      weight_bytes)
 
@@ -105,3 +106,10 @@ def test_the_breakdown_adds_up_to_the_peak():
     parts = ("process", "weights", "packed", "adapters", "kv_cache", "prefix_pool", "buffers", "other")
     assert abs(sum(b[k] for k in parts) - b["rss_peak"]) < 0.5  # each part rounded to 0.1 MiB
     assert b["rss_peak"] >= b["rss_ready"] >= b["process"] > 0
+
+
+def test_the_generic_stage_cache_counts_the_layers_it_allocated():
+    cache = HFKVCache(3, 2, 40, torch.float32, "cpu")  # layers allocate at their first update
+    assert cache_bytes([cache]) == 0
+    cache.layer(0, torch.zeros(2, 4, 1, 8))  # (b, kv heads, t, head dim)
+    assert cache_bytes([cache]) == 2 * 2 * 4 * 40 * 8 * 4
