@@ -88,7 +88,8 @@ def test_the_breakdown_of_each_stage_adds_up_to_its_peak_rss(tmp_path):
                           launch(tmp_path, 2, ["--dtype", "bfloat16", "--layers-per-stage", "2,4", "--budget", "2048"])])
     [m] = one["stage_memory_mb"]
     check_stage(m, checkpoint_bytes(range(6), True, True, 4))  # float32, the tied table once
-    assert m["rss_peak"] == one["last_rank_peak_rss_mb"]  # the same measure
+    # the same measure, read a moment apart (the writer's close between them)
+    assert 0 <= one["last_rank_peak_rss_mb"] - m["rss_peak"] <= 5
     assert m["kv_cache"] > 0
 
     first, last = two["stage_memory_mb"]
