@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import types
 from collections.abc import Iterable
 
 import torch
@@ -30,6 +31,9 @@ from torch import nn
 
 MIB = 2**20
 _WALK_DEPTH = 3  # attribute levels searched for tensors below a module (kernel objects, tables, lists)
+# not searched: modules (walked on their own), scalars, and what only refers to code (a Python module's
+# globals are not the stage's)
+_OPAQUE = (nn.Module, str, bytes, int, float, bool, type, types.ModuleType, types.FunctionType, types.MethodType)
 
 
 def rss_bytes() -> int:
@@ -88,7 +92,7 @@ def reachable_tensors(obj, depth: int = _WALK_DEPTH, seen: set[int] | None = Non
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if depth <= 0 or isinstance(obj, (nn.Module, str, bytes, int, float, bool, type)) or obj is None:
+    if depth <= 0 or obj is None or isinstance(obj, _OPAQUE):
         return []
     if isinstance(obj, dict):
         items = obj.values()

@@ -113,3 +113,10 @@ def test_the_generic_stage_cache_counts_the_layers_it_allocated():
     assert cache_bytes([cache]) == 0
     cache.layer(0, torch.zeros(2, 4, 1, 8))  # (b, kv heads, t, head dim)
     assert cache_bytes([cache]) == 2 * 2 * 4 * 40 * 8 * 4
+
+
+def test_the_walk_stays_out_of_code_and_submodules():
+    holder = SimpleNamespace(table=torch.zeros(4), nested={"a": [torch.zeros(2)]}, lib=torch.nn.functional,
+                             fn=test_tied_tensors_and_views_count_once, sub=nn.Linear(2, 2))
+    assert tensor_bytes(reachable_tensors(holder)) == 16 + 8
+    assert reachable_tensors(SimpleNamespace(deep=[[[[torch.zeros(1)]]]])) == []  # deeper than the walk goes
