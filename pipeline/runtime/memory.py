@@ -137,8 +137,8 @@ def cache_bytes(caches: Iterable) -> int:
 class MemoryLedger:
     """One stage's memory account. Made right before the stage loads (``process``: the RSS of Python,
     torch and the libraries then); :meth:`loaded` after the weights are in, :meth:`ready` once the
-    kernels have packed them; :meth:`note_kv` after a pass or an allocation that changed the KV cells; :meth:`breakdown`
-    at a file's close."""
+    kernels have packed them; :meth:`note_kv` after a pass or an allocation that changed the KV
+    cells; :meth:`breakdown` at a file's close."""
 
     def __init__(self) -> None:
         self.process = rss_bytes()
