@@ -176,7 +176,8 @@ class MemoryLedger:
             "prefix_pool": self.kv_at_peak[1],
             "buffers": tensor_bytes(held["tables"] + reachable_tensors(getattr(model, "rotary", None))) + extra_buffers,
         }
-        peak = peak_rss_bytes()
+        # ru_maxrss follows the kernel's high-water mark, updated lazily: now or at ready may read higher
+        peak = max(peak_rss_bytes(), rss_bytes(), self.rss_ready)
         out = {"device": str(device), "rss_peak": peak, "rss_ready": self.rss_ready, "process": self.process}
         if device.type == "cuda":
             device_peak = torch.cuda.max_memory_allocated(device)
