@@ -76,6 +76,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
     ahead, width = MasksAhead(), grammars.tok.vocab_size
     for m, _ in rows:
         ahead.start(m, width)
+    ahead.flush(width)  # one batch, as the head sends a pass's rows
     for _ in range(40):
         live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
         if not live:
@@ -92,6 +93,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
             t = rng.choice(choices)
             assert a.consume_token(t) and b.consume_token(t)
             ahead.start(a, width)
+        ahead.flush(width)
     for a, _ in rows:
         ahead.forget(a)
     assert not ahead._pending and ahead.ahead_seconds > 0
