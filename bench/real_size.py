@@ -245,6 +245,8 @@ def main() -> int:
             speed = f"{w / GB / load:.2f} GB/s" if load else "-"
             print(f"  rank {rank['rank']}: weights {w / MB:.0f} MB, peak RSS {peak / MB:.0f} MB "
                   f"({peak / w:.2f}x), load {load or 0:.1f} s ({speed})")
+        for i, m in enumerate(s.get("stage_memory_mb", [])):  # the runner's own account (pipeline.runtime.memory)
+            print(f"  stage {i} memory (MiB): " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "device"))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "disk_gb_s": disk, "bandwidth_gb_s": bw,
                                                "runs": results}, indent=1))

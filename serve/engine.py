@@ -197,7 +197,8 @@ class ServeRank(FirstRank):
         if d.exhausted and b.done + errors == d.requests_read:
             total = b.skip + d.requests_read if (b.cancelled or b.expiring) else b.job.total
             self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, 0.0, [], d.take_errors(),
-                                 busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb()))
+                                 busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
+                                 memory=[self.stage.memory_mb()]))
             self.owed += 1
             b.closing = True
 

@@ -74,6 +74,9 @@ class FileSummary:
     # file's start (imports, planning, loading the stage, earlier files), then to its first result line
     startup_seconds: float | None = None
     first_result_seconds: float | None = None
+    # per stage, MiB (pipeline.runtime.memory): rss_peak = process + weights + packed + adapters + kv_cache
+    # + prefix_pool + buffers + other; docs/usage/scale.md says what each part counts
+    stage_memory_mb: list[dict] = field(default_factory=list)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -131,7 +134,8 @@ class OutputFile:
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
               format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0,
               gpu_peak_mb: list[float] | None = None,
-              precision: list[dict] | None = None) -> tuple[bool, FileSummary]:
+              precision: list[dict] | None = None,
+              memory: list[dict] | None = None) -> tuple[bool, FileSummary]:
         """Publish the output if every line of this share is in; (complete, summary)."""
         if self.progress is not None:
             self.progress.close()
@@ -149,7 +153,7 @@ class OutputFile:
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
             kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured,
             round(self.started, 3) if self.started is not None else None,
-            round(self.first_at - self.t0, 3) if self.first_at is not None else None)
+            round(self.first_at - self.t0, 3) if self.first_at is not None else None, memory or [])
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it

@@ -1,7 +1,7 @@
 """Each rank's loop and what connects them: rank 0's loop (first_rank), the stage step every rank runs
 (stage), the last rank's answers (last_rank), the typed messages and links between neighbours, and
 the factory that builds a rank from the plan (roles), the status file and --metrics-port on the
-writing rank (monitor).
+writing rank (monitor), each stage's memory account (memory).
 
 May import every pipeline package and comm; only serve and the entry point import it.
 """

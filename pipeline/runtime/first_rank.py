@@ -125,7 +125,7 @@ class FirstRank:
         self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
                              d.take_errors(),
                              busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
-                             precision=[self.stage.precision()]))
+                             precision=[self.stage.precision()], memory=[self.stage.memory_mb()]))
         closed = self._reply()
         assert isinstance(closed, Closed)
         if not closed.complete:

@@ -139,11 +139,12 @@ class LastRank:
             msg.busy.append(self.stage.busy)
             msg.gpu_peak_mb += self.stage.gpu_peak_mb()
             msg.precision.append(self.stage.precision())
+            msg.memory.append(self.stage.memory_mb())
         self.file.structured = self.head.structured_figures()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.format_seconds, self.info.pipeline_size,
-                                            self.stage.peak_cells, msg.gpu_peak_mb, msg.precision)
+                                            self.stage.peak_cells, msg.gpu_peak_mb, msg.precision, msg.memory)
         self.file = None
         if self.status is not None:
             self.status.close_file(complete)

@@ -195,6 +195,7 @@ class CloseFile:
     busy: list[float] = field(default_factory=list)  # compute seconds of stage 0, 1, ... (appended en route)
     gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: each stage's peak allocated memory (en route)
     precision: list[dict] = field(default_factory=list)  # each stage's Stage.precision() (en route)
+    memory: list[dict] = field(default_factory=list)  # each stage's Stage.memory_mb() (en route)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
 from pipeline.runtime.stage import Stage
+from pipeline.runtime.memory import MemoryLedger
 from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
@@ -46,6 +47,7 @@ def load_stage(plan, opts, info):
 
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
     first, last = plan.layers
+    ledger = MemoryLedger()  # the process's RSS before anything of the stage is loaded
     t0 = time.perf_counter()
     try:
         # plan.source: a hub snapshot fetches this stage's shards as they are opened
@@ -57,6 +59,7 @@ def load_stage(plan, opts, info):
     log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
              "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+    ledger.loaded(model)  # the weights as loaded, before kernels repack them
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
         choose_int8_kernels(model, dtype, opts, info.stage)
@@ -75,6 +78,9 @@ def load_stage(plan, opts, info):
         trace = Trace(info.rank)
     stage = Stage(model, info.device, trace, prefix_block(plan, opts))
     stage.index = info.stage
+    del store  # the loader's handles (open shards) go before the loaded stage's RSS is read
+    ledger.ready()
+    stage.ledger = ledger
     return stage
 
 

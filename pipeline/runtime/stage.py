@@ -22,6 +22,8 @@ from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
 from pipeline.loading.upload import to_device
+from pipeline.models.kernels.logits import block_buffer_bytes
+from pipeline.runtime.memory import MemoryLedger
 from tasks.status import peak_memory_mb
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class Stage:
         self.index = 0  # this stage's position in the pipeline (for logs)
         self.poisoned: set[int] = set()  # slots whose pass failed here or before: skipped until rank 0's retry
         self.bad_blocks: set[int] = set()  # prefix pool blocks a failed pass did not write here
+        self.ledger: MemoryLedger | None = None  # its memory account, when loaded by pipeline.runtime.roles
+        self._noted_cells = 0  # KV cells at the ledger's last look
 
     @property
     def busy(self) -> float:
@@ -64,6 +68,23 @@ class Stage:
     def gpu_peak_mb(self) -> list[float]:
         """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
         return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
+
+    def memory_mb(self) -> dict:
+        """The stage's memory breakdown in MiB for the run summary (pipeline.runtime.memory); {} for a
+        stage built without a ledger."""
+        if self.ledger is None:
+            return {}
+        head = block_buffer_bytes() if getattr(self.model, "has_head", False) else 0
+        return self.ledger.breakdown(self.model, self.device, head)
+
+    def note_peak(self) -> None:
+        """After the caches changed: the file's most KV cells, and the ledger's most KV bytes (looked
+        at only when the cells changed: a cache's bytes follow its cells)."""
+        cells = self.kv_cells
+        self.peak_cells = max(self.peak_cells, cells)
+        if self.ledger is not None and cells != self._noted_cells:
+            self._noted_cells = cells
+            self.ledger.note_kv([*self.caches.values(), *(c for _, c in self.prepared.values())], self.prefix)
 
     def precision(self) -> dict:
         """The stage's weights and compute dtype, with --quantize the int8 kernel chosen per (in x out)
@@ -110,7 +131,6 @@ class Stage:
             if hdr.prefix_grow < self.prefix.capacity or not hdr.prefix_grow:
                 self.bad_blocks.clear()  # the pool is dropped
             self.prefix.resize(hdr.prefix_grow, cache.k, self.model.spec.hidden_size, dtype)
-        self.peak_cells = max(self.peak_cells, self.kv_cells)
         if hdr.retry:
             self.poisoned.discard(hdr.slot)  # every pass of the slot sent before the retry went by
         elif hdr.failed is None and hdr.slot in self.poisoned:
@@ -127,6 +147,7 @@ class Stage:
         if hdr.failed is not None and not hdr.retry:
             self.poisoned.add(hdr.slot)
             self.bad_blocks.update(bid for p in hdr.prefill for _, bid in p.save)  # not written here
+        self.note_peak()  # after the forward: the generic stage's caches allocate their layers in it
         self.clock("forward", t0, slot=hdr.slot, decode=len(hdr.decode_layout), prefill=len(hdr.prefill),
                    **({"ahead": True} if ahead else {}))
         if hdr.stats is not None:  # this stage's figures for the status file and /metrics (every few seconds)
@@ -159,7 +180,7 @@ class Stage:
         t0 = self.mark()
         self.release([*msg.release, msg.slot])
         self.prepared[msg.slot] = ([msg.rows, msg.cols], self.model.new_cache(msg.rows, msg.cols))
-        self.peak_cells = max(self.peak_cells, self.kv_cells)
+        self.note_peak()
         self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
 
     def _cache(self, hdr: PassHeader) -> KVCache | None:
@@ -229,6 +250,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
                 msg.busy.append(stage.busy)
                 msg.gpu_peak_mb += stage.gpu_peak_mb()
                 msg.precision.append(stage.precision())
+                msg.memory.append(stage.memory_mb())
         if last is None:
             link.send_next(msg, x)
         else:

@@ -30,6 +30,13 @@ def _block_buffer(hidden: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+def block_buffer_bytes() -> int:
+    """Bytes of this thread's float32 block buffer (0 before the head first ran here), for the
+    stage's memory account (pipeline.runtime.memory)."""
+    buf = getattr(_blocks, "buf", None)
+    return 0 if buf is None else buf.nbytes
+
+
 def float32_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    linear=F.linear) -> torch.Tensor:
     """``h @ weight.T + bias`` as float32 logits. h (..., hidden); weight (vocab, hidden). ``linear``:

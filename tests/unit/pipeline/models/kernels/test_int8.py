@@ -269,7 +269,9 @@ def test_choose_kernels_times_each_shape_and_keeps_the_faster():
     assert set(chosen) == {"32x64", "64x32"}
     for shape, c in chosen.items():
         assert c["kernel"] in c["ms"] and all(len(v) >= 1 for v in c["ms"].values())
-        fastest = min(sum(v) for v in c["ms"].values() if len(v) == 2)
+        timed = {k: v for k, v in c["ms"].items() if len(v) == 2}  # not dropped after the first size
+        last = min(v[-1] for v in timed.values())  # a kernel over 3x slower at the last size is out too
+        fastest = min(sum(v) for v in timed.values() if v[-1] <= 3 * last)
         assert sum(c["ms"][c["kernel"]]) == fastest
     assert model[0].kernel == model[1].kernel == chosen["32x64"]["kernel"]
 
