@@ -94,7 +94,7 @@ class Head:
                         raise GrammarError("no grammar compiler on this rank")
                     rows[r].matcher = self.grammars.matcher(p.structured)
                     self.constrained_rows += 1
-                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # while the prompt's pass runs
+                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # (a chunked prompt's later passes)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
 

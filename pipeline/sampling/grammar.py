@@ -167,7 +167,8 @@ class MasksAhead:
 
     def flush(self, tok_vocab: int) -> None:
         """Begin computing every queued mask, as one batch on the thread."""
-        queued = [m for m in self._queued.values() if self._pending.get(id(m), (None, 0))[1] is None]  # not taken/forgotten
+        # those neither taken nor forgotten since they were queued
+        queued = [m for m in self._queued.values() if self._pending.get(id(m), (None, 0))[1] is None]
         self._queued = {}
         if not queued:
             return
