@@ -282,7 +282,7 @@ def engine_for(store: BatchStore, fingerprint: dict):
     eng.sent, eng.metrics = [], None
     eng._down = eng.sent.append
     eng.driver = FakeDriver(lines=None, filled=0, error_kinds={}, exhausted=False, requests_read=0, encode_seconds=0.0)
-    eng.stage = SimpleNamespace(busy=0.0, gpu_peak_mb=lambda: [])
+    eng.stage = SimpleNamespace(busy=0.0, gpu_peak_mb=lambda: [], memory_mb=lambda: {})
     return eng
 
 
