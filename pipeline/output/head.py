@@ -94,7 +94,7 @@ class Head:
                         raise GrammarError("no grammar compiler on this rank")
                     rows[r].matcher = self.grammars.matcher(p.structured)
                     self.constrained_rows += 1
-                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # while the prompt's pass runs
+                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # (a chunked prompt's later passes)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
 
@@ -172,6 +172,8 @@ class Head:
         for r in feed:  # constrained rows' next masks, while the stages run their next pass
             if states[r].matcher is not None:
                 self.ahead.start(states[r].matcher, self.grammars.tok.vocab_size)
+        if self.grammars is not None and self.grammars.tok is not None:
+            self.ahead.flush(self.grammars.tok.vocab_size)  # one batch for the pass's rows
         return feed, finished
 
     def _request_error(self, gid: int) -> dict | None:

@@ -25,8 +25,7 @@ import torch
 
 import llguidance
 import llguidance.gbnf_to_lark
-import llguidance.hf
-import llguidance.torch
+import llguidance.hf  # (not llguidance.torch: importing it runs torch.compile, seconds of start-up)
 
 # compact JSON: a model (above all a random one) would otherwise fill the output with whitespace
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -87,8 +86,7 @@ class Grammars:
                     self.tok = llguidance.hf.from_tokenizer(self._hf_tok)
                 m = llguidance.LLMatcher(self.tok, grammar_text(spec), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
-                bm = torch.zeros(1, (self.tok.vocab_size + 31) // 32, dtype=torch.int32)
-                llguidance.torch.fill_next_token_bitmask(m, bm, 0)
+                mask_words(m, self.tok.vocab_size)
                 got = GrammarError(m.get_error()[:500]) if m.is_error() else m
             except GrammarError as e:
                 got = e
@@ -121,49 +119,84 @@ def mask_words(matcher, tok_vocab: int) -> np.ndarray:
     return words
 
 
+class _Batch:
+    """Masks of several matchers computed in one call: row i of ``words`` is ``matchers[i]``'s."""
+
+    def __init__(self, matchers: list, tok_vocab: int):
+        self.matchers = matchers
+        self.words = np.zeros((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)  # (n, words)
+        self.future: Future | None = None
+
+
 class MasksAhead:
     """Next-token masks computed on a thread while the stages compute (structured outputs).
 
     A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
     as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
     forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, at P = 1
-    this stage's own. :meth:`take` waits for a started mask (or computes one never started); a row
-    that finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
+    this stage's own. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
+    the thread as one batch, computed by llguidance's executor in a single native call with the GIL
+    dropped (one hand-off per pass, not one per row: per-row jobs cost the sampling step more in
+    thread wake-ups and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's
+    masks, waiting for their batch if still running (or computing any never started); a row that
+    finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
     holds, so a key is never reused while its computation is pending. ``tok_vocab``: the tokenizer's
-    vocabulary size (llguidance's mask width). The thread starts with the first mask."""
+    vocabulary size (llguidance's mask width). The thread starts with the first batch."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        self._pending: dict[int, tuple[object, Future]] = {}
+        self._executor: llguidance.LLExecutor | None = None  # built on the thread with its first batch
+        self._queued: dict[int, object] = {}  # started, not yet flushed (by id)
+        self._pending: dict[int, tuple[object, _Batch | None, int]] = {}  # id -> (matcher, its batch, row)
         self.ahead_seconds = 0.0  # computed on the thread (hidden behind the forward passes)
 
-    def _compute(self, matcher, tok_vocab: int) -> np.ndarray:
+    def _compute(self, batch: _Batch) -> None:
         t0 = time.perf_counter()
-        words = mask_words(matcher, tok_vocab)
+        if self._executor is None:  # one native worker: the cores already run the stages
+            self._executor = llguidance.LLExecutor(1)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(batch.matchers)],
+                                               batch.words.ctypes.data, batch.words.shape[1] * 4, len(batch.matchers))
         self.ahead_seconds += time.perf_counter() - t0  # one thread: no race
-        return words
 
     def start(self, matcher, tok_vocab: int) -> None:
-        """Begin ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
-        :meth:`take`."""
+        """Queue ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
+        :meth:`take`, and calls :meth:`flush` once it has started a pass's rows."""
         if matcher is not None and id(matcher) not in self._pending and not matcher.is_stopped():
-            self._pending[id(matcher)] = (matcher, self._pool.submit(self._compute, matcher, tok_vocab))
+            self._pending[id(matcher)] = (matcher, None, 0)
+            self._queued[id(matcher)] = matcher
 
-    def take(self, matcher, tok_vocab: int) -> np.ndarray:
-        """``matcher``'s next mask: the one started ahead (waiting for it if still running), else now."""
-        got = self._pending.pop(id(matcher), None)
-        if got is not None:
+    def flush(self, tok_vocab: int) -> None:
+        """Begin computing every queued mask, as one batch on the thread."""
+        # those neither taken nor forgotten since they were queued
+        queued = [m for m in self._queued.values() if self._pending.get(id(m), (None, 0))[1] is None]
+        self._queued = {}
+        if not queued:
+            return
+        batch = _Batch(queued, tok_vocab)
+        for i, m in enumerate(queued):
+            self._pending[id(m)] = (m, batch, i)
+        batch.future = self._pool.submit(self._compute, batch)
+
+    def take(self, matchers: list, tok_vocab: int) -> np.ndarray:
+        """(len(matchers), words) int32: each matcher's next mask, the one started ahead (waiting for its
+        batch if still running) or else computed now (never started, or started but not flushed: a row
+        admitted in this very pass, whose mask nothing could have computed sooner)."""
+        out = np.empty((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)
+        for k, m in enumerate(matchers):
+            got = self._pending.pop(id(m), None)
             try:
-                return got[1].result()
-            except Exception:  # computed again below, where the error reaches the row
-                pass
-        return mask_words(matcher, tok_vocab)
+                if got is None or got[1] is None:
+                    raise LookupError
+                got[1].future.result()  # done for every row of the batch after the first
+                out[k] = got[1].words[got[2]]
+            except Exception:  # not computed ahead, or the batch failed: alone, where an error reaches the row
+                out[k] = mask_words(m, tok_vocab)
+        return out
 
     def forget(self, matcher) -> None:
-        """A finished row: its pending mask (if any) is dropped; the matcher is free once it completes."""
-        got = self._pending.pop(id(matcher), None) if matcher is not None else None
-        if got is not None:
-            got[1].cancel()
+        """A finished row: its pending mask (if any) is dropped; the matcher is free once its batch ends."""
+        if matcher is not None:
+            self._pending.pop(id(matcher), None)  # (still queued: flush skips it)
 
 
 def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
@@ -171,21 +204,23 @@ def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
     """(R, vocab) bool: the tokens each row's matcher allows next (a row whose matcher is None: every
     token). Ids the tokenizer does not know (``tok_vocab`` and beyond) are never allowed in a
     constrained row; the end of the output (any of ``eos_ids``) is allowed exactly where the grammar
-    may end. Masks come from ``ahead`` when it started them; unpacked on the host in numpy (a
-    handful of small torch ops cost more than the masks themselves), one copy to the device."""
-    words = (tok_vocab + 31) // 32
-    bm = np.zeros((len(matchers), words), dtype=np.int32)  # bit j of word w: token 32w + j
-    for i, m in enumerate(matchers):
-        if m is not None:
-            bm[i] = ahead.take(m, tok_vocab) if ahead is not None else mask_words(m, tok_vocab)
-    bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (R, words * 32), little-endian words
-    allowed = np.zeros((len(matchers), vocab), dtype=bool)
-    n = min(vocab, words * 32)
-    allowed[:, :n] = bits[:, :n]
+    may end. Masks come from ``ahead`` when it started them; unpacked on the host in numpy for the
+    constrained rows only, with no per-row work beyond the matchers' own calls (a handful of small
+    torch ops cost more than the masks themselves), one copy to the device."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    ms = [matchers[i] for i in rows]
+    if not ms:
+        return torch.ones(len(matchers), vocab, dtype=torch.bool, device=device)
+    bm = ahead.take(ms, tok_vocab) if ahead is not None else np.stack([mask_words(m, tok_vocab) for m in ms])
+    bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (C, words * 32), little-endian words
+    n = min(vocab, bits.shape[1])
+    cons = np.zeros((len(rows), vocab), dtype=bool)
+    cons[:, :n] = bits[:, :n]
     eos = [t for t in sorted(eos_ids) if t < vocab]
-    for i, m in enumerate(matchers):
-        if m is None:
-            allowed[i] = True
-        elif eos:
-            allowed[i, eos] = m.is_accepting()
+    if eos:
+        cons[:, eos] = np.array([m.is_accepting() for m in ms], dtype=bool)[:, None]
+    if len(rows) == len(matchers):
+        return torch.from_numpy(cons).to(device)
+    allowed = np.ones((len(matchers), vocab), dtype=bool)
+    allowed[rows] = cons
     return torch.from_numpy(allowed).to(device)

@@ -76,6 +76,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
     ahead, width = MasksAhead(), grammars.tok.vocab_size
     for m, _ in rows:
         ahead.start(m, width)
+    ahead.flush(width)  # one batch, as the head sends a pass's rows
     for _ in range(40):
         live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
         if not live:
@@ -92,6 +93,50 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
             t = rng.choice(choices)
             assert a.consume_token(t) and b.consume_token(t)
             ahead.start(a, width)
+        ahead.flush(width)
+    for a, _ in rows:
+        ahead.forget(a)
+    assert not ahead._pending and ahead.ahead_seconds > 0
+
+
+def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):
+    """MasksAhead computes a pass's masks as one batch (llguidance's executor, on the thread): each row's
+    mask is the one its matcher computes alone, for several schemas, a regex and a choice at every
+    step; a row that ended (its grammar stopped) is not started; a row taken before the flush (admitted
+    in the same pass) and a forgotten row leave the batch right; nothing stays pending."""
+    tok = local_tokenizer()
+    vocab, eos, dev, width = grammars.vocab_size, {tok.eos_token_id}, torch.device("cpu"), grammars.tok.vocab_size
+    specs = [{"kind": "json", "value": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
+                                        "required": ["a"]}},
+             {"kind": "json", "value": {"type": "array", "items": {"enum": ["x", "yz"]}, "maxItems": 2}},
+             {"kind": "json_object"}, {"kind": "regex", "value": "[a-c]{1,4}"}, CHOICE]
+    rng = random.Random(1)
+    rows = [(grammars.matcher(s), grammars.matcher(s)) for s in specs * 2]  # (batched, alone) twins
+    ahead = MasksAhead()
+    for step in range(30):
+        live = [(a, b) for a, b in rows if not b.is_stopped()]
+        if not live:
+            break
+        for a, b in rows:
+            ahead.start(a, width)  # an ended row is never started
+        assert all(id(a) not in ahead._pending for a, b in rows if b.is_stopped())
+        if step == 1:
+            ahead.forget(live[-1][0])  # a row that finished before the flush: not computed
+        if step != 2:  # at step 2 every row is taken before its flush (computed alone, on the step)
+            ahead.flush(width)
+        got = allowed_mask([a for a, _ in live], eos, width, vocab, dev, ahead)
+        want = allowed_mask([b for _, b in live], eos, width, vocab, dev)
+        assert torch.equal(got, want)
+        for i, (a, b) in enumerate(live):
+            choices = [t for t in got[i].nonzero().flatten().tolist() if t not in eos and t < width]
+            if not choices:
+                ahead.forget(a)
+                rows.remove((a, b))
+                continue
+            t = rng.choice(choices)
+            assert a.consume_token(t) and b.consume_token(t)
+    ahead.flush(width)  # nothing queued is left behind a taken or forgotten row
+    assert any(b.is_stopped() for _, b in rows) or len(rows) < 2 * len(specs)
     for a, _ in rows:
         ahead.forget(a)
     assert not ahead._pending and ahead.ahead_seconds > 0
