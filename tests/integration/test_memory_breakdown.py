@@ -89,7 +89,7 @@ def test_the_breakdown_of_each_stage_adds_up_to_its_peak_rss(tmp_path):
     [m] = one["stage_memory_mb"]
     check_stage(m, checkpoint_bytes(range(6), True, True, 4))  # float32, the tied table once
     # the same measure, read a moment apart (the writer's close between them)
-    assert 0 <= one["last_rank_peak_rss_mb"] - m["rss_peak"] <= 5
+    assert abs(one["last_rank_peak_rss_mb"] - m["rss_peak"]) <= 5  # read a moment apart, each by its own rule
     assert m["kv_cache"] > 0
 
     first, last = two["stage_memory_mb"]
