@@ -7,7 +7,7 @@ Builds a random float32 Llama locally and deterministically (hidden 1024, 16 lay
 fixed seed; the project's local BPE tokenizer), saves it as sharded safetensors in a temporary
 folder, then for each P runs ``torchrun --nproc-per-node P`` on a small request file (a few short
 prompts, max_tokens 4). Each rank runs the real runner under a thin wrapper (this file with
-``--rank-wrapper``) that records ``getrusage(RUSAGE_SELF).ru_maxrss`` when the runner exits.
+``--rank-wrapper``) that records its peak RSS (VmHWM) when the runner exits.
 
 Reported per rank: its layers, the bytes of the weights it owns (computed from the stage model),
 its peak RSS, peak RSS minus weights (the process overhead: Python, torch, tokenizer, gloo, KV cache,
@@ -34,8 +34,10 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 
 
 def rank_wrapper(out_dir: str, runner_args: list[str]) -> None:
-    """Run the runner in this process (as torchrun's script) and record this rank's peak RSS."""
-    import resource
+    """Run the runner in this process (as torchrun's script) and record this rank's peak RSS (VmHWM:
+    ``ru_maxrss`` would carry torchrun's agent's own resident set across fork and exec)."""
+    sys.path.insert(0, str(REPO))
+    from tasks.status import peak_rss_bytes
 
     code = 0
     sys.argv = [str(RUNNER), *runner_args]
@@ -45,7 +47,7 @@ def rank_wrapper(out_dir: str, runner_args: list[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         rank = int(os.environ.get("RANK", 0))
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        peak = peak_rss_bytes()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss": peak, "exit": code}))
     sys.exit(code)
 

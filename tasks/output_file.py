@@ -25,6 +25,7 @@ from comm.faults import MIDGEN
 from tasks.files import write_atomic
 from tasks.inflight import InFlight
 from tasks.shards import share_size
+from tasks.status import peak_rss_bytes
 from tasks.writer import OrderedWriter, record_path, try_merge_shares
 from tasks.progress import Progress
 
@@ -149,7 +150,7 @@ class OutputFile:
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
-            pipeline_size, self.data_size, self.data_rank, round(peak_rss_mb(), 1), self.resumed_lines,
+            pipeline_size, self.data_size, self.data_rank, round(peak_rss_bytes() / 2**20, 1), self.resumed_lines,
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
             kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured,
             round(self.started, 3) if self.started is not None else None,
@@ -216,11 +217,3 @@ def process_age_seconds() -> float | None:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-def peak_rss_mb() -> float:
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024

@@ -33,14 +33,30 @@ def count_lines(path: str | os.PathLike) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held since it started: Linux's VmHWM
+    (/proc/self/status), which starts afresh when the process image does (exec). Not ``ru_maxrss``
+    there: Linux carries it across fork and exec, so a runner started by a large parent (pytest,
+    torchrun's agent, a notebook) would report the parent's resident set as its own peak. Elsewhere
+    ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def peak_memory_mb(device=None) -> float:
     """This process's peak: allocated CUDA memory on a GPU stage, else the resident set."""
     if device is not None and getattr(device, "type", "cpu") == "cuda":
         import torch
 
         return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(rss / (1 << 20) if sys.platform == "darwin" else rss / 1024, 1)
+    return round(peak_rss_bytes() / 2**20, 1)
 
 
 class RunStatus:

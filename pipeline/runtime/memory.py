@@ -4,7 +4,7 @@ Each stage keeps a :class:`MemoryLedger`: the process's resident memory (RSS, /p
 right before the stage starts loading, the bytes of its weights as loaded, and the most bytes of KV
 cells it has held; at a file's close :meth:`MemoryLedger.breakdown` adds what the model's kernels
 hold beyond the loaded weights (prepacked or quantized copies), the tables and buffers that can be
-counted, and the process's peak RSS (``ru_maxrss``). ``other`` is the peak minus every named part:
+counted, and the process's peak RSS (VmHWM: :func:`tasks.status.peak_rss_bytes`). ``other`` is the peak minus every named part:
 what no tensor account sees (activations of the largest pass and the heap the process keeps after
 them (pipeline.runtime.host_memory), allocator slack, the tokenizer, the head's per-row state,
 temporary copies made while loading). Tensor bytes are counted per storage: a tied table (the
@@ -21,13 +21,13 @@ The figures are MiB (2**20 bytes), as the summary's other ``_mb`` fields.
 from __future__ import annotations
 
 import os
-import resource
-import sys
 import types
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from tasks.status import peak_rss_bytes
 
 MIB = 2**20
 _WALK_DEPTH = 3  # attribute levels searched for tensors below a module (kernel objects, tables, lists)
@@ -43,13 +43,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return peak_rss_bytes()
-
-
-def peak_rss_bytes() -> int:
-    """The most resident memory this process has held since it started (``ru_maxrss``: KiB on Linux,
-    bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -176,7 +169,7 @@ class MemoryLedger:
             "prefix_pool": self.kv_at_peak[1],
             "buffers": tensor_bytes(held["tables"] + reachable_tensors(getattr(model, "rotary", None))) + extra_buffers,
         }
-        # ru_maxrss follows the kernel's high-water mark, updated lazily: now or at ready may read higher
+        # the high-water mark is updated lazily by the kernel: now or at ready may read higher
         peak = max(peak_rss_bytes(), rss_bytes(), self.rss_ready)
         out = {"device": str(device), "rss_peak": peak, "rss_ready": self.rss_ready, "process": self.process}
         if device.type == "cuda":

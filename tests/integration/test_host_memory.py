@@ -77,3 +77,14 @@ def test_a_cpu_cache_holds_only_the_pages_its_rows_write():
     allocated, used, after, written, unwritten = p.stdout.split()
     assert float(written) == 4 * 256 * 256 and float(unwritten) == 0
     assert int(allocated) < 8 and int(used) < 16 and int(after) < 8, p.stdout
+
+
+def test_a_process_peak_is_its_own_not_its_parents():
+    """The summaries' peak RSS (tasks.status.peak_rss_bytes) is the runner's own: Linux carries
+    ``ru_maxrss`` across fork and exec, so a small process started by a parent holding 400 MiB (pytest,
+    torchrun's agent) read 400 MiB as its peak; VmHWM starts afresh at exec."""
+    ballast = b"\x01" * (400 * 2**20)  # resident in this (parent) process
+    code = "from tasks.status import peak_rss_bytes; print(peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env=_env(None))
+    assert len(ballast) and int(out.stdout) < 200 * 2**20
