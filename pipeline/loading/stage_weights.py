@@ -145,32 +145,7 @@ def build_stage(
             param = params[name]
             if reader is not None and _fill(store, source, part, param.data, reader):
                 continue
-            if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
-                with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
-                    target = up.target(param.data)
-                    tensors = [store.get(source.names[0], part, out=target)]
-                    if tensors[0] is None:
-                        up.commit(param.data, target)
-                        continue
-            else:
-                tensors = [store.get(n, part) for n in source.names]
-            files = ", ".join(sorted({str(store.file_of[n]) for n in source.names}))
-            what = "+".join(source.names)
-            try:
-                value = source.combine(tensors)
-            except RuntimeError as e:  # e.g. q/k/v of inconsistent widths
-                raise CheckpointError(f"{files}: tensors {what} do not fit together for {name}: {e}") from e
-            if tuple(value.shape) != tuple(param.shape):
-                raise CheckpointError(
-                    f"{files}: tensor {what} has shape {tuple(value.shape)}, "
-                    f"but {name} of this {spec.family} config needs {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                if param.dtype == torch.int8:  # an Int8Linear's weight: quantized from the float tensor
-                    model.get_submodule(name.rsplit(".", 1)[0]).load_float(value)
-                else:
-                    up.put(param.data, value)  # casts to the stage dtype without another temporary
-            del tensors, value
+            _load_param(store, up, model, spec.family, name, source, part, param)
         if reader is not None:
             reader.wait()
         up.finish()
@@ -183,6 +158,37 @@ def build_stage(
     log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
              len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
     return model, store
+
+
+def _load_param(store: TensorStore, up: Uploader, model: torch.nn.Module, family: str, name: str, source: Source,
+                part: Part, param: torch.nn.Parameter) -> None:
+    """Fill one parameter the threaded reader does not take (GPU stages, int8 weights, other formats):
+    read (straight into the target when stored as is), combine, check the shape, put or quantize."""
+    if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
+        with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
+            target = up.target(param.data)
+            tensors = [store.get(source.names[0], part, out=target)]
+            if tensors[0] is None:
+                up.commit(param.data, target)
+                return
+    else:
+        tensors = [store.get(n, part) for n in source.names]
+    files = ", ".join(sorted({str(store.file_of[n]) for n in source.names}))
+    what = "+".join(source.names)
+    try:
+        value = source.combine(tensors)
+    except RuntimeError as e:  # e.g. q/k/v of inconsistent widths
+        raise CheckpointError(f"{files}: tensors {what} do not fit together for {name}: {e}") from e
+    if tuple(value.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{files}: tensor {what} has shape {tuple(value.shape)}, "
+            f"but {name} of this {family} config needs {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        if param.dtype == torch.int8:  # an Int8Linear's weight: quantized from the float tensor
+            model.get_submodule(name.rsplit(".", 1)[0]).load_float(value)
+        else:
+            up.put(param.data, value)  # casts to the stage dtype without another temporary
 
 
 def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, reader: ParallelReader) -> bool:

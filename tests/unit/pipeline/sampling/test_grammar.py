@@ -62,12 +62,33 @@ def test_draw_samples_inside_the_mask_and_reports_raw_logprobs(grammars):
     assert d.top_i[0] == raw[0].topk(2).indices.tolist()  # the raw distribution's top tokens, masked or not
 
 
+def masks_agree_then_step(ahead, live: list, rows: list, eos: set, width: int, vocab: int, rng) -> list:
+    """The masks of the ``live`` (ahead, alone) twins are equal through ``ahead`` and computed alone;
+    each pair then takes one random allowed token (a pair with none leaves ``rows``, forgotten).
+    Returns the matchers that took a token."""
+    dev = torch.device("cpu")
+    got = allowed_mask([a for a, _ in live], eos, width, vocab, dev, ahead)
+    want = allowed_mask([b for _, b in live], eos, width, vocab, dev)
+    assert torch.equal(got, want)
+    stepped = []
+    for i, (a, b) in enumerate(live):
+        choices = [t for t in got[i].nonzero().flatten().tolist() if t not in eos and t < width]
+        if not choices:
+            ahead.forget(a)
+            rows.remove((a, b))
+            continue
+        t = rng.choice(choices)
+        assert a.consume_token(t) and b.consume_token(t)
+        stepped.append(a)
+    return stepped
+
+
 def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
     """Rows walking a JSON schema token by token: the mask a row's thread computed ahead (started when
     it was fed, taken at its next step) is the one computed on the step, for every row and step;
     a finished row's pending mask is forgotten and nothing leaks."""
     tok = local_tokenizer()
-    vocab, eos, dev = grammars.vocab_size, {tok.eos_token_id}, torch.device("cpu")
+    vocab, eos = grammars.vocab_size, {tok.eos_token_id}
     spec = {"kind": "json", "value": {"type": "object", "properties": {"n": {"type": "integer"},
                                                                          "s": {"type": "string", "maxLength": 5}},
                                       "required": ["n", "s"]}}
@@ -81,17 +102,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
         live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
         if not live:
             break
-        got = allowed_mask([a for a, _ in live], eos, grammars.tok.vocab_size, vocab, dev, ahead)
-        want = allowed_mask([b for _, b in live], eos, grammars.tok.vocab_size, vocab, dev)
-        assert torch.equal(got, want)
-        for i, (a, b) in enumerate(live):
-            choices = [t for t in got[i].nonzero().flatten().tolist() if t not in eos]
-            if not choices:
-                ahead.forget(a)
-                rows.remove((a, b))
-                continue
-            t = rng.choice(choices)
-            assert a.consume_token(t) and b.consume_token(t)
+        for a in masks_agree_then_step(ahead, live, rows, eos, width, vocab, rng):
             ahead.start(a, width)
         ahead.flush(width)
     for a, _ in rows:
@@ -105,7 +116,7 @@ def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):
     step; a row that ended (its grammar stopped) is not started; a row taken before the flush (admitted
     in the same pass) and a forgotten row leave the batch right; nothing stays pending."""
     tok = local_tokenizer()
-    vocab, eos, dev, width = grammars.vocab_size, {tok.eos_token_id}, torch.device("cpu"), grammars.tok.vocab_size
+    vocab, eos, width = grammars.vocab_size, {tok.eos_token_id}, grammars.tok.vocab_size
     specs = [{"kind": "json", "value": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
                                         "required": ["a"]}},
              {"kind": "json", "value": {"type": "array", "items": {"enum": ["x", "yz"]}, "maxItems": 2}},
@@ -124,17 +135,7 @@ def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):
             ahead.forget(live[-1][0])  # a row that finished before the flush: not computed
         if step != 2:  # at step 2 every row is taken before its flush (computed alone, on the step)
             ahead.flush(width)
-        got = allowed_mask([a for a, _ in live], eos, width, vocab, dev, ahead)
-        want = allowed_mask([b for _, b in live], eos, width, vocab, dev)
-        assert torch.equal(got, want)
-        for i, (a, b) in enumerate(live):
-            choices = [t for t in got[i].nonzero().flatten().tolist() if t not in eos and t < width]
-            if not choices:
-                ahead.forget(a)
-                rows.remove((a, b))
-                continue
-            t = rng.choice(choices)
-            assert a.consume_token(t) and b.consume_token(t)
+        masks_agree_then_step(ahead, live, rows, eos, width, vocab, rng)
     ahead.flush(width)  # nothing queued is left behind a taken or forgotten row
     assert any(b.is_stopped() for _, b in rows) or len(rows) < 2 * len(specs)
     for a, _ in rows:
