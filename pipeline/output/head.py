@@ -26,7 +26,7 @@ from pipeline.sampling.step import draw, head_logits
 
 class Head:
     def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, masks_on_thread: bool = True):
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
@@ -41,7 +41,7 @@ class Head:
         self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
         self.constrained_rows = 0  # rows sampled under a grammar's mask
         self.mask_seconds = 0.0  # the sampling step waiting for (or computing) those masks
-        self.ahead = MasksAhead()  # constrained rows' next masks, computed while the stages run
+        self.ahead = MasksAhead(masks_on_thread)  # constrained rows' next masks (ahead: while the stages run)
         self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
         self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
@@ -61,7 +61,7 @@ class Head:
                 "grammars_compiled": self.grammars.compiled - self.compile_base[1],
                 "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
                 "mask_seconds": round(self.mask_seconds, 4),
-                "mask_ahead_seconds": round(self.ahead.ahead_seconds, 4)}
+                "mask_ahead_seconds": round(self.ahead.ahead_seconds, 4), "masks_on_thread": self.ahead.on_thread}
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params

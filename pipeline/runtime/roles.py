@@ -34,7 +34,7 @@ from pipeline.runtime.first_rank import FirstRank
 from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
-from pipeline.sampling.grammar import Grammars
+from pipeline.sampling.grammar import Grammars, masks_on_thread
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
@@ -152,7 +152,8 @@ def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars)
+    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
+                masks_on_thread(info.device, info.pipeline_size, info.local_world_size))
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 

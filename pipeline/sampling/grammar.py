@@ -14,6 +14,7 @@ converter), regexes and JSON schemas as one grammar format, and bounds its own w
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -128,24 +129,44 @@ class _Batch:
         self.future: Future | None = None
 
 
+def masks_on_thread(device: torch.device, pipeline_size: int, ranks_here: int) -> bool:
+    """Whether a thread should compute masks ahead: only where a core would otherwise idle while it
+    works. On a GPU the host waits for the device; with P > 1 the last rank waits for the other stages.
+    At P = 1 on a CPU whose cores all run the layers (``ranks_here`` processes on this host, each with
+    torch's threads) the thread would contend with the forward pass's OpenMP workers, whose barriers
+    then wait for a descheduled worker (and so would llguidance's own executor threads): measured on
+    2 cores, masks on a thread cost the run 12-16% of its tokens/s, on the step about 5%. There they
+    are computed on the step, on the caller's thread, one matcher after another."""
+    if device.type != "cpu" or pipeline_size > 1:
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() * max(1, ranks_here) < cores
+
+
 class MasksAhead:
-    """Next-token masks computed on a thread while the stages compute (structured outputs).
+    """Next-token masks for the sampling step, computed on a thread while the stages compute
+    (structured outputs), or on the step where no core is free for a thread (:func:`masks_on_thread`).
 
     A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
     as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
-    forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, at P = 1
-    this stage's own. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
+    forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, on a GPU
+    the device's. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
     the thread as one batch, computed by llguidance's executor in a single native call with the GIL
     dropped (one hand-off per pass, not one per row: per-row jobs cost the sampling step more in
     thread wake-ups and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's
-    masks, waiting for their batch if still running (or computing any never started); a row that
-    finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
+    masks, waiting for their batch if still running; those never started (a row admitted in this very
+    pass, or every row when ``on_thread`` is False) are computed then, on the caller's thread. A row
+    that finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
     holds, so a key is never reused while its computation is pending. ``tok_vocab``: the tokenizer's
     vocabulary size (llguidance's mask width). The thread starts with the first batch."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        self._executor: llguidance.LLExecutor | None = None  # built on the thread with its first batch
+    def __init__(self, on_thread: bool = True):
+        self.on_thread = on_thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") if on_thread else None
+        self._executor: llguidance.LLExecutor | None = None  # the thread's, built there with its first batch
         self._queued: dict[int, object] = {}  # started, not yet flushed (by id)
         self._pending: dict[int, tuple[object, _Batch | None, int]] = {}  # id -> (matcher, its batch, row)
         self.ahead_seconds = 0.0  # computed on the thread (hidden behind the forward passes)
@@ -161,7 +182,8 @@ class MasksAhead:
     def start(self, matcher, tok_vocab: int) -> None:
         """Queue ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
         :meth:`take`, and calls :meth:`flush` once it has started a pass's rows."""
-        if matcher is not None and id(matcher) not in self._pending and not matcher.is_stopped():
+        if (self.on_thread and matcher is not None and id(matcher) not in self._pending
+                and not matcher.is_stopped()):
             self._pending[id(matcher)] = (matcher, None, 0)
             self._queued[id(matcher)] = matcher
 

@@ -5,9 +5,10 @@ raw distribution."""
 import pytest
 import torch
 
+import os
 import random
 
-from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask, spec_key
+from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask, masks_on_thread, spec_key
 from pipeline.sampling.step import draw
 from tasks.requests import Params
 from tests.utils import local_tokenizer
@@ -83,10 +84,12 @@ def masks_agree_then_step(ahead, live: list, rows: list, eos: set, width: int, v
     return stepped
 
 
-def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
+@pytest.mark.parametrize("on_thread", [True, False])
+def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, on_thread):
     """Rows walking a JSON schema token by token: the mask a row's thread computed ahead (started when
     it was fed, taken at its next step) is the one computed on the step, for every row and step;
-    a finished row's pending mask is forgotten and nothing leaks."""
+    a finished row's pending mask is forgotten and nothing leaks. With no thread (``on_thread``
+    False: a CPU whose cores all run the layers) every mask is computed at take, the same masks."""
     tok = local_tokenizer()
     vocab, eos = grammars.vocab_size, {tok.eos_token_id}
     spec = {"kind": "json", "value": {"type": "object", "properties": {"n": {"type": "integer"},
@@ -94,7 +97,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
                                       "required": ["n", "s"]}}
     rng = random.Random(0)
     rows = [(grammars.matcher(spec), grammars.matcher(spec)) for _ in range(4)]  # (ahead, inline) twins
-    ahead, width = MasksAhead(), grammars.tok.vocab_size
+    ahead, width = MasksAhead(on_thread), grammars.tok.vocab_size
     for m, _ in rows:
         ahead.start(m, width)
     ahead.flush(width)  # one batch, as the head sends a pass's rows
@@ -107,7 +110,19 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars):
         ahead.flush(width)
     for a, _ in rows:
         ahead.forget(a)
-    assert not ahead._pending and ahead.ahead_seconds > 0
+    assert not ahead._pending and (ahead.ahead_seconds > 0) == on_thread
+
+
+def test_masks_go_on_a_thread_only_where_a_core_is_free(monkeypatch):
+    """A thread computes masks ahead on a GPU, at P > 1, and at P = 1 on a CPU only when torch's threads
+    (times the processes on the host) leave a core free: otherwise it would contend with the layers."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    cpu = torch.device("cpu")
+    assert masks_on_thread(torch.device("cuda", 0), 1, 1) and masks_on_thread(cpu, 2, 2)
+    assert not masks_on_thread(cpu, 1, 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert masks_on_thread(cpu, 1, 1) and not masks_on_thread(cpu, 1, 2)  # (two data groups on the host)
 
 
 def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):
