@@ -4,10 +4,10 @@ Each stage keeps a :class:`MemoryLedger`: the process's resident memory (RSS, /p
 right before the stage starts loading, the bytes of its weights as loaded, and the most bytes of KV
 cells it has held; at a file's close :meth:`MemoryLedger.breakdown` adds what the model's kernels
 hold beyond the loaded weights (prepacked or quantized copies), the tables and buffers that can be
-counted, and the process's peak RSS (VmHWM: :func:`tasks.status.peak_rss_bytes`). ``other`` is the peak minus every named part:
-what no tensor account sees (activations of the largest pass and the heap the process keeps after
-them (pipeline.runtime.host_memory), allocator slack, the tokenizer, the head's per-row state,
-temporary copies made while loading). Tensor bytes are counted per storage: a tied table (the
+counted, and the process's peak RSS (VmHWM: :func:`tasks.status.peak_rss_bytes`). ``other`` is the
+peak minus every named part: what no tensor account sees (activations of the largest pass and the
+heap the process keeps after them (pipeline.runtime.host_memory), allocator slack, the tokenizer, the
+head's per-row state, temporary copies made while loading). Tensor bytes are counted per storage: a tied table (the
 embedding and the head sharing one tensor) or two views of one buffer count once.
 
 On the CPU every part is host memory. On CUDA the weights, caches and buffers are device memory:
