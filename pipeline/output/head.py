@@ -124,7 +124,8 @@ class Head:
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
         if decode_rows:
             keep = [i for i, r in enumerate(decode_rows) if self._request_error(states[r].gid) is None]
-            finished += [r for i, r in enumerate(decode_rows) if i not in set(keep)]
+            kept = set(keep)
+            finished += [r for i, r in enumerate(decode_rows) if i not in kept]
             if keep:
                 hiddens.append(h_decode if len(keep) == len(decode_rows) else h_decode[keep])
                 targets += [[decode_rows[i]] for i in keep]

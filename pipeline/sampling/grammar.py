@@ -201,18 +201,20 @@ class MasksAhead:
 
     def take(self, matchers: list, tok_vocab: int) -> np.ndarray:
         """(len(matchers), words) int32: each matcher's next mask, the one started ahead (waiting for its
-        batch if still running) or else computed now (never started, or started but not flushed: a row
-        admitted in this very pass, whose mask nothing could have computed sooner)."""
-        out = np.empty((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)
+        batch if still running) or else computed now, straight into its row (never started, or started
+        but not flushed: a row admitted in this very pass, whose mask nothing could have computed sooner)."""
+        out = np.zeros((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)
+        base, stride = out.ctypes.data, out.shape[1] * 4
         for k, m in enumerate(matchers):
-            got = self._pending.pop(id(m), None)
-            try:
-                if got is None or got[1] is None:
-                    raise LookupError
-                got[1].future.result()  # done for every row of the batch after the first
-                out[k] = got[1].words[got[2]]
-            except Exception:  # not computed ahead, or the batch failed: alone, where an error reaches the row
-                out[k] = mask_words(m, tok_vocab)
+            got = self._pending.pop(id(m), None) if self._pending else None
+            if got is not None and got[1] is not None:
+                try:
+                    got[1].future.result()  # done for every row of the batch after the first
+                    out[k] = got[1].words[got[2]]
+                    continue
+                except Exception:  # the batch failed: this row alone, where an error reaches the row
+                    pass
+            m.unsafe_compute_mask_ptr(base + k * stride, stride)
         return out
 
     def forget(self, matcher) -> None:
@@ -233,7 +235,7 @@ def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
     ms = [matchers[i] for i in rows]
     if not ms:
         return torch.ones(len(matchers), vocab, dtype=torch.bool, device=device)
-    bm = ahead.take(ms, tok_vocab) if ahead is not None else np.stack([mask_words(m, tok_vocab) for m in ms])
+    bm = (ahead or MasksAhead(on_thread=False)).take(ms, tok_vocab)
     bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")  # (C, words * 32), little-endian words
     n = min(vocab, bits.shape[1])
     cons = np.zeros((len(rows), vocab), dtype=bool)
