@@ -153,7 +153,7 @@ def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
     head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
-                masks_on_thread(info.device, info.pipeline_size, info.local_world_size))
+                masks_on_thread(info.device, info.local_world_size))
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 

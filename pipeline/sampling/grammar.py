@@ -129,15 +129,16 @@ class _Batch:
         self.future: Future | None = None
 
 
-def masks_on_thread(device: torch.device, pipeline_size: int, ranks_here: int) -> bool:
+def masks_on_thread(device: torch.device, ranks_here: int) -> bool:
     """Whether a thread should compute masks ahead: only where a core would otherwise idle while it
-    works. On a GPU the host waits for the device; with P > 1 the last rank waits for the other stages.
-    At P = 1 on a CPU whose cores all run the layers (``ranks_here`` processes on this host, each with
-    torch's threads) the thread would contend with the forward pass's OpenMP workers, whose barriers
-    then wait for a descheduled worker (and so would llguidance's own executor threads): measured on
-    2 cores, masks on a thread cost the run 12-16% of its tokens/s, on the step about 5%. There they
-    are computed on the step, on the caller's thread, one matcher after another."""
-    if device.type != "cpu" or pipeline_size > 1:
+    works. On a GPU the host waits for the device. On a CPU, only where torch's threads, times the
+    ``ranks_here`` processes on this host, leave a core free: otherwise the thread contends with the
+    forward passes' OpenMP workers (whose barriers then wait for a descheduled worker) and with the
+    other stages' processes. Measured on 2 cores (bench/structured.py, 256 requests, tokens/s of the
+    mixed file over the free one): P = 1 0.86x with the thread, 0.91-0.95x on the step; P = 2 0.93x
+    and 1.09x; P = 3 0.89x and 0.97x. There masks are computed on the step, on the caller's thread,
+    one matcher after another."""
+    if device.type != "cpu":
         return True
     try:
         cores = len(os.sched_getaffinity(0))
@@ -152,8 +153,7 @@ class MasksAhead:
 
     A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
     as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
-    forward pass meanwhile: at P > 1 the other stages' work on this and other micro-batches, on a GPU
-    the device's. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
+    forward pass meanwhile: on a GPU the device's work, on a CPU the cores torch's threads leave free. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
     the thread as one batch, computed by llguidance's executor in a single native call with the GIL
     dropped (one hand-off per pass, not one per row: per-row jobs cost the sampling step more in
     thread wake-ups and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's

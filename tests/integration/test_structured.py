@@ -51,7 +51,8 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     cases = lines(slow=stages == 1)
     data = tmp_path / "structured.jsonl"
     data.write_text("".join(json.dumps(body) + "\n" for body, _ in cases))
-    # P = 1 on every core: no core is free for a mask thread, so masks are computed on the step
+    # P = 1 on every core: no core is free for a mask thread, so masks are computed on the step (and at
+    # P = 2, 3 on one thread each where the stages take every core; on more cores, on a thread)
     threads = len(os.sched_getaffinity(0)) if stages == 1 else 1
     args = ["--infer-data", str(data), "--output-path", str(tmp_path / "out.jsonl"), "--no-progress",
             "--num-threads", str(threads), "--grammar-timeout", "1"]
@@ -85,7 +86,8 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     s = summary["structured"]
     assert s["constrained_rows"] == rows and s["grammars_compiled"] >= 9 and s["mask_seconds"] > 0
-    assert s["masks_on_thread"] == (stages > 1) and (s["mask_ahead_seconds"] > 0) == (stages > 1)
+    ahead = threads * stages < len(os.sched_getaffinity(0))
+    assert s["masks_on_thread"] == ahead and (s["mask_ahead_seconds"] > 0) == ahead
 
 
 def test_constrained_rows_with_lora_adapters(make_llama, tmp_path):
@@ -109,3 +111,6 @@ def test_constrained_rows_with_lora_adapters(make_llama, tmp_path):
             check(kind, c["text"])
             stopped += 1
     assert stopped >= 3
+    # one thread on a host with more cores: masks computed ahead, on a thread
+    s = json.loads((tmp_path / "out.jsonl.summary.json").read_text())["structured"]
+    assert s["masks_on_thread"] == (len(os.sched_getaffinity(0)) > 1)
