@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="measured pairs of files, interleaved in one run")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
+    if a.repeats < 1 or a.requests < 2 or a.max_tokens < 1:
+        ap.error("--repeats and --max-tokens must be >= 1, --requests >= 2 (half of them constrained)")
     runs: dict[str, list[dict]] = {"mixed": [], "free": []}
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
@@ -158,7 +160,8 @@ def main() -> None:
                "mixed_tokens_per_s": round(tokens["mixed"] / wall["mixed"], 1),
                "free_tokens_per_s": round(tokens["free"] / wall["free"], 1), "completion_tokens": tokens,
                "wall_seconds": wall, "mask_seconds": round(masks, 4), "mask_ahead_seconds": round(ahead, 4),
-               "constrained_rows": first.get("constrained_rows", 0), "grammars_compiled": first.get("grammars_compiled", 0),
+               "constrained_rows": first.get("constrained_rows", 0),
+               "grammars_compiled": first.get("grammars_compiled", 0),
                "compile_seconds": first.get("compile_seconds", 0), "masks_on_thread": first.get("masks_on_thread")}
     print(f"CPU: {figures['cpu']}; {a.requests} requests (half constrained), max_tokens {a.max_tokens}, P = {a.nproc}, "
           f"{a.repeats} pairs of files in one run")

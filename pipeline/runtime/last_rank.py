@@ -45,6 +45,10 @@ class LastRank:
         assert isinstance(msg, Stop), msg
         return None
 
+    def idle(self) -> None:
+        """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
+        self.head.ahead.idle()
+
     def _open(self, msg: OpenFile) -> Opened:
         self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
                                self.info.data_size)

@@ -257,6 +257,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
             reply = last.handle(msg, x)
             if reply is not None:
                 link.send_first(reply)
+                last.idle()  # (while the other stages compute)
         if isinstance(msg, Stop):
             return output
 

@@ -126,7 +126,8 @@ class _Batch:
     def __init__(self, matchers: list, tok_vocab: int):
         self.matchers = matchers
         self.words = np.zeros((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)  # (n, words)
-        self.future: Future | None = None
+        self.future: Future | None = None  # on the thread
+        self.done = np.zeros(len(matchers), dtype=bool)  # computed by MasksAhead.idle, row by row
 
 
 def masks_on_thread(device: torch.device, ranks_here: int) -> bool:
@@ -134,10 +135,9 @@ def masks_on_thread(device: torch.device, ranks_here: int) -> bool:
     works. On a GPU the host waits for the device. On a CPU, only where torch's threads, times the
     ``ranks_here`` processes on this host, leave a core free: otherwise the thread contends with the
     forward passes' OpenMP workers (whose barriers then wait for a descheduled worker) and with the
-    other stages' processes. Measured on 2 cores (bench/structured.py, 256 requests, tokens/s of the
-    mixed file over the free one): P = 1 0.86x with the thread, 0.91-0.95x on the step; P = 2 0.93x
-    and 1.09x; P = 3 0.89x and 0.97x. There masks are computed on the step, on the caller's thread,
-    one matcher after another."""
+    other stages' processes (measured on 2 cores: docs/usage/structured-outputs.md, Cost). Where no
+    core is free, the last rank computes them on its own thread, one matcher after another: in its
+    idle time between passes at P > 1, at the step at P = 1 (:meth:`MasksAhead.idle`)."""
     if device.type != "cpu":
         return True
     try:
@@ -149,19 +149,21 @@ def masks_on_thread(device: torch.device, ranks_here: int) -> bool:
 
 class MasksAhead:
     """Next-token masks for the sampling step, computed on a thread while the stages compute
-    (structured outputs), or on the step where no core is free for a thread (:func:`masks_on_thread`).
+    (structured outputs), or where no core is free for a thread (:func:`masks_on_thread`) on the last
+    rank's own thread, in its idle time between passes (:meth:`idle`).
 
     A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
     as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
-    forward pass meanwhile: on a GPU the device's work, on a CPU the cores torch's threads leave free. :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to
-    the thread as one batch, computed by llguidance's executor in a single native call with the GIL
-    dropped (one hand-off per pass, not one per row: per-row jobs cost the sampling step more in
-    thread wake-ups and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's
-    masks, waiting for their batch if still running; those never started (a row admitted in this very
-    pass, or every row when ``on_thread`` is False) are computed then, on the caller's thread. A row
-    that finishes is :meth:`forget`-ten. Keyed by matcher object (a row's own copy), which each entry
-    holds, so a key is never reused while its computation is pending. ``tok_vocab``: the tokenizer's
-    vocabulary size (llguidance's mask width). The thread starts with the first batch."""
+    forward pass meanwhile: on a GPU the device's work, on a CPU the cores torch's threads leave free.
+    :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to the thread as one
+    batch, computed by llguidance's executor in a single native call with the GIL dropped (one
+    hand-off per pass, not one per row: per-row jobs cost the sampling step more in thread wake-ups
+    and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's masks, waiting
+    for their batch if still running; those never started (a row admitted in this very pass) are
+    computed then, on the caller's thread. A row that finishes is :meth:`forget`-ten. Keyed by matcher
+    object (a row's own copy), which each entry holds, so a key is never reused while its computation
+    is pending. ``tok_vocab``: the tokenizer's vocabulary size (llguidance's mask width). The thread
+    starts with the first batch."""
 
     def __init__(self, on_thread: bool = True):
         self.on_thread = on_thread
@@ -169,7 +171,8 @@ class MasksAhead:
         self._executor: llguidance.LLExecutor | None = None  # the thread's, built there with its first batch
         self._queued: dict[int, object] = {}  # started, not yet flushed (by id)
         self._pending: dict[int, tuple[object, _Batch | None, int]] = {}  # id -> (matcher, its batch, row)
-        self.ahead_seconds = 0.0  # computed on the thread (hidden behind the forward passes)
+        self._idle: list[_Batch] = []  # flushed, for :meth:`idle` (no thread)
+        self.ahead_seconds = 0.0  # computed ahead: on the thread, or in :meth:`idle`
 
     def _compute(self, batch: _Batch) -> None:
         t0 = time.perf_counter()
@@ -182,13 +185,12 @@ class MasksAhead:
     def start(self, matcher, tok_vocab: int) -> None:
         """Queue ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
         :meth:`take`, and calls :meth:`flush` once it has started a pass's rows."""
-        if (self.on_thread and matcher is not None and id(matcher) not in self._pending
-                and not matcher.is_stopped()):
+        if matcher is not None and id(matcher) not in self._pending and not matcher.is_stopped():
             self._pending[id(matcher)] = (matcher, None, 0)
             self._queued[id(matcher)] = matcher
 
     def flush(self, tok_vocab: int) -> None:
-        """Begin computing every queued mask, as one batch on the thread."""
+        """Begin computing every queued mask, as one batch on the thread (without one: at :meth:`idle`)."""
         # those neither taken nor forgotten since they were queued
         queued = [m for m in self._queued.values() if self._pending.get(id(m), (None, 0))[1] is None]
         self._queued = {}
@@ -197,23 +199,53 @@ class MasksAhead:
         batch = _Batch(queued, tok_vocab)
         for i, m in enumerate(queued):
             self._pending[id(m)] = (m, batch, i)
-        batch.future = self._pool.submit(self._compute, batch)
+        if self.on_thread:
+            batch.future = self._pool.submit(self._compute, batch)
+        else:
+            self._idle.append(batch)
+
+    def idle(self) -> None:
+        """Without a thread: compute the flushed masks now, on the caller's thread, which calls this
+        once its pass's answer has left and before it waits for its next input (at P > 1 the other
+        stages then compute; at P = 1 the next pass waits, as it would for masks on the step). A row
+        forgotten meanwhile is skipped; one whose mask raises is left to :meth:`take`."""
+        if self._idle:
+            t0 = time.perf_counter()
+            self._drain()
+            self.ahead_seconds += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        for batch in self._idle:
+            stride = batch.words.shape[1] * 4
+            for i, m in enumerate(batch.matchers):
+                if self._pending.get(id(m), (None, None))[1] is batch:
+                    try:
+                        m.unsafe_compute_mask_ptr(batch.words.ctypes.data + i * stride, stride)
+                        batch.done[i] = True
+                    except Exception:  # computed again at take(), where the error reaches the row
+                        pass
+        self._idle = []
 
     def take(self, matchers: list, tok_vocab: int) -> np.ndarray:
         """(len(matchers), words) int32: each matcher's next mask, the one started ahead (waiting for its
         batch if still running) or else computed now, straight into its row (never started, or started
         but not flushed: a row admitted in this very pass, whose mask nothing could have computed sooner)."""
+        self._drain()  # (without a thread: batches flushed since the last idle time, computed now)
         out = np.zeros((len(matchers), (tok_vocab + 31) // 32), dtype=np.int32)
         base, stride = out.ctypes.data, out.shape[1] * 4
         for k, m in enumerate(matchers):
             got = self._pending.pop(id(m), None) if self._pending else None
-            if got is not None and got[1] is not None:
+            batch = got[1] if got is not None else None
+            if batch is not None and batch.future is not None:
                 try:
-                    got[1].future.result()  # done for every row of the batch after the first
-                    out[k] = got[1].words[got[2]]
+                    batch.future.result()  # done for every row of the batch after the first
+                    out[k] = batch.words[got[2]]
                     continue
                 except Exception:  # the batch failed: this row alone, where an error reaches the row
                     pass
+            elif batch is not None and batch.done[got[2]]:
+                out[k] = batch.words[got[2]]
+                continue
             m.unsafe_compute_mask_ptr(base + k * stride, stride)
         return out
 

@@ -84,12 +84,12 @@ def masks_agree_then_step(ahead, live: list, rows: list, eos: set, width: int, v
     return stepped
 
 
-@pytest.mark.parametrize("on_thread", [True, False])
-def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, on_thread):
-    """Rows walking a JSON schema token by token: the mask a row's thread computed ahead (started when
-    it was fed, taken at its next step) is the one computed on the step, for every row and step;
-    a finished row's pending mask is forgotten and nothing leaks. With no thread (``on_thread``
-    False: a CPU whose cores all run the layers) every mask is computed at take, the same masks."""
+@pytest.mark.parametrize("mode", ["thread", "idle", "take"])
+def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, mode):
+    """Rows walking a JSON schema token by token: the mask computed ahead (started when the row was
+    fed, taken at its next step) is the one computed on the step, for every row and step; a finished
+    row's pending mask is forgotten and nothing leaks. Ahead on the thread; without one, in the last
+    rank's idle time after each pass (``idle``), or, where nothing called idle, at take (``take``)."""
     tok = local_tokenizer()
     vocab, eos = grammars.vocab_size, {tok.eos_token_id}
     spec = {"kind": "json", "value": {"type": "object", "properties": {"n": {"type": "integer"},
@@ -97,11 +97,13 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, on_thre
                                       "required": ["n", "s"]}}
     rng = random.Random(0)
     rows = [(grammars.matcher(spec), grammars.matcher(spec)) for _ in range(4)]  # (ahead, inline) twins
-    ahead, width = MasksAhead(on_thread), grammars.tok.vocab_size
+    ahead, width = MasksAhead(mode == "thread"), grammars.tok.vocab_size
     for m, _ in rows:
         ahead.start(m, width)
     ahead.flush(width)  # one batch, as the head sends a pass's rows
     for _ in range(40):
+        if mode == "idle":
+            ahead.idle()
         live = [(a, b) for a, b in rows if not b.is_stopped()]  # (a may be busy on the thread)
         if not live:
             break
@@ -110,7 +112,25 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, on_thre
         ahead.flush(width)
     for a, _ in rows:
         ahead.forget(a)
-    assert not ahead._pending and (ahead.ahead_seconds > 0) == on_thread
+    if mode != "take":
+        ahead.idle()
+        assert not ahead._idle
+    assert not ahead._pending and (ahead.ahead_seconds > 0) == (mode != "take")
+
+
+def test_idle_time_skips_forgotten_rows(grammars):
+    """Without a thread, a row that finished between its pass and the idle time is not computed."""
+    ahead, width = MasksAhead(on_thread=False), grammars.tok.vocab_size
+    kept, gone = grammars.matcher(CHOICE), grammars.matcher(CHOICE)
+    ahead.start(kept, width)
+    ahead.start(gone, width)
+    ahead.flush(width)
+    batch = ahead._idle[0]
+    ahead.forget(gone)
+    ahead.idle()
+    assert batch.done.tolist() == [True, False] and not ahead._idle
+    got = ahead.take([kept], width)
+    assert (got[0] == batch.words[0]).all() and got[0].any() and not ahead._pending
 
 
 def test_masks_go_on_a_thread_only_where_a_core_is_free(monkeypatch):
