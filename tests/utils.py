@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -189,9 +191,49 @@ def assert_hf_parity(model_dir: str, prompts: list[list[int]], stages: int, num_
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, outside the kernel's ephemeral range where there is room: the ports the
+    kernel hands out by itself (gloo's listeners and every outgoing connection of a P > 1 run) cannot
+    take it between this call and the moment a process binds it. A server that binds late (after
+    loading) is better started on port 0: see :func:`wait_served`."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in random.sample(range(10000, 32768), 64) if not low <= p <= high]
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room outside the range: a port the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 1024, 65535  # unknown: treat every port as one the kernel may hand out
+
+
+SERVING = re.compile(r"serving \S+ on (http://\S+?)/v1 ")
+
+
+def wait_served(proc: subprocess.Popen, log: Path, seconds: float, since: int = 0) -> str:
+    """The base URL (``http://HOST:PORT``) of a server started as ``proc`` with ``--serve 0`` (or
+    ``HOST:0``), once it has said which port the kernel gave it (the ``serving ... on`` line of ``log``
+    after byte ``since``: a log that restarts append to) and answers /health with 200. Port 0 because a
+    port picked before the start can be taken by the ports a P > 1 run opens before the server binds."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (found := SERVING.search(log.read_bytes()[since:].decode(errors="replace"))):
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, "server did not come up:\n" + log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+    wait_healthy(proc, found.group(1) + "/health", log, max(deadline - time.monotonic(), 1.0))
+    return found.group(1)
 
 
 def run_torchrun(args: list[str], nproc: int, timeout: float = 300, env: dict | None = None,

@@ -125,7 +125,7 @@ class RunOptions:
     user_msg_fmt: str | None = _opt(None, "--chat on a model without a chat template (or to bypass it): each user turn as this text with {} for the message, e.g. 'Question: {}\\nAnswer:'; the prompt is the system prompt followed by the turns.")
     assistant_msg_fmt: str | None = _opt(None, "--chat with --user-msg-fmt: each answer as this text with {} for it (default '{}\\n'); the text before {} starts the answer being generated.")
     # serve mode
-    serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1) instead of reading request files.", metavar="[HOST:]PORT")
+    serve: str | None = _opt(None, "Serve an OpenAI-compatible HTTP API on [HOST:]PORT (default host 127.0.0.1; port 0: a free one, named in the 'serving ... on' line) instead of reading request files.", metavar="[HOST:]PORT")
     served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
     api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY). Visible in ps: prefer --api-key-file or the environment variable.")
     serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import RUNNER, _env, free_port, wait_healthy
+from tests.utils import RUNNER, _env, free_port, wait_served
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect drives the shell through a pty (requirements-test.txt)")
 
@@ -130,17 +130,16 @@ def test_chat_p2_torchrun(tmp_path):
 
 
 def test_chat_client_of_serve(tmp_path):
-    port = free_port()
-    server = _serve(tmp_path, port, ["--api-key", KEY])
+    server, url = _serve(tmp_path, ["--api-key", KEY])
     try:
         with open(tmp_path / "chat.log", "w") as log:
-            conversation(spawn(["--chat", "--url", f"http://127.0.0.1:{port}", "--api-key", KEY, *BASE], log), "quit")
+            conversation(spawn(["--chat", "--url", url, "--api-key", KEY, *BASE], log), "quit")
         with open(tmp_path / "chat2.log", "w") as log:  # the server's chat template, and a wrong key
-            child = spawn(["--chat", "--url", f"http://127.0.0.1:{port}", "--api-key", "wrong"], log)
+            child = spawn(["--chat", "--url", url, "--api-key", "wrong"], log)
             child.expect(pexpect.EOF, timeout=120)
             child.close()
             assert child.exitstatus == 1 and "401" in child.before, child.before
-            child = spawn(["--chat", "--url", f"http://127.0.0.1:{port}", "--api-key", KEY, "--max-tokens", "3",
+            child = spawn(["--chat", "--url", url, "--api-key", KEY, "--max-tokens", "3",
                            "--temperature", "0"], log)
             child.expect_exact(PROMPT, timeout=120)
             command(child, "hello")
@@ -151,13 +150,13 @@ def test_chat_client_of_serve(tmp_path):
         _stop(server)
 
 
-def _serve(tmp_path: Path, port: int, extra: list[str]) -> subprocess.Popen:
+def _serve(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """A server of the default model on a port of its own; the process and its base URL."""
     log = tmp_path / "serve.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", str(port), "--num-threads", "1", *extra],
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", "0", "--num-threads", "1", *extra],
                                 stdout=f, stderr=f, start_new_session=True, env=_env({"DIST_INFER_LOG": "WARNING"}))
-    wait_healthy(proc, f"http://127.0.0.1:{port}/health", log, 300)
-    return proc
+    return proc, wait_served(proc, log, 300)
 
 
 def _stop(proc: subprocess.Popen) -> None:

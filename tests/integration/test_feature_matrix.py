@@ -18,7 +18,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils import (RUNNER, _env, _kill_group, free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess,
-                         run_torchrun, strip_volatile, write_jsonl)
+                         run_torchrun, strip_volatile, wait_served, write_jsonl)
 
 FACTORS: dict[str, tuple] = {  # the first value of each is what a refusal check leaves the others at
     "stages": (1, 2, 3),
@@ -328,8 +327,7 @@ def test_pairwise_runs_give_their_references_answers_and_show_each_feature(setup
 
 def serve_run(run: dict, setup: dict, tmp_path: Path) -> list[dict]:
     """The requests one after the other over HTTP to a server of the run's options; result lines."""
-    port = free_port()
-    args = [str(RUNNER), *flags(run, setup), "--serve", str(port), "--serve-dir", str(tmp_path / "state")]
+    args = [str(RUNNER), *flags(run, setup), "--serve", "0", "--serve-dir", str(tmp_path / "state")]
     if run["stages"] > 1:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(run["stages"]), "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port()), *args]
@@ -337,22 +335,11 @@ def serve_run(run: dict, setup: dict, tmp_path: Path) -> list[dict]:
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=f, env=_env(None), start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while not _get(f"http://127.0.0.1:{port}/health"):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-        return [{"request": r, "result": _post(f"http://127.0.0.1:{port}/v1/completions", r)}
+        url = wait_served(proc, log, 300)
+        return [{"request": r, "result": _post(f"{url}/v1/completions", r)}
                 for r in requests(run["lora"])]
     finally:
         _kill_group(proc)
-
-
-def _get(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
 
 
 def _post(url: str, body: dict) -> dict:

@@ -147,18 +147,16 @@ def test_serve_takes_a_hub_id(hub, folder_results, tmp_path):
     import json
     import urllib.request
 
-    from tests.utils import wait_healthy
+    from tests.utils import wait_served
 
-    port = free_port()
     log = tmp_path / "server.log"
     env = _env({"HF_ENDPOINT": hub.endpoint(), "HF_HUB_CACHE": str(tmp_path / "cache")})
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", REPO, "--serve", str(port),
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", REPO, "--serve", "0",
                                  "--lora", "sup=acme/sup-lora", "--serve-dir", str(tmp_path / "s"), "--budget", "256"],
                                 stdout=out, stderr=out, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url + "/health", log, 300)
+        url = wait_served(proc, log, 300)
         with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
             assert [m["id"] for m in json.loads(r.read())["data"]] == [REPO, "sup"]
         body = dict(PROMPTS[0], model=REPO)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, run_cmd, run_single
+from tests.utils import REPO, assert_identical_results, free_port, read_jsonl, SERVING, run_cmd, run_single
 
 LAUNCH = REPO / "launch"
 SCRIPTS = ["local_torchrun.sh", "legacy_per_rank.sh", "drain.sh", "slurm_pipeline.sbatch", "lsf_pipeline.bsub"]
@@ -514,10 +514,10 @@ def test_lsf_job_name_convention(stubs, shards, tmp_path):
 DEFAULT_MODEL = str(REPO / "examples" / "tiny-llama-default")
 
 
-def _launch_and_kill_launcher(cmd: list[str], env: dict, marker: str, log: Path, ready, port: int | None = None):
+def _launch_and_kill_launcher(cmd: list[str], env: dict, marker: str, log: Path, ready, serve: bool = False):
     """Start ``cmd`` (a launcher of 2 ranks, in a session of its own), wait until ``ready(log)``, SIGKILL
     the launcher alone, and check every rank (found by ``marker`` on its command line) is gone within a
-    bounded time, and ``port`` (serve mode) free again."""
+    bounded time, and (``serve``) the port the server announced free again."""
     with open(log, "w") as log_f:
         proc = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -535,9 +535,10 @@ def _launch_and_kill_launcher(cmd: list[str], env: dict, marker: str, log: Path,
             time.sleep(0.2)
         assert not any(p in alive(marker) for p in ranks), "ranks outlived their launcher by 60 s:\n" + \
             log.read_text()[-3000:]
-        if port is not None:
+        if serve:
             import socket
 
+            port = int(SERVING.search(log.read_text()).group(1).rpartition(":")[2])
             with socket.socket() as s:  # nobody holds the port any more
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", port))
@@ -576,13 +577,12 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path, launcher):
 def test_a_server_stops_when_torchrun_is_killed(tmp_path):
     """kill -9 of torchrun in serve mode: rank 0 stops answering and frees the port, every rank exits."""
     marker = f"orphan_serve_{os.getpid()}_{time.monotonic_ns()}"
-    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(REPO / "dist_inference_runner.py"), "--model-name", DEFAULT_MODEL,
-           "--serve", str(port), "--serve-dir", str(tmp_path / marker), "--num-threads", "1", "--no-progress"]
-    _launch_and_kill_launcher(cmd, env, marker, tmp_path / "log.txt", lambda text: "serving " in text, port)
+           "--serve", "0", "--serve-dir", str(tmp_path / marker), "--num-threads", "1", "--no-progress"]
+    _launch_and_kill_launcher(cmd, env, marker, tmp_path / "log.txt", lambda text: SERVING.search(text) is not None, serve=True)
 
 
 def test_launcher_watch_without_the_kernel_signal(tmp_path):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import pytest
-from tests.utils import RUNNER, _env, free_port, hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, write_jsonl
+from tests.utils import RUNNER, _env, hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, wait_served, write_jsonl
 from tests.unit.pipeline.models.test_lora import _edit_config, _http, llama, make_adapter  # noqa: F401 (fixtures and helpers)
 
 
@@ -77,21 +76,13 @@ def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):
 
 
 def test_serve_lists_and_runs_adapters(llama, tmp_path):
-    port = free_port()
     log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", llama["model"], "--serve", str(port),
+    proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", llama["model"], "--serve", "0",
                              "--served-model-name", "base", "--lora", f"a1={llama['a1']}", "--num-threads", "1",
                              "--serve-dir", str(tmp_path / "s")], stdout=log, stderr=log, env=_env(None),
                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if _http(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
+        url = wait_served(proc, tmp_path / "server.log", 300)
         assert [m["id"] for m in _http(url + "/v1/models")[1]["data"]] == ["base", "a1"]
         prompt = [5, 9, 13, 2, 7, 21]
         body = {"model": "a1", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}

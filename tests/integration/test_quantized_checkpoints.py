@@ -17,7 +17,7 @@ import pytest
 
 from tests import quant_checkpoints as qk
 from tests.unit.pipeline.models.test_lora import _http, make_adapter
-from tests.utils import RUNNER, _env, free_port, read_jsonl, run_inprocess, run_torchrun, wait_healthy, write_jsonl
+from tests.utils import RUNNER, _env, read_jsonl, run_inprocess, run_torchrun, wait_served, write_jsonl
 
 TOL = 1e-4
 SHARED = "the quick brown fox jumps over the lazy dog and runs far away into the woods, " * 2
@@ -109,14 +109,13 @@ def test_serve_mode_answers_from_a_gptq_checkpoint_as_file_mode_does(make_llama,
     q, _ = qk.gptq(base, tmp_path / "q", tmp_path / "ref", bits=4, group=32)
     data = _requests(tmp_path)
     want = _run(q, data, tmp_path / "q.jsonl", 1)
-    port, log = free_port(), tmp_path / "server.log"
+    log = tmp_path / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", q, "--serve", str(port),
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", q, "--serve", "0",
                                  "--num-threads", "1", "--serve-dir", str(tmp_path / "s")], stdout=out, stderr=out,
                                 env=_env(None), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url + "/health", log, 300)
+        url = wait_served(proc, log, 300)
         got = []
         for line in read_jsonl(data):
             status, r = _http(url + "/v1/completions", line)

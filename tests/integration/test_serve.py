@@ -16,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.utils import RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, wait_healthy, write_jsonl
+from tests.utils import (RUNNER, _env, assert_consistent_results, free_port, read_jsonl, run_single, wait_served,
+                         write_jsonl)
 
 try:  # the HTTP client the openai package (a declared test dependency) brings: httpx, or its fork httpx2
     import httpx
@@ -42,22 +43,23 @@ class Server:
 
     def __init__(self, model: str, nproc: int, serve_dir: Path, log: Path, extra: tuple[str, ...] = ()):
         self.model, self.nproc, self.serve_dir, self.log, self.extra = model, nproc, serve_dir, log, list(extra)
-        self.port, self.proc = free_port(), None
+        self.base, self.proc = None, None
 
     def start(self) -> None:
-        args = [str(RUNNER), "--model-name", self.model, "--serve", str(self.port), "--served-model-name", NAME,
+        args = [str(RUNNER), "--model-name", self.model, "--serve", "0", "--served-model-name", NAME,
                 "--serve-dir", str(self.serve_dir), "--api-key", KEY, "--max-pending", "40",
                 "--max-request-bytes", "200000", "--num-threads", "1", "--no-progress", *self.extra]
         if self.nproc > 1:
             args = ["-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc), "--master-addr", "127.0.0.1",
                     "--master-port", str(free_port()), *args]
+        since = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=log, env=_env(None),
                                          start_new_session=True)
-        wait_healthy(self.proc, self.url("/health"), self.log, 180)
+        self.base = wait_served(self.proc, self.log, 180, since)  # a port of its own at every start
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return self.base + path
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url("/v1"), api_key=KEY, max_retries=0, timeout=120, **kw)

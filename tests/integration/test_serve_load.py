@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import RUNNER, _env, free_port, wait_healthy
+from tests.utils import RUNNER, _env, wait_served
 
 try:  # the openai package's HTTP client (httpx, or its fork httpx2 in newer openai releases)
     import httpx
@@ -34,7 +34,7 @@ class Server:
 
     def __init__(self, folder: Path, args: list[str], nofile: int | None = None):
         self.folder, self.args, self.nofile = folder, args, nofile
-        self.port, self.log = free_port(), folder / "server.log"
+        self.port, self.log = None, folder / "server.log"
         self.proc = None
 
     def start(self) -> None:
@@ -42,12 +42,13 @@ class Server:
             if self.nofile:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
-        cmd = [sys.executable, str(RUNNER), "--serve", str(self.port), "--serve-dir", str(self.folder / "state"),
+        cmd = [sys.executable, str(RUNNER), "--serve", "0", "--serve-dir", str(self.folder / "state"),
                "--num-threads", "1", "--no-progress", *self.args]
+        since = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(None), preexec_fn=limit,
                                          start_new_session=True)
-        wait_healthy(self.proc, self.url("/health"), self.log, 240)
+        self.port = int(wait_served(self.proc, self.log, 240, since).rpartition(":")[2])
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

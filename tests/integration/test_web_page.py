@@ -4,7 +4,6 @@ it streams, with and without an API key (skipped when chromium is not installed)
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.browser import CHROMIUM, Browser
-from tests.utils import RUNNER, _env, free_port, wait_healthy
+from tests.utils import RUNNER, _env, free_port, wait_served
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install chromium to run the "
                                                          "chat page in a browser")
@@ -30,14 +29,13 @@ SHOT = os.environ.get("CHAT_PAGE_SCREENSHOT")  # set: the screenshot for the doc
 
 @pytest.fixture
 def server(tmp_path, request):
-    port, log = free_port(), tmp_path / "serve.log"
+    log = tmp_path / "serve.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", str(port), "--num-threads", "1",
+        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", "0", "--num-threads", "1",
                                  *request.param], stdout=f, stderr=f, start_new_session=True,
                                 env=_env({"DIST_INFER_LOG": "WARNING"}))
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}/health", log, 300)
-        yield f"http://127.0.0.1:{port}/"
+        yield wait_served(proc, log, 300) + "/"
     finally:
         proc.terminate()
         try:
