@@ -38,7 +38,6 @@ from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
 from serve.interactive import run_chat_client, run_interactive  # noqa: E402
-from serve.run import run_server  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
 from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
@@ -296,6 +295,7 @@ def execute(plan, opts) -> int:
             clean = True
             return code
         if opts.serve is not None:
+            from serve.run import run_server  # FastAPI and uvicorn: imported by servers only
 
             run_server(plan, opts, info, stage, first_rank)
             clean = True

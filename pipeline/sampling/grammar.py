@@ -26,7 +26,6 @@ import torch
 
 import llguidance
 import llguidance.gbnf_to_lark
-import llguidance.hf  # (not llguidance.torch: importing it runs torch.compile, seconds of start-up)
 
 # compact JSON: a model (above all a random one) would otherwise fill the output with whitespace
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -84,7 +83,11 @@ class Grammars:
             t0 = time.perf_counter()
             try:
                 if self.tok is None:  # (sentencepiece only) fails only the constrained requests, not the run
-                    self.tok = llguidance.hf.from_tokenizer(self._hf_tok)
+                    # imported here: it imports transformers (a second of every rank's start-up); and not
+                    # llguidance.torch, whose import runs torch.compile
+                    from llguidance.hf import from_tokenizer
+
+                    self.tok = from_tokenizer(self._hf_tok)
                 m = llguidance.LLMatcher(self.tok, grammar_text(spec), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
                 mask_words(m, self.tok.vocab_size)

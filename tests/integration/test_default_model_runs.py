@@ -19,6 +19,23 @@ def test_import_is_cheap() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_file_run_imports_no_server(tmp_path: Path) -> None:
+    """A rank's start-up is paid once per shard and rank in a drain loop: a file-mode run loads neither
+    FastAPI nor uvicorn (serve mode's: 0.6 s of start-up), nor llguidance's tokenizer bridge (on the
+    first grammar)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"prompt": "Hi", "max_tokens": 2}\n')
+    argv = ["dist_inference_runner.py", "--infer-data", str(data), "--output-path", str(tmp_path / "out.jsonl"),
+            "--no-progress", "--num-threads", "1"]
+    code = ("import atexit, runpy, sys; atexit.register(lambda: print('LOADED', sorted(m for m in "
+            "('fastapi', 'uvicorn', 'llguidance.hf') if m in sys.modules))); "
+            f"sys.argv = {argv!r}; runpy.run_path('dist_inference_runner.py', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LOADED []" in out.stdout, out.stdout
+    assert (tmp_path / "out.jsonl").read_text().count("\n") == 1
+
+
 def test_training_script_is_deterministic(tmp_path: Path) -> None:
     """A few steps twice: the same files (and the tokenizer it trains is the shipped one: checked
     inside, as is that the rows' attention targets exist)."""
