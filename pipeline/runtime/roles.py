@@ -34,6 +34,7 @@ from pipeline.runtime.first_rank import FirstRank
 from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
+from pipeline.config.cores import usable_cores
 from pipeline.sampling.grammar import Grammars, masks_on_thread
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
@@ -153,7 +154,7 @@ def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
     head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
-                masks_on_thread(info.device, info.local_world_size))
+                masks_on_thread(info.device, info.local_world_size, usable_cores()))
     return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
 
 

@@ -14,7 +14,6 @@ converter), regexes and JSON schemas as one grammar format, and bounds its own w
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -133,20 +132,17 @@ class _Batch:
         self.done = np.zeros(len(matchers), dtype=bool)  # computed by MasksAhead.idle, row by row
 
 
-def masks_on_thread(device: torch.device, ranks_here: int) -> bool:
+def masks_on_thread(device: torch.device, ranks_here: int, cores: int) -> bool:
     """Whether a thread should compute masks ahead: only where a core would otherwise idle while it
     works. On a GPU the host waits for the device. On a CPU, only where torch's threads, times the
-    ``ranks_here`` processes on this host, leave a core free: otherwise the thread contends with the
+    ``ranks_here`` processes on this host, leave one of the ``cores`` it may use free
+    (:func:`pipeline.config.cores.usable_cores`): otherwise the thread contends with the
     forward passes' OpenMP workers (whose barriers then wait for a descheduled worker) and with the
     other stages' processes (measured on 2 cores: docs/usage/structured-outputs.md, Cost). Where no
     core is free, the last rank computes them on its own thread, one matcher after another: in its
     idle time between passes at P > 1, at the step at P = 1 (:meth:`MasksAhead.idle`)."""
     if device.type != "cpu":
         return True
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
     return torch.get_num_threads() * max(1, ranks_here) < cores
 
 

@@ -7,11 +7,11 @@ lines are answered. The default model is close to random: valid outputs come fro
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from pipeline.config.cores import usable_cores
 from tests.structured_cases import LABEL, check, request_lines
 from tests.unit.pipeline.models.test_lora import make_adapter
 from tests.utils import read_jsonl, run_single, run_torchrun
@@ -53,7 +53,7 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     data.write_text("".join(json.dumps(body) + "\n" for body, _ in cases))
     # P = 1 on every core: no core is free for a mask thread, so masks are computed on the step (and at
     # P = 2, 3 on one thread each where the stages take every core; on more cores, on a thread)
-    threads = len(os.sched_getaffinity(0)) if stages == 1 else 1
+    threads = usable_cores() if stages == 1 else 1
     args = ["--infer-data", str(data), "--output-path", str(tmp_path / "out.jsonl"), "--no-progress",
             "--num-threads", str(threads), "--grammar-timeout", "1"]
     p = run_single(args, timeout=600) if stages == 1 else run_torchrun(args, stages, timeout=900)
@@ -86,7 +86,7 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     s = summary["structured"]
     assert s["constrained_rows"] == rows and s["grammars_compiled"] >= 9 and s["mask_seconds"] > 0
-    on_thread = threads * stages < len(os.sched_getaffinity(0))
+    on_thread = threads * stages < usable_cores()
     # ahead: on the thread, or (P > 1) in the last rank's idle time between passes
     assert s["masks_on_thread"] == on_thread and (s["mask_ahead_seconds"] > 0) == (on_thread or stages > 1)
 
@@ -114,4 +114,4 @@ def test_constrained_rows_with_lora_adapters(make_llama, tmp_path):
     assert stopped >= 3
     # one thread on a host with more cores: masks computed ahead, on a thread
     s = json.loads((tmp_path / "out.jsonl.summary.json").read_text())["structured"]
-    assert s["masks_on_thread"] == (len(os.sched_getaffinity(0)) > 1)
+    assert s["masks_on_thread"] == (usable_cores() > 1)

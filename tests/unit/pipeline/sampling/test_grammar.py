@@ -5,7 +5,6 @@ raw distribution."""
 import pytest
 import torch
 
-import os
 import random
 
 from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask, masks_on_thread, spec_key
@@ -137,15 +136,14 @@ def test_masks_go_on_a_thread_only_where_a_core_is_free(monkeypatch):
     """A thread computes masks ahead on a GPU, and on a CPU only when torch's threads (times the
     processes on the host: stages or data groups) leave a core free: otherwise it would contend with
     the layers."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     cpu = torch.device("cpu")
-    assert masks_on_thread(torch.device("cuda", 0), 1) and masks_on_thread(torch.device("cuda", 1), 8)
-    assert not masks_on_thread(cpu, 1)
+    assert masks_on_thread(torch.device("cuda", 0), 1, 4) and masks_on_thread(torch.device("cuda", 1), 8, 4)
+    assert not masks_on_thread(cpu, 1, 4) and masks_on_thread(cpu, 1, 5)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert masks_on_thread(cpu, 1) and not masks_on_thread(cpu, 2)
+    assert masks_on_thread(cpu, 1, 4) and not masks_on_thread(cpu, 2, 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert masks_on_thread(cpu, 3) and not masks_on_thread(cpu, 4)  # P = 4 on 4 cores: none free
+    assert masks_on_thread(cpu, 3, 4) and not masks_on_thread(cpu, 4, 4)  # P = 4 on 4 cores: none free
 
 
 def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):

@@ -1,0 +1,62 @@
+"""The CPU cores this process may use, which is not the machine's count: a Slurm or LSF job step, ``taskset``
+and ``numactl`` narrow the affinity mask (a job of 8 cores on a 128-core node), and a container's CPU quota
+(``docker --cpus``, a Kubernetes limit) caps the time its processes get whatever the mask says. The
+default ``--num-threads`` divides these among the host's ranks: counting the node's cores instead starts
+16 times too many OpenMP threads in that job, whose barriers then wait on descheduled workers.
+Imports nothing of the project."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cores(cgroup: Path = CGROUP, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """min(cores in this process's affinity mask, its cgroup's CPU quota rounded up), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup, proc_cgroup)
+    return max(1, min(cores, math.ceil(quota)) if quota is not None else cores)
+
+
+def cgroup_cpu_quota(cgroup: Path = CGROUP, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs' worth of time the process's cgroup may use (quota / period), or None where none is set or
+    none can be read. cgroup v2: ``cpu.max`` (``max 100000`` or ``200000 100000``); v1: ``cpu.cfs_quota_us``
+    (-1: none) over ``cpu.cfs_period_us``. Looked up at the process's own cgroup and at the root a
+    container sees; the smallest wins."""
+    found = []
+    for v2, v1 in _places(cgroup, proc_cgroup):
+        try:
+            if v2 is not None and (v2 / "cpu.max").is_file():
+                quota, period = (v2 / "cpu.max").read_text().split()[:2]
+                if quota != "max":
+                    found.append(int(quota) / int(period))
+            elif v1 is not None and (v1 / "cpu.cfs_quota_us").is_file():
+                quota = int((v1 / "cpu.cfs_quota_us").read_text())
+                if quota > 0:
+                    found.append(quota / int((v1 / "cpu.cfs_period_us").read_text()))
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+    return min(found) if found else None
+
+
+def _places(cgroup: Path, proc_cgroup: Path) -> list[tuple[Path | None, Path | None]]:
+    """(v2 folder, v1 cpu-controller folder) pairs to read: the process's own, then the mount's root."""
+    places = []
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":  # the v2 unified hierarchy
+                places.append((cgroup / rel, None))
+            elif "cpu" in controllers.split(","):
+                places.append((None, cgroup / controllers / rel))
+    except (OSError, ValueError):
+        pass
+    places.append((cgroup, cgroup / "cpu"))
+    return [p for i, p in enumerate(places) if p not in places[:i]]
