@@ -148,7 +148,9 @@ class ServeRank(FirstRank):
             if live is not None:  # a request whose computation failed gets its error, the others go on
                 if self.metrics is not None and line.get("error") is None:
                     self.metrics.answered(live.started, line["result"].get("usage"), live.first_at)
-                self.source.resolve(live, ("ok", line) if line.get("error") is None else ("error", 500, line["error"]))
+                err = line.get("error")  # the request's own (a grammar that could not go on): 400, else 500
+                status = 400 if err is not None and err.get("type") == "invalid_request_error" else 500
+                self.source.resolve(live, ("ok", line) if err is None else ("error", status, err))
         if self.metrics is not None:
             self._measure(msg)
         if self.batch is not None:

@@ -125,7 +125,10 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bo
 
 def _prompts(body: dict) -> list:
     if "prompt" not in body or body["prompt"] is None:
-        raise RequestError("'prompt' is required (a string, a list of strings, or token ids)", "prompt")
+        hint = ("; a body with 'messages' is a chat request: /v1/chat/completions (in a request file, a Batch API "
+                "line: {\"custom_id\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\"})"
+                if "messages" in body else "")
+        raise RequestError("'prompt' is required (a string, a list of strings, or token ids)" + hint, "prompt")
     p = body["prompt"]
     if isinstance(p, str):
         return [p]
@@ -339,6 +342,26 @@ def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
     except ValueError:
         after = False
     return f"unexpected {doc[e.pos]!r} {'after the JSON value ' if after else ''}at {where(e.pos)}"
+
+
+def as_json(value: object, where: str = "the request"):
+    """``value`` as a request file or an HTTP body can hold it (the Python API's requests are plain
+    objects): integers beyond orjson's 64-bit range become floats, as orjson reads them from a line;
+    tuples become lists; a dict's keys are strings (or integers: logit_bias). Anything else is that
+    request's RequestError, not a message the pipeline cannot encode at P > 1."""
+    if value is None or isinstance(value, (bool, str, float)):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else float(value)
+    if isinstance(value, (list, tuple)):
+        return [as_json(x, where) for x in value]
+    if isinstance(value, dict):
+        bad = next((k for k in value if not isinstance(k, (str, int)) or isinstance(k, bool)), None)
+        if bad is not None:
+            raise RequestError(f"{where} has a key {bad!r} ({type(bad).__name__}): JSON keys are strings", None)
+        return {k: as_json(v, where) for k, v in value.items()}
+    raise RequestError(f"{where} holds a {type(value).__name__}, which JSON cannot carry: use strings, numbers, "
+                       "booleans, None, lists and dicts", None)
 
 
 def parse_line(line: bytes, index: int) -> Request:

@@ -59,7 +59,7 @@ TEMPLATES = {"mistral-instruct": MISTRAL_INSTRUCT, "llama-2-chat": LLAMA2_CHAT, 
 # every field a request may carry, and what the error's "param" may name
 FIELDS = ("prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "best_of", "logprobs", "top_logprobs", "echo", "stop", "seed", "presence_penalty", "frequency_penalty",
-          "logit_bias", "model", "body", "url")
+          "logit_bias", "model", "body", "url", "response_format", "structured_outputs")
 
 EDGE_INTS = [0, 1, 2, -1, -2, 7, 20, 21, 128, 129, 1023, 1024, 2048, 2**31 - 1, 2**31, 2**53, 2**63 - 1, 2**63,
              2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**20, -(10**20)]
@@ -112,6 +112,63 @@ def messages(nonfinite: bool = False) -> st.SearchStrategy:
     return st.lists(message, max_size=5) | any_json(nonfinite)
 
 
+def schemas(depth: int = 2) -> st.SearchStrategy:
+    """A JSON schema of the kinds structured outputs compile: typed scalars with bounds, enums, patterns,
+    formats, arrays with bounds, objects with required and optional fields, anyOf, $defs and $ref."""
+    scalar = st.one_of(
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 100)),
+        st.fixed_dictionaries({"type": st.just("number")}, optional={"minimum": st.integers(-5, 0),
+                                                                   "maximum": st.integers(1, 9)}),
+        st.just({"type": "boolean"}), st.just({"type": "null"}),
+        st.fixed_dictionaries({"type": st.just("string")}, optional={"maxLength": st.integers(1, 6),
+                                                                   "minLength": st.integers(0, 1)}),
+        st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^[a-c]{1,3}$", "^[0-9]+$", "^x?y$"])),
+        st.builds(lambda f: {"type": "string", "format": f}, st.sampled_from(["date", "email", "uuid", "date-time"])),
+        st.builds(lambda v: {"enum": v}, st.lists(st.sampled_from(["a", "b c", 1, 2.5, True, None, "ü"]), min_size=1,
+                                                  max_size=3, unique_by=repr)),
+    )
+    if depth == 0:
+        return scalar
+    inner = schemas(depth - 1)
+    names = st.sampled_from(["a", "b", "name", "x y", "ü"])
+    obj = st.builds(lambda props, req, extra: {"type": "object", "properties": props, "additionalProperties": extra,
+                                               "required": [k for k in props if k in req]},
+                    st.dictionaries(names, inner, min_size=1, max_size=3), st.sets(names), st.booleans())
+    arr = st.builds(lambda items, lo, more: {"type": "array", "items": items, "minItems": lo, "maxItems": lo + more},
+                    inner, st.integers(0, 2), st.integers(0, 2))
+    ref = st.builds(lambda s: {"$defs": {"d": s}, "type": "object", "properties": {"r": {"$ref": "#/$defs/d"}},
+                               "required": ["r"], "additionalProperties": False}, inner)
+    return scalar | obj | arr | ref | st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=2, max_size=2))
+
+
+def constraints() -> st.SearchStrategy:
+    """A valid structured-output constraint as a request carries it: (the body's fields, its kind and value)."""
+    json_schema = st.builds(lambda s, strict: ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "out", "schema": s, "strict": strict}}}, "json", s), schemas(), st.booleans())
+    json_object = st.just(({"response_format": {"type": "json_object"}}, "json", {"type": "object"}))
+    regex = st.sampled_from([r"[a-c]{1,4}", r"\d{1,3}(\.\d)?", r"(yes|no) [0-9]", r"[^\n]{0,5}!", "é+x"]).map(
+        lambda r: ({"structured_outputs": {"regex": r}}, "regex", r))
+    choice = st.lists(TEXT.filter(bool), min_size=1, max_size=4).map(
+        lambda c: ({"structured_outputs": {"choice": c}}, "choice", c))
+    return json_schema | json_object | regex | choice
+
+
+def structured_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
+    """``response_format`` and ``structured_outputs``: valid constraints, near misses and anything."""
+    anything = any_json(nonfinite)
+    near = st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", "text", "jsonx", ""])},
+                                 optional={"json_schema": st.fixed_dictionaries(
+                                     {"schema": schemas(1) | anything}, optional={"name": TEXT, "strict": anything})
+                                     | anything})
+    keys = st.sampled_from(["regex", "choice", "grammar", "json", "nope"])
+    odd = st.dictionaries(keys, anything | TEXT | schemas(1), min_size=0, max_size=2)
+    grammar = st.sampled_from(['start: "yes" | "no"', 'root ::= "a" | "b"', "start: ", "::=", "start: /[/"])
+    valid = constraints().map(lambda c: next(iter(c[0].values())))
+    return {"response_format": valid | near | anything,
+            "structured_outputs": valid | odd | st.fixed_dictionaries({"grammar": grammar | TEXT}) | anything}
+
+
 def field_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
     """Each sampling field: mostly plausible values, sometimes anything."""
     anything = any_json(nonfinite)
@@ -134,6 +191,7 @@ def field_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
         "logit_bias": logit_bias(nonfinite),
         "model": st.sampled_from([None, "tiny", "nope"]) | anything,
         "stream": st.just(False),
+        **structured_values(nonfinite),
     }
 
 

@@ -28,6 +28,10 @@ LABEL = {"type": "object", "additionalProperties": False, "required": ["label"],
                         "confidence": {"type": "number", "minimum": 0, "maximum": 1}}}
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
 EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"
+# a schema without a finite instance (r holds an object that must hold r ...): llguidance compiles it, then
+# its parser runs out of items at the first token: the request's error, naming its field
+ENDLESS = {"$defs": {"d": {"type": "object", "properties": {"r": {"$ref": "#/$defs/d"}}, "required": ["r"]}},
+           "type": "object", "properties": {"r": {"$ref": "#/$defs/d"}}, "required": ["r"], "additionalProperties": False}
 CHOICES = ["yes", "no", "maybe"]
 LARK = 'start: expr\nexpr: NUM | "(" expr OP expr ")"\nOP: "+" | "*"\nNUM: /[0-9]{1,2}/\n'
 GBNF = 'root ::= "[" item ("," item){0,2} "]"\nitem ::= [a-c]{1,3}\n'

@@ -36,7 +36,7 @@ from pipeline.runtime.roles import load_stage, run_budget, serve_rank
 from serve.intake import rows_of
 from serve.source import Live
 from tasks.progress import Progress
-from tasks.requests import RequestError, parse_body, parse_request
+from tasks.requests import RequestError, as_json, parse_body, parse_request
 
 log = logging.getLogger("api")
 
@@ -345,7 +345,9 @@ def _is_pair(x) -> bool:
 
 def _request(i: int, item, params, chat: bool):
     """A tasks.requests.Request from a prompt and its parameters (the request dict's own fields win)."""
-    fields = {"return_token_ids": True, **fields_of(params, chat or (isinstance(item, dict) and "messages" in item))}
+    item = as_json(item)  # as a line or a body holds it: what the stages are sent must encode at P > 1
+    chatty = chat or (isinstance(item, dict) and "messages" in item)
+    fields = as_json({"return_token_ids": True, **fields_of(params, chatty)})
     if chat:
         return parse_body({**fields, "messages": item}, True, i)
     if isinstance(item, dict):

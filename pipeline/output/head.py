@@ -101,9 +101,8 @@ class Head:
     def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
         """A request whose computation raised is answered with an error (its rows finish at their
         next pass); the rest of the micro-batch, the run and the server go on."""
-        if req is not None and req.error is None:
-            req.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
-                                    "the other requests were answered", "type": "server_error", "param": None}
+        if req is not None:
+            req.failed(doing, e)
 
     def _request_of(self, gid: int) -> RequestState | None:
         g = self.groups.get(gid)
@@ -217,7 +216,7 @@ class Head:
             finished.append(r)
             return
         if st.matcher is not None and not st.matcher.consume_token(tok):  # the mask allowed it: never expected
-            raise GrammarError(f"the grammar refused token {tok}: {st.matcher.get_error()[:200]}")
+            raise GrammarError(f"it refused token {tok} ({(st.matcher.get_error() or '?').splitlines()[0][:200]})")
         cand.ids.append(tok)
         cand.logprobs.append(tok_lp)
         if cand.top is not None:

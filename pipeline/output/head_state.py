@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tasks.requests import Params
 from pipeline.output.results import Candidate, IncrementalText
+from pipeline.sampling.grammar import GrammarError
 
 from pipeline.runtime.messages import Admission
 
@@ -54,3 +55,17 @@ class RequestState:
     notes: list[str] = field(default_factory=list)
     model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
     error: dict | None = None  # a row of it failed: the request is answered with this error
+
+    def failed(self, doing: str, e: Exception) -> None:
+        """Answer the request with an error: a grammar that cannot go on is the request's own (a schema
+        without a finite instance exhausts the parser's limits), anything else the runner's."""
+        if self.error is not None:
+            return
+        if isinstance(e, GrammarError):
+            body = self.raw.get("body", self.raw) if isinstance(self.raw, dict) else None
+            field = "response_format" if isinstance(body, dict) and "response_format" in body else "structured_outputs"
+            self.error = {"message": f"the request's grammar could not go on while {doing}: {e}; the other "
+                                     "requests were answered", "type": "invalid_request_error", "param": field}
+            return
+        self.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
+                                 "the other requests were answered", "type": "server_error", "param": None}

@@ -124,8 +124,9 @@ class LastRank:
         for index, line in self.head.take_results():
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
-            if failed:
-                self.file.kinds["computation"] = self.file.kinds.get("computation", 0) + 1
+            if failed:  # the request's own field (a grammar that could not go on), else the computation
+                kind = line["error"].get("param") or "computation"
+                self.file.kinds[kind] = self.file.kinds.get(kind, 0) + 1
             written += 1
         PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:

@@ -35,6 +35,9 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     if ids and isinstance(ids[0], list):  # a batch of one
         ids = ids[0]
+    if not ids:  # e.g. Llama 2's template renders a lone system message as nothing
+        raise RequestError("the model's chat template renders these messages as an empty prompt; send a user "
+                           "message", "messages", reason="chat_template")
     return [int(t) for t in ids]
 
 

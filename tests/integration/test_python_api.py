@@ -182,6 +182,14 @@ def test_bad_request_in_the_middle(llm):
         llm.generate(["Hello", {"prompt": "x", "temperature": 5}], good, raise_errors=True)
     assert e.value.index == 1
     assert llm.generate("Hello", good)[0].text == alone[0].text  # the engine goes on
+    # what a line or an HTTP body cannot hold: an integer beyond 64 bits (a float, as orjson reads a
+    # line), an object, a tuple key; the stages are sent every request's fields at P > 1
+    odd = llm.generate([{"prompt": "Hello", "user": 2**64}, {"prompt": "x", "meta": object()},
+                        {"prompt": "x", "meta": {(1, 2): 3}}, {"prompt": "x", "n": 2**70}, "The dog"], good)
+    assert [r.ok for r in odd] == [True, False, False, False, True]
+    assert odd[0].text == alone[0].text and odd[4].text == alone[1].text
+    assert odd[1].error["param"] is None and "object" in odd[1].error["message"]
+    assert odd[3].error["param"] == "n"
 
 
 def test_generate_file_is_file_mode(llm, file_mode, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pipeline.loading.default_model import default_model_dir
-from tests.structured_cases import LABEL, check, request_lines
+from tests.structured_cases import ENDLESS, LABEL, check, request_lines
 from tests.integration.test_serve import NAME, Server, batch_bodies, wait_batch
 
 
@@ -62,6 +62,11 @@ def test_response_format_parse_and_stream(server):
     with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
         client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    with pytest.raises(openai.BadRequestError, match="could not go on") as e:  # compiles, then cannot go on
+        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "endless", "schema": ENDLESS}})
+    assert e.value.body["param"] == "response_format"
+    assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2).choices  # the server goes on
 
 
 def test_batch_api_file(server):

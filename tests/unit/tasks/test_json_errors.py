@@ -40,3 +40,27 @@ def test_a_bad_line_gets_the_runners_message():
         parse_line(b'{"prompt": "x", "max_tokens": 3,}\n', 4)
     assert str(e.value) == "the line is not valid JSON: unexpected ',' at column 32"
     assert e.value.param is None and e.value.raw == '{"prompt": "x", "max_tokens": 3,}'
+
+
+def test_a_plain_chat_line_is_told_where_chat_requests_go():
+    """A plain line is a completions request: one with ``messages`` hears that chat requests are Batch API
+    lines (or /v1/chat/completions), not only that a prompt is missing."""
+    with pytest.raises(RequestError) as e:
+        parse_line(b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n', 0)
+    assert e.value.param == "prompt" and '"url": "/v1/chat/completions"' in str(e.value)
+    with pytest.raises(RequestError) as e:
+        parse_line(b'{"max_tokens": 3}\n', 0)
+    assert "chat" not in str(e.value)
+
+
+def test_python_objects_become_what_a_line_holds():
+    """The Python API's requests as a line holds them: big integers as orjson reads them, tuples as lists;
+    what JSON cannot carry is that request's error."""
+    from tasks.requests import as_json
+
+    assert as_json({"a": (1, [2**64, 2**64 - 1, -(2**63), -(2**63) - 1]), 5: None, "b": float("nan")})["a"] == \
+        [1, [float(2**64), 2**64 - 1, -(2**63), float(-(2**63) - 1)]]
+    assert as_json({5: True}) == {5: True}  # logit_bias may have integer keys
+    for bad in ({"x": object()}, {(1, 2): 3}, {True: 1}, [b"bytes"], {"s": {1, 2}}):
+        with pytest.raises(RequestError):
+            as_json(bad)
