@@ -63,9 +63,9 @@ class RequestState:
             return
         if isinstance(e, GrammarError):
             body = self.raw.get("body", self.raw) if isinstance(self.raw, dict) else None
-            field = "response_format" if isinstance(body, dict) and "response_format" in body else "structured_outputs"
+            param = "response_format" if isinstance(body, dict) and "response_format" in body else "structured_outputs"
             self.error = {"message": f"the request's grammar could not go on while {doing}: {e}; the other "
-                                     "requests were answered", "type": "invalid_request_error", "param": field}
+                                     "requests were answered", "type": "invalid_request_error", "param": param}
             return
         self.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
                                  "the other requests were answered", "type": "server_error", "param": None}

@@ -82,7 +82,7 @@ class Grammars:
             t0 = time.perf_counter()
             try:
                 if self.tok is None:  # (sentencepiece only) fails only the constrained requests, not the run
-                    # imported here: it imports transformers (a second of every rank's start-up); and not
+                    # imported on the first grammar, not at every rank's start-up; and not
                     # llguidance.torch, whose import runs torch.compile
                     from llguidance.hf import from_tokenizer
 
