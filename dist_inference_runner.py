@@ -36,7 +36,7 @@ from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
 from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
-from pipeline.runtime.roles import first_rank, load_stage, run_budget, serve_rank  # noqa: E402
+from pipeline.runtime.roles import first_rank, load_stage, load_tokenizer, run_budget, serve_rank  # noqa: E402
 from serve.interactive import run_chat_client, run_interactive  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
 from serve.state_dir import serve_dir_problem  # noqa: E402
@@ -277,6 +277,12 @@ def execute(plan, opts) -> int:
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
     try:
         start_metrics(opts, status)
+        # what this rank uses later, loaded before its stage's memory account starts: the libraries count in
+        # its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server)
+        if info.is_first or info.is_last:
+            load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
+        if opts.serve is not None and info.is_first:
+            import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
         stage = load_stage(plan, opts, info)
         LOAD.tick()
         opts.budget = run_budget(opts, info, stage, plan)

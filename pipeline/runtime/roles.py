@@ -7,6 +7,7 @@ with :func:`first_rank` as file mode does.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -193,8 +194,11 @@ def serve_rank(plan, opts, info, stage, status=None) -> str | None:
     return last_output
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str, trust_remote_code: bool):
-    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading.tokenizer)."""
+    """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading.tokenizer).
+    Kept per folder: the runner loads it before the stage (its memory then counts in the stage's
+    ``process``), the roles take the same object."""
 
     try:
         return load(model_dir, trust_remote_code)
