@@ -280,7 +280,10 @@ def execute(plan, opts) -> int:
         # what this rank uses later, loaded before its stage's memory account starts: the libraries count in
         # its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server)
         if info.is_first or info.is_last:
-            load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
+            try:
+                load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
+            except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
+                pass
         if opts.serve is not None and info.is_first:
             import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
         stage = load_stage(plan, opts, info)
