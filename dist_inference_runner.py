@@ -251,23 +251,31 @@ def run(opts) -> int:
     return 0 if plan.nothing_to_do else execute(plan, opts)
 
 
+def load_ahead(plan, opts, info) -> None:
+    """What this rank uses later, loaded before its stage's memory account starts: the libraries count in
+    its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server's)."""
+    if info.is_first or info.is_last:
+        try:
+            load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
+        except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
+            pass
+    if opts.serve is not None and info.is_first:
+        import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
+
+
 def execute(plan, opts) -> int:
     """Start distributed, load this stage, play this rank's role; returns the exit code."""
     import torch
-
-
 
     set_rank(plan.rank)
     inputs, dummy = list(plan.inputs), None
     talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
     workload = DummyWorkload(opts.batch_size, opts.input_seq_length, opts.generate_seq_length)
     if plan.stage == 0 and not inputs and opts.serve is None and not talking:
-
         dummy = write_dummy_requests(workload)
         inputs = [dummy]
     torch.set_num_threads(plan.threads)
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
-
         keep_freed_memory()
     try:
         info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
@@ -277,15 +285,7 @@ def execute(plan, opts) -> int:
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
     try:
         start_metrics(opts, status)
-        # what this rank uses later, loaded before its stage's memory account starts: the libraries count in
-        # its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server)
-        if info.is_first or info.is_last:
-            try:
-                load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
-            except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
-                pass
-        if opts.serve is not None and info.is_first:
-            import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
+        load_ahead(plan, opts, info)
         stage = load_stage(plan, opts, info)
         LOAD.tick()
         opts.budget = run_budget(opts, info, stage, plan)
