@@ -15,6 +15,7 @@ import os
 
 START_PPID = os.getppid()  # the launcher, read first thing: a rank must not outlive it (comm.lifeline)
 
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -34,6 +35,7 @@ from pipeline.config.options import UsageError, parse_options, quiet_exit_grace 
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
 from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
+from pipeline.runtime.in_process import plan_env, rank_of_thread, rank_options, run_in_process  # noqa: E402
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, load_tokenizer, run_budget, serve_rank  # noqa: E402
@@ -57,10 +59,27 @@ def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) ->
     return resolve(name, cfg, device, model_dir)
 
 
+class _RankPrefix(logging.Filter):
+    """Each log line's rank: the process's, or with ``--in-process`` the rank whose thread logs it."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = rank_of_thread(self.rank)
+        return True
+
+
 def setup_logging(rank: int) -> None:
     level = os.environ.get("DIST_INFER_LOG", "INFO").upper()
+    root = logging.getLogger()
+    fresh = not root.handlers
     logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format="[rank %(rank)s] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if fresh:
+        for handler in root.handlers:
+            handler.addFilter(_RankPrefix(rank))
 
 
 def main(argv: list[str] | None = None, signals: bool = True) -> int:
@@ -89,7 +108,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         watch_launcher()
 
     try:
-        plan = make_plan(opts)
+        launch, opts, plan = plan_run(opts)
         check_serve_dir(opts)
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
                       file=sys.stderr)
         return 0
     try:
-        return execute(plan, opts)
+        return start(launch, opts, plan)
     except UsageError as e:
         return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
@@ -119,7 +138,18 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         else:
             log.exception("rank %d failed: %s", rank, e)
         log.error("rank %d: finished results are journaled; rerun the same command to resume", rank)
+        if not signals:  # an in-process caller: its process goes on
+            return 1
         _hard_exit(1)
+
+
+def in_process_options(opts):
+    """Rank 0's options of an ``--in-process`` run (UsageError when the process is one rank of a launch)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--in-process runs every rank in one process, but this process is one rank of a launch "
+                         "(torchrun): drop --in-process, or start it with plain python")
+    pipeline = opts.pipeline_group_size or 1
+    return rank_options(dataclasses.replace(opts, pipeline_group_size=pipeline), 0, pipeline * opts.data_group_size)
 
 
 def check_serve_dir(opts) -> None:
@@ -241,14 +271,30 @@ def watch_launcher() -> None:
 
 
 def run(opts) -> int:
-    """Plan (every flag checked, nothing loaded), then execute on this rank (in-process use, tests)."""
-
-    plan = make_plan(opts)
+    """Plan (every flag checked, nothing loaded), then execute on this rank, or with ``--in-process`` every
+    rank (in-process use, tests: errors are raised, signals left to the caller)."""
+    launch, opts, plan = plan_run(opts)
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.layout_note:
         log.info("%s", plan.layout_note)
-    return 0 if plan.nothing_to_do else execute(plan, opts)
+    return 0 if plan.nothing_to_do else start(launch, opts, plan)
+
+
+def plan_run(opts):
+    """(the run's options, this rank's options, this rank's plan). With ``--in-process`` this is rank 0,
+    planned apart from any launcher's environment."""
+    if not opts.in_process:
+        return opts, opts, make_plan(opts)
+    rank0 = in_process_options(opts)
+    return opts, rank0, make_plan(rank0, plan_env())
+
+
+def start(launch, opts, plan) -> int:
+    """This rank's start-up and role; with ``--in-process`` every rank's, on threads of this process."""
+    if launch.in_process:
+        return run_in_process(launch, plan, execute, make_plan)
+    return execute(plan, opts)
 
 
 def load_ahead(plan, opts, info) -> None:
@@ -263,8 +309,9 @@ def load_ahead(plan, opts, info) -> None:
         import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
 
 
-def execute(plan, opts) -> int:
-    """Start distributed, load this stage, play this rank's role; returns the exit code."""
+def execute(plan, opts, info=None) -> int:
+    """Start distributed (``info``: this rank's place when the ranks run in this process), load this
+    stage, play this rank's role; returns the exit code."""
     import torch
 
     set_rank(plan.rank)
@@ -278,8 +325,8 @@ def execute(plan, opts) -> int:
     if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
         keep_freed_memory()
     try:
-        info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                                opts.dist_url, opts.cuda_id, opts.timeout)
+        info = info or init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
+                                        opts.dist_url, opts.cuda_id, opts.timeout)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)

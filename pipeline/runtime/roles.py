@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
 from pipeline.models.kernels import fp8, weight_only
 from pipeline.config.budget import resolve_budget
+from comm.local import LocalMessenger
 from comm.p2p import Messenger
 from pipeline.runtime.link import Link
 from pipeline.output.head import Head
@@ -80,6 +82,7 @@ def load_stage(plan, opts, info):
         trace = Trace(info.rank)
     stage = Stage(model, info.device, trace, prefix_block(plan, opts))
     stage.index = info.stage
+    stage.fault.set_rank(info.rank)
     del store  # the loader's handles (open shards) go before the loaded stage's RSS is read
     ledger.ready()
     stage.ledger = ledger
@@ -143,8 +146,13 @@ def run_budget(opts, info, stage, plan=None) -> int:
 
 
 def make_link(info, stage):
-
-    return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace)) if info.pipeline_size > 1 else None
+    """This rank's links to its neighbours (None: a pipeline of one stage): over the process group, or
+    in memory when every rank runs in this process (comm.local)."""
+    if info.pipeline_size == 1:
+        return None
+    if info.local is not None:
+        return Link(info, LocalMessenger(info.rank, info.device, info.local, stage.trace))
+    return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace))
 
 
 def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
@@ -194,12 +202,16 @@ def serve_rank(plan, opts, info, stage, status=None) -> str | None:
     return last_output
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str, trust_remote_code: bool):
     """AutoTokenizer, or sentencepiece directly for tokenizer.model-only folders (see pipeline.loading.tokenizer).
-    Kept per folder: the runner loads it before the stage (its memory then counts in the stage's
-    ``process``), the roles take the same object."""
+    Kept per folder and thread: the runner loads it before the stage (its memory then counts in the
+    stage's ``process``), the roles take the same object; ranks that run as threads of one process
+    (``--in-process``) each have their own, since a fast tokenizer must not be used by two threads at once."""
+    return _tokenizer(model_dir, trust_remote_code, threading.get_ident())
 
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer(model_dir: str, trust_remote_code: bool, thread: int):
     try:
         return load(model_dir, trust_remote_code)
     except CheckpointError as e:
