@@ -1,13 +1,15 @@
 """Calls between the project's modules per generated token: how much of the per-token work is glue.
 
-    python bench/calls.py                    # P = 1 and P = 2 (in process), the default model
-    python bench/calls.py --stages 2 --top 15 --requests 32 --max-tokens 64
+    python bench/calls.py                    # P = 1 and P = 2 (in process), the default model, one request
+    python bench/calls.py --stages 2 --top 15 --functions --requests 32 --max-tokens 64
 
 Runs a file-mode job in this process (``--in-process``: every rank a thread, so a P > 1 run's calls
 are all counted, as the sum over its processes) under ``sys.setprofile``, counting each Python call
 whose caller and callee are functions of two different modules of the project (pipeline/, comm/,
 tasks/, serve/, the entry script; model code, pipeline/models, excluded: a layer calling its
-kernels is compute, not glue). Prints calls per generated token and the busiest module pairs.
+kernels is compute, not glue). Prints calls per generated token and the busiest module pairs (or
+functions). The default workload is one greedy request of 64 tokens: one pass per token, so the figure
+is the glue of a pass; more requests share a pass and divide it.
 Counts do not depend on the machine's speed, only on the code and the workload (greedy requests:
 the same tokens every run), so they can be compared across commits.
 """
@@ -45,6 +47,7 @@ def module_of(filename: str) -> str | None:
 class Counter:
     def __init__(self):
         self.pairs: collections.Counter = collections.Counter()
+        self.functions: collections.Counter = collections.Counter()  # (caller module, callee module:function)
         self._modules: dict[str, str | None] = {}
         self._lock = threading.Lock()
 
@@ -66,6 +69,7 @@ class Counter:
             return
         with self._lock:
             self.pairs[(origin, callee)] += 1
+            self.functions[(origin, f"{callee}:{frame.f_code.co_name}")] += 1
 
     @property
     def total(self) -> int:
@@ -108,9 +112,10 @@ def measure(stages: int, requests: int, max_tokens: int) -> tuple[Counter, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=10, help="module pairs listed")
+    ap.add_argument("--functions", action="store_true", help="list the called functions instead of module pairs")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     import logging
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"P{p}"] = {"calls": counter.total, "generated_tokens": generated, "calls_per_token": round(per_token, 1)}
         print(f"P = {p}: {counter.total} calls between project modules, {generated} generated tokens: "
               f"{per_token:.1f} calls per generated token")
-        for (a, b), n in counter.pairs.most_common(args.top):
+        for (a, b), n in (counter.functions if args.functions else counter.pairs).most_common(args.top):
             print(f"    {n / max(1, generated):7.1f}  {a} -> {b}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -128,7 +128,8 @@ class OutputFile:
     def flush(self, generated_tokens: int) -> None:
         """Journal what is contiguous; update the progress display."""
         done = self.writer.flush()
-        MIDGEN.tick(ready=self.writer.written >= 3)
+        if MIDGEN.armed:
+            MIDGEN.tick(ready=self.writer.written >= 3)
         if self.progress is not None:
             self.progress.update(done, generated_tokens)
 

@@ -309,13 +309,11 @@ class Head:
         self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, text, lp))
         st.sent, st.sent_chars = end, st.sent_chars + len(text)
 
-    def take_deltas(self) -> list[tuple[int, int, str, dict | None]]:
-        out, self.deltas = self.deltas, []
-        return out
-
-    def take_live(self) -> list[tuple[int, dict]]:
-        """Serve mode: HTTP requests finished since the last call, (request index, output line)."""
-        out, self.live_results = self.live_results, []
+    def take_answers(self) -> tuple[list[tuple[int, dict]], list[tuple[int, int, str, dict | None]]]:
+        """What goes back to rank 0 since the last call: the live requests finished, (request index,
+        {"result"} or {"error"}), and the streams' new text, (request, choice, text, its logprobs or None)."""
+        out = self.live_results, self.deltas
+        self.live_results, self.deltas = [], []
         return out
 
     def drop(self, slot: int, live_reqs: set[int]) -> list[int]:

@@ -295,15 +295,17 @@ class Engine:
                      ahead: bool = False) -> None:
         """Compute a built pass on this stage and send it down (the other ranks told first when it
         allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
-        allocate_ahead(self.link, hdr)
+        if hdr.alloc:
+            allocate_ahead(self.link, hdr)
         if self.stats_every and time.monotonic() - self._stats_at >= self.stats_every:
             self._stats_at = time.monotonic()
             hdr.stats = []  # each stage appends its figures (pipeline.runtime.monitor reads them)
         admitting = LastRank.admitting(hdr) if hdr.admit else None  # recorded before any stage computes them
-        if self.last is not None:
-            self.last.record(admitting)
-        elif admitting is not None:
-            self.link.send_next_now(admitting)
+        if admitting is not None:
+            if self.last is not None:
+                self.last.record(admitting)
+            else:
+                self.link.send_next_now(admitting)
         self.retry.sending(hdr, dec, pre)
         self._compute(hdr, dec, pre, ahead)
 
@@ -335,10 +337,11 @@ class Engine:
         if isinstance(msg, Closed):
             return self._closed(msg)
         assert isinstance(msg, Reply), msg
-        DRIVE.tick()
+        if DRIVE.armed:
+            DRIVE.tick()
         self.flight[msg.slot] -= 1
         self.ready.add(msg.slot)
-        if self.driver.on_reply(msg) or self.driver.queued:  # a slot emptied, or work waits: the idle ones may take it
+        if self.driver.on_reply(msg):  # a slot emptied, or work waits: the idle ones may take it
             self._new_work()
         for index, choice, text, logprobs in msg.deltas:
             live = self.live.get(index)

@@ -80,7 +80,8 @@ class LastRank:
         if msg is None or self.file is None or self.file.inflight is None:
             return
         self.file.inflight.admitted(msg.lines, msg.alone)
-        LINE.admit(msg.lines + msg.alone)
+        if LINE.armed:
+            LINE.admit(msg.lines + msg.alone)
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()
@@ -128,7 +129,8 @@ class LastRank:
                 kind = line["error"].get("param") or "computation"
                 self.file.kinds[kind] = self.file.kinds.get(kind, 0) + 1
             written += 1
-        PREFILL.tick(ready=bool(hdr.prefill))
+        if PREFILL.armed:
+            PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
         self.stage.clock("sample+write", t0, slot=hdr.slot)
@@ -136,8 +138,9 @@ class LastRank:
             f = self.file
             self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
                                  self.head.generated_tokens, hdr.stats)
+        live, deltas = self.head.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     self.head.take_live(), written, self.head.take_deltas(), stats=hdr.stats)
+                     live, written, deltas, stats=hdr.stats)
 
     def _close(self, msg: CloseFile) -> Closed:
         if not self.info.is_first:  # with P = 1 rank 0 already counted this stage

@@ -129,3 +129,4 @@ class Outcome:
 
     finished: tuple[int | None, ...]  # gid of each finished row (None: the row was free already)
     released: bool  # the slot emptied: its caches can be freed (sent with the next pass)
+    waiting: bool = False  # groups are queued (slots without a pass in flight may take them)

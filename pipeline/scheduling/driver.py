@@ -290,8 +290,9 @@ class Driver:
         return errors
 
     def on_reply(self, reply: Reply) -> bool:
-        """A pass's answer: the tokens to feed next; the scheduler is told the outcome. True when the
-        slot emptied (its caches are released with the next pass, or the file's close)."""
+        """A pass's answer: the tokens to feed next; the scheduler is told the outcome. True when slots
+        without a pass in flight may have work now: the slot emptied (its caches are released with the
+        next pass, or the file's close), or groups are queued."""
         slot_feed = self.last_token.setdefault(reply.slot, {})
         for r in reply.finished:
             slot_feed.pop(r, None)
@@ -299,7 +300,7 @@ class Driver:
         out = self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
         for gid in out.finished:
             self.prompts.pop(gid, None)  # serve mode: a client left during a chunked prompt
-        return out.released
+        return out.released or out.waiting
 
     # -- what the loops and status read -----------------------------------------------------
     @property

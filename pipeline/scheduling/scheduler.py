@@ -98,14 +98,14 @@ class Scheduler:
     @property
     def empty(self) -> bool:
         """Nothing queued, no row live, no pass in flight."""
-        return not self._queue and not any(s.inflight or s.live_rows for s in self.slots)
+        return not self._queue and not any(s.fed or s.live_rows for s in self.slots)
 
     def busy(self, sid: int) -> bool:
         """Slot ``sid`` has a pass in flight."""
-        return bool(self.slots[sid].inflight)
+        return bool(self.slots[sid].fed)
 
     def allocated(self, sid: int) -> bool:
-        return self.slots[sid].allocated
+        return self.slots[sid].rows > 0
 
     def group_of(self, sid: int, row: int) -> int | None:
         """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
@@ -160,13 +160,13 @@ class Scheduler:
         return (g.need + self.spare) * g.width
 
     def idle(self) -> bool:
-        return not self._queue and not any(s.allocated for s in self.slots)
+        return not self._queue and not any(s.rows for s in self.slots)
 
     # -- building passes --------------------------------------------------------------------
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group that need not wait for blocks being computed
         (:func:`~pipeline.scheduling.prefix_rules.waits_for_block`) plus the most similar ones that fit."""
-        coming = blocks_coming(self)
+        coming = blocks_coming(self) if self.prefix is not None and self.chunk else set()
         window = list(self._queue)[: self.window]
         seed = next((g for g in window if not waits_for_block(self, g, [], coming)), None)
         if seed is None:
@@ -184,7 +184,7 @@ class Scheduler:
             # that a pipeline's last micro-batches are alike (40 prompts in 32 + 8 rows at P = 2: the
             # stages took turns on the 8-row passes)
             most = min(most, max(seed.width, -(-sum(g.width for g in self._queue) // sum(
-                not s.allocated for s in self.slots))))
+                not s.rows for s in self.slots))))
         for g in sorted((g for g in window if g is not seed), key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
             if waits_for_block(self, g, chosen, coming) or uneven_prefill(self, g, chosen):
@@ -236,7 +236,7 @@ class Scheduler:
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
-        chosen, coming = [], blocks_coming(self)
+        chosen, coming = [], blocks_coming(self) if self.prefix is not None and self.chunk else set()
         for g in list(self._queue)[: self.window]:
             if free == 0:
                 break
@@ -258,7 +258,7 @@ class Scheduler:
         head = self._queue[0]
         if self.cells(head) <= self.budget - self.used:
             return False
-        return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
+        return not any(s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def _refill_limit(self, slot: Slot) -> int | None:
         """Most new tokens a group may have to join this allocated slot now (None: any). While the
@@ -301,22 +301,22 @@ class Scheduler:
         slot = self.slots[sid]
         if ahead:
             parts = self.parts()
-            if parts > 1 and slot.decoding and slot.inflight < parts:  # the other rows' share
+            if parts > 1 and slot.decoding and len(slot.fed) < parts:  # the other rows' share
                 return assemble(self, slot, None, [], {}, parts)
-            if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
+            if len(slot.fed) != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
                 return None
             return assemble(self, slot, None, [], self._resume(slot)[0])
-        assert not slot.inflight
+        assert not slot.fed
         alloc, resume, new = None, {}, []
-        if not slot.allocated and self._queue:
+        if not slot.rows and self._queue:
             alloc, new = self._allocate(slot)
-        elif slot.allocated:
+        elif slot.rows:
             limit = self._refill_limit(slot)
             resume, held = self._resume(slot)
             new = self._refill(slot, limit, held) if limit != 0 else []
         for g in new:
             self._queue.remove(g)
-        ps = assemble(self, slot, alloc, new, resume, self.parts()) if slot.allocated else None
+        ps = assemble(self, slot, alloc, new, resume, self.parts()) if slot.rows else None
         if ps is None:
             slot.drops.clear()  # nothing runs there: its rows are gone already
         return ps
@@ -340,8 +340,8 @@ class Scheduler:
         """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
         queued) with fewer micro-batches holding rows than there are stages: enough that every stage
         has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time)."""
-        active = sum(s.allocated for s in self.slots)
-        if not self.policy.split_tail() or self._queue or not active or active >= self.stages:
+        active = sum(s.rows > 0 for s in self.slots)
+        if not self.policy.splits_tail or self._queue or not active or active >= self.stages:
             return 1
         return -(-self.stages // active)
 
@@ -350,7 +350,7 @@ class Scheduler:
         """The outcome of the slot's oldest pass in flight: ``continuing`` rows got a token to feed
         next; ``finished`` rows are done (their groups leave once all their rows are)."""
         slot = self.slots[sid]
-        was = slot.allocated
+        was = slot.rows > 0
         for r in slot.fed.popleft():
             slot.row_len[r] += 1  # the token fed this pass is now in the cache
         slot.decoding.update(continuing)
@@ -364,11 +364,11 @@ class Scheduler:
             slot.row_group[r] = None
             if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
                 del self.groups[gid]
-        if all(g is None for g in slot.row_group) and not slot.inflight:
+        if all(g is None for g in slot.row_group) and not slot.fed:
             slot.rows = slot.cols = 0
             slot.row_group, slot.row_len, slot.decoding, slot.prefilling = [], [], set(), {}
             slot.adapters = []
-        released = was and not slot.allocated
+        released = was and not slot.rows
         if released:
             self.released.append(sid)
-        return Outcome(tuple(gids), released)
+        return Outcome(tuple(gids), released, bool(self._queue))
