@@ -279,7 +279,7 @@ def execute(plan, opts) -> int:
         keep_freed_memory()
     try:
         info = init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                                opts.dist_url, opts.cuda_id, opts.timeout)
+                                opts.dist_url, opts.cuda_id, opts.timeout, opts.dist_backend)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)

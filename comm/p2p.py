@@ -7,7 +7,9 @@ Every directed link ``src -> dst`` is a :class:`Channel` of its own, carrying tr
   the GPU and a closed socket is seen at once;
 - on GPU the **payload** tensor goes over a second group of this link alone (NCCL). NCCL creates one
   communicator per group for a pair of ranks, so no NCCL pair ever carries traffic both ways (rank
-  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups.
+  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups,
+  nor do GPU runs over gloo (``--dist-backend gloo``): there the payload is copied to the host and
+  travels inline, as on the CPU, and the receiving stage copies it to its GPU.
 
 Sends are asynchronous (``isend``) and their buffers kept until they complete, so no two ranks
 block sending to each other. The receiver keeps a receive posted for the link's next message
@@ -52,12 +54,13 @@ class PeerLost(RuntimeError):
 @dataclass(frozen=True)
 class Channel:
     """The directed link ``src -> dst``: its header group (gloo) and its payload group (None on the
-    ring back to rank 0, which carries headers only)."""
+    ring back to rank 0, which carries headers only, and over gloo, where payloads travel inline)."""
 
     src: int
     dst: int
     header: dist.ProcessGroup
     payload: dist.ProcessGroup | None
+    inline: bool = True  # a payload may follow the header in the message (gloo); False: NCCL's ring back
 
 
 def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
@@ -77,7 +80,7 @@ def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
                 payload = dist.new_group([src, dst], timeout=timeout, backend=backend,
                                          group_desc=f"payload {src}->{dst}")
             if rank in (src, dst):
-                mine.append(Channel(src, dst, header, payload))
+                mine.append(Channel(src, dst, header, payload, inline=backend == "gloo"))
     return tuple(mine)
 
 
@@ -106,8 +109,8 @@ class Messenger:
             meta[1], meta[2], meta[3] = tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim()
             meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
         body = _payload_at(len(header))
-        inline = tensor is not None and ch.payload is None  # CPU: the payload's bytes follow the header
-        assert not inline or self.device.type == "cpu", f"the link {ch.src} -> {ch.dst} carries headers only"
+        inline = tensor is not None and ch.payload is None  # gloo: the payload's bytes follow the header
+        assert not inline or ch.inline, f"the link {ch.src} -> {ch.dst} carries headers only"
         size = body + (tensor.numel() * tensor.element_size() if inline else 0)
         meta[7] = size
         msg = torch.empty(size, dtype=torch.uint8)
@@ -173,7 +176,7 @@ class Messenger:
         if meta[1]:
             dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
             nbytes = meta[1] * dtype.itemsize
-            if ch.payload is None:  # CPU: inline, after the header
+            if ch.payload is None:  # gloo: inline, after the header (a GPU stage copies it to its device)
                 tensor = buf[body : body + nbytes].view(dtype).view(shape)
             else:
                 tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)

@@ -122,7 +122,8 @@ class Engine:
         clean, info = False, None
         try:
             info = init_distributed(self.opts.rank, self.opts.world_size, self.opts.pipeline_group_size,
-                                    self.opts.data_group_size, self.opts.dist_url, self.opts.cuda_id, self.opts.timeout)
+                                    self.opts.data_group_size, self.opts.dist_url, self.opts.cuda_id, self.opts.timeout,
+                                    self.opts.dist_backend)
             stage = load_stage(self.plan, self.opts, info)
             self.opts.budget = run_budget(self.opts, info, stage, self.plan)
             fr = first_rank(self.plan, self.opts, info, stage, arriving=True)  # serve mode's policy

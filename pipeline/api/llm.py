@@ -315,7 +315,8 @@ def _destroy_group() -> None:
 def _serve_and_exit(opts) -> None:
     """A rank other than 0 under torchrun: serve passes until rank 0 closes its LLM, then end the process."""
     plan = make_plan(opts)
-    info = init_distributed(None, None, opts.pipeline_group_size, opts.data_group_size, None, None, opts.timeout)
+    info = init_distributed(None, None, opts.pipeline_group_size, opts.data_group_size, None, None, opts.timeout,
+                            opts.dist_backend)
     if info.data_size != 1:
         raise UsageError("the Python API runs one pipeline (data_group_size 1)")
     stage = load_stage(plan, opts, info)

@@ -92,6 +92,7 @@ class RunOptions:
     rank: int | None = _opt(None, "Legacy launch: this process's rank.")
     cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
     dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
+    dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
     timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
     # requests and results

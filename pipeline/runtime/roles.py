@@ -134,7 +134,8 @@ def run_budget(opts, info, stage, plan=None) -> int:
 
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
-        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most)
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
+                                info.gpu_sharers)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if opts.budget == "auto" and info.is_first:
