@@ -23,7 +23,7 @@ import torch
 SCALES = {"gpu": dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=512),
           "cpu": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)}
 FAMILIES = ("llama", "qwen3", "gemma3", "mixtral", "gpt2")
-INIT_STD = 0.08  # wider than HF's 0.02, so a random model's next-token distribution is not flat (see agree())
+INIT_STD = 0.64  # x hidden^-1/2: wider than HF's 0.02 (at hidden 64: 0.08), so next-token distributions are not flat
 WINDOW = 8  # Gemma 3's sliding layers: shorter than the longer prompts, so windows cut them
 
 
@@ -33,7 +33,7 @@ def family_config(family: str, scale: str, vocab: int, special: dict) -> "transf
 
     d = SCALES[scale]
     head_dim = d["hidden"] // d["heads"]
-    common = dict(vocab_size=vocab, initializer_range=INIT_STD, **special)
+    common = dict(vocab_size=vocab, initializer_range=INIT_STD / d["hidden"] ** 0.5, **special)
     if family == "gpt2":
         return AutoConfig.for_model("gpt2", n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"],
                                     n_inner=d["intermediate"], n_positions=512, **common)
