@@ -99,3 +99,28 @@ def test_missing_requirements_are_reported(monkeypatch):
     status = gpu_check.requirement_status()
     assert status["orjson"] == {"required": ">=3.8", "installed": None, "ok": False}
     assert status["torch"]["ok"]
+
+
+def test_the_docs_show_the_wheels_line_the_script_prints():
+    page = (gpu_check.REPO / "docs" / "usage" / "gpus.md").read_text()
+    assert gpu_check.pip_download_command("wheels") in page
+    assert 'python3 bench/gpu_check.py --wheels wheels --out "$OUT"' in page
+
+
+def test_wheels_install_without_network_and_into_a_folder_where_the_environment_is_read_only(monkeypatch, tmp_path):
+    calls = []
+
+    def pip(cmd, **kw):  # the environment's site-packages refuses; --target works
+        calls.append(cmd)
+        return gpu_check.subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0, "", "Permission denied")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", pip)
+    monkeypatch.setattr(gpu_check.sys, "path", list(gpu_check.sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    done = gpu_check.install_wheels(tmp_path / "wheels", ["orjson", "fastapi"], tmp_path)
+    assert all({"--no-index", "--find-links", str(tmp_path / "wheels"), "orjson>=3.8", "fastapi>=0.110"} <= set(c)
+               for c in calls)
+    assert "--target" not in calls[0] and calls[1][calls[1].index("--target") + 1] == str(tmp_path / "site")
+    assert done["exit_code"] == 0 and done["into"] == str(tmp_path / "site")
+    assert gpu_check.sys.path[0] == str(tmp_path / "site")
+    assert gpu_check.os.environ["PYTHONPATH"] == f"{tmp_path / 'site'}:/elsewhere"  # the P = 2 worker finds them too
