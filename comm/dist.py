@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from comm.p2p import open_channels
+from comm.local import LocalGroup, LocalWorld
+from comm.p2p import PeerLost, open_channels
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,12 @@ class DistInfo:
     pipeline_size: int
     data_size: int
     device: torch.device
-    backend: str | None  # None: single process, no process group
+    backend: str | None  # None: single process, no process group; "local": every rank in this process
     channels: tuple = field(default=(), compare=False)  # this rank's comm.p2p.Channel links
-    cpu_group: object = field(default=None, compare=False)  # gloo over every rank (the default group on CPU)
-    gpu_sharers: int = 1  # ranks on this rank's GPU (more than one only over gloo: --dist-backend gloo)
+    cpu_group: object = field(default=None, compare=False)  # gloo over every rank (the default group on CPU),
+    # or with every rank in this process the comm.local.LocalGroup
+    local: LocalWorld | None = field(default=None, compare=False)  # the in-memory links of an in-process run
+    gpu_sharers: int = 1  # ranks on this rank's GPU (more than one over gloo, --dist-backend gloo, or in process)
 
     @property
     def stage(self) -> int:
@@ -129,7 +132,8 @@ def init_distributed(
     channels = open_channels(rank, pipeline, data, backend, timeout)
     log.info("process group up: backend=%s rank=%d/%d pipeline=%d data=%d device=%s%s", backend, rank, world, pipeline,
              data, device, f" (shared by {sharers} ranks)" if sharers > 1 else "")
-    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend, channels, cpu_group, sharers)
+    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend, channels, cpu_group,
+                    gpu_sharers=sharers)
 
 
 def choose_backend(wanted: str, gpus: int, cuda_id: int | None, local_rank: int) -> tuple[torch.device, str]:
@@ -143,6 +147,37 @@ def choose_backend(wanted: str, gpus: int, cuda_id: int | None, local_rank: int)
         return torch.device("cpu"), "gloo"
     device = torch.device("cuda", cuda_id if cuda_id is not None else local_rank % gpus)
     return device, "gloo" if wanted == "gloo" else "nccl"
+
+
+def local_infos(pipeline: int, data: int = 1) -> list[DistInfo]:
+    """Every rank of a ``data`` x ``pipeline`` grid in this process (``--in-process``), joined by one
+    :class:`comm.local.LocalWorld`: stage ``s`` on GPU ``s % device_count`` (several stages may share a
+    GPU here), else on the CPU."""
+    world = pipeline * data
+    local = LocalWorld(world)
+    infos = []
+    for rank in range(world):
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+        sharers = len(range(rank % torch.cuda.device_count(), world, torch.cuda.device_count())) if cuda else 1
+        infos.append(DistInfo(rank, world, rank, world, pipeline, data, device, "local" if world > 1 else None,
+                              cpu_group=local.group if world > 1 else None, local=local if world > 1 else None,
+                              gpu_sharers=sharers))
+    return infos
+
+
+def agree_min(value: int, group) -> int:
+    """The least ``value`` over the ranks of ``group`` (a collective every rank calls; None: this rank alone)."""
+    if group is None:
+        return value
+    if isinstance(group, LocalGroup):
+        return group.agree_min(value)
+    mine = torch.tensor([value], dtype=torch.int64)
+    try:
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError as e:
+        raise PeerLost(-1, e) from None
+    return int(mine)
 
 
 def gpu_sharers(device: torch.device, cpu_group, refuse: bool) -> int:
@@ -170,8 +205,8 @@ def shutdown(info: DistInfo | None = None, clean: bool = True) -> None:
     """After a clean run: wait for this device's work, meet every rank on the CPU group (so nobody
     tears down a link a neighbour is still reading the last message from), then destroy the groups.
     After an error only destroy (a dead peer would never reach the barrier)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+    if (info is not None and info.backend == "local") or not (dist.is_available() and dist.is_initialized()):
+        return  # in-process ranks: their links are queues, nothing to tear down
     if clean and info is not None and info.cpu_group is not None:
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)

@@ -9,7 +9,8 @@ point, exactly like a crash or an OOM kill would. The points:
 - ``finalize``: the journal is complete and synced, not yet published;
 - ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE`` (a request that
   kills the process each time it runs: tasks.inflight);
-- ``forward-raise``: a stage's forward raises whenever its pass computes a row of input line
+- ``forward-raise`` (each stage's own point, read when the stage is built, so that stages in one
+  process (``--in-process``) each know their rank): a stage's forward raises whenever its pass computes a row of input line
   ``DIST_INFER_FAULT_LINE`` (on the rank ``DIST_INFER_FAULT_RANK``, default every rank), as a kernel
   failing on that request would (pipeline.runtime.retry); ``forward-kill``: SIGKILL there instead
   (a segfault on that request, at any stage). ``DIST_INFER_FAULT_PASS=k``: only from the k-th pass
@@ -93,8 +94,7 @@ class ForwardPoint(FaultPoint):
 
 LOAD, PREFILL, MIDGEN = FaultPoint("load"), FaultPoint("prefill"), FaultPoint("midgen")
 DRIVE, FINALIZE, LINE = FaultPoint("drive", after=10), FaultPoint("finalize"), LinePoint()
-FORWARD = ForwardPoint()
-POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE, LINE, FORWARD)
+POINTS = (LOAD, PREFILL, MIDGEN, DRIVE, FINALIZE, LINE)  # a stage's ForwardPoint is its own (Stage.fault)
 
 
 def set_rank(rank: int) -> None:

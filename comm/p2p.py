@@ -42,6 +42,40 @@ def _payload_at(header_len: int) -> int:
     return -(-(_META_BYTES + header_len) // 64) * 64
 
 
+def frame(header: bytes, tensor: torch.Tensor | None = None, inline: bool = True) -> torch.Tensor:
+    """One message as bytes: the block of sizes, the encoded header and, ``inline``, the payload's bytes
+    (copied to the host from a GPU tensor; otherwise only its dtype and shape are described, and it
+    travels on its own)."""
+    meta = torch.zeros(_META, dtype=torch.int64)
+    meta[0] = len(header)
+    if tensor is not None:
+        assert tensor.dim() <= 3, "payloads are at most 3-d"
+        meta[1], meta[2], meta[3] = tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim()
+        meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
+    body = _payload_at(len(header))
+    size = body + (tensor.numel() * tensor.element_size() if tensor is not None and inline else 0)
+    meta[7] = size
+    msg = torch.empty(size, dtype=torch.uint8)
+    msg[:_META_BYTES] = meta.view(torch.uint8)
+    if header:
+        msg[_META_BYTES : _META_BYTES + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    if tensor is not None and inline:
+        msg[body:] = tensor.reshape(-1).view(torch.uint8)
+    return msg
+
+
+def unframe(buf: torch.Tensor, inline: bool = True) -> tuple[bytes, torch.Tensor | None]:
+    """Inverse of :func:`frame`: (header, payload) of a whole message; the payload is a view of ``buf``
+    when ``inline``, else None (it travels on its own)."""
+    meta = buf[:_META_BYTES].view(torch.int64).tolist()
+    header = buf[_META_BYTES : _META_BYTES + meta[0]].numpy().tobytes()
+    if not (meta[1] and inline):
+        return header, None
+    dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
+    body = _payload_at(meta[0])
+    return header, buf[body : body + meta[1] * dtype.itemsize].view(dtype).view(shape)
+
+
 class PeerLost(RuntimeError):
     """A pipeline neighbour died or stopped answering."""
 
@@ -101,26 +135,13 @@ class Messenger:
     def send(self, dst: int, header: bytes, tensor: torch.Tensor | None = None) -> None:
         self._reap()
         ch = self.out[dst]
-        meta = torch.zeros(_META, dtype=torch.int64)
-        meta[0] = len(header)
         if tensor is not None:
-            assert tensor.dim() <= 3, "payloads are at most 3-d"
             tensor = tensor.to(self.device).contiguous()
-            meta[1], meta[2], meta[3] = tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim()
-            meta[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape)
-        body = _payload_at(len(header))
         inline = tensor is not None and ch.payload is None  # gloo: the payload's bytes follow the header
         assert not inline or ch.inline, f"the link {ch.src} -> {ch.dst} carries headers only"
-        size = body + (tensor.numel() * tensor.element_size() if inline else 0)
-        meta[7] = size
-        msg = torch.empty(size, dtype=torch.uint8)
-        msg[:_META_BYTES] = meta.view(torch.uint8)
-        if header:
-            msg[_META_BYTES : _META_BYTES + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        if inline:
-            msg[body:] = tensor.reshape(-1).view(torch.uint8)
+        msg = frame(header, tensor, inline)
         try:
-            for part in (msg[:_FIRST], msg[_FIRST:]) if size > _FIRST else (msg,):
+            for part in (msg[:_FIRST], msg[_FIRST:]) if msg.numel() > _FIRST else (msg,):
                 self._pending.append((dist.isend(part, dst, group=ch.header), (msg,)))
         except RuntimeError as e:
             raise PeerLost(dst, e) from None
@@ -170,20 +191,15 @@ class Messenger:
                 buf = big
         except RuntimeError as e:
             raise PeerLost(src, e) from None
-        body = _payload_at(meta[0])
-        header = buf[_META_BYTES : _META_BYTES + meta[0]].numpy().tobytes()
-        tensor = None
-        if meta[1]:
+        header, tensor = unframe(buf, inline=ch.payload is None)
+        if tensor is None and meta[1]:  # NCCL: the payload follows on its own group
             dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
             nbytes = meta[1] * dtype.itemsize
-            if ch.payload is None:  # gloo: inline, after the header (a GPU stage copies it to its device)
-                tensor = buf[body : body + nbytes].view(dtype).view(shape)
-            else:
-                tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)
-                try:  # NCCL: returns once the receive is queued; the current stream waits for it
-                    dist.recv(tensor, src, group=ch.payload)
-                except RuntimeError as e:
-                    raise PeerLost(src, e, "payload") from None
+            tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)
+            try:  # returns once the receive is queued; the current stream waits for it
+                dist.recv(tensor, src, group=ch.payload)
+            except RuntimeError as e:
+                raise PeerLost(src, e, "payload") from None
         if self.trace is not None:
             self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
         return header, tensor

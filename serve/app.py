@@ -19,14 +19,16 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.requests import RequestError, parse_body
+from pipeline.runtime.sources import Busy, Live, Requests, Unavailable, rows_of
+from tasks.protocol import Answer, RequestError
+from tasks.requests import parse_body
 
 from serve.auth import Access, Keys, origin_list
 from serve.batches import BatchStore, StoreError
 from serve.guard import Guard
 from serve.metrics import CountRequests, ServeMetrics
-from serve.intake import Caps, Tokenizing, check_caps, rows_of
-from serve.source import STREAM_BUFFER, Busy, Live, RequestSource, Unavailable
+from serve.intake import Caps, Tokenizing, check_caps
+from serve.source import HttpChannel
 from serve.sse import DONE, ChunkMaker, event
 from serve.files_routes import add_batch_routes
 from serve.protocol import protocol_class
@@ -40,7 +42,7 @@ MAX_HEAD = 16 << 10  # bytes of a request head (line and headers); more: 400 (h1
 
 @dataclass
 class ServeState:
-    source: RequestSource
+    source: Requests
     store: BatchStore
     model: str
     keys: Keys
@@ -140,9 +142,7 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
     except RequestError as e:
         return error(400, e.message, e.kind, e.param)
     req.stream = stream
-    loop = asyncio.get_running_loop()
-    live = Live(req, loop, loop.create_future(), stream, asyncio.Queue(STREAM_BUFFER) if stream else None,
-                loop.create_future() if stream else None, rows=rows_of(req))
+    live = Live(req, HttpChannel(asyncio.get_running_loop(), stream), stream, rows=rows_of(req))
     try:
         state.source.admit(live)
     except Busy as e:
@@ -171,22 +171,27 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
             return error(400, f"the prompt could not be tokenized: {type(e).__name__}: {e}",
                          param="messages" if chat else "prompt")
     state.source.submit(live)
+    channel = live.channel
     if live.stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
-        await asyncio.wait({live.accepted, live.future}, return_when=asyncio.FIRST_COMPLETED)
-        if not live.accepted.done() and live.future.result()[0] == "error":
-            _, status, err = live.future.result()
-            return error(status, err["message"], err["type"], err.get("param"))
+        await asyncio.wait({channel.queued, channel.future}, return_when=asyncio.FIRST_COMPLETED)
+        if not channel.queued.done() and not channel.future.result().ok:
+            return _error_response(channel.future.result())
         model = body["model"] if body.get("model") in state.adapters else state.model
         maker = ChunkMaker(chat, model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
         return _Stream(_events(state, live, maker, include_usage), lambda: _closed(state, live),
                        media_type="text/event-stream")
-    value = await _wait(state, request, live)
-    if value is None:
+    answer = await _wait(state, request, live)
+    if answer is None:
         return error(499, "the client closed the connection")
-    if value[0] == "error":
-        _, status, err = value
-        return error(status, err["message"], err["type"], err.get("param"))
-    return ok(value[1]["result"])
+    return ok(answer.result) if answer.ok else _error_response(answer)
+
+
+def _error_response(answer: Answer) -> Response:
+    """An answer that is not a result: the request's error, or the engine's end (503)."""
+    if answer.dead is not None:
+        return error(503, f"the server stopped: {answer.dead}", "server_error")
+    e = answer.error
+    return error(e.status, e.message, e.kind, e.param)
 
 
 class _Stream(StreamingResponse):
@@ -205,7 +210,7 @@ class _Stream(StreamingResponse):
 
 def _closed(state: ServeState, live: Live) -> None:
     """A stream's response ended: rows still running are freed, and it stops counting against admission."""
-    if not live.future.done():
+    if not live.channel.future.done():
         state.source.cancel(live)
     state.source.release(live)
 
@@ -225,35 +230,35 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 async def _wait(state: ServeState, request: Request, live: Live):
     """The answer, or None when the client disconnected first (its rows are freed)."""
     while True:
-        done, _ = await asyncio.wait({live.future}, timeout=0.5)
+        done, _ = await asyncio.wait({live.channel.future}, timeout=0.5)
         if done:
-            return live.future.result()
+            return live.channel.future.result()
         if await request.is_disconnected():
             state.source.cancel(live)
             return None
 
 
 async def _events(state: ServeState, live: Live, maker: ChunkMaker, include_usage: bool):
-    finished = False
+    channel, finished = live.channel, False
     try:
         while True:
-            getter = asyncio.ensure_future(live.events.get())
-            done, _ = await asyncio.wait({getter, live.future}, return_when=asyncio.FIRST_COMPLETED)
+            getter = asyncio.ensure_future(channel.events.get())
+            done, _ = await asyncio.wait({getter, channel.future}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
                 yield maker.delta(*getter.result())
                 continue
             getter.cancel()
-            while not live.events.empty():
-                yield maker.delta(*live.events.get_nowait())
+            while not channel.events.empty():
+                yield maker.delta(*channel.events.get_nowait())
             break
         finished = True
-        value = live.future.result()
-        if value[0] == "error":
-            _, status, err = value
-            yield event({"error": {**err, "code": status}})
+        answer = channel.future.result()
+        if not answer.ok:
+            e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
+            yield event({"error": {**e.to_dict(), "code": e.status}})
             yield DONE
             return
-        for chunk in maker.final(value[1]["result"], include_usage):
+        for chunk in maker.final(answer.result, include_usage):
             yield chunk
     finally:
         if not finished:

@@ -12,7 +12,7 @@ import os
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from tasks.requests import RequestError
+from tasks.protocol import RequestError
 
 from serve.auth import API_KEY_ENVS
 from serve.local import LocalEngine, error_of
@@ -62,17 +62,17 @@ class LocalBackend:
         except RequestError as e:
             raise BackendError(e.message, _is_context_error(e.message, e.param)) from None
         try:
-            while ticket.value is None:
+            while ticket.answer is None:
                 event = self.engine.events(ticket)
                 if event is None:
                     yield ""  # nothing new yet: the shell looks for Ctrl-C meanwhile
                 elif event[0] == "delta":
                     yield event[1][1]
-            err = error_of(ticket.value)
+            err = error_of(ticket.answer)
             if err is not None:
                 raise BackendError(err.message, _is_context_error(err.message, err.param))
-            if ticket.value[0] == "ok":  # the last deltas held back for stop strings arrive in the answer
-                result = ticket.value[1]["result"]
+            if ticket.answer.ok:  # the last deltas held back for stop strings arrive in the answer
+                result = ticket.answer.result
                 choice = result["choices"][0]
                 full = choice["message"]["content"] if chat else choice["text"]
                 sent = ticket.text.get(0, "")

@@ -18,7 +18,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tasks.requests import Request, RequestError
+from pipeline.runtime.sources import rows_of
+from tasks.requests import Request
+from tasks.protocol import RequestError
 
 WORKERS = 2  # tokenizing threads (HF fast tokenizers release the GIL while they encode)
 
@@ -30,11 +32,6 @@ class Caps:
     context: int  # the model's context window in tokens
     max_token_bytes: int  # bytes of text one token covers at most (0: unknown, no text check)
     truncate: bool  # --truncate-prompts: over-long prompts are cut, not refused
-
-
-def rows_of(req: Request) -> int:
-    """Rows a request occupies while it runs: best_of per prompt (n <= best_of)."""
-    return len(req.prompts) * max(req.params.best_of, req.params.n)
 
 
 def check_caps(req: Request, caps: Caps) -> None:

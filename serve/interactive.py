@@ -22,10 +22,10 @@ def interactive(opts) -> bool:
     return bool(opts.prompts or opts.prompts_file or opts.chat)
 
 
-def run_interactive(plan, opts, info, stage, first_rank) -> int:
-    """Rank 0: serve mode's engine on a pipeline thread, the terminal on this one; stops every rank at the end."""
-    fr = first_rank(plan, opts, info, stage, arriving=True)  # serve mode's policy: requests come one by one
-    engine = LocalEngine(fr).start()
+def run_interactive(rank, stopping=None) -> int:
+    """Rank 0: the engine on its thread, the terminal on this one; stops every rank at the end."""
+    opts, plan = rank.opts, rank.plan
+    engine = LocalEngine(rank, stopping)
     code = 1
     try:
         if opts.chat:
@@ -36,7 +36,7 @@ def run_interactive(plan, opts, info, stage, first_rank) -> int:
     finally:
         engine.stop(timeout=60)
     if engine.error is not None:
-        raise engine.error
+        raise RuntimeError(engine.error)
     return code
 
 

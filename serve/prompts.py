@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from pipeline.config.interactive_options import sampling_body, unescape
-from tasks.requests import RequestError
+from tasks.protocol import RequestError
 
 from serve.local import LocalEngine, Ticket, error_of
 
@@ -66,12 +66,12 @@ def run_prompts(engine: LocalEngine, opts, out=sys.stdout) -> int:
     t0 = time.perf_counter()
     texts, failed, usage = [], 0, []
     for t in tickets:
-        err = t if isinstance(t, RequestError) else error_of(t.value)
+        err = t if isinstance(t, RequestError) else error_of(t.answer)
         if err is not None:
             texts.append((None, err.message))
             failed += 1
             continue
-        result = t.value[1]["result"]
+        result = t.answer.result
         choice = result["choices"][0]
         texts.append((choice["finish_reason"], choice["text"]))
         usage.append((t, result["usage"]))

@@ -392,12 +392,62 @@ def _close(x, y, tol: float, where: str) -> None:
         assert x == y, f"{where}: {x!r} vs {y!r}"
 
 
-def run_inprocess(args: list[str]) -> int:
-    """One-process run inside the test process (no process group): fast for semantics tests."""
+def run_inprocess(args: list[str], stages: int = 1) -> int:
+    """A run inside the test process (errors raised): one stage, or ``stages`` stages as threads
+    joined by in-memory links (``--in-process``: the same rank loops and messages as under torchrun)."""
     import dist_inference_runner
     from pipeline.config.options import parse_options
 
-    return dist_inference_runner.run(parse_options(args))
+    if stages > 1:
+        args = [*args, "--in-process", "--pipeline-group-size", str(stages)]
+    threads = torch.get_num_threads()
+    try:
+        return dist_inference_runner.run(parse_options(args))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_local(args: list[str], stages: int = 1, env: dict | None = None, data: int = 1) -> subprocess.CompletedProcess:
+    """:func:`run_torchrun` / :func:`run_single` in this process: ``dist_inference_runner.main`` with every
+    rank (``stages`` x ``data``) a thread (``--in-process``), its stdout, stderr (the log included, rank
+    prefixes as a process writes them) and exit code returned as a process's would be. ``env``: variables
+    set for the run (restored after)."""
+    import contextlib
+    import io
+    import logging
+
+    import dist_inference_runner
+
+    argv = [*args, "--in-process"]
+    if stages > 1:
+        argv += ["--pipeline-group-size", str(stages)]
+    if data > 1:
+        argv += ["--data-group-size", str(data)]
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.addFilter(dist_inference_runner._RankPrefix(0))
+    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root, level, threads = logging.getLogger(), logging.getLogger().level, torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("DIST_INFER_LOG", "INFO").upper())
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = dist_inference_runner.main(argv, signals=False)
+            except SystemExit as e:  # argparse: a usage error
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def write_jsonl(path, objs) -> str:

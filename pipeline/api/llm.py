@@ -24,19 +24,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from comm.dist import init_distributed, shutdown
-from pipeline.api.engine import Engine
+from comm.dist import shutdown
 from pipeline.api.options import parse, to_argv
 from pipeline.api.params import SamplingParams, fields_of, params_for
-from pipeline.api.results import RequestFailed, Result, Score, error_result, from_line, score_of
+from pipeline.api.results import RequestFailed, Result, Score, error_result, from_answer, score_of
 from pipeline.api.workers import Workers, free_port
 from pipeline.config.options import UsageError
 from pipeline.config.plan import make_plan, output_for
-from pipeline.runtime.roles import load_stage, run_budget, serve_rank
-from serve.intake import rows_of
-from serve.source import Live
+from pipeline.runtime.engine_thread import EngineThread
+from pipeline.runtime.roles import make_engine, serve_rank, start_rank
+from pipeline.runtime.sources import FutureChannel, Live
 from tasks.progress import Progress
-from tasks.requests import RequestError, as_json, parse_body, parse_request
+from tasks.protocol import Answer, RequestError
+from tasks.requests import as_json, parse_body, parse_request
 
 log = logging.getLogger("api")
 
@@ -64,7 +64,7 @@ class LLM:
     def __init__(self, model: str | None = None, pipeline_size: int = 1, *, raise_errors: bool = False,
                  setup_logging: bool = True, **flags):
         self.raise_errors = raise_errors
-        self.engine: Engine | None = None
+        self.engine: EngineThread | None = None
         self.workers: Workers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -93,7 +93,8 @@ class LLM:
             log.warning("%s", warning)
         self.plan, self.opts = plan, opts
         self.model_name = plan.model_name
-        self.engine = Engine(plan, opts)
+        self.engine = EngineThread(self._build, cleanup=self._shutdown)
+        self._rank = None
         try:
             if opts.dist_url is not None:
                 self.workers = Workers(argv, pipeline_size, opts.dist_url)
@@ -103,6 +104,16 @@ class LLM:
             self.close()
             raise
         _OPEN.add(self)
+
+    def _build(self, requests, files, stopping):
+        """On the engine's thread: this process's rank started (the process group with the workers, its
+        stage loaded), and rank 0's engine over it (requests arrive over time: serve mode's policy)."""
+        self._rank = start_rank(self.plan, self.opts)
+        return make_engine(self._rank, files, requests, stopping, arriving=True)
+
+    def _shutdown(self, clean: bool) -> None:
+        if self._rank is not None and self._rank.info.backend is not None:  # one stage has no group
+            shutdown(self._rank.info, clean)
 
     def _wait_ready(self) -> None:
         waited = 0.0
@@ -180,8 +191,6 @@ class LLM:
         unless the LLM was made with ``overwrite=True``."""
         src = str(input_path)
         out = str(output_path) if output_path is not None else output_for(src, None, False)
-        with open(src, "rb") as f:
-            total = sum(1 for line in f if line.strip())
         if Path(out).exists():
             if not self.opts.overwrite:
                 log.warning("%s: complete output exists at %s, skipping (overwrite=True recomputes)", src, out)
@@ -189,8 +198,7 @@ class LLM:
             Path(out).unlink()
         with self._lock:
             self._check()
-            fut = self.engine.files.add(src, out, total)
-            self._wait_future(fut)
+            self._wait_future(self.engine.files.add(src, out))
         return out
 
     def _wait_future(self, fut: Future) -> None:
@@ -241,7 +249,7 @@ class LLM:
                 if progress is not None:
                     progress.close()
                 for live in waiting.values():  # the caller left the loop (or it raised): free their rows
-                    self.engine.source.cancel(live)
+                    self.engine.cancel(live)
 
     def _submit(self, i: int, item, params, chat: bool, done: queue.Queue, waiting: dict) -> Result | None:
         """Hand one request to the pipeline; a request that cannot be parsed is answered at once."""
@@ -249,19 +257,16 @@ class LLM:
             req = _request(i, item, params, chat)
         except RequestError as e:
             return error_result(i, getattr(e, "raw", item), e.to_dict())
-        live = Live(req, None, Future(), rows=rows_of(req))
-        live.future.add_done_callback(lambda f, i=i: done.put((i, f.result())))
-        waiting[i] = live
-        self.engine.source.inbox.put(live)
+        channel = FutureChannel()
+        channel.future.add_done_callback(lambda f, i=i: done.put((i, f.result())))
+        waiting[i] = self.engine.submit(req, channel)
         return None
 
-    def _result(self, i: int, live: Live, value: tuple) -> Result:
-        if value[0] == "ok":
-            return from_line(i, value[1])
-        if value[0] == "error":
-            return error_result(i, live.req.raw, value[2])
+    def _result(self, i: int, live: Live, answer: Answer) -> Result:
+        if answer.dead is None:
+            return from_answer(i, live.req.raw, answer)
         self._check()  # the pipeline stopped: with a dead worker's own message when there is one
-        raise EngineDead(value[1])
+        raise EngineDead(answer.dead)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -315,18 +320,15 @@ def _destroy_group() -> None:
 def _serve_and_exit(opts) -> None:
     """A rank other than 0 under torchrun: serve passes until rank 0 closes its LLM, then end the process."""
     plan = make_plan(opts)
-    info = init_distributed(None, None, opts.pipeline_group_size, opts.data_group_size, None, None, opts.timeout,
-                            opts.dist_backend)
-    if info.data_size != 1:
+    if plan.data != 1:
         raise UsageError("the Python API runs one pipeline (data_group_size 1)")
-    stage = load_stage(plan, opts, info)
-    opts.budget = run_budget(opts, info, stage, plan)
+    rank = start_rank(plan, opts)
     clean = False
     try:
-        serve_rank(plan, opts, info, stage)
+        serve_rank(rank)
         clean = True
     finally:
-        shutdown(info, clean)
+        shutdown(rank.info, clean)
     sys.exit(0)
 
 

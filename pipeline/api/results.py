@@ -96,6 +96,14 @@ def from_line(index: int, line: dict) -> Result:
     return Result(index, request, [choice(c) for c in body.get("choices", [])], body.get("usage"), raw=body)
 
 
+def from_answer(index: int, request: object, answer) -> Result:
+    """A Result from the engine's :class:`~tasks.protocol.Answer` to ``request``."""
+    if not answer.ok:
+        return Result(index, request, error=answer.error.to_dict())
+    body = answer.result
+    return Result(index, request, [choice(c) for c in body.get("choices", [])], body.get("usage"), raw=body)
+
+
 def error_result(index: int, request: object, error: dict) -> Result:
     return Result(index, request, error=error)
 

@@ -19,7 +19,9 @@ faster with 32768 (bench/throughput.py's model, 2 threads).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from comm.dist import agree_min
+from comm.p2p import PeerLost
 
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.models.spec import DecoderSpec
@@ -60,15 +62,11 @@ def cpu_budget(available: int, local_world: int, cell_bytes: int) -> int:
 
 def _agree_min(value: int, cpu_group) -> int:
     """The least ``value`` over the ranks of ``cpu_group`` (a collective every rank calls; alone: itself)."""
-    if cpu_group is None:
-        return value
-    mine = torch.tensor([value], dtype=torch.int64)
     try:
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group)
-    except RuntimeError as e:
+        return agree_min(value, cpu_group)
+    except PeerLost as e:
         raise RuntimeError(f"lost contact with another rank while the stages agreed on --budget auto "
                            f"({str(e).splitlines()[0][:200]}); see the other ranks' logs") from None
-    return int(mine)
 
 
 def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1,

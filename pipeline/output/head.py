@@ -13,8 +13,8 @@ import time
 import torch
 
 from tasks.requests import Params
-from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line,
-                           result_object, top_dict)
+from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, result_object, top_dict)
+from tasks.protocol import output_line
 
 from pipeline.output.head_state import GroupState, RequestState, RowState
 from pipeline.runtime.messages import Admission, Prefill
@@ -354,21 +354,25 @@ class Head:
         return rows
 
     def _format(self, key: tuple[bool, int], req: RequestState) -> None:
+        """A finished request: a file's line (the writer's), or for a live request its answer for rank 0,
+        ``{"result": ...}`` or ``{"error": ...}`` (tasks.protocol.Answer.from_wire)."""
         live, index = key
         t0 = time.perf_counter()
-        line = None
+        result = None
         if req.error is None:
             try:
-                line = self._result_line(req)
+                result = self._result(req)
             except Exception as e:
                 self._failed(req, "formatting its result", e)
         if req.error is not None:
             self.failed_requests += 1
-            line = output_line(req.raw, req.custom_id, error=req.error)
-        (self.live_results if live else self.results).append((index, line))
+        if live:
+            self.live_results.append((index, {"result": result} if req.error is None else {"error": req.error}))
+        else:
+            self.results.append((index, output_line(req.raw, req.custom_id, result=result, error=req.error)))
         self.format_seconds += time.perf_counter() - t0
 
-    def _result_line(self, req: RequestState) -> dict:
+    def _result(self, req: RequestState) -> dict:
         p = req.params
         choices, completion_tokens = [], 0
         for prompt_i in range(req.n_prompts):
@@ -386,7 +390,7 @@ class Head:
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
         if req.notes:
             result["warnings"] = req.notes
-        return output_line(req.raw, req.custom_id, result=result)
+        return result
 
 
 def _find_stop(text: str, stops: list[str], since: int) -> int | None:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from comm.faults import FORWARD
+from comm.faults import ForwardPoint
 
 from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Stop
 from pipeline.models.decoder import Segment, StageModel
@@ -47,6 +47,7 @@ class Stage:
         self.bad_blocks: set[int] = set()  # prefix pool blocks a failed pass did not write here
         self.ledger: MemoryLedger | None = None  # its memory account, when loaded by pipeline.runtime.roles
         self._noted_cells = 0  # KV cells at the ledger's last look
+        self.fault = ForwardPoint()  # the reliability tests' injected forward failure (comm.faults); unset: inert
 
     @property
     def busy(self) -> float:
@@ -116,7 +117,7 @@ class Stage:
         bookkeeping (release, allocation, prefix pool size) runs in any case, so that every stage
         keeps the same caches."""
         t0 = self.mark()
-        FORWARD.watch(hdr)
+        self.fault.watch(hdr)
         self.release(hdr.release)
         if hdr.alloc:
             self.caches.pop(hdr.slot, None)
@@ -138,7 +139,7 @@ class Stage:
         out = None
         if hdr.failed is None:
             try:
-                FORWARD.check(hdr)
+                self.fault.check(hdr)
                 out = self._forward(hdr, x, cache)
             except Exception as e:  # the pass fails, not the process: rank 0 finds the row it was
                 hdr.failed = f"{type(e).__name__}: {str(e)[:300]}"

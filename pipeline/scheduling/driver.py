@@ -18,8 +18,8 @@ import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
 from tasks.inflight import crash_error
-from tasks.requests import Request, RequestError, parse_line
-from pipeline.output.results import output_line
+from tasks.requests import Request, parse_line
+from tasks.protocol import RequestError, output_line
 from tasks.shards import share_of
 
 from pipeline.scheduling.grammars import GrammarIntake
@@ -252,13 +252,11 @@ class Driver:
         return [m for m in metas if m is not None]
 
     # -- passes -----------------------------------------------------------------------------
-    def next_pass(self, sid: int, ahead: bool = False) -> tuple[PassHeader, torch.Tensor | None,
-                                                               torch.Tensor | None] | None:
-        """Slot ``sid``'s next pass built, or None: the scheduler's decision for an idle slot or, with
-        ``ahead``, for one with a pass in flight (:meth:`Scheduler.next_pass`)."""
-        if self.sched.busy(sid) and not ahead:
-            return None
-        ps = self.sched.next_pass(sid, ahead=self.sched.busy(sid))
+    def next_pass(self, sid: int, busy: bool = False) -> tuple[PassHeader, torch.Tensor | None,
+                                                              torch.Tensor | None] | None:
+        """Slot ``sid``'s next pass built, or None: the scheduler's decision for an idle slot or, when
+        ``busy`` (a pass of it in flight), for a pass ahead of that one's answer (:meth:`Scheduler.next_pass`)."""
+        ps = self.sched.next_pass(sid, ahead=busy)
         return None if ps is None else self.build(ps)
 
     def build(self, ps: Pass) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:

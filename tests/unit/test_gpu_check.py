@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -110,11 +111,11 @@ def test_the_docs_show_the_wheels_line_the_script_prints():
 def test_wheels_install_without_network_and_into_a_folder_where_the_environment_is_read_only(monkeypatch, tmp_path):
     calls = []
 
-    def pip(cmd, **kw):  # the environment's site-packages refuses; --target works
+    def pip(cmd, **kw):  # the environment's site-packages refuses; --target works (no process is started)
         calls.append(cmd)
-        return gpu_check.subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0, "", "Permission denied")
+        return SimpleNamespace(returncode=1 if len(calls) == 1 else 0, stdout="", stderr="Permission denied")
 
-    monkeypatch.setattr(gpu_check.subprocess, "run", pip)
+    monkeypatch.setattr("bench.gpu_check.subprocess.run", pip)
     monkeypatch.setattr(gpu_check.sys, "path", list(gpu_check.sys.path))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     done = gpu_check.install_wheels(tmp_path / "wheels", ["orjson", "fastapi"], tmp_path)

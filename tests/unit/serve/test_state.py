@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from serve import batch_checks
 from serve.app import ServeState, create_app
 from serve.batches import BatchStore, StoreLimits
-from serve.source import RequestSource
+from pipeline.runtime.sources import Requests
 from serve.state_dir import serve_dir_problem
 
 
@@ -45,7 +45,7 @@ class AsKey:
 
 def make_client(root: Path, **limits) -> tuple[TestClient, BatchStore]:
     store = BatchStore(root, StoreLimits(**limits))
-    app = create_app(ServeState(RequestSource(8), store, "tiny", None, 200_000))
+    app = create_app(ServeState(Requests(8), store, "tiny", None, 200_000))
     return TestClient(AsKey(app), base_url="http://localhost"), store
 
 
@@ -261,7 +261,7 @@ def test_list_batches_reads_under_the_lock(tmp_path):
     assert len(client.get("/v1/batches").json()["data"]) == 1 and seen == [True]
 
 
-# -- the engine's batch decisions (serve.engine.ServeRank without a pipeline) ---------------------
+# -- the engine's batch decisions (the engine over the store's jobs, without a pipeline) ------------
 
 class FakeDriver(SimpleNamespace):
     def fill(self):
@@ -270,26 +270,38 @@ class FakeDriver(SimpleNamespace):
     def take_errors(self):
         return []
 
+    def take_released(self):
+        return []
+
     def start(self, lines, suspects=(), culprits=()):
         self.lines = lines
 
 
 def engine_for(store: BatchStore, fingerprint: dict):
-    from serve.engine import ServeRank
+    from pipeline.runtime.engine import Engine
+    from serve.batch_jobs import BatchJobs
 
-    eng = ServeRank.__new__(ServeRank)
-    eng.batches, eng.fingerprint, eng.batch, eng.owed, eng._swept = store, fingerprint, None, 0, time.monotonic()
-    eng.sent, eng.metrics = [], None
+    driver = FakeDriver(lines=None, held=None, filled=0, error_kinds={}, exhausted=False, requests_read=0,
+                        encode_seconds=0.0, padding_ratio=0.0, queued=0, slot_ids=range(1), prefix=None,
+                        group_of=lambda slot, row: None)
+    stage = SimpleNamespace(busy=0.0, peak_cells=0, kv_cells=0, gpu_peak_mb=lambda: [], memory_mb=lambda: {},
+                            precision=lambda: {}, release=lambda slots: None)
+    eng = Engine(stage, driver, None, SimpleNamespace(), files=BatchJobs(store, fingerprint))
+    eng.sent = []
     eng._down = eng.sent.append
-    eng.driver = FakeDriver(lines=None, filled=0, error_kinds={}, exhausted=False, requests_read=0, encode_seconds=0.0)
-    eng.stage = SimpleNamespace(busy=0.0, gpu_peak_mb=lambda: [], memory_mb=lambda: {})
     return eng
+
+
+def step(eng) -> None:
+    """One turn of the engine's file step, the store looked at afresh (its state is polled a few times a second)."""
+    eng._polled = float("-inf")
+    eng._file_step()
 
 
 def test_restart_with_another_setting_delivers_the_answered_lines(tmp_path):
     """A journal written under another --seed fails its batch, delivering what it answered, with a
     message that names no server path (the log has the details)."""
-    from serve.engine import SETTINGS_CHANGED
+    from serve.batch_jobs import SETTINGS_CHANGED
     from tasks.files import input_fingerprint
 
     client, store = make_client(tmp_path / "state")
@@ -299,8 +311,8 @@ def test_restart_with_another_setting_delivers_the_answered_lines(tmp_path):
     inp = store._dir("a", "files") / fid
     journal(store, b["id"], [answered("r0")], dict(old, input=input_fingerprint(inp)))
     eng = engine_for(store, dict(old, seed=2))
-    eng._batch_step()
-    assert eng.sent == [] and eng.batch is None
+    step(eng)
+    assert eng.sent == [] and eng.job is None
     got = client.get(f"/v1/batches/{b['id']}", headers={"X-Test-Key": "a"}).json()
     assert got["status"] == "failed" and got["errors"]["data"][0]["message"] == SETTINGS_CHANGED
     assert [x["custom_id"] for x in contents(client, "a", got["output_file_id"])] == ["r0"]
@@ -310,36 +322,37 @@ def test_restart_with_another_setting_delivers_the_answered_lines(tmp_path):
     b2 = create(client, "a", fid).json()
     journal(store, b2["id"], [answered("r0")], dict(old, input=input_fingerprint(inp)))
     eng = engine_for(store, old)
-    eng._batch_step()
-    assert eng.batch is not None and type(eng.sent[0]).__name__ == "OpenFile"
+    step(eng)
+    assert eng.job is not None and type(eng.sent[0]).__name__ == "OpenFile"
 
 
 def test_a_running_batch_expires_with_its_answers_and_a_full_disk_pauses(tmp_path, monkeypatch):
+    from pipeline.runtime.engine import FileRun
     from pipeline.runtime.messages import Closed, Opened
-    from serve.engine import BatchRun
 
     client, store = make_client(tmp_path / "state")
     fid = upload(client, "a", [line(f"r{i}") for i in range(3)]).json()["id"]
     b = create(client, "a", fid).json()
     eng = engine_for(store, {"seed": 1})
-    eng._batch_step()
+    step(eng)
     eng._opened(Opened(0))
-    assert isinstance(eng.batch, BatchRun) and eng.driver.lines is not None
-    eng._batch_step()
+    assert isinstance(eng.job, FileRun) and eng.driver.lines is not None
+    step(eng)
     assert eng.driver.filled == 1
     monkeypatch.setattr(store, "disk_low", lambda: True)  # paused: no new lines are read
-    eng._batch_step()
+    step(eng)
     assert eng.driver.filled == 1
     monkeypatch.setattr(store, "disk_low", lambda: False)
     now = time.time()
     monkeypatch.setattr(time, "time", lambda: now + 86401)
-    eng.driver.requests_read, eng.batch.done, eng.driver.exhausted = 1, 1, True
-    eng._batch_step()
-    assert eng.batch.expiring and eng.driver.lines is None and type(eng.sent[-1]).__name__ == "CloseFile"
+    eng.driver.requests_read, eng.job.done, eng.driver.exhausted = 1, 1, True
+    step(eng)
+    assert eng.job.expiring and eng.driver.lines is None and type(eng.sent[-1]).__name__ == "CloseFile"
     assert eng.sent[-1].total == 1  # what was read: the writer publishes the answered prefix
     out = store._output(store.batches[b["id"]])
     out.write_bytes(jsonl([answered("r0")]))
-    eng._closed(Closed(True, None))
+    summary = SimpleNamespace(errors=0, error_kinds={}, prompt_tokens=0, completion_tokens=0)
+    eng._closed(Closed(True, summary))
     got = client.get(f"/v1/batches/{b['id']}", headers={"X-Test-Key": "a"}).json()
     assert got["status"] == "expired"
     assert [x["custom_id"] for x in contents(client, "a", got["output_file_id"])] == ["r0"]
@@ -348,8 +361,8 @@ def test_a_running_batch_expires_with_its_answers_and_a_full_disk_pauses(tmp_pat
     # a full disk never opens the next batch
     create(client, "a", fid)
     monkeypatch.setattr(store, "disk_low", lambda: True)
-    eng._batch_step()
-    assert eng.batch is None
+    step(eng)
+    assert eng.job is None
 
 
 def test_a_full_disk_answers_503_and_the_server_goes_on(tmp_path, monkeypatch):

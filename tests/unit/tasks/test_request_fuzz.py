@@ -19,7 +19,8 @@ from pipeline.scheduling.intake import chat_ids
 from pipeline.runtime.messages import Admission, PassHeader, decode, encode
 from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
-from tasks.requests import GREEDY_BELOW, RequestError, as_json, parse_body, parse_params, parse_request
+from tasks.requests import GREEDY_BELOW, as_json, parse_body, parse_params, parse_request
+from tasks.protocol import RequestError
 from tests import fuzz_requests as gen
 from tests.structured_cases import ENDLESS
 from tests.utils import REPO, run_inprocess
