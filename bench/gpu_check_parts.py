@@ -236,46 +236,71 @@ def api_file(model: str, requests: Path, output: Path, pipeline_size: int = 1, *
     return json.loads(Path(f"{output}.summary.json").read_text()), [json.loads(x) for x in output.read_text().splitlines()]
 
 
+def in_process_file(model: str, requests: Path, output: Path, flags: list[str]) -> tuple[dict, list[dict]]:
+    """File mode at P = 2 with both ranks threads of this process (``--in-process``): (summary, output lines)."""
+    code, _, summary, lines = run_file(model, requests, output, [*flags, "--in-process", "--pipeline-group-size", "2"])
+    if code != 0:
+        raise RuntimeError(f"--in-process P = 2 exited {code}")
+    return summary, lines
+
+
 def choice_of(line: dict) -> tuple[list[int], list[float], bool]:
     c = line["result"]["choices"][0]
     return c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop"
 
 
 def two_stages(ck) -> dict:
-    """P = 2 with both stages on this device (gloo: activations through host memory, each stage's
-    weights, KV cache and prefix pool on the device) against P = 1, both measured against transformers'
+    """P = 2 with both stages on this device, two ways: two processes over gloo (activations through host
+    memory) and two threads of this process (``--in-process``, in-memory links); each stage's weights,
+    KV cache and prefix pool on the device. Each against P = 1, all measured against transformers'
     float32 model: the same greedy tokens (up to near-ties) and logprobs as close as P = 1's."""
     steps = STEPS[ck.scale]
     model = tiny_model(ck.work / "llama-p2", "llama", ck.scale, seed=3)
     reqs, ps = pipeline_requests(ck, steps)
     path = write_jsonl(ck.work / "p2.jsonl", reqs)
-    flags = dict(dtype=RUN_DTYPE, prefill_chunk=32, timeout=120)
-    one, p1 = api_file(model, path, ck.work / "p1.out.jsonl", 1, **flags)
-    two, p2 = api_file(model, path, ck.work / "p2.out.jsonl", 2, dist_backend="gloo", **flags)
-    failures = [f"P = {n}: {sum('error' in x for x in lines)} errors, {len(lines)} lines for {len(reqs)}"
-                for n, lines in ((1, p1), (2, p2)) if len(lines) != len(reqs) or any("error" in x for x in lines)]
+    flags = ["--dtype", RUN_DTYPE, "--prefill-chunk", "32", "--timeout", "120"]
+    code, _, one, p1 = run_file(model, path, ck.work / "p1.out.jsonl", flags)
+    if code != 0 or len(p1) != len(reqs) or any("error" in x for x in p1):
+        raise RuntimeError(f"P = 1: exit code {code}, {len(p1)} lines: {[x.get('error') for x in p1][:2]}")
     ref = Reference(model, ck.device)
+    cases = {}
     try:
-        samples = [compare(ref, p, choice_of(b), choice_of(a)) for p, a, b in zip(ps, p1, p2)]
-        echo = [x["result"]["choices"][0]["logprobs"]["token_logprobs"][1:] for x in (p1[-1], p2[-1])]
-        tf = ref.logprobs(ps[2][:1], ps[2][1:])
-        errs = [[abs(lp - float(tf[i, t])) for i, (t, lp) in enumerate(zip(ps[2][1:], e))] for e in echo]
-        samples.append(Sample(errs[1], errs[0], None, None))  # the echo scores: P = 2 against P = 1's
-        agreement = verdict(samples)
+        ways = {"gloo, 2 processes": lambda: api_file(model, path, ck.work / "p2.out.jsonl", 2, dist_backend="gloo",
+                                                      dtype=RUN_DTYPE, prefill_chunk=32, timeout=120),
+                "in-process, 2 threads": lambda: in_process_file(model, path, ck.work / "p2-local.out.jsonl", flags)}
+        for name, run in ways.items():
+            try:
+                cases[name] = against_p1(ck, ref, ps, p1, *run(), len(reqs))
+            except Exception as e:  # noqa: BLE001 - this way's failure; the next runs
+                cases[name] = {"ok": False, "error": short(e)}
     finally:
         ref.close()
+    failures = [n + ": " + "; ".join(c.get("failures") or [c.get("error", "")]) for n, c in cases.items() if not c["ok"]]
+    return {"ok": not failures, "headline": f"{sum(c['ok'] for c in cases.values())}/{len(cases)} ways agree with P = 1",
+            "p1_tokens_per_s": one.get("completion_tokens_per_second"), "cases": cases, "failures": failures}
+
+
+def against_p1(ck, ref: Reference, ps: list[list[int]], p1: list[dict], summary: dict, p2: list[dict], n: int) -> dict:
+    """One P = 2 run's output lines and summary against P = 1's lines (see :func:`two_stages`)."""
+    failures = []
+    if len(p2) != n or any("error" in x for x in p2):
+        failures.append(f"{sum('error' in x for x in p2)} errors, {len(p2)} lines for {n}")
+    samples = [compare(ref, p, choice_of(b), choice_of(a)) for p, a, b in zip(ps, p1, p2)]
+    echo = [x["result"]["choices"][0]["logprobs"]["token_logprobs"][1:] for x in (p1[-1], p2[-1])]
+    tf = ref.logprobs(ps[2][:1], ps[2][1:])
+    errs = [[abs(lp - float(tf[i, t])) for i, (t, lp) in enumerate(zip(ps[2][1:], e))] for e in echo]
+    samples.append(Sample(errs[1], errs[0], None, None))  # the echo scores: P = 2 against P = 1's
+    agreement = verdict(samples)
     if not agreement["ok"]:
-        failures.append(case_line("P = 2 against P = 1", agreement))
-    gpu = two.get("stage_gpu_peak_mb") or []
+        failures.append(case_line("against P = 1", agreement))
+    gpu = summary.get("stage_gpu_peak_mb") or []
     if ck.cuda and (len(gpu) != 2 or not all(gpu)):
         failures.append(f"stage_gpu_peak_mb {gpu}: both stages should hold memory on the GPU")
-    if two.get("pipeline_size") != 2:
-        failures.append(f"the P = 2 summary says pipeline_size {two.get('pipeline_size')}")
-    return {"ok": not failures, "headline": f"P = 2 agrees ({agreement['equal_prompts']}/{agreement['prompts']} equal)",
-            "agreement": agreement, "p1_tokens_per_s": one.get("completion_tokens_per_second"),
-            "p2_tokens_per_s": two.get("completion_tokens_per_second"), "p2_stage_gpu_peak_mb": gpu,
-            "p2_kv_cells_peak": two.get("kv_cells_peak"), "p2_cached_prompt_tokens": two.get("cached_prompt_tokens"),
-            "failures": failures}
+    if summary.get("pipeline_size") != 2:
+        failures.append(f"the summary says pipeline_size {summary.get('pipeline_size')}")
+    return {"ok": not failures, "agreement": agreement, "tokens_per_s": summary.get("completion_tokens_per_second"),
+            "stage_gpu_peak_mb": gpu, "kv_cells_peak": summary.get("kv_cells_peak"),
+            "cached_prompt_tokens": summary.get("cached_prompt_tokens"), "failures": failures}
 
 
 # -- quantized checkpoints -----------------------------------------------------------------------------
