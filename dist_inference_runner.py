@@ -12,8 +12,13 @@ The seed's per-rank launch works too:
 from __future__ import annotations
 
 import os
+import signal
 
 START_PPID = os.getppid()  # the launcher, read first thing: a rank must not outlive it (comm.lifeline)
+if __name__ == "__main__":  # the runner's own process: SIGTERM and SIGINT blocked before any library (torch,
+    # OpenMP, tokenizers) starts a thread, which would inherit them unblocked and take the default action (an
+    # exit with no log line, a KeyboardInterrupt traceback); only watch_signals' thread receives them
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -227,8 +232,6 @@ def watch_signals(rank: int) -> None:
     journal is flushed after every write, so what finished is kept; any rank still alive
     :data:`BACKSTOP_S` seconds after the signal exits anyway.
     """
-    import signal
-
     sigs = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 
