@@ -93,6 +93,7 @@ class RunOptions:
     cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
     dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
     in_process: bool = _opt(False, "Run every rank (--pipeline-group-size x --data-group-size) as a thread of this one process, joined by in-memory links instead of a process group: no torchrun. For tests and debugging, and for several stages on one GPU (each stage on GPU stage %% device count).")
+    dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
     timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
     # requests and results
@@ -323,6 +324,8 @@ def _layout_problems(opts: RunOptions) -> list[str]:
     problems = []
     if opts.in_process and (opts.rank is not None or opts.world_size is not None or opts.dist_url is not None):
         problems.append("--in-process runs every rank in this process: drop --rank, --world-size and --dist-url")
+    if opts.in_process and opts.dist_backend != "auto":
+        problems.append("--in-process joins its ranks by in-memory links, not a process group: drop --dist-backend")
     given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]
     if len(given) > 1:
         problems.append(f"{' and '.join('--' + f.replace('_', '-') for f in given)} each decide the stage sizes: "

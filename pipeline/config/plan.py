@@ -137,6 +137,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         all_inputs = resolve_inputs(opts, env)
         check_outputs_distinct(all_inputs, opts.output_path)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if opts.dist_backend == "nccl" and device.type != "cuda":
+            raise UsageError("--dist-backend nccl needs CUDA GPUs and none is visible: use auto (gloo on CPUs)")
         _check_kv_cache_dtype(opts, spec, device)
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)

@@ -146,7 +146,8 @@ def run_budget(opts, info, stage, plan=None) -> int:
 
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
-        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most)
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
+                                info.gpu_sharers)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if opts.budget == "auto" and info.is_first:
@@ -188,7 +189,7 @@ def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
         keep_freed_memory()
     try:
         info = info or init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                                        opts.dist_url, opts.cuda_id, opts.timeout)
+                                        opts.dist_url, opts.cuda_id, opts.timeout, opts.dist_backend)
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading"
