@@ -36,15 +36,15 @@ if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is 
 from comm.dist import shutdown  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402
-from pipeline.api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
+from python_api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
-from pipeline.runtime.in_process import plan_env, rank_of_thread, rank_options, run_in_process  # noqa: E402
+from pipeline.runtime.in_process import in_process_options, plan_env, rank_of_thread, run_in_process  # noqa: E402
 from pipeline.runtime.roles import make_engine, serve_rank, start_rank  # noqa: E402
 from pipeline.runtime.sources import FileList, RunError  # noqa: E402
-from serve.interactive import run_chat_client, run_interactive  # noqa: E402
-from serve.state_dir import serve_dir_problem  # noqa: E402
+from terminal.interactive import run_chat_client, run_interactive  # noqa: E402
+from tasks.serve_dir import serve_dir_problem  # noqa: E402
 from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
 from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
@@ -146,17 +146,8 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
         _hard_exit(1)
 
 
-def in_process_options(opts):
-    """Rank 0's options of an ``--in-process`` run (UsageError when the process is one rank of a launch)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--in-process runs every rank in one process, but this process is one rank of a launch "
-                         "(torchrun): drop --in-process, or start it with plain python")
-    pipeline = opts.pipeline_group_size or 1
-    return rank_options(dataclasses.replace(opts, pipeline_group_size=pipeline), 0, pipeline * opts.data_group_size)
-
-
 def check_serve_dir(opts) -> None:
-    """--serve-dir is trusted only when it is this user's and closed to others (serve.state_dir): refused
+    """--serve-dir is trusted only when it is this user's and closed to others (tasks.serve_dir): refused
     before anything loads."""
     if opts.serve is None or opts.serve_dir is None:
         return
@@ -308,7 +299,7 @@ def execute(plan, opts, info=None, stopping: threading.Event | None = None) -> i
         if opts.prompts or opts.prompts_file or opts.chat:
             code = run_interactive(rank, stopping)
         elif opts.serve is not None:
-            from serve.run import run_server  # lazy: FastAPI and uvicorn, 0.6 s of every other rank's start-up
+            from serve.server import run_server  # lazy: FastAPI and uvicorn, 0.6 s of every other rank's start-up
 
             run_server(rank, stopping)
             code = stopped_code()

@@ -16,7 +16,7 @@ from pathlib import Path
 from pipeline.runtime.sources import FileSource, Job
 from tasks.writer import input_id, journal_path, journal_problem
 
-from serve.batches import BatchStore
+from tasks.batch_store import BatchStore
 
 log = logging.getLogger("serve")
 

@@ -23,6 +23,19 @@ from tasks.requests import Request
 log = logging.getLogger(__name__)
 
 
+class Stopping:
+    """This engine's own stop, or an outer one's (the process's signals): set() sets its own only."""
+
+    def __init__(self, outer: threading.Event | None = None):
+        self.own, self.outer = threading.Event(), outer
+
+    def is_set(self) -> bool:
+        return self.own.is_set() or (self.outer is not None and self.outer.is_set())
+
+    def set(self) -> None:
+        self.own.set()
+
+
 class EngineStopped(RuntimeError):
     """The engine is not running (it failed, or was stopped): nothing more can be submitted."""
 
@@ -31,9 +44,10 @@ class EngineThread:
     def __init__(self, build: Callable[[Requests, QueuedFiles, threading.Event], Engine],
                  stopping: threading.Event | None = None, max_pending: int = 1 << 62,
                  cleanup: Callable[[bool], None] | None = None):
-        """``build``: the engine, made on the engine's thread; ``stopping``: what stops it (default its
-        own); ``cleanup(clean)``: after the engine ended (clean: it stopped as asked)."""
-        self.stopping = stopping or threading.Event()
+        """``build``: the engine, made on the engine's thread; ``stopping``: what stops it besides
+        :meth:`stop` (the process's signals); ``cleanup(clean)``: after the engine ended (clean: it
+        stopped as asked)."""
+        self.stopping = Stopping(stopping)
         self.requests = Requests(max_pending, stopping=self.stopping)
         self.files = QueuedFiles()
         self.engine: Engine | None = None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dataclasses
 
-from tasks.metrics import StatusCollector
+from tasks.status_exporter import StatusCollector
 from tasks.shards import share_size
 from tasks.status import RunStatus, activate, count_lines
 

@@ -276,7 +276,7 @@ def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works
     assert sorted(x["custom_id"] for x in bad) == sorted(lines[i]["custom_id"] for i in errors)
     server.kill()
     # while it is down, a batch is left in progress whose input file is gone
-    from serve.batches import BatchStore
+    from tasks.batch_store import BatchStore
 
     store = BatchStore(server.serve_dir)
     line = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}
@@ -302,7 +302,7 @@ def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistr
 
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Line {i} is", "max_tokens": 2, "temperature": 0}} for i in range(12)]
-    from serve.batches import BatchStore
+    from tasks.batch_store import BatchStore
 
     store = BatchStore(tmp_path / "state")  # the batch waits in the folder; each server start runs it
     f = store.add_file("default", "".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")

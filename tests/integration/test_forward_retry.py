@@ -92,7 +92,7 @@ def test_with_the_prefix_cache_and_chunked_prefill(tmp_path):
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tmp_path, stages):
-    from serve.batches import BatchStore
+    from tasks.batch_store import BatchStore
     from tests.integration.test_serve import Server, wait_batch
 
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",

@@ -1,4 +1,4 @@
-"""The Python API (pipeline.api) against file mode on the same request files, at P = 1 and P = 2 (the
+"""The Python API (python_api) against file mode on the same request files, at P = 1 and P = 2 (the
 API starts the second stage itself), plus per-row parameters, bad requests and torchrun (a killed worker:
 test_python_api_workers.py)."""
 

@@ -457,7 +457,7 @@ def test_scheduler_priority_and_spare_rows():
 
 def test_serve_flags():
     from pipeline.config.options import parse_options, serve_address
-    from serve.run import _loopback
+    from serve.server import _loopback
 
     assert serve_address("8000") == ("127.0.0.1", 8000)
     assert serve_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
@@ -481,7 +481,7 @@ def test_dropped_request_releases_its_prefix_digests():
     from pipeline.cache.prefix import PrefixCache
     from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig, ServePolicy
     from serve.engine import ServeRank
-    from serve.source import Live, RequestSource
+    from serve.http_channel import Live, RequestSource
     from tasks.requests import parse_body
 
     prefix = PrefixCache(4, 4096)

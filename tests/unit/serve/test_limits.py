@@ -1,6 +1,6 @@
 """Serve mode's limits without a model: keys and their names, the Host/Origin/Content-Type/body
-checks (serve.guard), caps before tokenizing (serve.intake), admission by rows and bounded stream
-buffers (serve.source); the connection cap and timeouts: tests/unit/serve/test_protocol.py; the same
+checks (serve.guard), caps before tokenizing (serve.tokenizing), admission by rows and bounded stream
+buffers (serve.http_channel); the connection cap and timeouts: tests/unit/serve/test_protocol.py; the same
 limits on the real server: tests/integration/test_serve_load.py. Apps run on uvicorn threads on 127.0.0.1."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def guarded_app(keys: dict | None = None, hosts: str | None = None, origins: str
 
 def client(app, host: str = "127.0.0.1:8000"):
     """An HTTP client of ``app`` served by uvicorn on 127.0.0.1, sending ``Host: host``."""
-    from serve.app import HttpThread
+    from serve.endpoints import HttpThread
 
     port = free_port()
     http = HttpThread(app, "127.0.0.1", port)
@@ -140,10 +140,10 @@ def test_host_and_origin_allow_lists():
 
 def test_server_app_answers_allowed_origins_with_cors(tmp_path):
     """The server's app (create_app): --allowed-origins get CORS headers and preflights; others 403."""
-    from serve.app import ServeState, create_app
+    from serve.endpoints import ServeState, create_app
     from serve.auth import Keys, make_access
     from pipeline.runtime.sources import Requests
-    from serve.batches import BatchStore
+    from tasks.batch_store import BatchStore
 
     state = ServeState(Requests(4, 16), BatchStore(tmp_path), "m", Keys({"sk": "a"}), 1000,
                        access=make_access("127.0.0.1", None, "https://ui.example"), allowed_origins="https://ui.example")
@@ -198,7 +198,7 @@ def test_body_counted_as_read():
 # -- before tokenizing, admission, streams ----------------------------------------------------
 def test_caps_before_tokenizing():
     from pipeline.runtime.sources import rows_of
-    from serve.intake import Caps, check_caps, max_token_bytes
+    from serve.tokenizing import Caps, check_caps, max_token_bytes
     from tasks.requests import parse_body
     from tasks.protocol import RequestError
     from tests.utils import local_tokenizer
@@ -229,7 +229,7 @@ def test_caps_before_tokenizing():
 
 def live_request(loop, rows: int = 1, stream: bool = False):
     from pipeline.runtime.sources import Live
-    from serve.source import HttpChannel
+    from serve.http_channel import HttpChannel
     from tasks.requests import parse_body
 
     req = parse_body({"prompt": "x", "max_tokens": 4, "stream": stream}, False)
@@ -266,7 +266,7 @@ def test_admission_counts_rows_and_open_streams():
 
 def test_unread_stream_buffer_is_bounded():
     """Deltas past the buffer are not kept; the final chunk still carries the whole text and logprobs."""
-    from serve.source import STREAM_BUFFER
+    from serve.http_channel import STREAM_BUFFER
     from serve.sse import ChunkMaker
 
     loop = asyncio.new_event_loop()

@@ -7,8 +7,8 @@ import io
 import json
 
 from pipeline.config.options import parse_options
-from serve.chat_backends import BackendError
-from serve.chat_shell import ChatShell, Conversation
+from terminal.chat_backends import BackendError
+from terminal.chat_shell import ChatShell, Conversation
 
 
 class Backend:

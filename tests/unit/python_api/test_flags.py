@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.api.options import parse, to_argv
+from python_api.flags import parse, to_argv
 from pipeline.config.options import UsageError
 
 

@@ -1,6 +1,6 @@
 """The HTTP endpoints (FastAPI), in OpenAI's request and response shapes, and the uvicorn thread.
 
-Handlers only validate, hand requests to the pipeline thread (:mod:`serve.source`) and await the
+Handlers only validate, hand requests to the pipeline thread (:mod:`serve.http_channel`) and await the
 answer; every error is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -24,14 +24,14 @@ from tasks.protocol import Answer, RequestError
 from tasks.requests import parse_body
 
 from serve.auth import Access, Keys, origin_list
-from serve.batches import BatchStore, StoreError
+from tasks.batch_store import BatchStore, StoreError
 from serve.guard import Guard
 from serve.metrics import CountRequests, ServeMetrics
-from serve.intake import Caps, Tokenizing, check_caps
-from serve.source import HttpChannel
+from serve.tokenizing import Caps, Tokenizing, check_caps
+from serve.http_channel import HttpChannel
 from serve.sse import DONE, ChunkMaker, event
-from serve.files_routes import add_batch_routes
-from serve.protocol import protocol_class
+from serve.batch_routes import add_batch_routes
+from serve.connection_limits import protocol_class
 from serve.responses import error, ok, read_json
 from serve.web_page import add_page_route
 
@@ -269,7 +269,7 @@ class HttpThread:
     """uvicorn in a daemon thread; the pipeline keeps the main thread."""
 
     def __init__(self, app: FastAPI, host: str, port: int, limits=None, keep_alive: int = 5):
-        """``limits``: serve.protocol.Limits (connection cap and timeouts); None: uvicorn's defaults."""
+        """``limits``: serve.connection_limits.Limits (connection cap and timeouts); None: uvicorn's defaults."""
         import uvicorn
 
         extra = {}

@@ -1,4 +1,4 @@
-"""serve.protocol on a real uvicorn (a small app in a thread, 127.0.0.1, no model): the connection
+"""serve.connection_limits on a real uvicorn (a small app in a thread, 127.0.0.1, no model): the connection
 cap closes the connection idle longest, busy connections make a newcomer 503, a half-sent head is
 closed after the header timeout, a stalled body gets 408, output left unread closes its connection."""
 
@@ -23,9 +23,9 @@ except ImportError:
 
 @pytest.fixture
 def small_server():
-    """uvicorn with serve.protocol's limits in a thread: 4 connections, 2 s head, 2 s body, 2 s send."""
-    from serve.app import HttpThread
-    from serve.protocol import Limits
+    """uvicorn with serve.connection_limits's limits in a thread: 4 connections, 2 s head, 2 s body, 2 s send."""
+    from serve.endpoints import HttpThread
+    from serve.connection_limits import Limits
 
     app = FastAPI()
     gate = threading.Event()

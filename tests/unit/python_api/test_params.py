@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.api.params import SamplingParams, fields_of, params_for
+from python_api.params import SamplingParams, fields_of, params_for
 from tasks.requests import parse_body, parse_request
 
 

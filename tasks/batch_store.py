@@ -36,9 +36,9 @@ from tasks.files import write_atomic
 from tasks.inflight import crashed_runs, inflight_path
 from tasks.writer import journal_path
 
-from serve.batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
-from serve.state_dir import FILE_MODE, make_private_dir
-from serve.store_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
+from tasks.batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
+from tasks.serve_dir import FILE_MODE, make_private_dir
+from tasks.batch_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
                             is_error, owner_slug, page, valid_id)
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class BatchStore:
         self.files: dict[str, dict] = {}  # id -> file object (+ "_owner", not saved: the folder says it)
         self.batches: dict[str, dict] = {}
         self._disk_checked, self._disk_low = 0.0, False
-        # uploads stream into this folder (serve/upload.py) and move into their key's folder when complete;
+        # uploads stream into this folder (serve/file_upload.py) and move into their key's folder when complete;
         # a crash mid-upload leaves a .part file there, removed at the next start
         self.uploads_dir = make_private_dir(self.root / "uploads")
         for part in self.uploads_dir.glob("*.part"):

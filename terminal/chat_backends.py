@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 from tasks.protocol import RequestError
 
-from serve.auth import API_KEY_ENVS
-from serve.local import LocalEngine, error_of
+from pipeline.config.serve_options import API_KEY_ENVS
+from terminal.local_engine import LocalEngine, error_of
 
 
 class BackendError(Exception):

@@ -1,8 +1,8 @@
 """Output lines -> Result objects; echo logprobs -> scores."""
 
-from pipeline.api.llm import _as_list, _request
-from pipeline.api.params import SamplingParams
-from pipeline.api.results import from_line, score_of
+from python_api.llm import _as_list, _request
+from python_api.params import SamplingParams
+from python_api.outputs import from_line, score_of
 
 LINE = {"request": {"prompt": "ab"}, "result": {
     "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",

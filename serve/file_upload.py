@@ -15,7 +15,7 @@ from pathlib import Path
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from serve.batches import StoreError
+from tasks.batch_store import StoreError
 
 MAX_FIELD = 1024  # bytes of a form field other than the file
 MAX_PARTS = 8

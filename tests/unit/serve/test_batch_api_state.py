@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import orjson
 from fastapi.testclient import TestClient
 
-from serve import batch_checks
-from serve.app import ServeState, create_app
-from serve.batches import BatchStore, StoreLimits
+from tasks import batch_checks
+from serve.endpoints import ServeState, create_app
+from tasks.batch_store import BatchStore, StoreLimits
 from pipeline.runtime.sources import Requests
-from serve.state_dir import serve_dir_problem
+from tasks.serve_dir import serve_dir_problem
 
 
 def line(cid, url="/v1/completions", prompt="hi"):
@@ -376,10 +376,10 @@ def test_a_full_disk_answers_503_and_the_server_goes_on(tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
 
-    monkeypatch.setattr("serve.batches.write_atomic", full)
+    monkeypatch.setattr("tasks.batch_store.write_atomic", full)
     r = upload(client, "a", [line("1")])
     assert r.status_code == 503 and str(tmp_path) not in r.text
-    monkeypatch.setattr("serve.batches.write_atomic", real)
+    monkeypatch.setattr("tasks.batch_store.write_atomic", real)
     assert upload(client, "a", [line("1")]).status_code == 200
 
 

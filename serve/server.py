@@ -11,13 +11,13 @@ import tempfile
 from pipeline.config.options import serve_address
 from pipeline.runtime.roles import make_engine
 from pipeline.runtime.sources import Requests
-from serve.app import HttpThread, ServeState, create_app
+from serve.endpoints import HttpThread, ServeState, create_app
 from serve.auth import API_KEY_ENVS, load_keys, loopback, make_access
 from serve.batch_jobs import BatchJobs
-from serve.batches import BatchStore, StoreLimits
-from serve.intake import Caps, Tokenizing, max_token_bytes
+from tasks.batch_store import BatchStore, StoreLimits
+from serve.tokenizing import Caps, Tokenizing, max_token_bytes
 from serve.metrics import ServeMetrics
-from serve.protocol import Limits, connection_cap
+from serve.connection_limits import Limits, connection_cap
 
 log = logging.getLogger("serve")
 

@@ -2,7 +2,7 @@
 print each with its completion, then a latency report in the style of llm-foundry's ``hf_generate``.
 
 The prompts go in as completion requests (the sampling flags' fields, arrival order = request index,
-so the answers equal a request file's with the same lines) through :class:`serve.local.LocalEngine`:
+so the answers equal a request file's with the same lines) through :class:`terminal.local_engine.LocalEngine`:
 serve mode's scheduler and engine, with the answers coming back from the last rank.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pipeline.config.interactive_options import sampling_body, unescape
 from tasks.protocol import RequestError
 
-from serve.local import LocalEngine, Ticket, error_of
+from terminal.local_engine import LocalEngine, Ticket, error_of
 
 
 @dataclass
@@ -49,8 +49,10 @@ def read_prompts(opts) -> list[str]:
         return [unescape(line.rstrip("\r\n")) for line in f if line.strip()]
 
 
-def run_prompts(engine: LocalEngine, opts, out=sys.stdout) -> int:
-    """Print every prompt and its completion (or its error), then the report; 1 when any failed."""
+def run_prompts(engine: LocalEngine, opts, out=None) -> int:
+    """Print every prompt and its completion (or its error), then the report (to ``out``, default
+    stdout); 1 when any failed."""
+    out = out or sys.stdout
     prompts = read_prompts(opts)
     body = sampling_body(opts)
     tickets: list[Ticket | RequestError] = []

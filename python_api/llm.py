@@ -4,8 +4,8 @@
     with LLM(pipeline_size=2) as llm:
         print(llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0].text)
 
-Rank 0 runs in this process (a thread, :mod:`pipeline.api.engine`); the other stages are worker
-processes it starts (:mod:`pipeline.api.workers`), or, under torchrun, the other ranks of the job.
+Rank 0 runs in this process (a thread, :mod:`python_api.engine`); the other stages are worker
+processes it starts (:mod:`python_api.workers`), or, under torchrun, the other ranks of the job.
 Calls run one at a time; within a call, requests run together as a file's lines would.
 """
 
@@ -25,13 +25,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from comm.dist import shutdown
-from pipeline.api.options import parse, to_argv
-from pipeline.api.params import SamplingParams, fields_of, params_for
-from pipeline.api.results import RequestFailed, Result, Score, error_result, from_answer, score_of
-from pipeline.api.workers import Workers, free_port
+from python_api.flags import parse, to_argv
+from python_api.params import SamplingParams, fields_of, params_for
+from python_api.outputs import RequestFailed, Result, Score, error_result, from_answer, score_of
+from python_api.workers import Workers, free_port
 from pipeline.config.options import UsageError
 from pipeline.config.plan import make_plan, output_for
 from pipeline.runtime.engine_thread import EngineThread
+from pipeline.runtime.in_process import LocalRanks, in_process_options, plan_env
 from pipeline.runtime.roles import make_engine, serve_rank, start_rank
 from pipeline.runtime.sources import FutureChannel, Live
 from tasks.progress import Progress
@@ -80,6 +81,8 @@ class LLM:
                                  f"pipeline_size={world} or leave it out")
             if int(os.environ.get("RANK", "0")) != 0:
                 _serve_and_exit(opts)  # never returns: this rank serves rank 0 until it closes
+        elif opts.in_process:  # every stage a thread of this process (comm.local): no workers, no process group
+            opts.pipeline_group_size = pipeline_size
         elif pipeline_size > 1:
             if dist.is_initialized():
                 raise UsageError("another LLM with pipeline_size > 1 is open in this process (a process holds one "
@@ -88,7 +91,13 @@ class LLM:
             opts.dist_url = f"tcp://127.0.0.1:{free_port()}"
         elif pipeline_size < 1:
             raise UsageError(f"pipeline_size must be at least 1, got {pipeline_size}")
-        plan = make_plan(opts)  # every flag checked before a worker starts or a weight loads
+        self._local: LocalRanks | None = None
+        if opts.in_process:
+            launch, opts = opts, in_process_options(opts)
+            plan = make_plan(opts, plan_env())
+            self._local = LocalRanks(launch, plan, make_plan)  # the other stages' plans: checked before loading
+        else:
+            plan = make_plan(opts)  # every flag checked before a worker starts or a weight loads
         for warning in plan.warnings:
             log.warning("%s", warning)
         self.plan, self.opts = plan, opts
@@ -107,12 +116,21 @@ class LLM:
 
     def _build(self, requests, files, stopping):
         """On the engine's thread: this process's rank started (the process group with the workers, its
-        stage loaded), and rank 0's engine over it (requests arrive over time: serve mode's policy)."""
-        self._rank = start_rank(self.plan, self.opts)
+        stage loaded; ``in_process``: the other stages started on threads), and rank 0's engine over it
+        (requests arrive over time: serve mode's policy)."""
+        info = None
+        if self._local is not None:
+            self._local.start(_other_stage)
+            info = self._local.infos[0]
+        self._rank = start_rank(self.plan, self.opts, info)
         return make_engine(self._rank, files, requests, stopping, arriving=True)
 
     def _shutdown(self, clean: bool) -> None:
-        if self._rank is not None and self._rank.info.backend is not None:  # one stage has no group
+        if self._local is not None:
+            if not clean and self._local.infos[0].local is not None:  # the other stages stop at their next receive
+                self._local.infos[0].local.fail(0, self.engine.failure or "rank 0 stopped")
+            self._local.join()
+        elif self._rank is not None and self._rank.info.backend is not None:  # one stage has no group
             shutdown(self._rank.info, clean)
 
     def _wait_ready(self) -> None:
@@ -128,6 +146,9 @@ class LLM:
         if self._closed:
             raise EngineDead("this LLM is closed")
         problem = self.workers.problem() if self.workers is not None else None
+        if self._local is not None:  # a stage thread that failed: its own error
+            failed = next((e for e in self._local.errors[1:] if e is not None), None)
+            problem = f"pipeline stage failed: {type(failed).__name__}: {failed}" if failed is not None else None
         if problem is None and self.workers is not None and (self.engine.failure or self.engine.finished.is_set()):
             # rank 0 saw the peer go first: the dead worker's own message says more (give it a moment to exit)
             self.workers.wait(WORKER_EXIT_S)
@@ -315,6 +336,12 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001
             log.warning("process group teardown: %s", e)
+
+
+def _other_stage(plan, opts, info) -> int:
+    """A stage of an ``in_process`` LLM but the first: passes until rank 0 stops."""
+    serve_rank(start_rank(plan, opts, info))
+    return 0
 
 
 def _serve_and_exit(opts) -> None:

@@ -1,4 +1,4 @@
-"""The Batch API endpoints: ``/v1/files`` and ``/v1/batches`` (state in :class:`serve.batches.BatchStore`).
+"""The Batch API endpoints: ``/v1/files`` and ``/v1/batches`` (state in :class:`tasks.batch_store.BatchStore`).
 
 Every call acts for the API key that made it (:func:`owner_of`): a key lists, reads, cancels and
 deletes only its own files and batches; another key's ids answer 404, as ids that do not exist.
@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from serve.batch_checks import CheckError, check_expires_after
-from serve.batches import StoreError, owner_slug
+from tasks.batch_checks import CheckError, check_expires_after
+from tasks.batch_store import StoreError, owner_slug
 from serve.responses import error, ok, read_json
-from serve.upload import receive_upload
+from serve.file_upload import receive_upload
 
 
 STORAGE_FULL = "the server could not store this (its disk is full); try again later"

@@ -9,7 +9,7 @@ import pty
 
 import pytest
 
-from serve.chat_terminal import Terminal
+from terminal.line_editor import Terminal
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from serve.chat_backends import BackendError, HttpBackend, LocalBackend
-from serve.chat_shell import ChatShell
-from serve.local import LocalEngine
-from serve.prompts import run_prompts
+from terminal.chat_backends import BackendError, HttpBackend, LocalBackend
+from terminal.chat_shell import ChatShell
+from terminal.local_engine import LocalEngine
+from terminal.prompts import run_prompts
 
 log = logging.getLogger("serve")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from pipeline.config.interactive_options import sampling_body, unescape
 
-from serve.chat_backends import BackendError
-from serve.chat_terminal import Terminal
+from terminal.chat_backends import BackendError
+from terminal.line_editor import Terminal
 
 HELP = """commands:
   /help, /?           this list
