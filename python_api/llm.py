@@ -280,7 +280,7 @@ class LLM:
             return error_result(i, getattr(e, "raw", item), e.to_dict())
         channel = FutureChannel()
         channel.future.add_done_callback(lambda f, i=i: done.put((i, f.result())))
-        waiting[i] = self.engine.submit(req, channel)
+        waiting[i] = self.engine.submit(req, channel, numbered=True)  # its position: a file line's stream
         return None
 
     def _result(self, i: int, live: Live, answer: Answer) -> Result:

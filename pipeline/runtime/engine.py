@@ -149,8 +149,9 @@ class Engine:
 
     def cancel(self, live: Live) -> None:
         """Its client left: unqueued groups leave the queue, admitted rows are dropped with their slot's next pass."""
-        if self.live.pop(live.req.index, None) is None:
-            return  # answered already
+        if self.live.get(live.req.index) is not live:
+            return  # answered already (its index may be a later request's now)
+        del self.live[live.req.index]
         self.requests.release(live)
         held = self.driver.cancel(set(live.gids), live.req.index)
         log.info("request %d: the client left; its rows are freed (%d micro-batch(es))", live.req.index, held)

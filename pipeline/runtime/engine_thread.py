@@ -92,13 +92,15 @@ class EngineThread:
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.finished.is_set()
 
-    def submit(self, req: Request, channel: Channel, prompt_ids: list[list[int]] | None = None) -> Live:
+    def submit(self, req: Request, channel: Channel, prompt_ids: list[list[int]] | None = None,
+               numbered: bool = False) -> Live:
         """Queue one request (``prompt_ids``: its prompts tokenized on the caller's thread, else the
-        engine's driver tokenizes them); its answer comes through ``channel``."""
+        engine's driver tokenizes them); its answer comes through ``channel``. ``numbered``: the caller
+        gave it its index (unique among its requests in flight), else it gets its arrival number."""
         if self.failure is not None or self.finished.is_set():
             raise EngineStopped(self.failure or "the engine stopped")
         live = Live(req, channel, req.stream, rows=rows_of(req), prompt_ids=prompt_ids)
-        self.requests.submit(live)
+        self.requests.submit(live, number=not numbered)
         return live
 
     def cancel(self, live: Live) -> None:

@@ -266,8 +266,10 @@ class Requests:
         self._index = itertools.count()
 
     # -- the faces' side ----------------------------------------------------------------------
-    def admit(self, live: Live) -> None:
-        """Count a request in (Busy, Unavailable when it cannot be); it gets its arrival number."""
+    def admit(self, live: Live, number: bool = True) -> None:
+        """Count a request in (Busy, Unavailable when it cannot be); it gets its arrival number unless the
+        face numbers its requests itself (``number`` false: the Python API's positions in a call, so that
+        a sampled request draws the stream a request file's line at that position draws)."""
         with self._lock:
             if self.stopping.is_set():
                 raise Unavailable("the server is shutting down")
@@ -279,12 +281,13 @@ class Requests:
             self.pending += 1
             self.rows += live.rows
             live.admitted = True
-            live.req.index = next(self._index)
+            if number:
+                live.req.index = next(self._index)
 
-    def submit(self, live: Live) -> None:
+    def submit(self, live: Live, number: bool = True) -> None:
         """Hand a request (admitted here if it was not) to the engine."""
         if not live.admitted:
-            self.admit(live)
+            self.admit(live, number)
         self.inbox.put(live)
 
     def release(self, live: Live) -> None:
