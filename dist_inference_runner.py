@@ -20,7 +20,6 @@ if __name__ == "__main__":  # the runner's own process: SIGTERM and SIGINT block
     # exit with no log line, a KeyboardInterrupt traceback); only watch_signals' thread receives them
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402

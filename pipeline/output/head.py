@@ -1,9 +1,10 @@
-"""The last stage's output assembly after the layers: which rows need logits, their per-row state,
-stop strings, streaming deltas, best_of selection and finished requests.
+"""The last stage after its layers: which rows need logits, each row's state from admission to its
+end (EOS, stop strings, length, a grammar that is complete), and finished requests.
 
-The device work (logits -> tokens and logprobs for the whole micro-batch, echo scoring) is
-pipeline.sampling's; finished requests are formatted (pipeline.output.results) and handed to the
-ordered writer.
+By role: the rows' state is pipeline.output.head_state's; the device work (logits -> tokens and
+logprobs for the whole micro-batch, echo scoring) and structured outputs' masks are
+pipeline.sampling's (step, scoring, constraints); a finished request's result and a stream's deltas
+are assembled by pipeline.output.answers.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import time
 import torch
 
 from tasks.requests import Params
-from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, result_object, top_dict)
-from tasks.protocol import output_line
 
+from pipeline.output.answers import Answers
 from pipeline.output.head_state import GroupState, RequestState, RowState
+from pipeline.output.results import Candidate, Detokenizer, IncrementalText
 from pipeline.runtime.messages import Admission, Prefill
-from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask
+from pipeline.sampling.constraints import Constraints
+from pipeline.sampling.grammar import GrammarError, Grammars
 from pipeline.sampling.sampler import stream_key, uniform
 from pipeline.sampling.scoring import PromptScorer
 from pipeline.sampling.step import draw, head_logits
@@ -30,38 +32,18 @@ class Head:
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
-        self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
-        self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
-        self.deltas: list[tuple] = []  # streaming: (request index, choice index, new text, its logprobs or None)
+        self.answers = Answers(self.detok, model_name)  # finished requests formatted, streamed text
+        self.constraints = Constraints(grammars, eos_ids, masks_on_thread)  # structured outputs' masks
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
-        self.format_seconds = 0.0  # detokenizing and formatting results
-        self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
-        self.constrained_rows = 0  # rows sampled under a grammar's mask
-        self.mask_seconds = 0.0  # the sampling step waiting for (or computing) those masks
-        self.ahead = MasksAhead(masks_on_thread)  # constrained rows' next masks (ahead: while the stages run)
-        self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
-        self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
         """A new file: its counters from zero."""
-        self.generated_tokens, self.format_seconds = 0, 0.0
-        self.constrained_rows, self.mask_seconds = 0, 0.0
-        self.ahead.ahead_seconds = 0.0  # (no mask is pending between files)
-        self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
-
-    def structured_figures(self) -> dict:
-        """This file's structured-output figures for its summary ({} when no row was constrained)."""
-        if not self.constrained_rows or self.grammars is None:
-            return {}
-        return {"constrained_rows": self.constrained_rows,
-                "grammars_compiled": self.grammars.compiled - self.compile_base[1],
-                "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
-                "mask_seconds": round(self.mask_seconds, 4),
-                "mask_ahead_seconds": round(self.ahead.ahead_seconds, 4), "masks_on_thread": self.ahead.on_thread}
+        self.generated_tokens, self.answers.format_seconds = 0, 0.0
+        self.constraints.start_file()
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -90,11 +72,7 @@ class Head:
                 self._failed(req, "reading its prompt", e)
             if p.structured is not None:
                 try:
-                    if self.grammars is None:
-                        raise GrammarError("no grammar compiler on this rank")
-                    rows[r].matcher = self.grammars.matcher(p.structured)
-                    self.constrained_rows += 1
-                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # (a chunked prompt's later passes)
+                    rows[r].matcher = self.constraints.matcher(p.structured)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
 
@@ -169,11 +147,9 @@ class Head:
                 finished += g.rows
         for r in finished:
             self._finish_row(slot, r)
-        for r in feed:  # constrained rows' next masks, while the stages run their next pass
-            if states[r].matcher is not None:
-                self.ahead.start(states[r].matcher, self.grammars.tok.vocab_size)
-        if self.grammars is not None and self.grammars.tok is not None:
-            self.ahead.flush(self.grammars.tok.vocab_size)  # one batch for the pass's rows
+        matchers = [states[r].matcher for r in feed if states[r].matcher is not None]
+        if matchers:  # constrained rows' next masks, while the stages run their next pass
+            self.constraints.ahead(matchers)
         return feed, finished
 
     def _request_error(self, gid: int) -> dict | None:
@@ -185,13 +161,7 @@ class Head:
         device work (pipeline.sampling.step) raises before any row changes; a row whose own bookkeeping
         raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
         ps = [self.groups[states[r].gid].params for r in rows]
-        allowed = None
-        matchers = [states[r].matcher for r in rows]
-        if any(m is not None for m in matchers):  # structured outputs: the grammars' next-token masks
-            t0 = time.perf_counter()
-            allowed = allowed_mask(matchers, self.eos_ids, self.grammars.tok.vocab_size, logits.shape[-1],
-                                   logits.device, self.ahead)
-            self.mask_seconds += time.perf_counter() - t0
+        allowed = self.constraints.mask([states[r].matcher for r in rows], logits.shape[-1], logits.device)
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                   for r, p in zip(rows, ps)], allowed)
@@ -232,7 +202,8 @@ class Head:
                 finished.append(r)
                 return
             if st.sent >= 0:
-                self._stream(st, p)
+                meta = self.groups[st.gid].meta
+                self.answers.stream(meta.req, meta.prompt_i * p.n + st.cand.choice, st, p)
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
             cand.finish_reason = "stop"
             finished.append(r)
@@ -251,7 +222,7 @@ class Head:
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
-        self.ahead.forget(st.matcher)
+        self.constraints.forget(st.matcher)
         g = self.groups[st.gid]
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
@@ -273,48 +244,7 @@ class Head:
             if len(req.choices) == req.n_prompts and all(
                 len(c) == req.params.best_of for c in req.choices.values()
             ):
-                self._format(key, self.requests.pop(key))
-
-    def take_results(self) -> list[tuple[int, dict]]:
-        """Requests finished since the last call: (input index, output line)."""
-        out, self.results = self.results, []
-        return out
-
-    def _stream(self, st: RowState, p: Params) -> None:
-        """Queue the whole tokens a streaming row can no longer take back (their text, and their
-        logprobs when asked): text up to the last (longest stop - 1) characters, which a stop string
-        found later could still cut, ending with a token that completes its characters."""
-        hold = max((len(s) for s in p.stop), default=1) - 1
-        safe = len(st.text.text) - hold
-        pieces, pos, end = st.text.pieces, st.sent_chars, st.sent
-        for k in range(st.sent, len(pieces)):
-            if pos + len(pieces[k]) > safe:
-                break
-            pos += len(pieces[k])
-            if pieces[k]:
-                end = k + 1
-        if end == st.sent:
-            return
-        text = "".join(pieces[st.sent:end])
-        lp = None
-        if p.logprobs is not None:
-            c, offsets, at = st.cand, [], st.sent_chars
-            for piece in pieces[st.sent:end]:
-                offsets.append(at)
-                at += len(piece)
-            lp = {"tokens": pieces[st.sent:end], "token_logprobs": c.logprobs[st.sent:end],
-                  "top_logprobs": [top_dict(self.detok, t) for t in c.top[st.sent:end]] if p.logprobs else None,
-                  "text_offset": offsets}
-        meta = self.groups[st.gid].meta
-        self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, text, lp))
-        st.sent, st.sent_chars = end, st.sent_chars + len(text)
-
-    def take_answers(self) -> tuple[list[tuple[int, dict]], list[tuple[int, int, str, dict | None]]]:
-        """What goes back to rank 0 since the last call: the live requests finished, (request index,
-        {"result"} or {"error"}), and the streams' new text, (request, choice, text, its logprobs or None)."""
-        out = self.live_results, self.deltas
-        self.live_results, self.deltas = [], []
-        return out
+                self.answers.finish(*key, self.requests.pop(key))
 
     def drop(self, slot: int, live_reqs: set[int]) -> list[int]:
         """Serve mode: forget the rows of ``live_reqs`` (their clients left) in ``slot``; the rows freed."""
@@ -322,7 +252,7 @@ class Head:
                 and self.groups[st.gid].meta.req in live_reqs]
         for r in rows:
             st = self.slots[slot].pop(r)
-            self.ahead.forget(st.matcher)
+            self.constraints.forget(st.matcher)
             g = self.groups[st.gid]
             g.done += 1
             if g.done == len(g.rows):
@@ -350,45 +280,6 @@ class Head:
         for r in rows:
             self._finish_row(slot, r)
         return rows
-
-    def _format(self, key: tuple[bool, int], req: RequestState) -> None:
-        """A finished request: a file's line (the writer's), or for a live request its answer for rank 0,
-        ``{"result": ...}`` or ``{"error": ...}`` (tasks.protocol.Answer.from_wire)."""
-        live, index = key
-        t0 = time.perf_counter()
-        result = None
-        if req.error is None:
-            try:
-                result = self._result(req)
-            except Exception as e:
-                self._failed(req, "formatting its result", e)
-        if req.error is not None:
-            self.failed_requests += 1
-        if live:
-            self.live_results.append((index, {"result": result} if req.error is None else {"error": req.error}))
-        else:
-            self.results.append((index, output_line(req.raw, req.custom_id, result=result, error=req.error)))
-        self.format_seconds += time.perf_counter() - t0
-
-    def _result(self, req: RequestState) -> dict:
-        p = req.params
-        choices, completion_tokens = [], 0
-        for prompt_i in range(req.n_prompts):
-            cands = req.choices[prompt_i]
-            completion_tokens += sum(c.generated for c in cands)
-            best = sorted(cands, key=lambda c: (-c.mean_logprob, c.choice))[: p.n] if p.best_of > p.n else sorted(cands, key=lambda c: c.choice)
-            for j, cand in enumerate(best):
-                idx = prompt_i * p.n + j
-                if req.kind == "chat":
-                    choices.append(chat_choice(self.detok, cand, idx, p))
-                else:
-                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i),
-                                                      p.return_token_ids))
-        result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
-                               time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
-        if req.notes:
-            result["warnings"] = req.notes
-        return result
 
 
 def _find_stop(text: str, stops: list[str], since: int) -> int | None:

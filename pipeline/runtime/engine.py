@@ -247,9 +247,10 @@ class Engine:
         release = d.take_released()
         self.stage.release(release)
         total = j.skip + d.requests_read if (j.cancelled or j.expiring) else j.job.total
-        self._down(CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
-                             d.take_errors(), busy=[self.stage.busy], gpu_peak_mb=self.stage.gpu_peak_mb(),
-                             precision=[self.stage.precision()], memory=[self.stage.memory_mb()]))
+        msg = CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
+                        d.take_errors())
+        self.stage.add_figures(msg)  # every later stage appends its own on the way down
+        self._down(msg)
         j.closing = True
         self.owed += 1
 

@@ -47,7 +47,7 @@ class LastRank:
 
     def idle(self) -> None:
         """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
-        self.head.ahead.idle()
+        self.head.constraints.idle()
 
     def _open(self, msg: OpenFile) -> Opened:
         self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
@@ -122,7 +122,7 @@ class LastRank:
 
     def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
         written = 0
-        for index, line in self.head.take_results():
+        for index, line in self.head.answers.take_results():
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
             if failed:  # the request's own field (a grammar that could not go on), else the computation
@@ -138,20 +138,15 @@ class LastRank:
             f = self.file
             self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
                                  self.head.generated_tokens, hdr.stats)
-        live, deltas = self.head.take_answers()
+        live, deltas = self.head.answers.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
                      live, written, deltas, stats=hdr.stats)
 
     def _close(self, msg: CloseFile) -> Closed:
-        if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
-            msg.busy.append(self.stage.busy)
-            msg.gpu_peak_mb += self.stage.gpu_peak_mb()
-            msg.precision.append(self.stage.precision())
-            msg.memory.append(self.stage.memory_mb())
-        self.file.structured = self.head.structured_figures()
+        self.file.structured = self.head.constraints.figures()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
-                                            self.head.format_seconds, self.info.pipeline_size,
+                                            self.head.answers.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells, msg.gpu_peak_mb, msg.precision, msg.memory)
         self.file = None
         if self.status is not None:

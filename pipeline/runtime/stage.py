@@ -79,6 +79,14 @@ class Stage:
         head = block_buffer_bytes() if getattr(self.model, "has_head", False) else 0
         return self.ledger.breakdown(self.model, self.device, head)
 
+    def add_figures(self, msg: CloseFile) -> None:
+        """This stage's figures for the file's summary, appended to its CloseFile on the way down:
+        compute seconds, peak GPU memory, precision, memory breakdown."""
+        msg.busy.append(self.busy)
+        msg.gpu_peak_mb += self.gpu_peak_mb()
+        msg.precision.append(self.precision())
+        msg.memory.append(self.memory_mb())
+
     def note_peak(self) -> None:
         """After the caches changed (:attr:`_changed`: allocated, created, released, the pool resized;
         not on every pass): the file's most KV cells, and the ledger's most KV bytes (looked at only
@@ -260,11 +268,7 @@ def serve(link, stage: Stage, last=None) -> str | None:
             stage.busy, stage.peak_cells, output = 0.0, stage.kv_cells, msg.output  # per-file figures
         elif isinstance(msg, CloseFile):
             stage.release(msg.release)
-            if last is None:
-                msg.busy.append(stage.busy)
-                msg.gpu_peak_mb += stage.gpu_peak_mb()
-                msg.precision.append(stage.precision())
-                msg.memory.append(stage.memory_mb())
+            stage.add_figures(msg)
         if last is None:
             link.send_next(msg, x)
         else:
