@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from tasks.fields import check_batch_line, check_fields, check_role
 from tasks.protocol import RequestError
 
 MAX_N = 128  # n and best_of
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
+MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 100.0  # vLLM takes any positive value; beyond this every seen token is simply banned
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_INT = 2**31 - 1  # integer fields (max_tokens, top_k, token ids) travel as int32/int64 on the device
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds (and what the wire encoding, orjson, can write)
@@ -42,9 +45,19 @@ class Params:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's and HF's: over the prompt's and the generated tokens (1: off)
+    min_p: float = 0.0  # keep tokens at least min_p x the likeliest one's probability (0: off)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings not looked for, before this many
+    ignore_eos: bool = False  # EOS does not end the row (it is generated like any token)
+    stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the row like EOS
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict | None = None  # structured outputs: {"kind": json|json_object|regex|choice|grammar, "value"}
     return_token_ids: bool = False  # each choice also carries the ids of its tokens (vLLM's field)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """The row's generated tokens are counted (penalties over them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @classmethod
     def from_json(cls, d: dict) -> "Params":
@@ -64,6 +77,7 @@ class Request:
     custom_id: str | None = None  # Batch API lines
     stream: bool = False  # serve mode: stream: true
     model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.scheduling.driver)
+    ignored: list[str] = field(default_factory=list)  # --lenient-fields: the fields left aside (tasks.fields)
 
 
 def _is_int(x) -> bool:
@@ -145,6 +159,25 @@ def _stops(body: dict) -> list[str]:
     return [x for x in s if x]
 
 
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise RequestError(f"'{key}' must be true or false", key)
+    return bool(v)
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT for t in ids):
+        raise RequestError("'stop_token_ids' must be a list of token ids (integers, 0 or more)", "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"'stop_token_ids' has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                           "stop_token_ids")
+    return sorted(set(ids))
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     lb = body.get("logit_bias")
     if lb is None:
@@ -182,6 +215,8 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         if want is not None and not isinstance(want, bool):
             raise RequestError("'logprobs' must be true or false for chat completions", "logprobs")
         top = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        if body.get("top_logprobs") is not None and want is not True:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = top if want else None
         echo = False
     else:
@@ -191,14 +226,15 @@ def parse_params(body: dict, chat: bool = False) -> Params:
             echo = False
         if not isinstance(echo, bool):
             raise RequestError("'echo' must be true or false", "echo")
-    return_ids = body.get("return_token_ids", False)
-    if return_ids is not None and not isinstance(return_ids, bool):
-        raise RequestError("'return_token_ids' must be true or false", "return_token_ids")
+    return_ids = _bool(body, "return_token_ids")
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"'seed' must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}", "seed")
     top_k = _int(body, "top_k", 0, lo=-1)
     temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+    min_tokens = _int(body, "min_tokens", 0, lo=0)
+    if min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({min_tokens}) must be at most '{max_tokens_key}' ({max_tokens})", "min_tokens")
     return Params(
         max_tokens=max_tokens,
         temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
@@ -212,13 +248,22 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         seed=seed,
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
+        min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=min_tokens,
+        ignore_eos=_bool(body, "ignore_eos"),
+        stop_token_ids=_stop_token_ids(body),
         logit_bias=_logit_bias(body),
         structured=_structured(body),
-        return_token_ids=bool(return_ids),
+        return_token_ids=return_ids,
     )
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+# vLLM's options beside the kind, with the values that ask for what the runner does
+STRUCTURED_OPTIONS = {"disable_fallback": (None, True, False), "disable_any_whitespace": (None, True, False),
+                      "disable_additional_properties": (None, False), "whitespace_pattern": (None,)}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _structured(body: dict) -> dict | None:
@@ -226,8 +271,15 @@ def _structured(body: dict) -> dict | None:
     ``structured_outputs`` (one of regex, choice, grammar (Lark or GBNF), json); None: free text.
     Only its shape is checked here: whether it compiles is pipeline.scheduling.grammars' question."""
     rf, so = body.get("response_format"), body.get("structured_outputs")
+    guided = [k for k in GUIDED if body.get(k) is not None]  # vLLM's older fields, each one kind of structured_outputs
+    if guided:
+        if len(guided) > 1 or so is not None:
+            raise RequestError(f"give one of {', '.join(repr(k) for k in (*guided, 'structured_outputs')[:3])}, "
+                               "not several: each is an output constraint", guided[0])
+        so = {GUIDED[guided[0]]: body[guided[0]]}
     if rf is not None and so is not None:
-        raise RequestError("give either 'response_format' or 'structured_outputs', not both", "structured_outputs")
+        name = guided[0] if guided else "structured_outputs"
+        raise RequestError(f"give either 'response_format' or '{name}', not both", name)
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
         if kind == "text":
@@ -245,11 +297,25 @@ def _structured(body: dict) -> dict | None:
                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")
     if so is None:
         return None
-    keys = [k for k in STRUCTURED_KINDS if isinstance(so, dict) and so.get(k) is not None]
-    if len(keys) != 1:
+    name = guided[0] if guided else "structured_outputs"
+    if isinstance(so, dict) and so.get("json_object") is True and not any(so.get(k) is not None for k in
+                                                                          STRUCTURED_KINDS):
+        so = {k: v for k, v in so.items() if k != "json_object"}
+        kind_keys = ["json_object"]
+    else:
+        kind_keys = [k for k in STRUCTURED_KINDS if isinstance(so, dict) and so.get(k) is not None]
+    if len(kind_keys) != 1:
         raise RequestError("'structured_outputs' must be an object with exactly one of "
-                           "'regex', 'choice', 'grammar' or 'json'", "structured_outputs")
-    kind, value = keys[0], so[keys[0]]
+                           "'regex', 'choice', 'grammar', 'json' or 'json_object'", "structured_outputs")
+    bad = [k for k, v in so.items() if k not in STRUCTURED_KINDS and not (k in STRUCTURED_OPTIONS and v in
+                                                                             STRUCTURED_OPTIONS[k])]
+    if bad:
+        raise RequestError(f"'structured_outputs.{bad[0]}' is not supported with the value given (this runner takes "
+                           "'disable_fallback' and 'disable_any_whitespace'; JSON is always generated compact)",
+                           "structured_outputs", reason=f"field:structured_outputs.{bad[0]}")
+    if kind_keys == ["json_object"]:
+        return {"kind": "json_object", "value": None}
+    kind, value = kind_keys[0], so[kind_keys[0]]
     if kind == "json" and isinstance(value, str):
         try:
             value = orjson.loads(value)
@@ -261,7 +327,8 @@ def _structured(body: dict) -> dict | None:
     if not ok:
         what = {"json": "a JSON schema object", "regex": "a non-empty string", "grammar": "a Lark or GBNF grammar",
                 "choice": "a non-empty list of non-empty strings"}[kind]
-        raise RequestError(f"'structured_outputs.{kind}' must be {what}", "structured_outputs")
+        where = name if guided else f"structured_outputs.{kind}"
+        raise RequestError(f"'{where}' must be {what}", name)
     return {"kind": kind, "value": value}
 
 
@@ -272,11 +339,14 @@ def _messages(body: dict) -> list[dict]:
     for m in msgs:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
             raise RequestError("each message must be an object with a string 'role' and a 'content'", "messages")
+        check_role(m)
     return msgs
 
 
-def parse_request(raw: object, index: int) -> Request:
-    """A parsed JSON value -> Request (completion, or a Batch API line of either endpoint)."""
+def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
+    """A parsed JSON value -> Request (completion, or a Batch API line of either endpoint). A field the runner
+    does not know, or does not implement with the value given, is refused (tasks.fields); ``lenient``
+    (--lenient-fields): ignored, and listed in the request's ``ignored``."""
     if not isinstance(raw, dict):
         raise RequestError(f"a request must be a JSON object, got a JSON {type(raw).__name__}", None)
     if "custom_id" in raw and "body" in raw:
@@ -284,23 +354,24 @@ def parse_request(raw: object, index: int) -> Request:
         body = raw["body"]
         if not isinstance(body, dict):
             raise RequestError("Batch API line: 'body' must be an object", "body")
-        if url == "/v1/chat/completions":
-            return Request(index, raw, [_messages(body)], parse_params(body, chat=True), "chat", str(raw["custom_id"]),
-                           model=body.get("model"))
-        if url != "/v1/completions":
+        if url not in ("/v1/completions", "/v1/chat/completions"):
             raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
-        return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]),
-                       model=body.get("model"))
-    return Request(index, raw, _prompts(raw), parse_params(raw), model=raw.get("model"))
+        chat = url == "/v1/chat/completions"
+        prompts = [_messages(body)] if chat else _prompts(body)
+        ignored = check_batch_line(raw, lenient) + check_fields(body, chat, lenient)
+        return Request(index, raw, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
+                       str(raw["custom_id"]), model=body.get("model"), ignored=ignored)
+    return parse_body(raw, False, index, lenient)
 
 
-def parse_body(body: object, chat: bool, index: int = 0) -> Request:
-    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``)."""
+def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False) -> Request:
+    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``); a request line."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
-    if chat:
-        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat", model=body.get("model"))
-    return Request(index, body, _prompts(body), parse_params(body), model=body.get("model"))
+    prompts = [_messages(body)] if chat else _prompts(body)
+    ignored = check_fields(body, chat, lenient)
+    return Request(index, body, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
+                   model=body.get("model"), ignored=ignored)
 
 
 def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
@@ -357,7 +428,7 @@ def as_json(value: object, where: str = "the request"):
                        "booleans, None, lists and dicts", None)
 
 
-def parse_line(line: bytes, index: int) -> Request:
+def parse_line(line: bytes, index: int, lenient: bool = False) -> Request:
     """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo)."""
     try:
         raw = orjson.loads(line)
@@ -366,7 +437,7 @@ def parse_line(line: bytes, index: int) -> Request:
         err.raw = line.decode("utf-8", errors="replace").rstrip("\r\n")
         raise err from None
     try:
-        return parse_request(raw, index)
+        return parse_request(raw, index, lenient)
     except RequestError as e:
         e.raw = raw
         raise

@@ -23,7 +23,8 @@ HELP = """commands:
   /reset              forget the conversation (the system prompt stays)
   /system TEXT        set the system prompt (/system alone clears it)
   /set NAME VALUE     set a sampling parameter: max_tokens, temperature, top_p, top_k, seed,
-                      presence_penalty, frequency_penalty, stop (\\n is a newline; 'none' clears)
+                      presence_penalty, frequency_penalty, repetition_penalty, min_p,
+                      stop (\\n is a newline; 'none' clears)
   /show               the sampling parameters
   /context            the exact prompt of the last request
   /undo               forget the last exchange
@@ -33,7 +34,7 @@ HELP = """commands:
 A line ending in \\ continues on the next line. Ctrl-C stops the answer being written."""
 
 NUMBERS = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float,
-           "presence_penalty": float, "frequency_penalty": float}
+           "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "min_p": float}
 
 
 @dataclass

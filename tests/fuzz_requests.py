@@ -59,7 +59,12 @@ TEMPLATES = {"mistral-instruct": MISTRAL_INSTRUCT, "llama-2-chat": LLAMA2_CHAT, 
 # every field a request may carry, and what the error's "param" may name
 FIELDS = ("prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "best_of", "logprobs", "top_logprobs", "echo", "stop", "seed", "presence_penalty", "frequency_penalty",
-          "logit_bias", "model", "body", "url", "response_format", "structured_outputs")
+          "logit_bias", "model", "body", "url", "response_format", "structured_outputs", "min_p",
+          "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "return_token_ids", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar")
+# fields a request may carry that change nothing here (tasks.fields.NO_EFFECT), as real files carry them
+NO_EFFECT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "engine": "tiny-llama",
+             "request_type": "language-modeling", "priority": 0, "request_id": "r-1", "safety_identifier": "s"}
 
 EDGE_INTS = [0, 1, 2, -1, -2, 7, 20, 21, 128, 129, 1023, 1024, 2048, 2**31 - 1, 2**31, 2**53, 2**63 - 1, 2**63,
              2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**20, -(10**20)]
@@ -166,7 +171,9 @@ def structured_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
     grammar = st.sampled_from(['start: "yes" | "no"', 'root ::= "a" | "b"', "start: ", "::=", "start: /[/"])
     valid = constraints().map(lambda c: next(iter(c[0].values())))
     return {"response_format": valid | near | anything,
-            "structured_outputs": valid | odd | st.fixed_dictionaries({"grammar": grammar | TEXT}) | anything}
+            "structured_outputs": valid | odd | st.fixed_dictionaries({"grammar": grammar | TEXT}) | anything,
+            "guided_choice": st.lists(TEXT.filter(bool), min_size=1, max_size=3) | anything,
+            "guided_regex": st.sampled_from([r"[a-c]{1,4}", "(yes|no)", ""]) | anything}
 
 
 def field_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
@@ -189,10 +196,26 @@ def field_values(nonfinite: bool = False) -> dict[str, st.SearchStrategy]:
         "presence_penalty": floats(nonfinite) | anything,
         "frequency_penalty": floats(nonfinite) | anything,
         "logit_bias": logit_bias(nonfinite),
+        "min_p": st.sampled_from([0, 0.05, 0.5, 1]) | floats(nonfinite) | anything,
+        "repetition_penalty": st.sampled_from([1, 1.2, 0.8, 0, 100, 101]) | floats(nonfinite) | anything,
+        "min_tokens": small | ints() | anything,
+        "ignore_eos": st.booleans() | anything,
+        "stop_token_ids": st.lists(st.integers(0, 1023) | st.sampled_from([1024, -1, 2**31]), max_size=3) | anything,
+        "return_token_ids": st.booleans() | anything,
         "model": st.sampled_from([None, "tiny", "nope"]) | anything,
         "stream": st.just(False),
         **structured_values(nonfinite),
     }
+
+
+def unknown_fields() -> st.SearchStrategy:
+    """Field names no request format defines (random text, near misses of real fields), and a value."""
+    from tasks.fields import COMPLETION, CHAT, DEFAULT_ONLY, ENDPOINT_DEFAULT, NO_EFFECT as ACCEPTED, TOOLS
+
+    known = COMPLETION | CHAT | ACCEPTED | set(DEFAULT_ONLY) | set(ENDPOINT_DEFAULT) | set(TOOLS)
+    names = st.sampled_from(["temprature", "max_token", "topP", "stop_sequences", "repeat_penalty", "num_predict",
+                             "do_sample", "max_new_tokens", "typical_p", "mirostat", "guided_xml"]) | TEXT
+    return st.tuples(names.filter(lambda k: k not in known and k != "custom_id"), any_json())
 
 
 def bodies(chat: bool = False, nonfinite: bool = False, cheap: bool = False) -> st.SearchStrategy:

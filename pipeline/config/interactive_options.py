@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 MAX_STOPS = 4  # tasks.requests.MAX_STOPS (not imported: config stays below tasks)
+MAX_REPETITION_PENALTY = 100.0  # tasks.requests.MAX_REPETITION_PENALTY
 
 
 def interactive_problems(opts) -> list[str]:
@@ -63,6 +64,11 @@ def sampling_problems(opts) -> list[str]:
     for flag, v in (("--presence-penalty", opts.presence_penalty), ("--frequency-penalty", opts.frequency_penalty)):
         if not -2.0 <= v <= 2.0:
             problems.append(f"{flag} must be in [-2, 2], got {v}")
+    if not 0.0 < opts.repetition_penalty <= MAX_REPETITION_PENALTY:
+        problems.append(f"--repetition-penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g}, got "
+                        f"{opts.repetition_penalty}")
+    if not 0.0 <= opts.min_p <= 1.0:
+        problems.append(f"--min-p must be in [0, 1], got {opts.min_p}")
     if opts.stop and len(opts.stop) > MAX_STOPS:
         problems.append(f"--stop is given {len(opts.stop)} times; at most {MAX_STOPS} stop strings are allowed")
     return problems
@@ -87,6 +93,10 @@ def sampling_body(opts) -> dict:
     body = {"max_tokens": opts.max_tokens, "temperature": opts.temperature, "top_p": opts.top_p,
             "top_k": opts.top_k, "presence_penalty": opts.presence_penalty,
             "frequency_penalty": opts.frequency_penalty}
+    if opts.repetition_penalty != 1.0:
+        body["repetition_penalty"] = opts.repetition_penalty
+    if opts.min_p:
+        body["min_p"] = opts.min_p
     if opts.stop:
         body["stop"] = [unescape(s) for s in opts.stop]
     return body

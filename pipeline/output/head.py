@@ -160,11 +160,14 @@ class Head:
         """Sample a token for each of ``rows`` (logits (len(rows), V)) and advance them. The batched
         device work (pipeline.sampling.step) raises before any row changes; a row whose own bookkeeping
         raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
-        ps = [self.groups[states[r].gid].params for r in rows]
+        groups = [self.groups[states[r].gid] for r in rows]
+        ps = [g.params for g in groups]
         allowed = self.constraints.mask([states[r].matcher for r in rows], logits.shape[-1], logits.device)
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
-                  for r, p in zip(rows, ps)], allowed)
+                  for r, p in zip(rows, ps)], allowed, [len(states[r].cand.ids) for r in rows],
+                 [g.prompt_seen(logits.shape[-1], logits.device) if g.params.repetition_penalty != 1.0 else None
+                  for g in groups], self.eos_ids)
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
             try:
@@ -181,7 +184,7 @@ class Head:
         """Row ``r`` took token ``tok``: record it, then finish the row (EOS, stop string, length) or feed it."""
         cand = st.cand
         cand.generated += 1
-        if tok in self.eos_ids:
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:  # not part of the output
             cand.finish_reason = "stop"
             finished.append(r)
             return
@@ -191,12 +194,13 @@ class Head:
         cand.logprobs.append(tok_lp)
         if cand.top is not None:
             cand.top.append(list(zip(top_i[: p.logprobs], top_v[: p.logprobs])))
-        if p.presence_penalty or p.frequency_penalty:
+        if p.counts_tokens:
             st.counts[tok] = st.counts.get(tok, 0) + 1
         if st.text is not None:
             before = len(st.text.text)
             st.text.add(tok)
-            hit = _find_stop(st.text.text, p.stop, before)
+            # as vLLM: a stop string ends the text only once min_tokens tokens are out
+            hit = _find_stop(st.text.text, p.stop, before) if len(cand.ids) > p.min_tokens else None
             if hit is not None:
                 cand.finish_reason, cand.stop_at = "stop", hit
                 finished.append(r)

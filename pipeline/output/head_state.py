@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from tasks.requests import Params
 from pipeline.output.results import Candidate, IncrementalText
 from pipeline.sampling.grammar import GrammarError
+from pipeline.sampling.processors import prompt_mask
 
 from pipeline.runtime.messages import Admission
 
@@ -19,7 +22,7 @@ class RowState:
     text: IncrementalText | None = None  # only when the request has stop strings or streams
     sent: int = -1  # streaming: tokens whose text was sent as deltas (-1: not streamed)
     sent_chars: int = 0  # streaming: the characters of those tokens
-    counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties)
+    counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties: Params.counts_tokens)
     matcher: object = None  # structured outputs: this row's llguidance matcher (pipeline.sampling.grammar)
 
 
@@ -29,6 +32,13 @@ class GroupState:
     started: float
     echo: dict | None = None
     done: int = 0
+    seen: torch.Tensor | None = None  # repetition_penalty: the prompt's tokens as a (V,) bool mask, made once
+
+    def prompt_seen(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The prompt's tokens as a (V,) bool mask on ``device`` (every row of the group shares it)."""
+        if self.seen is None:
+            self.seen = prompt_mask(self.meta.prompt_ids, vocab, device)
+        return self.seen
 
     @property
     def params(self) -> Params:

@@ -1,7 +1,7 @@
 """Logprobs and token choice for a whole micro-batch at once, with per-row parameters.
 
 Reported logprobs are ``log_softmax`` of the raw float32 logits (before penalties, temperature,
-top-k and top-p), as OpenAI reports them. Sampling draws from a counter-based random stream:
+top-k, top-p and min-p; pipeline.sampling.processors applies the penalties), as OpenAI reports them. Sampling draws from a counter-based random stream:
 the uniform used for a row's step ``t`` is a hash of (row key, t), where the key comes from the
 run seed, the request's own ``seed`` (or its position in the file) and the choice index. So a
 request's sampled output never depends on the micro-batch it shared, the budget or pipeline size.
@@ -32,19 +32,25 @@ def uniform(key: int, step: int) -> float:
     return (splitmix64(key ^ splitmix64(step)) >> 11) * (1.0 / (1 << 53))
 
 
-def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """Sorted candidate ids and their (unnormalized-free) probabilities after temperature/top-k/top-p.
+def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor | None = None):
+    """Sorted candidate ids and their probabilities after temperature, top-k, top-p and min-p.
 
-    logits (R, V) float32; temperature/top_p (R,) float; top_k (R,) long (0 = off).
+    logits (R, V) float32; temperature/top_p/min_p (R,) float; top_k (R,) long (0 = off).
     Returns (ids (R, V) sorted by descending logit, probs (R, V) renormalized, zero outside the
-    kept set). The top token is always kept.
+    kept set). As transformers' warpers (Temperature, TopK, TopP, MinP in that order) and vLLM
+    compute them: top-p's mass is counted within the top-k, min-p keeps the tokens at least min_p
+    times as likely as the likeliest. The top token is always kept.
     """
     sorted_logits, ids = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits / temperature[:, None], dim=-1)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    before = probs.cumsum(-1) - probs  # mass strictly above each candidate
-    keep &= before < top_p[:, None]
+    within = probs * keep  # top-p over the top-k's renormalized distribution
+    before = within.cumsum(-1) - within  # mass strictly above each candidate
+    keep &= (before < top_p[:, None] * within.sum(-1, keepdim=True)) | (top_p[:, None] >= 1)
+    if min_p is not None:
+        keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
     probs = probs * keep
     return ids, probs / probs.sum(-1, keepdim=True)
@@ -57,15 +63,17 @@ def sample(
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     hot: torch.Tensor | None = ...,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Choose one token per row: argmax where temperature is 0, else inverse-CDF sampling.
     ``hot``: the rows with a temperature (None: none), when the caller knows them on the host;
-    left out, they are found on the device (a device->host sync)."""
+    left out, they are found on the device (a device->host sync). ``min_p`` (R,): None is off."""
     out = logits.argmax(-1)
     if hot is ...:
         hot = (temperature > 0).nonzero().flatten()
     if hot is not None and hot.numel():
-        ids, probs = truncated_probs(logits[hot], temperature[hot], top_k[hot], top_p[hot])
+        ids, probs = truncated_probs(logits[hot], temperature[hot], top_k[hot], top_p[hot],
+                                     min_p[hot] if min_p is not None else None)
         cdf = probs.cumsum(-1)
         target = uniforms[hot, None] * cdf[:, -1:]
         j = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
@@ -73,26 +81,6 @@ def sample(
         j = torch.minimum(j, (probs > 0).sum(-1, keepdim=True) - 1).clamp(min=0)  # NaN probs: the top token
         out[hot] = ids.gather(-1, j).flatten()
     return out
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    rows: list[int],
-    counts: list[dict[int, int]],
-    presence: list[float],
-    frequency: list[float],
-    biases: list[dict[int, float]],
-) -> torch.Tensor:
-    """OpenAI presence/frequency penalties (over generated tokens) and logit_bias, in place."""
-    for r, cnt, pp, fp, bias in zip(rows, counts, presence, frequency, biases):
-        if cnt and (pp or fp):
-            toks = torch.tensor(list(cnt.keys()), device=logits.device)
-            c = torch.tensor(list(cnt.values()), dtype=logits.dtype, device=logits.device)
-            logits[r, toks] -= pp + fp * c
-        if bias:
-            toks = torch.tensor(list(bias.keys()), device=logits.device)
-            logits[r, toks] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-    return logits
 
 
 def logprob_info(logits: torch.Tensor, chosen: torch.Tensor, k: int):

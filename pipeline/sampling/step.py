@@ -1,6 +1,7 @@
 """One sampling step of a micro-batch on the device: hidden states -> logits -> tokens and logprobs.
 
-Everything is batched: one head matmul for the rows that need logits, penalties, one sampling call,
+Everything is batched: one head matmul for the rows that need logits, the processors (bias, min_tokens,
+penalties: pipeline.sampling.processors), one sampling call,
 one log-softmax/top-k and one device->host copy. The caller (pipeline.output.head) keeps the rows'
 state; this module only turns tensors and per-row parameters into host lists.
 """
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.loading.upload import to_device
-from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
+from pipeline.sampling.processors import process
+from pipeline.sampling.sampler import logprob_info, sample
 
 
 @dataclass
@@ -35,33 +37,38 @@ def head_logits(model, hiddens: list[torch.Tensor], targets: list[list[int]]) ->
 
 
 def draw(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], uniforms: list[float],
-         allowed: torch.Tensor | None = None) -> Draw:
+         allowed: torch.Tensor | None = None, generated: list[int] | None = None,
+         prompt_seen: list[torch.Tensor | None] | None = None, stop_ids: set[int] = frozenset()) -> Draw:
     """Choose one token per row of ``logits`` (R, V) with each row's parameters ``ps`` (tasks.requests'
-    Params: temperature, top_p, top_k, logprobs, penalties, logit_bias).
+    Params: temperature, top_p, top_k, min_p, logprobs, penalties, logit_bias, min_tokens, stop_token_ids).
 
-    counts: each row's generated-token counts (presence/frequency penalties); uniforms: each row's
-    random number for this step (ignored where temperature is 0); allowed: an optional (R, V) bool
-    mask (structured outputs), applied to the logits before penalties, top-k/top-p and sampling.
+    counts: each row's generated-token counts (penalties); uniforms: each row's random number for this
+    step (ignored where temperature is 0); allowed: an optional (R, V) bool mask (structured outputs),
+    applied to the logits before the processors (pipeline.sampling.processors), top-k/top-p/min-p and
+    sampling; generated: each row's tokens so far (min_tokens); prompt_seen: each row's prompt tokens
+    as a (V,) bool mask where its repetition_penalty is on; stop_ids: the model's EOS ids.
     Raises before returning anything, so a caller may retry rows one by one.
     """
     vocab = logits.shape[-1]
     raw = logits  # reported logprobs: the model's own distribution, before any mask or penalty
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if any(p.presence_penalty or p.frequency_penalty or p.logit_bias for p in ps):
-        logits = apply_penalties(logits.clone(), list(range(len(ps))), counts,
-                                 [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
-                                 [p.logit_bias for p in ps])
-        if allowed is not None:  # a logit_bias must not lift a masked token back
-            logits = logits.masked_fill(~allowed, float("-inf"))
+    generated = generated if generated is not None else [0] * len(ps)
+    prompt_seen = prompt_seen if prompt_seen is not None else [None] * len(ps)
+    processed = process(logits, ps, counts, generated, prompt_seen, stop_ids)
+    if allowed is not None and processed is not logits:  # a logit_bias must not lift a masked token back
+        processed = processed.masked_fill(~allowed, float("-inf"))
+    logits = processed
     # every row's sampling parameters in one host->device copy, the hot rows' indices in a second
     params = to_device([[p.temperature for p in ps], [p.top_p for p in ps],
                         [float(min(p.top_k, vocab)) for p in ps],  # top_k beyond the vocabulary: all of it
-                        [u if p.temperature > 0 else 0.0 for u, p in zip(uniforms, ps)]],
+                        [u if p.temperature > 0 else 0.0 for u, p in zip(uniforms, ps)],
+                        [p.min_p for p in ps]],
                        logits.device, torch.float32)
     hot = [i for i, p in enumerate(ps) if p.temperature > 0]
     chosen = sample(logits, params[0], params[2].long(), params[1], params[3],
-                    to_device(hot, logits.device, torch.long) if hot else None)
+                    to_device(hot, logits.device, torch.long) if hot else None,
+                    params[4] if any(p.min_p for p in ps) else None)
     k = max((p.logprobs or 0) for p in ps)
     chosen_lp, top_v, top_i = logprob_info(raw, chosen, k)
     # one device->host copy for the pass: ids and logprobs side by side (float64 holds both exactly)

@@ -187,6 +187,10 @@ class Driver:
         if bad:
             raise RequestError(f"'logit_bias' key '{bad[0]}' is outside the vocabulary (0..{self.vocab_size - 1})",
                                "logit_bias")
+        bad = [t for t in p.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"'stop_token_ids' holds {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})",
+                               "stop_token_ids")
         if p.structured is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs are not available here", "structured_outputs")

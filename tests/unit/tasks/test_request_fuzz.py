@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from pipeline.scheduling.driver import Driver
 from pipeline.scheduling.intake import chat_ids
 from pipeline.runtime.messages import Admission, PassHeader, decode, encode
-from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
+from pipeline.sampling.processors import process, prompt_mask
+from pipeline.sampling.sampler import logprob_info, sample
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
 from tasks.requests import GREEDY_BELOW, as_json, parse_body, parse_params, parse_request
 from tasks.protocol import RequestError
@@ -154,13 +155,14 @@ def test_the_sampler_takes_every_valid_setting_without_nan(body, rows, vocab, sc
     logits = torch.randn(rows, vocab, generator=g) * scale
     logits[0, 0] = scale * 10  # a spike: the top token far above the others
     raw = logits.clone()
+    assume(all(t < vocab for t in p.stop_token_ids))
     counts = [{t: 3 for t in range(min(vocab, 3))} for _ in range(rows)]
-    logits = apply_penalties(logits, list(range(rows)), counts, [p.presence_penalty] * rows,
-                             [p.frequency_penalty] * rows, [p.logit_bias] * rows)
+    seen = [prompt_mask([0, vocab - 1], vocab, logits.device)] * rows
+    logits = process(logits, [p] * rows, counts, list(range(rows)), seen, {0})
     temp = torch.full((rows,), p.temperature)
     uniforms = torch.rand(rows, generator=g)
     chosen = sample(logits, temp, torch.full((rows,), min(p.top_k, vocab), dtype=torch.long),
-                    torch.full((rows,), p.top_p), uniforms)
+                    torch.full((rows,), p.top_p), uniforms, min_p=torch.full((rows,), p.min_p))
     assert chosen.shape == (rows,) and bool(((chosen >= 0) & (chosen < vocab)).all())
     lp, top_v, _ = logprob_info(raw, chosen, min(p.logprobs or 0, vocab))
     assert not torch.isnan(lp).any() and (top_v is None or not torch.isnan(top_v).any())
