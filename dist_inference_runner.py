@@ -35,7 +35,9 @@ if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is 
 from comm.dist import shutdown  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402
-from python_api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
+from python_api import (LLM, Choice, CompletionOutput, EngineDead, GuidedDecodingParams, Logprob,  # noqa: E402,F401
+                        RequestFailed, RequestOutput, Result, SamplingParams, Score,
+                        StructuredOutputsParams)  # the Python API (vLLM's names too)
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
@@ -349,6 +351,9 @@ def summarize(reports) -> None:
         share = r.summary.data_group_size
         part = f" (data group {r.summary.data_rank} of {share}: its share of the lines)" if share > 1 else ""
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
+        ignored = r.summary.ignored_fields
+        if ignored:  # --lenient-fields
+            kinds += "; ignored fields: " + ", ".join(f"{k}: {v}" for k, v in sorted(ignored.items()))
         note = precision_note(r.summary.stage_precision)
         precision = f" [{note}]" if note else ""
         first, started = r.summary.first_result_seconds, r.summary.startup_seconds

@@ -8,7 +8,10 @@ imports it.
 """
 
 from python_api.llm import LLM, EngineDead
-from python_api.params import SamplingParams
-from python_api.outputs import Choice, RequestFailed, Result, Score
+from python_api.params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from python_api.outputs import Choice, Logprob, RequestFailed, Result, Score
 
-__all__ = ["LLM", "SamplingParams", "Result", "Choice", "Score", "EngineDead", "RequestFailed"]
+RequestOutput, CompletionOutput = Result, Choice  # vLLM's names for them
+
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "Result", "Choice", "Score",
+           "Logprob", "RequestOutput", "CompletionOutput", "EngineDead", "RequestFailed"]

@@ -25,6 +25,49 @@ NOT_KWARGS = {
 }
 FIELDS = {f.name: f for f in dataclasses.fields(RunOptions)}
 
+# vLLM's LLM(...) engine arguments (docs/usage/from-vllm.md): those that are a runner flag under another name
+# or in another form, those that only tune vLLM's own engine (speed and memory; no answer changes), and
+# those accepted at one value. Any other keyword is refused by to_argv, naming it.
+VLLM_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+               "float32": "float32"}
+VLLM_TUNING = frozenset({
+    "gpu_memory_utilization", "enforce_eager", "swap_space", "cpu_offload_gb", "disable_log_stats",
+    "max_num_seqs", "max_num_batched_tokens", "max_seq_len_to_capture", "block_size", "enable_chunked_prefill",
+    "compilation_config", "disable_custom_all_reduce", "distributed_executor_backend", "disable_async_output_proc",
+    "use_v2_block_manager", "num_scheduler_steps", "hf_token", "worker_cls",
+})
+VLLM_ONLY_AT = {"tensor_parallel_size": (1,), "quantization": (None,), "load_format": ("auto", "safetensors"),
+                "tokenizer_mode": ("auto",), "skip_tokenizer_init": (False,), "max_model_len": (None,)}
+
+
+def from_vllm(model: str | None, kwargs: dict) -> tuple[dict, list[str]]:
+    """vLLM's engine arguments among ``kwargs`` as the runner's flags: (flags, the tuning arguments left
+    aside). A vLLM argument that would change the answer and has no equivalent raises TypeError."""
+    flags, aside = {}, []
+    for key, value in kwargs.items():
+        if key in VLLM_TUNING:
+            aside.append(key)
+        elif key in VLLM_ONLY_AT:
+            if value not in VLLM_ONLY_AT[key]:
+                hint = {"tensor_parallel_size": "this runner splits a model by layers: use pipeline_parallel_size",
+                        "max_model_len": "the model's own context window applies (longer prompts are each refused; "
+                                         "truncate_prompts=True cuts them)"}.get(key, "leave it out")
+                raise TypeError(f"LLM() does not take {key}={value!r}: {hint}")
+        elif key == "dtype" and not isinstance(value, str) and value is not None:  # a torch.dtype
+            flags["dtype"] = VLLM_DTYPES.get(str(value).removeprefix("torch."), str(value))
+        elif key == "dtype":
+            flags["dtype"] = VLLM_DTYPES.get(value, value)
+        elif key == "enable_prefix_caching":
+            flags["prefix_cache"] = "on" if value else "off"
+        elif key == "download_dir":
+            flags["cache_dir"] = value
+        elif key == "tokenizer":
+            if value is not None and value != model:
+                raise TypeError("LLM() does not take a separate tokenizer: the model folder's tokenizer is used")
+        else:
+            flags[key] = value
+    return flags, aside
+
 
 def to_argv(model: str | None, kwargs: dict) -> list[str]:
     """Runner flags for ``model`` and ``kwargs`` (``None``/``False`` values are left out)."""

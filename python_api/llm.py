@@ -20,17 +20,19 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
 
 from comm.dist import shutdown
-from python_api.flags import parse, to_argv
+from python_api.flags import from_vllm, parse, to_argv
 from python_api.params import SamplingParams, fields_of, params_for
 from python_api.outputs import RequestFailed, Result, Score, error_result, from_answer, score_of
 from python_api.workers import Workers, free_port
 from pipeline.config.options import UsageError
 from pipeline.config.plan import make_plan, output_for
+from pipeline.loading.tokenizer import load_tokenizer
 from pipeline.runtime.engine_thread import EngineThread
 from pipeline.runtime.in_process import LocalRanks, in_process_options, plan_env
 from pipeline.runtime.roles import make_engine, serve_rank, start_rank
@@ -57,14 +59,21 @@ def under_torchrun() -> bool:
 
 
 class LLM:
-    """A loaded pipeline. ``model``: a model folder (None: the embedded default model); ``pipeline_size``:
-    stages (worker processes started here, or torchrun's ranks); ``raise_errors``: a request that
-    cannot run raises :class:`RequestFailed` instead of giving an error :class:`Result`; other keyword
-    arguments are the runner's flags (``budget=4096``, ``prefix_cache="off"``, ``lora={"name": path}``, ...)."""
+    """A loaded pipeline. ``model``: a model folder or hub id (None: the embedded default model);
+    ``pipeline_size`` (vLLM's ``pipeline_parallel_size``): stages (worker processes started here, or
+    torchrun's ranks); ``raise_errors``: a request that cannot run raises :class:`RequestFailed` instead of
+    giving an error :class:`Result`; other keyword arguments are the runner's flags (``budget=4096``,
+    ``prefix_cache="off"``, ``lora={"name": path}``, ...) or vLLM's engine arguments (``dtype="half"``,
+    ``gpu_memory_utilization``: docs/usage/from-vllm.md)."""
 
-    def __init__(self, model: str | None = None, pipeline_size: int = 1, *, raise_errors: bool = False,
-                 setup_logging: bool = True, **flags):
+    def __init__(self, model: str | None = None, pipeline_size: int | None = None, *, raise_errors: bool = False,
+                 setup_logging: bool = True, pipeline_parallel_size: int | None = None, **flags):
+        if pipeline_size is not None and pipeline_parallel_size is not None and pipeline_size != pipeline_parallel_size:
+            raise TypeError("LLM(): pipeline_size and pipeline_parallel_size (its vLLM name) disagree: give one")
+        pipeline_size = pipeline_size or pipeline_parallel_size or 1
+        flags, aside = from_vllm(model, flags)
         self.raise_errors = raise_errors
+        self._tokenizer = None
         self.engine: EngineThread | None = None
         self.workers: Workers | None = None
         self._lock = threading.Lock()
@@ -72,6 +81,8 @@ class LLM:
         if setup_logging and not logging.getLogger().handlers:
             logging.basicConfig(level=os.environ.get("DIST_INFER_LOG", "WARNING").upper(), stream=sys.stderr,
                                 format="[%(name)s] %(levelname)s: %(message)s")
+        if aside:
+            log.info("vLLM engine arguments that only tune vLLM's own engine, not used here: %s", ", ".join(aside))
         argv = to_argv(model, flags)
         opts = parse(argv)
         if under_torchrun():
@@ -159,39 +170,63 @@ class LLM:
             raise EngineDead(self.engine.failure or "the pipeline stopped")
 
     # -- requests ---------------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | dict | list | None = None, *,
-                 raise_errors: bool | None = None) -> list[Result]:
-        """One :class:`Result` per prompt, in order. ``prompts``: a string, a list of token ids, a request
-        dict (any field of the request format, a chat request with ``messages``, a Batch API line), or a
-        list of those; ``params``: one SamplingParams (or dict of fields) for all, or a list of one per prompt."""
+    def generate(self, prompts, sampling_params: SamplingParams | dict | list | None = None,
+                 use_tqdm: bool | None = None, *, raise_errors: bool | None = None, params=None) -> list[Result]:
+        """One :class:`Result` per prompt, in order. ``prompts``: a string, a list of token ids, vLLM's
+        ``{"prompt_token_ids": [...]}``, a request dict (any field of the request format, a chat request with
+        ``messages``, a Batch API line), or a list of those; ``sampling_params``: one SamplingParams (or dict
+        of fields) for all, or a list of one per prompt (``params``: its older name); ``use_tqdm``: a
+        progress bar (None: for more than one prompt, unless the LLM has no_progress)."""
         items = _as_list(prompts)
         out: list[Result | None] = [None] * len(items)
-        for result in self._run(items, params, False, raise_errors):
+        for result in self._run(items, _sampling(sampling_params, params), False, raise_errors, use_tqdm):
             out[result.index] = result
         return out
 
-    def chat(self, messages, params: SamplingParams | dict | list | None = None, *,
-             raise_errors: bool | None = None) -> list[Result]:
+    def chat(self, messages, sampling_params: SamplingParams | dict | list | None = None,
+             use_tqdm: bool | None = None, *, raise_errors: bool | None = None, params=None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list | None = None) -> list[Result]:
         """Chat completions through the model's chat template: one conversation (a list of
-        ``{"role", "content"}``) or a list of them; one Result per conversation (text: the reply)."""
+        ``{"role", "content"}``) or a list of them; one Result per conversation (text: the reply).
+        vLLM's template arguments are taken at the values the runner applies (a custom ``chat_template``,
+        ``continue_final_message`` and ``tools`` are refused per request, naming the field)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = {"chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs or None,
+                    "tools": tools or None, "add_generation_prompt": None if add_generation_prompt else False,
+                    "continue_final_message": continue_final_message or None}
+        template = {k: v for k, v in template.items() if v is not None}
+        per_row = [_with_fields(p, template) for p in params_for(_sampling(sampling_params, params), len(convs))] \
+            if template else _sampling(sampling_params, params)
         out: list[Result | None] = [None] * len(convs)
-        for result in self._run(convs, params, True, raise_errors):
+        for result in self._run(convs, per_row, True, raise_errors, use_tqdm):
             out[result.index] = result
         return out
 
-    def stream(self, prompts, params: SamplingParams | dict | list | None = None, *, chat: bool = False,
-               raise_errors: bool | None = None) -> Iterator[Result]:
+    def stream(self, prompts, sampling_params: SamplingParams | dict | list | None = None, *, chat: bool = False,
+               raise_errors: bool | None = None, params=None) -> Iterator[Result]:
         """Results as they finish (``as_completed``-style; ``result.index`` is the prompt's position).
         Leaving the loop early frees the rows of the requests not yet finished."""
         items = _as_list(prompts) if not chat else ([prompts] if prompts and isinstance(prompts[0], dict)
                                                     else list(prompts))
-        return self._run(items, params, chat, raise_errors)
+        return self._run(items, _sampling(sampling_params, params), chat, raise_errors)
 
-    def score(self, texts, logprobs: int = 1, **fields) -> list[Score]:
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer; vLLM's ``LLM.get_tokenizer``): this LLM's own
+        copy, loaded on first use."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.plan.model_dir, self.opts.trust_remote_code)
+        return self._tokenizer
+
+    def score(self, texts, *more, logprobs: int = 1, **fields) -> list[Score]:
         """Log-likelihoods by echo (no generation): for a text, the sum over its tokens but the first;
         for a ``(context, continuation)`` pair, over the continuation's tokens, with ``is_greedy``
         (lm-eval's ``loglikelihood``: ``logprob, is_greedy = score``)."""
+        if more:  # vLLM's score(text_1, text_2) is a cross-encoder's relevance score, another thing
+            raise TypeError("score() takes one argument, the texts or (context, continuation) pairs: "
+                            "llm.score([(context, continuation)]) gives the continuation's log-likelihood "
+                            "(vLLM's score(text_1, text_2), a cross-encoder's relevance, is not supported)")
         items = list(texts) if isinstance(texts, (list, tuple)) and not _is_pair(texts) else [texts]
         starts, requests = [], []
         for t in items:
@@ -230,7 +265,8 @@ class LLM:
             except TimeoutError:
                 self._check()
 
-    def _run(self, items: list, params, chat: bool, raise_errors: bool | None) -> Iterator[Result]:
+    def _run(self, items: list, params, chat: bool, raise_errors: bool | None,
+             use_tqdm: bool | None = None) -> Iterator[Result]:
         raise_errors = self.raise_errors if raise_errors is None else raise_errors
         per_row = params_for(params, len(items))
         with self._lock:
@@ -239,8 +275,8 @@ class LLM:
             waiting: dict[int, Live] = {}
             todo = iter(enumerate(items))
             # as file mode shows it: a bar on a terminal, else a log line a minute (tasks.progress)
-            progress = Progress("chat" if chat else "generate", len(items)) \
-                if len(items) > 1 and not self.opts.no_progress else None
+            show = use_tqdm if use_tqdm is not None else len(items) > 1 and not self.opts.no_progress
+            progress = Progress("chat" if chat else "generate", len(items)) if show and items else None
             tokens = 0
             try:
                 while True:
@@ -275,9 +311,11 @@ class LLM:
     def _submit(self, i: int, item, params, chat: bool, done: queue.Queue, waiting: dict) -> Result | None:
         """Hand one request to the pipeline; a request that cannot be parsed is answered at once."""
         try:
-            req = _request(i, item, params, chat)
+            req = _request(i, item, params, chat, self.opts.lenient_fields)
         except RequestError as e:
             return error_result(i, getattr(e, "raw", item), e.to_dict())
+        if req.ignored:
+            log.warning("request %d: fields ignored (lenient_fields): %s", i, ", ".join(req.ignored))
         channel = FutureChannel()
         channel.future.add_done_callback(lambda f, i=i: done.put((i, f.result())))
         waiting[i] = self.engine.submit(req, channel, numbered=True)  # its position: a file line's stream
@@ -285,7 +323,10 @@ class LLM:
 
     def _result(self, i: int, live: Live, answer: Answer) -> Result:
         if answer.dead is None:
-            return from_answer(i, live.req.raw, answer)
+            result = from_answer(i, live.req.raw, answer)
+            if live.req.kind == "chat" and result.prompt is None and result.prompt_token_ids is not None:
+                result.prompt = self.get_tokenizer().decode(result.prompt_token_ids)  # as vLLM: the rendered prompt
+            return result
         self._check()  # the pipeline stopped: with a dead worker's own message when there is one
         raise EngineDead(answer.dead)
 
@@ -373,21 +414,44 @@ def _is_pair(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and all(isinstance(s, str) for s in x)
 
 
-def _request(i: int, item, params, chat: bool):
+def _request(i: int, item, params, chat: bool, lenient: bool = False):
     """A tasks.requests.Request from a prompt and its parameters (the request dict's own fields win)."""
-    item = as_json(item)  # as a line or a body holds it: what the stages are sent must encode at P > 1
+    item = as_json(_tokens_prompt(item))  # as a line or a body holds it: what the stages are sent must encode at P > 1
     chatty = chat or (isinstance(item, dict) and "messages" in item)
     fields = as_json({"return_token_ids": True, **fields_of(params, chatty)})
     if chat:
-        return parse_body({**fields, "messages": item}, True, i)
+        return parse_body({**fields, "messages": item}, True, i, lenient)
     if isinstance(item, dict):
         if "custom_id" in item and "body" in item:  # a Batch API line
             body = item["body"]
-            return parse_request({**item, "body": {**fields, **body}} if isinstance(body, dict) else item, i)
+            return parse_request({**item, "body": {**fields, **body}} if isinstance(body, dict) else item, i, lenient)
         if "messages" in item:
-            return parse_body({**fields, **item}, True, i)
-        return parse_request({**fields, **item}, i)
-    return parse_request({**fields, "prompt": item}, i)
+            return parse_body({**fields, **item}, True, i, lenient)
+        return parse_request({**fields, **item}, i, lenient)
+    return parse_request({**fields, "prompt": item}, i, lenient)
+
+
+def _tokens_prompt(item):
+    """vLLM's ``{"prompt_token_ids": [...]}`` (a TokensPrompt, maybe with the text it came from) as a request
+    with those ids as its prompt; anything else as it is."""
+    if isinstance(item, dict) and "prompt_token_ids" in item and "messages" not in item:
+        rest = {k: v for k, v in item.items() if k not in ("prompt_token_ids", "prompt")}
+        return {**rest, "prompt": item["prompt_token_ids"]}
+    return item
+
+
+def _sampling(sampling_params, params):
+    """generate()'s parameters under vLLM's name, or the API's older ``params``."""
+    if sampling_params is not None and params is not None:
+        raise TypeError("give sampling_params (or params, its older name), not both")
+    return sampling_params if sampling_params is not None else params
+
+
+def _with_fields(params, fields: dict):
+    """One prompt's parameters with ``fields`` added (vLLM's chat() arguments)."""
+    if isinstance(params, SamplingParams):
+        return replace(params, extra={**params.extra, **fields})
+    return {**fields, **(params or {})}
 
 
 def _checked(result: Result, raise_errors: bool) -> Result:

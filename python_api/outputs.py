@@ -4,6 +4,10 @@ A :class:`Result` per request, in input order: its choices (:class:`Choice`: tex
 tokens, token logprobs, top logprobs, text offsets, token ids), usage and cached prompt tokens, the
 OpenAI result object it came from (``raw``) and, for a request that could not run, ``error`` (the
 error object file mode writes in its place). :class:`Score` is :meth:`LLM.score`'s answer.
+
+They also read as vLLM's ``RequestOutput`` / ``CompletionOutput`` (docs/usage/from-vllm.md):
+``result.prompt``, ``result.prompt_token_ids``, ``result.outputs[i].text / .token_ids / .logprobs
+(a dict {token id: Logprob} per generated token) / .finish_reason / .cumulative_logprob``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ class RequestFailed(ValueError):
         self.index, self.error = index, error
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: a token's logprob, its rank among the vocabulary's (1: the likeliest; None where
+    the token is not among the top logprobs asked for) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class Choice:
-    """One generated sequence (OpenAI's choice)."""
+    """One generated sequence (OpenAI's choice; vLLM's CompletionOutput)."""
 
     index: int
     text: str
@@ -32,6 +46,36 @@ class Choice:
     top_logprobs: list[dict[str, float] | None] | None = None  # with logprobs=k: the k most likely per position
     text_offset: list[int] | None = None  # where each token starts in ``text``
     token_ids: list[int] | None = None  # ids of ``tokens`` (prompt ids first with echo)
+    # with logprobs=k and token ids: each position's top alternatives as [id, logprob, text], likeliest first
+    top_token_logprobs: list[list | None] | None = field(default=None, repr=False)
+    logprobs_asked: int | None = field(default=None, repr=False)  # the request's logprobs (None: not asked)
+    stop_reason: int | str | None = None  # vLLM's field; not reported here (None)
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        """vLLM's form: one ``{token id: Logprob}`` per token of ``token_ids``, the sampled token first, then
+        the top alternatives asked for; None when the request did not ask for logprobs."""
+        if self.logprobs_asked is None or self.token_ids is None or self.token_logprobs is None:
+            return None
+        out = []
+        tops = self.top_token_logprobs or []
+        for j, (tid, lp) in enumerate(zip(self.token_ids, self.token_logprobs, strict=True)):
+            top = (tops[j] if j < len(tops) else None) or []
+            ranks = {entry[0]: rank for rank, entry in enumerate(top, start=1)}
+            entry: dict[int, Logprob] = {}
+            if lp is not None:  # the first prompt token of an echo has none
+                entry[tid] = Logprob(lp, ranks.get(tid), self.tokens[j] if self.tokens else None)
+            for other, value, text in top:
+                entry.setdefault(other, Logprob(value, ranks[other], text))
+            out.append(entry)
+        return out
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' logprobs (vLLM's field; None when logprobs were not asked)."""
+        if self.logprobs_asked is None or self.token_logprobs is None:
+            return None
+        return math.fsum(x for x in self.token_logprobs if x is not None)
 
 
 @dataclass
@@ -44,10 +88,34 @@ class Result:
     usage: dict | None = None  # prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details
     error: dict | None = None  # {"message", "type", "param"} when the request could not run
     raw: dict | None = None  # the OpenAI result object (text_completion or chat.completion)
+    prompt: str | None = None  # vLLM's: the prompt's text (a chat's rendered by its template; None for token ids)
+    prompt_token_ids: list[int] | None = None  # vLLM's: the (first) prompt's token ids
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    # -- vLLM's RequestOutput ------------------------------------------------------------------
+    @property
+    def outputs(self) -> list[Choice]:
+        """vLLM's name for the choices (each reads as a CompletionOutput)."""
+        return self.choices
+
+    @property
+    def request_id(self) -> str:
+        return str(self.index)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    @property
+    def prompt_logprobs(self) -> None:  # vLLM's prompt_logprobs is refused as a field here: echo scores prompts
+        return None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cached_tokens
 
     @property
     def text(self) -> str | None:
@@ -93,23 +161,51 @@ def from_line(index: int, line: dict) -> Result:
         error = (body or {}).get("error") if error else None
     if error is not None or body is None:
         return Result(index, request, error=error or {"message": "no result", "type": "server_error", "param": None})
-    return Result(index, request, [choice(c) for c in body.get("choices", [])], body.get("usage"), raw=body)
+    return _result(index, request, body)
 
 
 def from_answer(index: int, request: object, answer) -> Result:
     """A Result from the engine's :class:`~tasks.protocol.Answer` to ``request``."""
     if not answer.ok:
-        return Result(index, request, error=answer.error.to_dict())
-    body = answer.result
-    return Result(index, request, [choice(c) for c in body.get("choices", [])], body.get("usage"), raw=body)
+        return Result(index, request, error=answer.error.to_dict(), prompt=_prompt_text(request))
+    return _result(index, request, answer.result)
+
+
+def _result(index: int, request: object, body: dict) -> Result:
+    asked = _logprobs_asked(request)
+    choices = body.get("choices", [])
+    ids = body.get("prompt_token_ids") or next((c.get("prompt_token_ids") for c in choices), None)
+    return Result(index, request, [choice(c, asked) for c in choices], body.get("usage"), raw=body,
+                  prompt=_prompt_text(request), prompt_token_ids=ids)
+
+
+def _body(request: object) -> dict:
+    if isinstance(request, dict) and isinstance(request.get("body"), dict):  # a Batch API line
+        return request["body"]
+    return request if isinstance(request, dict) else {}
+
+
+def _prompt_text(request: object) -> str | None:
+    prompt = _body(request).get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def _logprobs_asked(request: object) -> int | None:
+    """The request's logprobs: a completion's ``logprobs``, a chat's ``top_logprobs`` under ``logprobs: true``."""
+    body = _body(request)
+    if "messages" in body:
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+    value = body.get("logprobs")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def error_result(index: int, request: object, error: dict) -> Result:
     return Result(index, request, error=error)
 
 
-def choice(c: dict) -> Choice:
-    """A Choice from a completion choice or a chat choice (its logprobs in the chat format)."""
+def choice(c: dict, asked: int | None = None) -> Choice:
+    """A Choice from a completion choice or a chat choice (its logprobs in the chat format); ``asked``: the
+    request's logprobs (vLLM's ``Choice.logprobs`` is None when it asked for none)."""
     lp = c.get("logprobs")
     if "message" in c:
         text = (c.get("message") or {}).get("content") or ""
@@ -119,10 +215,12 @@ def choice(c: dict) -> Choice:
             tokens = [t["token"] for t in content]
             lps = [t["logprob"] for t in content]
             tops = [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]
-        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"))
+        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"),
+                      c.get("top_token_logprobs"), asked)
     lp = lp or {}
     return Choice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), lp.get("tokens"),
-                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"))
+                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"),
+                  c.get("top_token_logprobs"), asked)
 
 
 def score_of(result: Result, start: int | None) -> Score:

@@ -55,6 +55,7 @@ class ServeState:
     caps: Caps | None = None  # per-request caps checked before tokenizing (None: none)
     tokenizing: Tokenizing | None = None  # None: the pipeline thread tokenizes (tests of the engine alone)
     metrics: ServeMetrics | None = None  # GET /metrics (serve.metrics); None: no such route
+    lenient_fields: bool = False  # --lenient-fields: unknown or unsupported request fields ignored and logged
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -133,13 +134,19 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         return error(404, f"the model {body['model']!r} does not exist; this server serves {_served(state)}",
                      param="model", code="model_not_found")
     try:
-        req = parse_body(body, chat)
+        req = parse_body(body, chat, lenient=state.lenient_fields)
+        if req.ignored:  # as vLLM logs them
+            log.warning("request fields ignored (--lenient-fields): %s", ", ".join(req.ignored))
+            if state.metrics is not None:
+                state.metrics.fields(req.ignored, "ignored")
         stream, include_usage = _stream_options(body)
         if stream and req.params.best_of != req.params.n:
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
         if state.caps is not None:  # refused before tokenizing: too many prompts or rows, text over the window
             check_caps(req, state.caps)
     except RequestError as e:
+        if state.metrics is not None and e.reason.startswith("field:"):
+            state.metrics.fields([e.reason[6:]], "refused")
         return error(400, e.message, e.kind, e.param)
     req.stream = stream
     live = Live(req, HttpChannel(asyncio.get_running_loop(), stream), stream, rows=rows_of(req))

@@ -9,6 +9,8 @@
 - ``dist_infer_time_to_first_token_seconds`` (streams: submission to the first text delta),
   ``dist_infer_time_per_output_token_seconds`` (streams: first delta to the answer, per later token),
   ``dist_infer_request_duration_seconds`` (every completion: submission to answer) histograms;
+- ``dist_infer_request_fields_total{field, outcome}``: request fields this server does not take
+  (tasks.fields), ``refused`` (400) or, under ``--lenient-fields``, ``ignored``;
 - ``dist_infer_prefix_cache_hit_tokens_total`` / ``..._queried_tokens_total`` (rank 0's prefix index);
 - per ``stage``: ``dist_infer_kv_cache_cells``, ``dist_infer_stage_busy_ratio`` (since the previous
   figures, every ``--status-interval`` seconds), ``dist_infer_stage_busy_seconds_total``,
@@ -53,6 +55,8 @@ class ServeMetrics:
                                   buckets=LATENCY_BUCKETS, registry=r)
         self.busy_seconds = Counter("dist_infer_stage_busy_seconds", "Seconds a stage computed", ["stage"],
                                     registry=r)
+        self.request_fields = Counter("dist_infer_request_fields", "Request fields refused or ignored (unknown, or "
+                                      "not implemented with the value given)", ["field", "outcome"], registry=r)
         self.lock = threading.Lock()
         self.load = {"queue": 0, "rows": 0, "live": 0, "hit": 0, "queried": 0}
         self.stages: list[dict] = []
@@ -61,6 +65,11 @@ class ServeMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+    def fields(self, names: list[str], outcome: str) -> None:
+        """Request fields the server did not take: ``refused`` or ``ignored`` (--lenient-fields)."""
+        for name in names:
+            self.request_fields.labels(name[:64], outcome).inc()
 
     # -- the pipeline thread ----------------------------------------------------------------------
     def set_load(self, queue: int, rows: int, live: int, hit_tokens: int, queried_tokens: int) -> None:

@@ -60,7 +60,7 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "vllm_xargs": (None, {}), "mm_processor_kwargs": (None, {}), "documents": (None, []),
     "chat_template": _NONE, "chat_template_kwargs": (None, {}),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "detokenize": (None, True),
+    "detokenize": (None, True), "multi_modal_data": (None, {}),
 }
 # add_special_tokens and a chat request's echo: the runner's own value differs by endpoint
 ENDPOINT_DEFAULT: dict[str, tuple[tuple, tuple]] = {  # field: (completion values, chat values)

@@ -38,6 +38,7 @@ class FileStats:
     error_kinds: dict[str, int]
     encode_seconds: float
     padding_waste: float
+    ignored_fields: dict[str, int] = field(default_factory=dict)  # --lenient-fields: requests per field ignored
 
 
 @dataclass
@@ -78,6 +79,9 @@ class FileSummary:
     # per stage, MiB (pipeline.runtime.memory): rss_peak = process + weights + packed + adapters + kv_cache
     # + prefix_pool + buffers + other; docs/usage/scale.md says what each part counts
     stage_memory_mb: list[dict] = field(default_factory=list)
+    # --lenient-fields: how many requests carried each field that was ignored (unknown, or not implemented
+    # with the value given: tasks.fields); without it such requests are errors, counted as field:NAME
+    ignored_fields: dict[str, int] = field(default_factory=dict)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -155,7 +159,8 @@ class OutputFile:
             self.cached_tokens, round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
             kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured,
             round(self.started, 3) if self.started is not None else None,
-            round(self.first_at - self.t0, 3) if self.first_at is not None else None, memory or [])
+            round(self.first_at - self.t0, 3) if self.first_at is not None else None, memory or [],
+            dict(stats.ignored_fields))
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it
@@ -179,11 +184,14 @@ def merge_summaries(output, shares: int) -> None:
              for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines",
                          "cached_prompt_tokens")}
     kinds: dict[str, int] = {}
+    ignored: dict[str, int] = {}
     for part in parts:
         for kind, n in part["error_kinds"].items():
             kinds[kind] = kinds.get(kind, 0) + n
+        for name, n in part.get("ignored_fields", {}).items():
+            ignored[name] = ignored.get(name, 0) + n
     wall = max(part["wall_seconds"] for part in parts)  # the pipelines ran side by side
-    merged = {"output": str(output), **total, "error_kinds": kinds, "wall_seconds": wall,
+    merged = {"output": str(output), **total, "error_kinds": kinds, "ignored_fields": ignored, "wall_seconds": wall,
               "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
               "pipeline_size": parts[0]["pipeline_size"], "data_group_size": shares,
               "last_rank_peak_rss_mb": max(part["last_rank_peak_rss_mb"] for part in parts),

@@ -59,14 +59,15 @@ def work(prompt_tokens: int, new_tokens: float) -> float:
     return PROMPT_WEIGHT * prompt_tokens + new_tokens
 
 
-def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 16) -> FileCount:
+def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 16,
+               lenient: bool = False) -> FileCount:
     """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated)."""
     c = FileCount(path)
     with open(path, "rb") as f:
         for index, line in enumerate(x for x in f if x.strip()):
             c.lines += 1
             try:
-                req = parse_line(line, index)
+                req = parse_line(line, index, lenient)
                 ids = [chat_ids(tok, p) if req.kind == "chat" else
                        (list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p))
                        for p in req.prompts]
@@ -143,7 +144,7 @@ def dry_run(opts: RunOptions, argv: list[str]) -> int:
     out = plan_lines(plan, opts)
     tok = load_tokenizer(plan.model_dir, opts.trust_remote_code)
     seen: set[bytes] = set()
-    counts = [count_file(p, tok, opts.prefix_block_size, seen) for p in plan.all_inputs]
+    counts = [count_file(p, tok, opts.prefix_block_size, seen, lenient=opts.lenient_fields) for p in plan.all_inputs]
     prompt = sum(c.prompt_tokens for c in counts)
     for c in counts:
         out.append(f"{c.path}: {c.lines} lines ({c.bad} will be errors), {c.prompt_tokens} prompt tokens, at most "

@@ -98,6 +98,7 @@ class RunOptions:
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    lenient_fields: bool = _opt(False, "Ignore request fields this runner does not know or does not implement with the value given (vLLM's behaviour), logging and counting them (the summary's ignored_fields), instead of answering the request with an error naming the field.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
     strict: bool = _opt(False, "Exit non-zero when any request failed.")

@@ -54,9 +54,11 @@ class Answers:
                     choices.append(chat_choice(self.detok, cand, idx, p))
                 else:
                     choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i),
-                                                     p.return_token_ids))
+                                                     p.return_token_ids, req.prompt_ids.get(prompt_i)))
         result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
                                time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
+        if req.kind == "chat" and p.return_token_ids:  # vLLM's chat response carries them beside the choices
+            result["prompt_token_ids"] = req.prompt_ids.get(0)
         if req.notes:
             result["warnings"] = req.notes
         return result

@@ -58,6 +58,8 @@ class Head:
         if meta.note:
             req.notes.append(meta.note)
         req.prompt_tokens += len(meta.prompt_ids)
+        if p.return_token_ids:
+            req.prompt_ids[meta.prompt_i] = list(meta.prompt_ids)
         g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})

@@ -58,6 +58,7 @@ class RequestState:
     n_prompts: int
     choices: dict[int, list[Candidate]] = field(default_factory=dict)  # prompt_i -> candidates
     echoes: dict[int, dict | None] = field(default_factory=dict)
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # return_token_ids: prompt_i -> its ids
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     started: float = 0.0

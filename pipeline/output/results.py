@@ -113,12 +113,16 @@ def completion_choice(
     want_top: int | None,
     echo: dict | None = None,
     token_ids: bool = False,
+    prompt_ids: list[int] | None = None,
 ) -> dict:
     """One OpenAI completion choice. ``echo`` = {"ids", "logprobs", "top"} of the prompt (first entry None);
-    ``token_ids``: also the ids of ``logprobs.tokens`` (the prompt's first with echo), as vLLM's field."""
-    prompt_ids = echo["ids"] if echo else []
-    pieces_prompt = detok.pieces(prompt_ids) if echo else []
-    pieces_gen = list(cand.pieces) if cand.pieces is not None else detok.pieces(cand.ids, context=prompt_ids)
+    ``token_ids`` (vLLM's return_token_ids): also the ids of ``logprobs.tokens`` (the prompt's first with
+    echo), ``prompt_ids`` as ``prompt_token_ids``, and with top logprobs each position's alternatives by
+    id (``top_token_logprobs``: ``[token id, logprob, token text]``, likeliest first; what vLLM's Python
+    API reports, where ``top_logprobs`` keys by text and merges tokens of equal text)."""
+    echo_ids = echo["ids"] if echo else []
+    pieces_prompt = detok.pieces(echo_ids) if echo else []
+    pieces_gen = list(cand.pieces) if cand.pieces is not None else detok.pieces(cand.ids, context=echo_ids)
     ids, lps = list(cand.ids), list(cand.logprobs)
     tops = list(cand.top) if cand.top is not None else None
     if cand.stop_at is not None:  # cut text before the stop; keep the tokens that reach into the kept text
@@ -148,7 +152,14 @@ def completion_choice(
         logprobs["top_logprobs"] = prompt_top + gen_top
     choice = {"text": text, "index": index, "finish_reason": cand.finish_reason, "logprobs": logprobs}
     if token_ids:
-        choice["token_ids"] = list(prompt_ids) + ids
+        choice["token_ids"] = list(echo_ids) + ids
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+        if want_top:
+            def by_id(pairs):
+                return None if pairs is None else [[i, lp, detok.token_str(i)] for i, lp in pairs]
+            prompt_top = [by_id(t) for t in echo["top"]] if echo else []
+            choice["top_token_logprobs"] = prompt_top + [by_id(t) for t in (tops or [])]
     return choice
 
 
@@ -157,8 +168,9 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
     c = completion_choice(detok, cand, index, params.logprobs, token_ids=params.return_token_ids)
     choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
               "finish_reason": cand.finish_reason, "logprobs": None}
-    if "token_ids" in c:
-        choice["token_ids"] = c["token_ids"]
+    for key in ("token_ids", "top_token_logprobs"):
+        if key in c:
+            choice[key] = c[key]
     if params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(c["logprobs"])
     return choice

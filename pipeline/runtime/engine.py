@@ -248,7 +248,7 @@ class Engine:
         self.stage.release(release)
         total = j.skip + d.requests_read if (j.cancelled or j.expiring) else j.job.total
         msg = CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
-                        d.take_errors())
+                        d.take_errors(), ignored_fields=dict(d.ignored_fields))
         self.stage.add_figures(msg)  # every later stage appends its own on the way down
         self._down(msg)
         j.closing = True

@@ -144,7 +144,7 @@ class LastRank:
 
     def _close(self, msg: CloseFile) -> Closed:
         self.file.structured = self.head.constraints.figures()
-        stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
+        stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste, msg.ignored_fields)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.answers.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells, msg.gpu_peak_mb, msg.precision, msg.memory)

@@ -196,6 +196,7 @@ class CloseFile:
     gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: each stage's peak allocated memory (en route)
     precision: list[dict] = field(default_factory=list)  # each stage's Stage.precision() (en route)
     memory: list[dict] = field(default_factory=list)  # each stage's Stage.memory_mb() (en route)
+    ignored_fields: dict[str, int] = field(default_factory=dict)  # --lenient-fields: requests per field left aside
 
 
 @dataclass

@@ -249,7 +249,8 @@ def make_engine(rank: Rank, files: FileSource | None = None, requests: Requests 
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
     grammars = Grammars(tokenizer, plan.spec.vocab_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
-                    info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout))
+                    info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout),
+                    opts.lenient_fields)
     last = last_rank(rank, tokenizer, grammars) if info.is_last else None  # P = 1: one tokenizer, rank 0's grammars
     engine = Engine(rank.stage, driver, make_link(info, rank.stage), last, files, requests, stopping, info.data_rank,
                     info.data_size)

@@ -47,7 +47,8 @@ def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
 class Driver:
     def __init__(self, tokenizer, vocab_size: int, max_positions: int, scheduler: Scheduler,
                  truncate_prompts: bool = False, data_rank: int = 0, data_size: int = 1,
-                 models: ModelNames | None = None, grammars: GrammarIntake | None = None):
+                 models: ModelNames | None = None, grammars: GrammarIntake | None = None,
+                 lenient_fields: bool = False):
         self.tok, self.vocab_size, self.max_positions = tokenizer, vocab_size, max_positions
         self.sched, self.truncate = scheduler, truncate_prompts
         self.prefix = scheduler.prefix  # PrefixCache or None
@@ -62,6 +63,8 @@ class Driver:
         self.next_gid = 0
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
+        self.lenient = lenient_fields  # --lenient-fields: unknown or unsupported fields ignored (tasks.fields)
+        self.ignored_fields: dict[str, int] = {}  # this file's requests that carried each ignored field
         self.encode_seconds = 0.0
         self.suspects: set[int] = set()  # lines in flight when an earlier run crashed: each runs alone
         self.culprits: set[int] = set()  # lines alone in flight when a run crashed: answered with an error
@@ -72,7 +75,7 @@ class Driver:
         """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
         ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
         self.lines = lines
-        self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
+        self.requests_read, self.error_kinds, self.encode_seconds, self.ignored_fields = 0, {}, 0.0, {}
         self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
         if self.suspects or self.culprits:
             log.warning("an earlier run ended while computing lines %s: %s", few(self.suspects | self.culprits),
@@ -105,8 +108,9 @@ class Driver:
                 continue
             req = None
             try:
-                req = parse_line(line, index)
+                req = parse_line(line, index, self.lenient)
                 groups = self._groups(req, alone=index in self.suspects)
+                self.note_ignored(req.ignored)
             except Exception as e:  # any failure to prepare the line is its own error, never the run's
                 raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
                     line.decode("utf-8", "replace").rstrip("\r\n")
@@ -121,6 +125,14 @@ class Driver:
     def _empty(self) -> bool:
         """Nothing queued, no row live: a suspect line can run alone."""
         return self.sched.empty
+
+    def note_ignored(self, fields: list[str]) -> None:
+        """--lenient-fields: count (and the first time, log) each field a request carried that was left aside."""
+        for name in fields:
+            if name not in self.ignored_fields:
+                log.warning("request field %r ignored (--lenient-fields): it is unknown, or not implemented with "
+                            "the value given; the summary's ignored_fields counts it", name)
+            self.ignored_fields[name] = self.ignored_fields.get(name, 0) + 1
 
     def error_line(self, index: int, raw, e: RequestError) -> None:
         """Line ``index`` is answered with the error ``e`` in its place."""

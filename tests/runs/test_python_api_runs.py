@@ -68,7 +68,10 @@ def _without_ids(line: dict, ids: bool) -> dict:
         line["request"].pop("return_token_ids", None)
         if isinstance(line["request"].get("body"), dict):
             line["request"]["body"].pop("return_token_ids", None)
+    (line.get("result") or {}).pop("prompt_token_ids", None)  # a chat's
     for choice in (line.get("result") or {}).get("choices", []):
+        choice.pop("prompt_token_ids", None)
+        choice.pop("top_token_logprobs", None)
         got = choice.pop("token_ids", None)
         if not ids:  # generate_file runs file mode exactly: its lines are the file's
             assert got is None

@@ -281,7 +281,7 @@ def engine_for(store: BatchStore, fingerprint: dict):
     from pipeline.runtime.engine import Engine
     from serve.batch_jobs import BatchJobs
 
-    driver = FakeDriver(lines=None, held=None, filled=0, error_kinds={}, exhausted=False, requests_read=0,
+    driver = FakeDriver(lines=None, held=None, filled=0, error_kinds={}, ignored_fields={}, exhausted=False, requests_read=0,
                         encode_seconds=0.0, padding_ratio=0.0, queued=0, slot_ids=range(1), prefix=None,
                         group_of=lambda slot, row: None)
     stage = SimpleNamespace(busy=0.0, peak_cells=0, kv_cells=0, gpu_peak_mb=lambda: [], memory_mb=lambda: {},
