@@ -33,6 +33,7 @@ from serve.sse import DONE, ChunkMaker, event
 from serve.batch_routes import add_batch_routes
 from serve.connection_limits import protocol_class
 from serve.responses import error, ok, read_json
+from serve.tokenizer_routes import add_tokenizer_routes
 from serve.web_page import add_page_route
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class ServeState:
     tokenizing: Tokenizing | None = None  # None: the pipeline thread tokenizes (tests of the engine alone)
     metrics: ServeMetrics | None = None  # GET /metrics (serve.metrics); None: no such route
     lenient_fields: bool = False  # --lenient-fields: unknown or unsupported request fields ignored and logged
+    max_model_len: int = 0  # the model's context window (/tokenize reports it)
+    vocab_size: int = 0  # the model's embedding rows (/detokenize's ids are checked against it; 0: not known)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -110,6 +113,7 @@ def create_app(state: ServeState) -> FastAPI:
 
 
     add_batch_routes(app, state)
+    add_tokenizer_routes(app, state)  # vLLM's /tokenize, /detokenize, /tokenizer_info
     add_page_route(app)  # the chat page at / (serve/static/index.html)
     return app
 

@@ -2,7 +2,8 @@
 BaseHTTPMiddleware would hide client disconnects from the handlers), in this order:
 
 1. ``Host`` on the allow-list, else 403 (DNS rebinding); ``Origin``, when sent, allowed, else 403;
-2. on ``/v1`` routes and ``/metrics`` with keys: ``Authorization: Bearer KEY`` of a known key, else 401; the key's
+2. on ``/v1`` routes, ``/metrics`` and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``,
+   ``/tokenizer_info``) with keys: ``Authorization: Bearer KEY`` of a known key, else 401; the key's
    name goes to ``request.state.key_name``;
 3. POST bodies: ``application/json`` (``multipart/form-data`` on ``POST /v1/files`` only), else 415;
 4. the body's size, counted as it is read (chunked bodies have no Content-Length): the request
@@ -17,6 +18,7 @@ from serve.responses import error
 
 UPLOAD_ROUTE = "/v1/files"
 METRICS_ROUTE = "/metrics"  # Prometheus (serve.metrics): behind the key like /v1
+KEYED_ROUTES = (METRICS_ROUTE, "/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's tokenizer routes too
 MULTIPART_SLACK = 64 << 10  # an upload's body holds the file plus part headers and the purpose field
 
 
@@ -83,7 +85,7 @@ class Guard:
         path = scope["path"]
         state = scope.setdefault("state", {})
         state.setdefault("key_name", DEFAULT_NAME)  # (an outer layer may have named the key: tests)
-        if self.keys and (path.startswith("/v1") or path == METRICS_ROUTE):
+        if self.keys and (path.startswith("/v1") or path in KEYED_ROUTES):
             name = self.keys.name_of(headers.get("authorization", ""))
             if name is None:
                 return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"

@@ -50,7 +50,8 @@ def run_server(rank, stopping) -> None:
     state = ServeState(source, store, name, keys, opts.max_request_bytes, opts.max_upload_bytes,
                        adapters=tuple(a.name for a in plan.adapters), access=make_access(host, opts.allowed_hosts,
                        opts.allowed_origins), allowed_origins=opts.allowed_origins, caps=caps, tokenizing=tokenizing,
-                       metrics=metrics, lenient_fields=opts.lenient_fields)
+                       metrics=metrics, lenient_fields=opts.lenient_fields, max_model_len=driver.max_positions,
+                       vocab_size=driver.vocab_size)
     limits = Limits(connection_cap(opts.max_connections), opts.header_timeout, opts.body_timeout, opts.send_timeout)
     http = HttpThread(create_app(state), host, port, limits, opts.keep_alive_timeout)
     http.start()

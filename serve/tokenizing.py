@@ -91,6 +91,10 @@ class Tokenizing:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
 
     def _run(self, req: Request) -> list[list[int]]:
+        return self.encode(req, self._tok())
+
+    def _tok(self):
+        """This worker thread's copy of the tokenizer (made on its first use)."""
         tok = getattr(self.local, "tok", None)
         if tok is None:
             try:  # a fast tokenizer must not be used by two threads while one changes its settings
@@ -98,11 +102,15 @@ class Tokenizing:
             except Exception:  # noqa: BLE001 - not copyable: share it (encoding only reads it)
                 tok = self.tokenizer
             self.local.tok = tok
-        return self.encode(req, tok)
+        return tok
 
     async def __call__(self, req: Request) -> list[list[int]]:
         """Every prompt's token ids; RequestError when a prompt cannot be tokenized (no chat template, ...)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._run, req)
+
+    async def call(self, fn):
+        """``fn(tokenizer)`` on a worker thread, with that thread's copy of the tokenizer (/tokenize, /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(self._tok()))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

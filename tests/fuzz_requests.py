@@ -218,6 +218,45 @@ def unknown_fields() -> st.SearchStrategy:
     return st.tuples(names.filter(lambda k: k not in known and k != "custom_id"), any_json())
 
 
+def valid_bodies(chat: bool = False) -> st.SearchStrategy:
+    """A request carrying every field the runner implements, each with a valid value (the output constraint in
+    one of its forms), and the fields that change nothing here: a request the runner must take."""
+    def build(d):
+        d = dict(d)
+        form, (fields, _, _) = d.pop("constraint_form"), d.pop("constraint")
+        value = next(iter(fields.values()))
+        if form == "guided" and "structured_outputs" in fields:
+            key, inner = next(iter(value.items()))
+            d[f"guided_{key}"] = inner
+        elif form != "none":
+            d.update(fields)
+        d["best_of"] = max(d["best_of"], d["n"])
+        d["min_tokens"] = min(d["min_tokens"], d["max_completion_tokens" if chat else "max_tokens"])
+        return d
+
+    common = {
+        "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
+        "min_p": st.floats(0, 1), "n": st.integers(1, 2), "best_of": st.integers(1, 3),
+        "stop": st.lists(TEXT, max_size=4), "seed": st.integers(0, 2**63 - 1),
+        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.05, 3), "logit_bias": st.dictionaries(st.integers(0, 1023).map(str),
+                                                                               st.floats(-100, 100), max_size=3),
+        "min_tokens": st.integers(0, 4), "ignore_eos": st.booleans(),
+        "stop_token_ids": st.lists(st.integers(0, 1023), max_size=3), "return_token_ids": st.booleans(),
+        "model": st.none(), "stream": st.just(False), "stream_options": st.none(),
+        "constraint": constraints(), "constraint_form": st.sampled_from(["none", "as drawn", "guided"]),
+        **{k: st.just(v) for k, v in NO_EFFECT.items()},
+    }
+    if chat:
+        own = {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                           "content": TEXT}), min_size=1, max_size=2),
+               "max_completion_tokens": st.integers(0, 8), "logprobs": st.booleans(), "top_logprobs": st.none()}
+    else:
+        own = {"prompt": TEXT | st.lists(st.integers(0, 1023), min_size=1, max_size=4),
+               "max_tokens": st.integers(0, 8), "logprobs": st.none() | st.integers(0, 5), "echo": st.booleans()}
+    return st.fixed_dictionaries({**common, **own}).map(build)
+
+
 def bodies(chat: bool = False, nonfinite: bool = False, cheap: bool = False) -> st.SearchStrategy:
     """A completion (or chat completion) request body. ``cheap``: few tokens to compute (a run)."""
     values = field_values(nonfinite)

@@ -1,0 +1,177 @@
+"""Request fields in whole runs and on a server, every rank in this process (issue 58): a field the runner does
+not know, or does not implement with the value given, is the line's error in file mode (counted by field in
+the summary) and a 400 naming it in serve mode; --lenient-fields ignores, logs and counts it. The sampling
+fields over HTTP, and vLLM's /tokenize, /detokenize and /tokenizer_info behind the API key."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.utils import REPO, free_port, read_jsonl, run_local, write_jsonl
+
+try:  # the openai package's HTTP client (httpx, or its fork httpx2)
+    import httpx
+except ImportError:
+    import httpx2 as httpx
+
+FLAGS = ["--no-progress", "--num-threads", "1", "--budget", "4096"]
+KEY = "fields-test-key"
+LINES = [
+    {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "engine": "tiny-llama", "user": "u1"},
+    {"prompt": "Once upon a time", "max_tokens": 3, "temprature": 0.5},
+    {"prompt": "Once upon a time", "max_tokens": 3, "suffix": " end"},
+    {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function"}]}},
+    {"prompt": "Once upon a time", "max_tokens": 3, "temprature": 0.5, "mirostat": 1},
+]
+
+
+def test_file_mode_refuses_in_the_lines_place_and_counts_by_field(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", LINES)
+    strict, lenient = tmp_path / "strict.jsonl", tmp_path / "lenient.jsonl"
+    r = run_local([*FLAGS, "--infer-data", src, "--output-path", str(strict)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = read_jsonl(strict)
+    assert "result" in out[0]
+    assert [line.get("error", {}).get("param") for line in out[1:3]] == ["temprature", "suffix"]
+    assert out[3]["response"]["status_code"] == 400 and "tool calling is not supported" in out[3]["error"]["message"]
+    assert "'temprature', 'mirostat'" in out[4]["error"]["message"]
+    summary = json.loads(Path(str(strict) + ".summary.json").read_text())
+    assert summary["error_kinds"] == {"field:temprature": 2, "field:suffix": 1, "field:tools": 1}
+    assert "field:temprature: 2" in r.stderr
+
+    r = run_local([*FLAGS, "--infer-data", src, "--output-path", str(lenient), "--lenient-fields"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = read_jsonl(lenient)
+    assert all("result" in line or line.get("error") is None for line in out)
+    texts = [(line.get("result") or line["response"]["body"])["choices"][0] for line in out]
+    assert texts[1]["text"] == texts[0]["text"] == texts[2]["text"]  # ignored: plain greedy text
+    summary = json.loads(Path(str(lenient) + ".summary.json").read_text())
+    assert summary["ignored_fields"] == {"temprature": 2, "suffix": 1, "tools": 1, "mirostat": 1}
+    assert summary["errors"] == 0 and "ignored fields: mirostat: 1" in r.stderr
+    assert "request field 'temprature' ignored (--lenient-fields)" in r.stderr
+
+
+class Server:
+    """Serve mode in this process (every rank a thread), stopped by its own event."""
+
+    def __init__(self, tmp: Path, *flags: str):
+        import dist_inference_runner
+
+        self.port, self.stop = free_port(), threading.Event()
+        argv = [*FLAGS, "--serve", f"127.0.0.1:{self.port}", "--serve-dir", str(tmp / "state"), "--in-process",
+                *flags]
+        self.thread = threading.Thread(target=dist_inference_runner.main, args=(argv,),
+                                       kwargs={"signals": False, "stopping": self.stop}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("the in-process server did not come up")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+        return httpx.post(self.url(path), json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("fields"), "--api-key", KEY)
+    yield s
+    s.close()
+
+
+def test_serve_mode_answers_400_naming_the_field(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body, path, param in [
+        ({"prompt": "x", "max_tokens": 2, "temprature": 0}, "/v1/completions", "temprature"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+         "/v1/chat/completions", "tools"),
+        ({**chat, "messages": [{"role": "wizard", "content": "hi"}]}, "/v1/chat/completions", "messages"),
+        ({**chat, "top_logprobs": 3}, "/v1/chat/completions", "top_logprobs"),
+        ({"prompt": "x", "stream": True, "best_of": 1, "include_stop_str_in_output": True}, "/v1/completions",
+         "include_stop_str_in_output"),
+    ]:
+        r = server.post(path, body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert "tool calling is not supported" in server.post("/v1/chat/completions", {**chat, "tools": [{}]}).text
+    ok = server.post("/v1/chat/completions", {**chat, "user": "u", "metadata": {"a": "b"}, "store": False,
+                                              "service_tier": "auto", "tools": [], "tool_choice": "none"})
+    assert ok.status_code == 200, ok.text
+    metrics = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    assert 'dist_infer_request_fields_total{field="temprature",outcome="refused"} 1.0' in metrics
+
+
+def test_the_openai_sdk_sees_a_bad_request(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
+    name = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt="x", max_tokens=2, extra_body={"typical_p": 0.5})
+    assert "typical_p" in str(e.value)
+    c = client.completions.create(model=name, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 6, "repetition_penalty": 1.3, "min_p": 0.1,
+                                              "stop_token_ids": [5], "ignore_eos": False, "top_k": 5})
+    assert c.usage.completion_tokens == 6 and c.choices[0].finish_reason == "length"
+
+
+def test_vllms_tokenizer_routes(server):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(REPO / "examples" / "tiny-llama-default")
+    assert server.post("/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+    r = server.post("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}).json()
+    ids = tok("Once upon a time")["input_ids"]
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
+    assert r["token_strs"] == tok.convert_ids_to_tokens(ids)
+    name = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    bare = server.post("/tokenize", {"model": name["data"][0]["id"], "prompt": "Once upon a time",
+                                     "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok("Once upon a time", add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
+    messages = [{"role": "user", "content": "Who has the ball?"}]
+    chat = server.post("/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    closed = server.post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["count"] < chat["count"]
+    assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(ids)}
+    for path, body, param, status in [("/detokenize", {"tokens": [10**6]}, "tokens", 400),
+                                       ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate", 400),
+                                       ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
+                                       ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages",
+                                        400)]:
+        got = server.post(path, body)
+        assert got.status_code == status and got.json()["error"]["param"] == param, got.text
+    info = httpx.get(server.url("/tokenizer_info"), headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == tok.chat_template
+    assert httpx.get(server.url("/tokenizer_info"), timeout=30).status_code == 401
+
+
+def test_a_lenient_server_ignores_and_counts(tmp_path):
+    s = Server(tmp_path, "--lenient-fields")
+    try:
+        r = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0,
+                                       "temprature": 0.5, "suffix": "x"}, key=None)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(s.url("/metrics"), timeout=30).text
+        assert 'dist_infer_request_fields_total{field="suffix",outcome="ignored"} 1.0' in metrics
+    finally:
+        s.close()
