@@ -102,6 +102,6 @@ def parse(argv: list[str]) -> RunOptions:
         with contextlib.redirect_stderr(err):
             return parse_options(argv)
     except SystemExit:
-        lines = [x for x in err.getvalue().splitlines() if x.strip()]
+        lines = [x for x in err.getvalue().splitlines() if "error: " in x]
         message = lines[-1].split("error: ", 1)[-1] if lines else "invalid options"
         raise UsageError(message) from None

@@ -171,14 +171,29 @@ def quiet_exit_grace() -> None:
 QUIET_GRACE_S = 3.0
 
 
+HELP_POINTER = "python dist_inference_runner.py --help lists every flag (docs/usage/flags.md)"
+
+
 class _Parser(argparse.ArgumentParser):
     quiet = False  # exit 2 without printing (every rank but rank 0: the message is printed once)
 
     def error(self, message: str):
+        """The problem in one line and where the flags are described, not argparse's 70 lines of usage."""
         if self.quiet:
             quiet_exit_grace()
             sys.exit(2)
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n{HELP_POINTER}\n")
+
+    def _suggestion(self, message: str) -> str:
+        """For a flag argparse does not know: the flags it may be a misspelling of."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        import difflib
+
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        unknown = [w.split("=", 1)[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+        close = [m for w in unknown for m in difflib.get_close_matches(w, known, n=1, cutoff=0.75)]
+        return f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,3 +109,19 @@ def test_budget_auto_from_gpu_memory():
     assert cpu_budget(available=64 * GiB, local_world=1, cell_bytes=1024) == CPU_MAX_BUDGET  # small cells: the cap
     assert resolve_budget(300, None, torch.device("cpu")) == 300
     assert parse_options(["--budget", "300"]).budget == 300
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgett", "5"], "unrecognized arguments: --budgett 5 (did you mean --budget?)"),
+    (["--budget", "0"], "--budget must be a positive number of KV-cache tokens or auto, got 0"),
+    (["--pp-mode", "bogus"], "argument --pp-mode: invalid choice: 'bogus'"),
+    (["--max-tokens"], "argument --max-tokens: expected one argument"),
+])
+def test_a_usage_error_is_its_line_and_a_pointer_to_help(argv, message, capsys):
+    """Not argparse's 70 lines of usage before the one that says what is wrong (issue 58)."""
+    with pytest.raises(SystemExit) as e:
+        parse_options(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dist_inference_runner.py: error: ") and message in lines[0]
+    assert "--help" in lines[1]
