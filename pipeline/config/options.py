@@ -98,6 +98,7 @@ class RunOptions:
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
+    json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).")
     lenient_fields: bool = _opt(False, "Ignore request fields this runner does not know or does not implement with the value given (vLLM's behaviour), logging and counting them (the summary's ignored_fields), instead of answering the request with an error naming the field.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
@@ -285,6 +286,9 @@ def check_options(opts: RunOptions) -> list[str]:
     problems = []
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if opts.json_string_max_length < 0:
+        problems.append(f"--json-string-max-length must be 0 (unbounded) or more characters, got "
+                        f"{opts.json_string_max_length}")
     if not opts.grammar_timeout > 0:
         problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
     if opts.prefix_block_size < 1:

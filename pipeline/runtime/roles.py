@@ -224,7 +224,7 @@ def last_rank(rank: Rank, tokenizer=None, grammars=None) -> LastRank:
     plan, opts, info = rank.plan, rank.opts, rank.info
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
-    grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
+    grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size, opts.json_string_max_length)
     head = Head(rank.stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
                 masks_on_thread(info.device, info.local_world_size, usable_cores()))
     last = LastRank(rank.stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
@@ -247,7 +247,7 @@ def make_engine(rank: Rank, files: FileSource | None = None, requests: Requests 
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
                              plan.source.repo_id if plan.source else None,
                              str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
-    grammars = Grammars(tokenizer, plan.spec.vocab_size)
+    grammars = Grammars(tokenizer, plan.spec.vocab_size, opts.json_string_max_length)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout),
                     opts.lenient_fields)

@@ -40,11 +40,13 @@ def spec_key(spec: dict) -> str:
     return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def grammar_text(spec: dict) -> str:
-    """The llguidance grammar of a spec ({"kind": json|json_object|regex|choice|grammar, "value"})."""
+def grammar_text(spec: dict, max_string: int = 0) -> str:
+    """The llguidance grammar of a spec ({"kind": json|json_object|regex|choice|grammar, "value"});
+    ``max_string``: the length of a JSON schema's strings that set none (0: unbounded; see bound_strings)."""
     kind, value = spec["kind"], spec.get("value")
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
+        schema = bound_strings(value, max_string) if max_string else value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if kind == "regex":
@@ -62,10 +64,58 @@ def grammar_text(spec: dict) -> str:
     raise GrammarError(f"unknown constraint kind {kind!r}")
 
 
+# the keywords whose value is a schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12)
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OWN_BOUND = ("maxLength", "pattern", "format", "enum", "const")  # a string schema that bounds itself
+INT_BOUND = 10**18 - 1  # an unbounded integer's range: 18 digits (llguidance compiles ranges up to about here)
+
+
+def bound_strings(schema, max_length: int):
+    """A copy of ``schema`` where every string that sets no length of its own (no maxLength, pattern, format,
+    enum or const) gets ``maxLength: max_length`` (its minLength permitting), and every integer without a
+    bound on a side gets ``±INT_BOUND`` there, so that a model that would never close a string or stop
+    writing digits (a small model asked for a plain ``str`` or ``int`` field) still ends with valid JSON:
+    the grammar closes the value. --json-string-max-length sets the length (0: neither bound)."""
+    if isinstance(schema, list):
+        return [bound_strings(s, max_length) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _ONE or key in _LIST:
+            out[key] = bound_strings(value, max_length)
+        elif key in _MAP and isinstance(value, dict):
+            out[key] = {name: bound_strings(s, max_length) for name, s in value.items()}
+        else:
+            out[key] = value
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds and not any(k in schema for k in _OWN_BOUND):
+        least = schema.get("minLength")
+        out["maxLength"] = max(max_length, least) if isinstance(least, int) and not isinstance(least, bool) \
+            else max_length
+    if "integer" in kinds and "enum" not in schema and "const" not in schema:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema and _below(-INT_BOUND, schema.get("maximum")):
+            out["minimum"] = -INT_BOUND
+        if "maximum" not in schema and "exclusiveMaximum" not in schema and _below(schema.get("minimum"), INT_BOUND):
+            out["maximum"] = INT_BOUND
+    return out
+
+
+def _below(a, b) -> bool:
+    """a <= b where both are numbers (a missing one: no constraint, True)."""
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    return not ok or a <= b
+
+
 class Grammars:
     """Compiled matchers of one tokenizer, by spec; thread-safe (rank 0 compiles on a worker thread)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, max_string: int = 0):
+        self.max_string = max_string  # --json-string-max-length (bound_strings)
         self._hf_tok, self.tok = tokenizer, None  # llguidance's view, built on first use: a slow tokenizer
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self._ready: dict[str, llguidance.LLMatcher | GrammarError] = {}
@@ -87,7 +137,7 @@ class Grammars:
                     from llguidance.hf import from_tokenizer
 
                     self.tok = from_tokenizer(self._hf_tok)
-                m = llguidance.LLMatcher(self.tok, grammar_text(spec), log_level=0)
+                m = llguidance.LLMatcher(self.tok, grammar_text(spec, self.max_string), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
                 mask_words(m, self.tok.vocab_size)
                 got = GrammarError(m.get_error()[:500]) if m.is_error() else m

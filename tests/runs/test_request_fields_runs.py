@@ -6,20 +6,13 @@ fields over HTTP, and vLLM's /tokenize, /detokenize and /tokenizer_info behind t
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO, free_port, read_jsonl, run_local, write_jsonl
+from tests.runs.inprocess_server import FLAGS, Server, httpx
+from tests.utils import REPO, read_jsonl, run_local, write_jsonl
 
-try:  # the openai package's HTTP client (httpx, or its fork httpx2)
-    import httpx
-except ImportError:
-    import httpx2 as httpx
-
-FLAGS = ["--no-progress", "--num-threads", "1", "--budget", "4096"]
 KEY = "fields-test-key"
 LINES = [
     {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "engine": "tiny-llama", "user": "u1"},
@@ -57,43 +50,9 @@ def test_file_mode_refuses_in_the_lines_place_and_counts_by_field(tmp_path):
     assert "request field 'temprature' ignored (--lenient-fields)" in r.stderr
 
 
-class Server:
-    """Serve mode in this process (every rank a thread), stopped by its own event."""
-
-    def __init__(self, tmp: Path, *flags: str):
-        import dist_inference_runner
-
-        self.port, self.stop = free_port(), threading.Event()
-        argv = [*FLAGS, "--serve", f"127.0.0.1:{self.port}", "--serve-dir", str(tmp / "state"), "--in-process",
-                *flags]
-        self.thread = threading.Thread(target=dist_inference_runner.main, args=(argv,),
-                                       kwargs={"signals": False, "stopping": self.stop}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError("the in-process server did not come up")
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def post(self, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
-        return httpx.post(self.url(path), json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {key}"} if key else {})
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("fields"), "--api-key", KEY)
+    s = Server(tmp_path_factory.mktemp("fields"), "--api-key", KEY, key=KEY)
     yield s
     s.close()
 
@@ -138,7 +97,7 @@ def test_vllms_tokenizer_routes(server):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(REPO / "examples" / "tiny-llama-default")
-    assert server.post("/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+    assert server.post("/tokenize", {"prompt": "hi"}, key="").status_code == 401
     r = server.post("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}).json()
     ids = tok("Once upon a time")["input_ids"]
     assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
@@ -169,7 +128,7 @@ def test_a_lenient_server_ignores_and_counts(tmp_path):
     s = Server(tmp_path, "--lenient-fields")
     try:
         r = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0,
-                                       "temprature": 0.5, "suffix": "x"}, key=None)
+                                       "temprature": 0.5, "suffix": "x"})
         assert r.status_code == 200, r.text
         metrics = httpx.get(s.url("/metrics"), timeout=30).text
         assert 'dist_infer_request_fields_total{field="suffix",outcome="ignored"} 1.0' in metrics
