@@ -1,5 +1,7 @@
 """The chat page at / in headless Chromium: it lists the model, sends a message and shows the answer as
-it streams, with and without an API key (skipped when chromium is not installed)."""
+it streams, with and without an API key; Undo after a failed message takes back the right bubbles, so
+the page shows the conversation it sends; at phone width the settings panel folds away behind a button
+(skipped when chromium is not installed)."""
 
 from __future__ import annotations
 
@@ -114,3 +116,62 @@ def test_page_with_api_key(server, browser):
     send(browser, PATH_QUESTION)
     browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
     assert answers(browser) == [" north west"]
+
+
+@pytest.fixture(scope="module")
+def inprocess_server(tmp_path_factory):
+    """A server in this process (every rank a thread): only the browser is a process here."""
+    from tests.runs.inprocess_server import Server
+
+    s = Server(tmp_path_factory.mktemp("page"))
+    yield s.url("/")
+    s.close()
+
+
+def shown(b: Browser) -> list[str]:
+    """The bubbles of the conversation as the page shows them: 'user:' / 'assistant:' / 'failed:' + text."""
+    return b.js("Array.from(document.querySelectorAll('#log .user, #log .assistant')).map(e => "
+                "(e.classList.contains('failed') ? 'failed' : e.classList.contains('user') ? 'user' : 'assistant')"
+                " + ':' + e.textContent)")
+
+
+def test_undo_after_a_failed_message_and_a_phone_width(inprocess_server, browser):
+    b = browser
+    b.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=2, mobile=True)
+    b.open(inprocess_server)
+    # a phone: the conversation has the screen; the settings are behind the Settings button
+    assert b.wait("document.getElementById('model').options.length") == 1
+    width = b.js("window.innerWidth")
+    assert width == 390
+    assert b.js("document.getElementById('side').getBoundingClientRect().right") <= 0
+    assert b.js("document.getElementById('input').getBoundingClientRect().width") > 300
+    assert b.js("document.getElementById('go').getBoundingClientRect().bottom") <= 844
+    b.js("document.getElementById('panel').click(); true")
+    b.wait("document.getElementById('side').getBoundingClientRect().left >= 0")
+    assert 0 < b.js("document.getElementById('side').getBoundingClientRect().width") < width
+    b.js("document.getElementById('temperature').value = '0'; document.getElementById('max_tokens').value = '6';"
+         " document.getElementById('hide').click(); true")
+    b.wait("document.getElementById('side').getBoundingClientRect().right <= 0")
+
+    send(b, "Tom has 3 apples.")
+    b.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
+    first = answers(b)[0]
+    b.js("document.getElementById('temperature').value = '5'; true")  # the server refuses it: 400
+    send(b, "Who has the ball?")
+    b.wait("document.querySelectorAll('.error').length == 1")
+    assert shown(b) == ["user:Tom has 3 apples.", f"assistant:{first}", "failed:Who has the ball?"]
+    assert "temperature" in b.js("document.querySelector('.error').textContent")
+    assert b.js("document.getElementById('input').value") == "Who has the ball?"  # back to edit
+    b.js("document.getElementById('undo').click(); true")  # takes back the failed message, not the exchange
+    assert shown(b) == ["user:Tom has 3 apples.", f"assistant:{first}"]
+    assert b.js("document.querySelectorAll('.error').length") == 0
+
+    b.js("document.getElementById('temperature').value = '0'; document.getElementById('input').value = ''; true")
+    send(b, "And Ann?")
+    b.wait("document.querySelectorAll('.assistant[data-done]').length == 2")
+    sent = b.js("lastBody.messages")  # what the page sent is what it shows
+    assert [(m["role"], m["content"]) for m in sent] == [("user", "Tom has 3 apples."), ("assistant", first),
+                                                           ("user", "And Ann?")]
+    b.js("document.getElementById('undo').click(); true")
+    assert shown(b) == ["user:Tom has 3 apples.", f"assistant:{first}"]
+    assert b.js("turns.length") == 1
