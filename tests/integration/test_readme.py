@@ -46,6 +46,7 @@ PAGES = (
     "docs/usage/formats.md",
     "docs/usage/serve.md",
     "docs/usage/python-api.md",
+    "docs/usage/from-vllm.md",
     "docs/usage/chat.md",
     "docs/usage/stage-sizes.md",
     "docs/usage/scale.md",  # local/legacy/dp/two-node outputs, queries/, merged_output.jsonl
