@@ -5,10 +5,12 @@ fields over HTTP, and vLLM's /tokenize, /detokenize and /tokenizer_info behind t
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.runs.inprocess_server import FLAGS, Server, httpx
 from tests.utils import REPO, read_jsonl, run_local, write_jsonl
@@ -134,3 +136,50 @@ def test_a_lenient_server_ignores_and_counts(tmp_path):
         assert 'dist_infer_request_fields_total{field="suffix",outcome="ignored"} 1.0' in metrics
     finally:
         s.close()
+
+
+def generated_lines():
+    """Request lines carrying every supported field (valid values), some with random unknown fields too."""
+    from hypothesis import strategies as st
+
+    from tests import fuzz_requests as gen
+
+    unknown = st.lists(gen.unknown_fields(), max_size=2, unique_by=lambda kv: kv[0]).map(dict)
+    line = st.tuples(st.booleans().flatmap(lambda chat: gen.valid_bodies(chat).map(lambda b: (chat, b))), unknown)
+    return st.lists(line, min_size=2, max_size=5)
+
+
+@settings(derandomize=True, database=None, max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.generate))
+@given(lines=generated_lines())
+def test_generated_lines_with_unknown_fields_in_a_run(tmp_path_factory, lines):
+    """Each line with an unknown field is its own error naming one of them and counted by it; under
+    --lenient-fields it runs and every unknown field is counted once per line; never dropped silently."""
+    folder = tmp_path_factory.mktemp("generated_fields")
+    objs = []
+    for (chat, body), extra in lines:
+        body = {**body, **extra, "max_tokens" if not chat else "max_completion_tokens": 2, "min_tokens": 0}
+        objs.append({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body} if chat
+                    else body)
+    src = write_jsonl(folder / "in.jsonl", objs)
+    unknowns = [set(x[1]) for x in lines]
+    for lenient in (False, True):
+        out = folder / f"out_{lenient}.jsonl"
+        r = run_local([*FLAGS, "--infer-data", src, "--output-path", str(out), *(["--lenient-fields"] * lenient)])
+        assert r.returncode == 0, r.stderr[-2000:]
+        answers = read_jsonl(out)
+        summary = json.loads(Path(str(out) + ".summary.json").read_text())
+        assert len(answers) == len(objs)
+        refused = collections.Counter()
+        for names, a in zip(unknowns, answers, strict=True):
+            error = a.get("error") if "custom_id" not in a else (a["response"]["body"].get("error"))
+            if names and not lenient:
+                assert error is not None and error["param"] in names, (names, a)
+                refused[f"field:{error['param']}"] += 1
+            elif error is not None:  # a valid line may still fail for its own reason (a grammar that cannot go on)
+                assert error["param"] not in names and not str(error.get("param")).startswith("field:"), error
+        if lenient:
+            assert summary["ignored_fields"] == dict(collections.Counter(n for names in unknowns for n in names))
+        else:
+            assert {k: v for k, v in summary["error_kinds"].items() if k.startswith("field:")} == dict(refused)
+            assert summary.get("ignored_fields", {}) == {}
