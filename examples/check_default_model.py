@@ -8,8 +8,9 @@ never used), runs ``dist_inference_runner.py`` on it (plain ``python`` for P = 1
 loopback for P > 1), and scores the output file: greedy exact match per task, and for the
 multiple-choice task the lm-eval way (one request per context + candidate, token-id prompt,
 ``echo: true, max_tokens: 0, logprobs: 1``; the candidate with the highest summed logprob wins).
-Every request line carries ``task`` and ``expected`` (or ``doc`` and ``gold``), which the runner
-ignores and echoes back, so the output file can be scored on its own.
+Every request line carries ``task`` and ``expected`` (or ``doc`` and ``gold``) in its ``metadata`` (OpenAI's
+field for a request's own bookkeeping), which the runner leaves alone and echoes back, so the output file
+can be scored on its own.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def generated_requests(seed: int, n: int) -> list[dict]:
             prompt, b = dt.few_shot(task, rng, rng.randint(lo, hi))
             max_tokens = 2 if task == "path" else 8  # the shared few-shot file asks for 2
             out.append({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stop": ["\n"],
-                        "task": name, "expected": b.answer})
+                        "metadata": {"task": name, "expected": b.answer}})
     return out
 
 
@@ -59,8 +60,8 @@ def choice_requests(seed: int, n: int, tokenizer) -> list[dict]:
         for cand in b.choices:
             ids = ctx + tokenizer(cand, add_special_tokens=False)["input_ids"]
             out.append({"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0,
-                        "task": "owner/choice", "doc": doc, "context_tokens": len(ctx),
-                        "gold": cand == b.answer})
+                        "metadata": {"task": "owner/choice", "doc": doc, "context_tokens": len(ctx),
+                                     "gold": cand == b.answer}})
     return out
 
 
@@ -73,7 +74,7 @@ def score(lines: list[dict]) -> dict[str, tuple[int, int]]:
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     docs: dict[int, list[tuple[float, bool]]] = defaultdict(list)
     for line in lines:
-        req = line["request"]
+        req = line["request"]["metadata"]  # the request's own bookkeeping, echoed back (OpenAI's metadata field)
         if "result" not in line:
             raise RuntimeError(f"request failed: {line.get('error')}")
         choice = line["result"]["choices"][0]
@@ -94,7 +95,7 @@ def score(lines: list[dict]) -> dict[str, tuple[int, int]]:
 
 def greedy_texts(lines: list[dict]) -> list[str]:
     """Every generated text, in input order (to compare P = 1 with P = 2)."""
-    return [x["result"]["choices"][0]["text"] for x in lines if "doc" not in x["request"]]
+    return [x["result"]["choices"][0]["text"] for x in lines if "doc" not in x["request"]["metadata"]]
 
 
 def run_runner(requests_path: Path, out_path: Path, pipeline: int, timeout: float = 600) -> None:

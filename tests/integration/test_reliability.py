@@ -216,7 +216,7 @@ def test_large_file_driver_memory_is_bounded(model_dir, tmp_path):
         with open(src, "w") as f:
             for i in range(n):
                 f.write(json.dumps({"prompt": [5 + i % 50, 6, 7], "max_tokens": 1, "temperature": 0,
-                                    "padding": "x" * 4000}) + "\n")
+                                    "metadata": {"padding": "x" * 4000}}) + "\n")
         p = run_single(["--model-name", model_dir, "--infer-data", str(src), "--budget", "4096",
                         "--max-micro-batch-size", "64", "--no-progress"], timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
