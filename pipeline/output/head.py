@@ -168,7 +168,7 @@ class Head:
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                   for r, p in zip(rows, ps)], allowed, [len(states[r].cand.ids) for r in rows],
-                 [g.prompt_seen(logits.shape[-1], logits.device) if g.params.repetition_penalty != 1.0 else None
+                 [g.prompt_tokens(logits.shape[-1], logits.device) if g.params.repetition_penalty != 1.0 else None
                   for g in groups], self.eos_ids)
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):

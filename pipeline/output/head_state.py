@@ -9,7 +9,7 @@ import torch
 from tasks.requests import Params
 from pipeline.output.results import Candidate, IncrementalText
 from pipeline.sampling.grammar import GrammarError
-from pipeline.sampling.processors import prompt_mask
+from pipeline.sampling.processors import prompt_tokens
 
 from pipeline.runtime.messages import Admission
 
@@ -32,12 +32,12 @@ class GroupState:
     started: float
     echo: dict | None = None
     done: int = 0
-    seen: torch.Tensor | None = None  # repetition_penalty: the prompt's tokens as a (V,) bool mask, made once
+    seen: torch.Tensor | None = None  # repetition_penalty: the prompt's distinct token ids on the device, made once
 
-    def prompt_seen(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """The prompt's tokens as a (V,) bool mask on ``device`` (every row of the group shares it)."""
+    def prompt_tokens(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The prompt's distinct token ids on ``device`` (every row of the group shares them)."""
         if self.seen is None:
-            self.seen = prompt_mask(self.meta.prompt_ids, vocab, device)
+            self.seen = prompt_tokens(self.meta.prompt_ids, vocab, device)
         return self.seen
 
     @property

@@ -3,9 +3,10 @@
 and the generated tokens) and OpenAI's ``frequency_penalty`` / ``presence_penalty`` (over the generated
 tokens), in vLLM's order: logit_bias and min_tokens first, then the penalties.
 
-Each is one tensor operation over the rows that ask for it (sparse index_put for bias, counts and the
-min_tokens mask; one masked ``where`` for the repetition penalty); Python only lists each row's
-entries (its bias, its distinct generated tokens), never the vocabulary. tests/unit/pipeline/sampling/
+Each is one sparse tensor operation over the (row, token) pairs that need it (index_put for bias,
+counts and the min_tokens mask; a gather, a ``where`` and a scatter for the repetition penalty over
+the tokens each row has seen); Python only lists each row's entries (its bias, its distinct generated
+tokens), never the vocabulary. tests/unit/pipeline/sampling/
 test_processors.py checks each against transformers' logits processors on the same logits.
 Reported logprobs never see any of this (pipeline.sampling.sampler).
 """
@@ -18,21 +19,23 @@ from pipeline.loading.upload import to_device
 
 
 def process(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], generated: list[int],
-            prompt_seen: list[torch.Tensor | None], stop_ids: set[int]) -> torch.Tensor:
+            prompt_ids: list[torch.Tensor | None], stop_ids: set[int], masked: bool = False) -> torch.Tensor:
     """``logits`` (R, V) float32 after each row's processors (a new tensor; ``logits`` is left as it is
     when a row asks for nothing). ``ps``: each row's parameters (tasks.requests.Params); ``counts``: its
-    generated tokens' counts; ``generated``: how many tokens it generated; ``prompt_seen``: a (V,) bool
-    mask of its prompt's tokens where its repetition_penalty is on (else None); ``stop_ids``: the model's
-    EOS ids (min_tokens masks them with the row's stop_token_ids)."""
+    generated tokens' counts; ``generated``: how many tokens it generated; ``prompt_ids``: its prompt's
+    distinct token ids on the device (:func:`prompt_tokens`) where its repetition_penalty is on (else
+    None); ``stop_ids``: the model's EOS ids (min_tokens masks them with the row's stop_token_ids);
+    ``masked``: some logits are -inf already (an output constraint), so min_tokens may not leave a row
+    with nothing."""
     out = logits
     if any(p.logit_bias for p in ps):
         out = _bias(out.clone(), ps)
     early = [i for i, (p, n) in enumerate(zip(ps, generated)) if n < p.min_tokens]
     if early:
-        out = _min_tokens(out if out is not logits else out.clone(), early, ps, stop_ids)
+        out = _min_tokens(out if out is not logits else out.clone(), early, ps, stop_ids, masked)
     rep = [i for i, p in enumerate(ps) if p.repetition_penalty != 1.0]
     if rep:
-        out = _repetition(out if out is not logits else out.clone(), rep, ps, counts, prompt_seen)
+        out = _repetition(out if out is not logits else out.clone(), rep, ps, counts, prompt_ids)
     if any(p.presence_penalty or p.frequency_penalty for p in ps):
         out = _frequency_presence(out if out is not logits else out.clone(), ps, counts)
     return out
@@ -51,9 +54,10 @@ def _bias(logits: torch.Tensor, ps: list) -> torch.Tensor:
     return logits
 
 
-def _min_tokens(logits: torch.Tensor, early: list[int], ps: list, stop_ids: set[int]) -> torch.Tensor:
-    """EOS and each early row's stop_token_ids to -inf; a row the mask would leave with nothing (a grammar
-    that can only end) keeps its logits: it ends, as its constraint says."""
+def _min_tokens(logits: torch.Tensor, early: list[int], ps: list, stop_ids: set[int], masked: bool) -> torch.Tensor:
+    """EOS and each early row's stop_token_ids to -inf. Under an output constraint (``masked``), a row the
+    mask would leave with nothing (a grammar that can only end) keeps its logits: it ends, as its
+    constraint says; raw logits are finite, so elsewhere a row always keeps the rest of the vocabulary."""
     vocab, dev = logits.shape[-1], logits.device
     rows, toks = [], []
     for i in early:
@@ -63,30 +67,35 @@ def _min_tokens(logits: torch.Tensor, early: list[int], ps: list, stop_ids: set[
                 toks.append(t)
     if not rows:
         return logits
-    idx = to_device(early, dev, torch.long)
-    before = logits[idx]
+    if masked:
+        idx = to_device(early, dev, torch.long)
+        before = logits[idx]
     logits.index_put_((to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)),
                       torch.tensor(float("-inf"), device=dev))
-    after = logits[idx]
-    logits[idx] = torch.where((after > float("-inf")).any(-1, keepdim=True), after, before)
+    if masked:
+        after = logits[idx]
+        logits[idx] = torch.where((after > float("-inf")).any(-1, keepdim=True), after, before)
     return logits
 
 
 def _repetition(logits: torch.Tensor, rep: list[int], ps: list, counts: list[dict[int, int]],
-                prompt_seen: list[torch.Tensor | None]) -> torch.Tensor:
+                prompt_ids: list[torch.Tensor | None]) -> torch.Tensor:
     """HF's and vLLM's repetition penalty: a seen token's logit divided by the penalty where positive,
-    multiplied where negative (both make it less likely for a penalty above 1)."""
+    multiplied where negative (both make it less likely for a penalty above 1). Sparse: the (row, token)
+    pairs seen, each once (a prompt token also generated is penalized once)."""
     vocab, dev = logits.shape[-1], logits.device
-    seen = torch.stack([m if m is not None else torch.zeros(vocab, dtype=torch.bool, device=dev)
-                        for m in (prompt_seen[i] for i in rep)])  # (r, V)
-    rows = [j for j, i in enumerate(rep) for _ in counts[i]]
-    if rows:
-        toks = [t for i in rep for t in counts[i]]
-        seen[to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)] = True
-    idx = to_device(rep, dev, torch.long)
-    penalty = to_device([ps[i].repetition_penalty for i in rep], dev, logits.dtype)[:, None]
-    sub = logits[idx]
-    logits[idx] = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+    parts = [prompt_ids[i] + i * vocab for i in rep if prompt_ids[i] is not None and prompt_ids[i].numel()]
+    generated = [i * vocab + t for i in rep for t in counts[i]]
+    if generated:
+        parts.append(to_device(generated, dev, torch.long))
+    if not parts:
+        return logits
+    flat = torch.unique(torch.cat(parts))  # (row, token) pairs as row * V + token, each once
+    rows, toks = flat // vocab, flat % vocab
+    penalty = torch.ones(logits.shape[0], dtype=logits.dtype, device=dev)
+    penalty[to_device(rep, dev, torch.long)] = to_device([ps[i].repetition_penalty for i in rep], dev, logits.dtype)
+    seen, p = logits[rows, toks], penalty[rows]
+    logits[rows, toks] = torch.where(seen < 0, seen * p, seen / p)
     return logits
 
 
@@ -106,10 +115,8 @@ def _frequency_presence(logits: torch.Tensor, ps: list, counts: list[dict[int, i
     return logits
 
 
-def prompt_mask(prompt_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """(V,) bool: the tokens of a prompt (the repetition penalty counts them), ids beyond V left out."""
-    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-    ids = [t for t in prompt_ids if 0 <= t < vocab]
-    if ids:
-        mask[to_device(ids, device, torch.long)] = True
-    return mask
+def prompt_tokens(prompt_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """A prompt's distinct token ids (ids beyond V left out), on ``device``: what the repetition penalty
+    counts besides the generated tokens."""
+    ids = sorted({t for t in prompt_ids if 0 <= t < vocab})
+    return to_device(ids, device, torch.long) if ids else torch.zeros(0, dtype=torch.long, device=device)

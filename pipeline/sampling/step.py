@@ -38,15 +38,16 @@ def head_logits(model, hiddens: list[torch.Tensor], targets: list[list[int]]) ->
 
 def draw(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], uniforms: list[float],
          allowed: torch.Tensor | None = None, generated: list[int] | None = None,
-         prompt_seen: list[torch.Tensor | None] | None = None, stop_ids: set[int] = frozenset()) -> Draw:
+         prompt_ids: list[torch.Tensor | None] | None = None, stop_ids: set[int] = frozenset()) -> Draw:
     """Choose one token per row of ``logits`` (R, V) with each row's parameters ``ps`` (tasks.requests'
     Params: temperature, top_p, top_k, min_p, logprobs, penalties, logit_bias, min_tokens, stop_token_ids).
 
     counts: each row's generated-token counts (penalties); uniforms: each row's random number for this
     step (ignored where temperature is 0); allowed: an optional (R, V) bool mask (structured outputs),
     applied to the logits before the processors (pipeline.sampling.processors), top-k/top-p/min-p and
-    sampling; generated: each row's tokens so far (min_tokens); prompt_seen: each row's prompt tokens
-    as a (V,) bool mask where its repetition_penalty is on; stop_ids: the model's EOS ids.
+    sampling; generated: each row's tokens so far (min_tokens); prompt_ids: each row's distinct prompt
+    tokens on the device where its repetition_penalty is on (processors.prompt_tokens); stop_ids: the
+    model's EOS ids.
     Raises before returning anything, so a caller may retry rows one by one.
     """
     vocab = logits.shape[-1]
@@ -54,8 +55,8 @@ def draw(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], uniforms:
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     generated = generated if generated is not None else [0] * len(ps)
-    prompt_seen = prompt_seen if prompt_seen is not None else [None] * len(ps)
-    processed = process(logits, ps, counts, generated, prompt_seen, stop_ids)
+    prompt_ids = prompt_ids if prompt_ids is not None else [None] * len(ps)
+    processed = process(logits, ps, counts, generated, prompt_ids, stop_ids, masked=allowed is not None)
     if allowed is not None and processed is not logits:  # a logit_bias must not lift a masked token back
         processed = processed.masked_fill(~allowed, float("-inf"))
     logits = processed

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pipeline.scheduling.driver import Driver
 from pipeline.scheduling.intake import chat_ids
 from pipeline.runtime.messages import Admission, PassHeader, decode, encode
-from pipeline.sampling.processors import process, prompt_mask
+from pipeline.sampling.processors import process, prompt_tokens
 from pipeline.sampling.sampler import logprob_info, sample
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
 from tasks.requests import GREEDY_BELOW, as_json, parse_body, parse_params, parse_request
@@ -157,7 +157,7 @@ def test_the_sampler_takes_every_valid_setting_without_nan(body, rows, vocab, sc
     raw = logits.clone()
     assume(all(t < vocab for t in p.stop_token_ids))
     counts = [{t: 3 for t in range(min(vocab, 3))} for _ in range(rows)]
-    seen = [prompt_mask([0, vocab - 1], vocab, logits.device)] * rows
+    seen = [prompt_tokens([0, vocab - 1], vocab, logits.device)] * rows
     logits = process(logits, [p] * rows, counts, list(range(rows)), seen, {0})
     temp = torch.full((rows,), p.temperature)
     uniforms = torch.rand(rows, generator=g)

@@ -14,7 +14,7 @@ from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
-from pipeline.sampling.processors import process, prompt_mask
+from pipeline.sampling.processors import process, prompt_tokens
 from pipeline.sampling.sampler import sample, truncated_probs
 from pipeline.sampling.step import draw
 from tasks.requests import Params
@@ -40,7 +40,7 @@ def counts_of(ids: list[int]) -> dict[int, int]:
 
 
 def ours(logits, ps, prompts, gens):
-    seen = [prompt_mask(p, V, logits.device) if q.repetition_penalty != 1 else None for p, q in zip(prompts, ps)]
+    seen = [prompt_tokens(p, V, logits.device) if q.repetition_penalty != 1 else None for p, q in zip(prompts, ps)]
     return process(logits, ps, [counts_of(g) for g in gens], [len(g) for g in gens], seen, {EOS})
 
 
@@ -151,7 +151,7 @@ def test_greedy_takes_the_processed_argmax_and_reports_raw_logprobs():
     logits = rows(8, 2)
     prompts, gens = zip(*(history(s) for s in (1, 2)))
     ps = [Params(temperature=0.0, repetition_penalty=3.0), Params(temperature=0.0, logit_bias={0: 50.0})]
-    seen = [prompt_mask(prompts[0], V, logits.device), None]
+    seen = [prompt_tokens(prompts[0], V, logits.device), None]
     d = draw(logits, ps, [counts_of(g) for g in gens], [0.0, 0.0], None, [len(g) for g in gens], seen, {EOS})
     processed = ours(logits.clone(), ps, prompts, gens)
     assert d.chosen == processed.argmax(-1).tolist() and d.chosen[1] == 0
