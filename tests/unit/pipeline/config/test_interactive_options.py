@@ -22,6 +22,8 @@ from pipeline.config.options import parse_options
     (["--prompts", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompts", "a", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--prompts", "a", *["--stop", "x"] * 5], "at most 4 stop strings"),
+    (["--prompts", "a", "--repetition-penalty", "0"], "--repetition-penalty must be above 0"),
+    (["--prompts", "a", "--min-p", "1.5"], "--min-p must be in [0, 1]"),
 ])
 def test_refused_before_loading(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -36,6 +38,8 @@ def test_accepted_and_request_fields():
     body = sampling_body(opts)
     assert body == {"max_tokens": 128, "temperature": 0.5, "top_p": 1.0, "top_k": 5, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "stop": ["\n"]}
+    opts = parse_options(["--prompts", "a", "--repetition-penalty", "1.2", "--min-p", "0.1"])
+    assert sampling_body(opts)["repetition_penalty"] == 1.2 and sampling_body(opts)["min_p"] == 0.1
     chat = parse_options(["--chat", "--url", "http://127.0.0.1:8000", "--user-msg-fmt", "Q: {}", "--system-prompt", "s"])
     assert chat.chat and chat.url == "http://127.0.0.1:8000"
 
