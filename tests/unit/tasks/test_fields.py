@@ -15,7 +15,7 @@ from tasks.protocol import RequestError
 from tasks.requests import parse_body, parse_line, parse_request
 from tests import fuzz_requests as gen
 
-FAST = settings(derandomize=True, database=None, max_examples=200, deadline=None,
+FAST = settings(derandomize=True, database=None, max_examples=100, deadline=None,
                 suppress_health_check=list(HealthCheck))
 
 
