@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.capabilities import refusals
 from pipeline.config.interactive_options import interactive_problems
 from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
@@ -310,10 +311,8 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
-    if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
-        problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
-                        "cache: drop --kv-cache-dtype or use --backend auto")
+    problems += _layout_problems(opts) + _lora_problems(opts)
+    problems += refusals(opts, generic="--backend transformers" if opts.backend == "transformers" else None)
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
     problems += interactive_problems(opts)
@@ -355,25 +354,6 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         names.add(name)
         if not Path(path).is_dir() and not looks_like_repo_id(path):
             problems.append(f"--lora {value}: no such folder, nor a hub id org/name")
-    if opts.batch_invariant:
-        problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
-                        "adapter path): drop --batch-invariant or --lora")
-    return problems
-
-
-def _quantize_problems(opts: RunOptions) -> list[str]:
-    if opts.quantize == "none":
-        return []
-    problems = []
-    if opts.lora:
-        problems.append(f"--quantize {opts.quantize} does not apply LoRA adapters (they wrap float projections): "
-                        "drop --quantize or --lora")
-    if opts.batch_invariant:
-        problems.append(f"--quantize {opts.quantize} has no fixed-shape kernels for --batch-invariant: "
-                        "drop --quantize or --batch-invariant")
-    if opts.backend == "transformers":
-        problems.append(f"--quantize {opts.quantize} needs a native family; --backend transformers runs transformers' "
-                        "own layers, which are not quantized: drop --quantize or use --backend auto")
     return problems
 
 
