@@ -125,13 +125,18 @@ class OutputFile:
         self.writer.put(index, line)
         self.errors += error
 
+    @property
+    def answered(self) -> int:
+        """Lines answered (journaled, or waiting for an earlier line to be written in input order)."""
+        return self.writer.written + len(self.writer.pending)
+
     def flush(self, generated_tokens: int) -> None:
-        """Journal what is contiguous; update the progress display."""
-        done = self.writer.flush()
+        """Journal what is contiguous; update the progress display (lines answered, in any order)."""
+        self.writer.flush()
         if MIDGEN.armed:
             MIDGEN.tick(ready=self.writer.written >= 3)
         if self.progress is not None:
-            self.progress.update(done, generated_tokens)
+            self.progress.update(self.answered, generated_tokens)
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
               format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0,

@@ -262,6 +262,18 @@ class Head:
                 self.requests.pop((True, req), None)
         return rows
 
+    def cancel(self, slot: int, lines: set[int], error: dict) -> list[int]:
+        """A cancelled file's ``lines`` in ``slot``: their requests are answered with ``error``, their rows
+        end now; returns the rows."""
+        rows = [r for r, st in self.slots.get(slot, {}).items() if not self.groups[st.gid].meta.live
+                and self.groups[st.gid].meta.req in lines]
+        for r in rows:
+            req = self._request_of(self.slots[slot][r].gid)
+            if req is not None and req.error is None:
+                req.error = dict(error)
+            self._finish_row(slot, r)
+        return rows
+
     def rows_of(self, gid: int) -> list[int]:
         """The slot rows of group ``gid`` (none once it finished)."""
         g = self.groups.get(gid)

@@ -34,7 +34,7 @@ from tasks.protocol import Answer, server_error
 from tasks.shards import index_of
 
 from pipeline.runtime.last_rank import LastRank
-from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Release, Reply, Stop
 from pipeline.runtime.retry import Retry
 from pipeline.runtime.sources import FileReport, FileSource, Job, Live, Requests
 from pipeline.runtime.stage import Stage, allocate_ahead, pack
@@ -113,7 +113,20 @@ class Engine:
         return self.requests is None and self.job is None and not (self.files is not None and self.files.more())
 
     def _idle(self) -> None:
-        """Nothing in flight: wait for a request, or (files alone) the open file cannot go on."""
+        """Nothing in flight: the emptied slots' caches freed on every stage (no pass will carry their
+        release), the load gauges at rest; then wait for a request, or (files alone) the open file cannot go on."""
+        released = self.driver.take_released()
+        if released:
+            self.stage.release(released)
+            if self.link is not None:
+                self.link.send_next(Release(released))
+            if self.metrics is not None:
+                self.metrics.idle(self.stage.kv_cells)
+        if self.metrics is not None and self._load_at >= 0:
+            self._load_at = -1.0  # at rest: measured again with the next pass's answer
+            d, prefix = self.driver, self.driver.prefix
+            self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
+                                  prefix.prompt_tokens if prefix else 0)
         if self.requests is not None:
             self._take(self.requests.take(timeout=0.05))
         elif self.job is not None and self.job.opened and not self.job.closing:
@@ -193,7 +206,10 @@ class Engine:
         if j is None or not j.opened or j.closing or j.cancelled or j.expiring:
             return
         if self.files.cancel_requested(j.job):
-            j.cancelled, d.lines = True, None
+            j.cancelled = True
+            started = d.cancel_file()
+            log.info("%s: cancelled; %d lines in flight end with their next passes, the queued ones never start",
+                     j.job.id or j.job.input, started)
         elif self.files.expired(j.job):
             log.warning("%s: its completion window passed; it ends expired with what it answered", j.job.id)
             j.expiring, d.lines = True, None
@@ -369,7 +385,7 @@ class Engine:
         if msg.stats:
             self.metrics.on_stats(msg.stats)
         now = time.monotonic()
-        if now - self._load_at < 0.5:
+        if 0 <= now - self._load_at < 0.5:
             return
         self._load_at = now
         d, prefix = self.driver, self.driver.prefix

@@ -15,6 +15,7 @@ import torch
 from comm.dist import DistInfo
 from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
+from tasks.protocol import CANCELLED
 from tasks.shards import share_size
 
 from pipeline.output.head import Head
@@ -90,6 +91,8 @@ class LastRank:
             if not meta.live:
                 self.file.prompt_tokens += len(meta.prompt_ids)
         dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
+        if hdr.cancel:  # a cancelled file's rows end now, answered as cancelled
+            dropped += self.head.cancel(hdr.slot, set(hdr.cancel), CANCELLED.to_dict())
         if hdr.failed is not None:
             return self._failed(hdr, dropped, t0)
         h_dec, h_pre = unpack(hdr, h)
@@ -126,7 +129,8 @@ class LastRank:
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
             if failed:  # the request's own field (a grammar that could not go on), else the computation
-                kind = line["error"].get("param") or "computation"
+                err = line["error"]
+                kind = err.get("param") or ("cancelled" if err.get("type") == CANCELLED.kind else "computation")
                 self.file.kinds[kind] = self.file.kinds.get(kind, 0) + 1
             written += 1
         if PREFILL.armed:
@@ -136,8 +140,8 @@ class LastRank:
         self.stage.clock("sample+write", t0, slot=hdr.slot)
         if self.status is not None and self.file is not None:
             f = self.file
-            self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
-                                 self.head.generated_tokens, hdr.stats)
+            self.status.progress(f.answered, f.errors, f.prompt_tokens, f.cached_tokens, self.head.generated_tokens,
+                                 hdr.stats, f.writer.written)
         live, deltas = self.head.answers.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
                      live, written, deltas, stats=hdr.stats)

@@ -14,6 +14,7 @@ Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where i
   unread. Error lines ride along to reach the writer in their input position.
 - :class:`CloseFile`  the file's last pass has returned; each stage appends its compute seconds
   to ``busy`` on the way; the last rank publishes the output and answers :class:`Closed`.
+- :class:`Release`    rank 0 is idle: every stage frees the caches of the slots that emptied.
 - :class:`Stop`       the run ends.
 
 Back from the last rank to rank 0: :class:`Reply` (the tokens to feed next, finished rows) after
@@ -102,6 +103,7 @@ class PassHeader:
     errors: list[ErrorLine] = field(default_factory=list)
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
     drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
+    cancel: list[int] = field(default_factory=list)  # a cancelled file's lines: their rows end, answered as cancelled
     adapters: list[int] = field(default_factory=list)  # LoRA adapter of each slot row (0: base); empty: all base
     # every --status-interval seconds rank 0 sends [] and each stage appends [busy seconds since the file
     # opened, KV cells held, peak memory MiB] after its forward (the status file, /metrics: pipeline.runtime.monitor)
@@ -207,14 +209,22 @@ class Closed:
 
 
 @dataclass
+class Release:
+    """Rank 0 is idle: every stage frees the caches of these emptied slots now (no pass will carry them)."""
+
+    KIND: ClassVar[str] = "release"
+    slots: list[int]
+
+
+@dataclass
 class Stop:
     KIND: ClassVar[str] = "stop"
     errors: list[ErrorLine] = field(default_factory=list)
 
 
-Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Stop
+Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Release | Stop
 _KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Admitting, Reply, OpenFile, Opened, CloseFile,
-                                               Closed, Stop)}
+                                               Closed, Release, Stop)}
 
 
 class MessageError(ValueError):

@@ -19,7 +19,7 @@ import torch
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
 from tasks.inflight import crash_error
 from tasks.requests import Request, parse_line
-from tasks.protocol import RequestError, output_line
+from tasks.protocol import CANCELLED, RequestError, output_line
 from tasks.shards import share_of
 
 from pipeline.scheduling.grammars import GrammarIntake
@@ -245,6 +245,21 @@ class Driver:
             self.unqueue(g)
         return len(held)
 
+    def cancel_file(self) -> int:
+        """The open file is cancelled: no line is read, its queued lines never start (each answered with
+        the cancel error in its place), its rows in flight end with their slots' next passes (the last
+        rank answers them so). Returns the lines that had started."""
+        self.lines, self.held = None, None
+        gone, started = self.sched.cancel_lines()
+        raws = {}
+        for g in gone:
+            meta = self.unqueue(g)
+            if meta is not None and meta.raw is not None:
+                raws[g.request] = meta.raw
+        for index in sorted({g.request for g in gone}):
+            self.error_line(index, raws.get(index), CANCELLED)
+        return len(started)
+
     def shed(self) -> list[Admission]:
         """Shutdown: nothing queued starts and no line is read; the admissions of the groups dropped."""
         metas = [self.unqueue(g) for g in self.sched.shed()]
@@ -264,7 +279,8 @@ class Driver:
         feed = self.last_token.setdefault(ps.slot, {})
         hdr = PassHeader(ps.slot, ps.rows, list(ps.alloc) if ps.alloc else None, list(ps.release),
                          list(ps.decode_rows), list(ps.decode_layout), list(ps.decode_start), errors=self.take_errors(),
-                         prefix_grow=ps.prefix_grow, drop=list(ps.drop), adapters=list(ps.adapters))
+                         prefix_grow=ps.prefix_grow, drop=list(ps.drop), adapters=list(ps.adapters),
+                         cancel=list(ps.cancel))
         layout = ps.decode_layout
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
         prefill_ids = None
