@@ -9,6 +9,7 @@ which hop back onto the HTTP loop with ``call_soon_threadsafe``. Nothing else is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -18,6 +19,24 @@ from dataclasses import dataclass, field
 from tasks.requests import Request
 
 STOPPING = threading.Event()  # set by SIGTERM/SIGINT in serve mode: stop accepting, drain, exit
+_OWN_STOP = threading.local()  # .event: what stops a server started on this thread instead (stopped_by)
+
+
+@contextlib.contextmanager
+def stopped_by(event: threading.Event):
+    """Serve mode started on this thread inside the block stops when ``event`` is set instead of on SIGTERM's
+    :data:`STOPPING`: several servers in one process (``--in-process`` servers of a test run) each have a
+    stop of their own, and none is left set for the next one."""
+    _OWN_STOP.event = event
+    try:
+        yield event
+    finally:
+        _OWN_STOP.event = None
+
+
+def stop_event() -> threading.Event:
+    """What stops a server started on this thread: :data:`STOPPING`, unless :func:`stopped_by` gave another."""
+    return getattr(_OWN_STOP, "event", None) or STOPPING
 
 
 STREAM_BUFFER = 512  # text deltas a stream holds for a client that does not read; later ones wait for the end
@@ -63,7 +82,7 @@ class RequestSource:
         self.rows = 0  # their rows
         self._lock = threading.Lock()
         self._index = itertools.count()
-        self.stopping = STOPPING
+        self.stopping = stop_event()  # rank 0's thread builds it (serve.run)
 
     # -- HTTP thread --------------------------------------------------------------------------
     def admit(self, live: Live) -> None:
