@@ -37,7 +37,7 @@ from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
 from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
 from pipeline.runtime.in_process import plan_env, rank_of_thread, rank_options, run_in_process  # noqa: E402
 from pipeline.config.estimate import dry_run  # noqa: E402
-from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
+from pipeline.runtime.monitor import start_metrics, start_status, stop_metrics  # noqa: E402
 from pipeline.runtime.roles import first_rank, load_stage, load_tokenizer, run_budget, serve_rank  # noqa: E402
 from serve.interactive import run_chat_client, run_interactive  # noqa: E402
 from serve.source import STOPPING  # noqa: E402
@@ -330,14 +330,16 @@ def execute(plan, opts, info=None) -> int:
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
+    metrics = None
     try:
-        start_metrics(opts, status)
+        metrics = start_metrics(opts, status)
         load_ahead(plan, opts, info)
         stage = load_stage(plan, opts, info)
         LOAD.tick()
         opts.budget = run_budget(opts, info, stage, plan)
     except BaseException as e:
         fail_active(f"{type(e).__name__}: {e}")
+        stop_metrics(metrics)
         raise
     last_output = None  # the profile trace goes beside the run's last output
     clean = False
@@ -380,6 +382,7 @@ def execute(plan, opts, info=None) -> int:
         if stage.trace is not None and last_output:
             log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))
         shutdown(info, clean)
+        stop_metrics(metrics)
 
 
 def summarize(reports) -> None:

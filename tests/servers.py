@@ -1,4 +1,4 @@
-"""Serve mode in the test process: :class:`LocalServer` runs ``dist_inference_runner.main([... "--serve",
+"""Servers for tests. Serve mode in the test process: :class:`LocalServer` runs ``dist_inference_runner.main([... "--serve",
 "127.0.0.1:PORT", "--in-process", "--pipeline-group-size", P])`` on a thread (every rank a thread, the same
 rank loops and messages as under torchrun, a real uvicorn socket), so a test talks HTTP to it as to a process.
 
@@ -9,7 +9,7 @@ server's key file, so its files and batches live in a namespace of their own (se
 key's ids answer 404). What every test sharing a server must leave as it found it: nothing running (join
 its threads, let its batches end or cancel them) and no change to the server itself. A test that stops,
 restarts or changes a server starts its own :class:`LocalServer` (a few seconds) instead. docs/testing.md
-says how to write one.
+says how to write one. :class:`ProcessServer`: the runner's processes, for what only processes show.
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.utils import free_port
+from tests.utils import RUNNER, _env, free_port, wait_served
 
 try:  # the HTTP client the openai package (a declared test dependency) brings: httpx, or its fork httpx2
     import httpx
@@ -47,7 +51,10 @@ class LogTail(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.lines.append(record.getMessage())
+            line = record.getMessage()
+            if record.exc_info:  # what a process would have printed: the traceback too
+                line += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.lines.append(line)
             self.count += 1
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is not a test's concern
             pass
@@ -66,14 +73,14 @@ class LogTail(logging.Handler):
             time.sleep(0.05)
 
 
-_TAIL = LogTail()
+LOG = LogTail()
 _LOGGERS = ("serve", "runner", "pipeline", "tasks", "comm")  # the project's loggers: their INFO lines are kept
 _SHARED = {"servers": 0, "umask": 0, "levels": {}}  # what servers running in this process changed, to undo
 _SHARED_LOCK = threading.Lock()
 
 
 def _enter_process() -> None:
-    """The first server of the process: the project's INFO lines go to :data:`_TAIL` (a server's log)."""
+    """The first server of the process: the project's INFO lines go to :data:`LOG` (a server's log)."""
     with _SHARED_LOCK:
         if _SHARED["servers"] == 0:
             _SHARED["umask"] = os.umask(0o077)  # serve.run sets it too: what a serving process has
@@ -82,7 +89,7 @@ def _enter_process() -> None:
             for name in _LOGGERS:
                 if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
                     logging.getLogger(name).setLevel(logging.INFO)
-            logging.getLogger().addHandler(_TAIL)
+            logging.getLogger().addHandler(LOG)
         _SHARED["servers"] += 1
 
 
@@ -94,7 +101,7 @@ def _leave_process() -> None:
             os.umask(_SHARED["umask"])
             for name, level in _SHARED["levels"].items():
                 logging.getLogger(name).setLevel(level)
-            logging.getLogger().removeHandler(_TAIL)
+            logging.getLogger().removeHandler(LOG)
 
 
 def write_keys(path: Path, count: int = KEYS) -> list[str]:
@@ -120,7 +127,7 @@ class LocalServer:
         self.stopping: threading.Event | None = None
         self.code: int | None = None
         self.error: BaseException | None = None
-        self.log = _TAIL
+        self.log = LOG
 
     # -- life ---------------------------------------------------------------------------------
     def argv(self) -> list[str]:
@@ -203,6 +210,10 @@ class LocalServer:
         assert i < len(self.keys), f"more than {len(self.keys)} keys taken: raise KEYS"
         return self.keys[i]
 
+    def owner(self, key: str) -> str:
+        """The name of ``key`` in the key file: its Batch API owner (serve.batches.BatchStore's ``owner``)."""
+        return f"t{self.keys.index(key):03d}"
+
     def client(self, key: str | None = None, **kw):
         """An ``openai.OpenAI`` client of this server (``key``: one of :meth:`key`; none for a keyless server)."""
         import openai
@@ -211,6 +222,61 @@ class LocalServer:
 
     def pending(self) -> int:
         return httpx.get(self.url("/health"), timeout=10).json()["pending"]
+
+
+# -- a server in processes of its own: only for what only processes show (signals, kills, limits) -----
+KEY = "sk-test-process"  # a ProcessServer's --api-key (its Batch API owner: "default")
+
+
+class ProcessServer:
+    """The runner in serve mode as processes of its own: P > 1 in the seed's per-rank launch (one process a
+    rank, ``--rank i --dist-url``; rank 0 serves); ``nofile``: the open-file limit of each."""
+
+    def __init__(self, args: list[str], nproc: int, folder: Path, nofile: int | None = None):
+        self.args, self.nproc, self.folder, self.nofile = list(args), nproc, folder, nofile
+        self.log, self.base, self.procs = folder / "server.log", None, []
+        self.serve_dir = folder / "state"
+
+    def start(self) -> "ProcessServer":
+        def limit() -> None:
+            if self.nofile:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
+        args = [str(RUNNER), *self.args, "--serve", "0", "--serve-dir", str(self.folder / "state"), "--api-key", KEY,
+                "--num-threads", "1", "--no-progress"]
+        layout = ["--world-size", str(self.nproc), "--pipeline-group-size", str(self.nproc), "--dist-url",
+                  f"tcp://127.0.0.1:{free_port()}"] if self.nproc > 1 else []
+        since = self.log.stat().st_size if self.log.exists() else 0
+        self.procs = []
+        for rank in range(self.nproc):
+            ranked = [*layout, "--rank", str(rank)] if layout else []
+            with open(self.log if rank == 0 else self.folder / f"rank{rank}.log", "ab") as log:
+                self.procs.append(subprocess.Popen([sys.executable, *args, *ranked], stdout=log, stderr=log,
+                                                   env=_env(None), preexec_fn=limit, start_new_session=True))
+        self.base = wait_served(self.procs[0], self.log, 240, since)  # a port of its own at every start
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """Rank 0's process (the one that serves)."""
+        return self.procs[0]
+
+    def url(self, path: str = "") -> str:
+        return self.base + path
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=KEY, max_retries=0, timeout=120)
+
+    def kill(self) -> None:
+        """SIGKILL: every rank at once (a crash)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 # -- shared servers ------------------------------------------------------------------------------
