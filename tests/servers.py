@@ -142,7 +142,7 @@ class LocalServer:
         assert self.thread is None or not self.thread.is_alive(), "already running"
         self.port, self.code, self.error = free_port(), None, None
         self.stopping = threading.Event()
-        threads = torch.get_num_threads()
+        threads, others = torch.get_num_threads(), set(threading.enumerate())
         _enter_process()
         self.thread = threading.Thread(target=self._run, name=f"{self.name} rank 0", daemon=True)
         self.thread.start()
@@ -153,6 +153,9 @@ class LocalServer:
             raise
         finally:
             torch.set_num_threads(threads)  # the ranks set theirs (--num-threads 1)
+        for t in set(threading.enumerate()) - others:  # its ranks' threads say whose they are: alive on purpose,
+            if t.name.startswith("rank "):            # not a finished run's left behind
+                t.name = f"{self.name} {t.name}"
         return self
 
     def _run(self) -> None:
