@@ -86,10 +86,10 @@ def _enter_process() -> None:
             _SHARED["umask"] = os.umask(0o077)  # serve.run sets it too: what a serving process has
             os.umask(_SHARED["umask"])
             _SHARED["levels"] = {n: logging.getLogger(n).level for n in _LOGGERS}
-            for name in _LOGGERS:
+            for name in _LOGGERS:  # on the project's loggers, not the root: the root's handlers stay pytest's
                 if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
                     logging.getLogger(name).setLevel(logging.INFO)
-            logging.getLogger().addHandler(LOG)
+                logging.getLogger(name).addHandler(LOG)
         _SHARED["servers"] += 1
 
 
@@ -101,7 +101,7 @@ def _leave_process() -> None:
             os.umask(_SHARED["umask"])
             for name, level in _SHARED["levels"].items():
                 logging.getLogger(name).setLevel(level)
-            logging.getLogger().removeHandler(LOG)
+                logging.getLogger(name).removeHandler(LOG)
 
 
 def write_keys(path: Path, count: int = KEYS) -> list[str]:
