@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 import dist_inference_runner
 from pipeline.config.options import parse_options
@@ -114,7 +115,11 @@ def test_chat_on_the_pipeline(stages, monkeypatch):
 
     monkeypatch.setattr(interactive, "ChatShell", shell)
     argv = ["--chat", *BASE, "--in-process", "--pipeline-group-size", str(stages)]
-    assert dist_inference_runner.main(argv, signals=False) == 0, out.getvalue()[-3000:]
+    threads = torch.get_num_threads()
+    try:
+        assert dist_inference_runner.main(argv, signals=False) == 0, out.getvalue()[-3000:]
+    finally:
+        torch.set_num_threads(threads)  # rank 0 ran on this thread (--num-threads 1)
     check_conversation(scripts[0])
 
 
