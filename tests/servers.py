@@ -1,6 +1,7 @@
-"""Servers for tests. Serve mode in the test process: :class:`LocalServer` runs ``dist_inference_runner.main([... "--serve",
-"127.0.0.1:PORT", "--in-process", "--pipeline-group-size", P])`` on a thread (every rank a thread, the same
-rank loops and messages as under torchrun, a real uvicorn socket), so a test talks HTTP to it as to a process.
+"""Servers for tests. Serve mode in the test process: :class:`LocalServer` runs
+``dist_inference_runner.main([... "--serve", "127.0.0.1:PORT", "--in-process", "--pipeline-group-size", P])``
+on a thread (every rank a thread, the same rank loops and messages as under torchrun, a real uvicorn
+socket), so a test talks HTTP to it as to a process.
 
 Shared servers: :class:`Servers` (the session fixture ``servers``) starts ONE server per configuration
 (:data:`CONFIGS` x P) for the whole test run, on first use, and stops them at the end. Every test that only
