@@ -190,7 +190,7 @@ class Engine:
             return
         if not j.opened or j.closing:
             return
-        if d.lines is not None and not self._paused:
+        if not d.exhausted and not self._paused:
             self._fill()
         answered = (j.done, sum(d.error_kinds.values()))
         if answered != j.reported:
@@ -226,7 +226,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - its input failed: close with what it has, mark it failed
             log.error("%s: %s: %s", j.job.input, type(e).__name__, e)
             j.error = f"the file stopped after {j.skip + d.requests_read} lines: {type(e).__name__}"
-            j.cancelled, d.lines, d.held = True, None, None
+            j.cancelled, d.lines = True, None
+            d.isolation.aside.clear()
         if d.queued != queued:
             self._new_work()
 
@@ -306,7 +307,7 @@ class Engine:
                 self._launch_pass(*built, busy)
                 self.flight[sid] += 1
                 self.owed += 1
-                if self.job is not None and d.lines is not None:
+                if self.job is not None and not d.exhausted:
                     self._fill()
 
     def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,

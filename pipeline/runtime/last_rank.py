@@ -73,16 +73,18 @@ class LastRank:
         batch = [m for m in hdr.admit if not m.live]
         if not batch:
             return None
-        return Admitting(sorted({m.req for m in batch if not m.alone}), sorted({m.req for m in batch if m.alone}))
+        return Admitting(sorted({m.req for m in batch if not (m.alone or m.probe)}),
+                         sorted({m.req for m in batch if m.alone}), sorted({m.req for m in batch if m.probe}),
+                         max(m.probe for m in batch))
 
     def record(self, msg: Admitting | None) -> None:
         """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
         0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
         if msg is None or self.file is None or self.file.inflight is None:
             return
-        self.file.inflight.admitted(msg.lines, msg.alone)
+        self.file.inflight.admitted(msg.lines, msg.alone, msg.probe, msg.group)
         if LINE.armed:
-            LINE.admit(msg.lines + msg.alone)
+            LINE.admit(msg.lines + msg.alone + msg.probe)
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()

@@ -61,6 +61,7 @@ class Admission:
     adapter: int = 0  # LoRA adapter of its rows (0: the base model)
     model: str | None = None  # the results' "model" when it is an adapter's name
     alone: bool = False  # a suspect of an earlier crash, run with nothing else in flight (tasks.inflight)
+    probe: int = 0  # a suspect of an earlier crash probed with others: its probe group (pipeline.scheduling.isolation)
 
 
 @dataclass
@@ -150,6 +151,8 @@ class Admitting:
     KIND: ClassVar[str] = "admitting"
     lines: list[int]  # admitted with others
     alone: list[int] = field(default_factory=list)  # suspects of an earlier crash, nothing else in flight
+    probe: list[int] = field(default_factory=list)  # suspects probed together beside the others
+    group: int = 0  # their probe group's number in this run
 
 
 @dataclass

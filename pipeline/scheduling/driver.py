@@ -24,6 +24,7 @@ from tasks.shards import share_of
 
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
+from pipeline.scheduling.isolation import Isolation
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
 from pipeline.scheduling.scheduler import Group, Pass, Scheduler
@@ -63,60 +64,74 @@ class Driver:
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
         self.encode_seconds = 0.0
-        self.suspects: set[int] = set()  # lines in flight when an earlier run crashed: each runs alone
-        self.culprits: set[int] = set()  # lines alone in flight when a run crashed: answered with an error
-        self.held: tuple[int, bytes] | None = None  # a suspect line read, waiting for the pipeline to empty
-        self.alone = False  # a suspect is running: read nothing more until it is done
+        self.isolation = Isolation()  # an earlier crash's suspects, probed in halves (pipeline.scheduling.isolation)
 
     def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=()) -> None:
         """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
         ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
         self.lines = lines
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
-        self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
-        if self.suspects or self.culprits:
-            log.warning("an earlier run ended while computing lines %s: %s", few(self.suspects | self.culprits),
-                        f"{len(self.suspects)} run again one at a time" + (
-                            f", {len(self.culprits)} (alone in flight then) answered with an error"
-                            if self.culprits else ""))
+        iso = self.isolation = Isolation(suspects, culprits)
+        if iso.active:
+            log.warning("an earlier run ended while computing lines %s: %s", few(iso.suspects | iso.culprits),
+                        (f"{len(iso.suspects)} probed in halves beside the rest of the file" if len(iso.suspects) > 1
+                         else f"{len(iso.suspects)} run alone" if iso.suspects else "none run again") + (
+                            f", {len(iso.culprits)} (alone in flight then) answered with an error"
+                            if iso.culprits else ""))
 
     # -- input ------------------------------------------------------------------------------
     def fill(self) -> None:
-        """Read lines until the scheduler has a full look-ahead window (or the input ends)."""
-        if self.alone or self.held:
-            if not self._empty():
-                return
-            self.alone = False
-        while self.lines is not None and self.sched.wants_more:
-            item, self.held = self.held or next(self.lines, None), None
+        """Read lines until the scheduler has a full look-ahead window (or the input ends); an earlier
+        crash's suspects are set aside for their probes (:class:`~pipeline.scheduling.isolation.Isolation`)."""
+        iso = self.isolation
+        if iso.active:
+            self._probe()
+        while self.lines is not None and self.sched.wants_more and not (iso.draining or iso.alone):
+            item = next(self.lines, None)
             if item is None:
                 self.lines = None
+                if iso.active:
+                    self._probe()
                 return
             index, line = item
             if share_of(index, self.data_size) != self.data_rank:
                 continue  # another data-parallel pipeline answers this line
-            if index in self.suspects and not self._empty():
-                self.held = item  # it runs once everything before it is done
-                return
-            self.requests_read += 1
-            if index in self.culprits:  # it was alone in flight when a process died: not run again
-                err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
-                self.error_line(index, raw_value(line), err)
+            if iso.active and iso.holds(index, line):
+                self._probe()
                 continue
-            req = None
-            try:
-                req = parse_line(line, index)
-                groups = self._groups(req, alone=index in self.suspects)
-            except Exception as e:  # any failure to prepare the line is its own error, never the run's
-                raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
-                    line.decode("utf-8", "replace").rstrip("\r\n")
-                self.error_line(index, raw, as_request_error(e))
-                continue
-            for g in groups:
-                self.sched.submit(g)
-            if index in self.suspects:
-                self.alone = True
-                return
+            self._read(index, line)
+
+    def _probe(self) -> None:
+        """Start the next probe group when its lines are read and none is in flight."""
+        iso = self.isolation
+        probe = iso.next_probe(self.lines is None, self._empty())
+        if probe is None:
+            return
+        lines, alone, group = probe
+        gids = []
+        for index, line in lines:
+            gids += self._read(index, line, alone, 0 if alone else group)
+        iso.started(gids, alone)
+
+    def _read(self, index: int, line: bytes, alone: bool = False, probe: int = 0) -> list[int]:
+        """One line into the scheduler (or answered with its error in its place); its groups' ids."""
+        self.requests_read += 1
+        if index in self.isolation.culprits:  # it was alone in flight when a process died: not run again
+            err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
+            self.error_line(index, raw_value(line), err)
+            return []
+        req = None
+        try:
+            req = parse_line(line, index)
+            groups = self._groups(req, alone=alone, probe=probe)
+        except Exception as e:  # any failure to prepare the line is its own error, never the run's
+            raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
+                line.decode("utf-8", "replace").rstrip("\r\n")
+            self.error_line(index, raw, as_request_error(e))
+            return []
+        for g in groups:
+            self.sched.submit(g)
+        return [g.gid for g in groups]
 
     def _empty(self) -> bool:
         """Nothing queued, no row live: a suspect line can run alone."""
@@ -130,7 +145,8 @@ class Driver:
 
     @property
     def exhausted(self) -> bool:
-        return self.lines is None
+        """Every line of the file is read into the scheduler or answered (no suspect waits for its probe)."""
+        return self.lines is None and not self.isolation.waiting
 
     @property
     def done(self) -> bool:
@@ -181,7 +197,7 @@ class Driver:
         return [g.gid for g in groups]
 
     def _groups(self, req: Request, live: bool = False, alone: bool = False,
-                ids: list[list[int]] | None = None) -> list[Group]:
+                ids: list[list[int]] | None = None, probe: int = 0) -> list[Group]:
         p = req.params
         bad = [t for t in p.logit_bias if t >= self.vocab_size]
         if bad:
@@ -219,7 +235,7 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream, adapter=adapter, model=model, alone=alone)
+                             stream=req.stream, adapter=adapter, model=model, alone=alone, probe=probe)
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -249,7 +265,8 @@ class Driver:
         """The open file is cancelled: no line is read, its queued lines never start (each answered with
         the cancel error in its place), its rows in flight end with their slots' next passes (the last
         rank answers them so). Returns the lines that had started."""
-        self.lines, self.held = None, None
+        self.lines = None
+        self.isolation.aside.clear()
         gone, started = self.sched.cancel_lines()
         raws = {}
         for g in gone:
@@ -316,6 +333,9 @@ class Driver:
         out = self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
         for gid in out.finished:
             self.prompts.pop(gid, None)  # serve mode: a client left during a chunked prompt
+        if self.isolation.active and (self.isolation.finished(out.finished) or self.isolation.draining):
+            self._probe()  # the probe in flight is answered (or the pipeline may be empty for a lone one)
+            return True
         return out.released or out.waiting
 
     # -- what the loops and status read -----------------------------------------------------
