@@ -330,8 +330,6 @@ def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
     make_engine(rank, files=files, stopping=stopping).run()
     if stopping.is_set():
         return files.last_output, stopped_code() or 143
-    if rank.status is not None:
-        rank.status.finish("finished")
     reports = files.reports
     summarize(reports)
     if dummy:

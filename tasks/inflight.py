@@ -36,7 +36,7 @@ from pathlib import Path
 
 import orjson
 
-from tasks.shards import CHUNK, share_of
+from tasks.shards import position_of, share_of
 
 _OPEN: list["InFlight"] = []  # records of this process, told when a signal stops the run
 
@@ -132,7 +132,7 @@ def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[s
         else:
             suspects |= run["in"]
     def pending(i: int) -> bool:  # not journaled: this share's line at or after position `written`
-        return share_of(i, shares) == share and (i // (CHUNK * shares)) * CHUNK + i % CHUNK >= written
+        return share_of(i, shares) == share and position_of(i, shares) >= written
 
     culprits = {i for i in culprits if pending(i)}
     return {i for i in suspects if pending(i)} - culprits, culprits

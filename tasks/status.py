@@ -3,7 +3,7 @@
 A :class:`RunStatus` holds what the writing rank knows (the run record, each input's lines done and
 total, tokens, per-stage figures that ride in with passes) and a heartbeat thread replaces the JSON
 file atomically every ``interval`` seconds, and once more at the end. ``state`` is ``loading``,
-``running``, ``finished`` or ``failed: <reason>``; ``updated_at`` (Unix seconds) with
+``running``, ``finished``, ``stopped`` or ``failed: <reason>``; ``updated_at`` (Unix seconds) with
 ``heartbeat_seconds`` lets a reader tell a dead writer (its file stops changing) from a live one:
 :func:`is_stale`. Readers: ``launch/drain.sh``, the Slurm/LSF recipes (:func:`describe` prints one
 line), ``--dry-run``'s estimate (``pipeline.config.estimate``) and ``--metrics-port``.
@@ -144,7 +144,7 @@ class RunStatus:
             self.current = None
 
     def finish(self, state: str) -> None:
-        """The last write: ``finished`` or ``failed: reason``; the heartbeat stops."""
+        """The last write: ``finished``, ``stopped`` or ``failed: reason``; the heartbeat stops."""
         with self.lock:
             if self.state.startswith("failed"):
                 return  # the first reason stays
@@ -268,7 +268,8 @@ def describe(status: dict, now: float | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tasks.status FILE``: one line describing the run; exit 0 finished, 1 failed or stale, 3 running."""
+    """``python -m tasks.status FILE``: one line describing the run; exit 0 finished, 1 failed, stopped or
+    stale (run it again to resume), 3 running."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m tasks.status STATUS_FILE", file=sys.stderr)
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(status))
     if status["state"] == "finished":
         return 0
-    return 1 if status["state"].startswith("failed") or is_stale(status) else 3
+    return 1 if status["state"].startswith(("failed", "stopped")) or is_stale(status) else 3
 
 
 if __name__ == "__main__":

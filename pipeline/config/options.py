@@ -101,6 +101,7 @@ class RunOptions:
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
+    checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal): a run started again after a crash resumes them mid-generation instead of from their first token; a stop (SIGTERM, SIGINT) checkpoints them at once. 0: only at a stop.", type=float)
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
@@ -283,6 +284,8 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
     if opts.data_group_size < 1:
         problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.checkpoint_interval < 0:
+        problems.append(f"--checkpoint-interval must be 0 (only at a stop) or more seconds, got {opts.checkpoint_interval}")
     if opts.status_interval < 1:
         problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:

@@ -14,7 +14,9 @@ while requests wait. Nothing asks every slot after every reply.
 
 **Stopping** (``stopping`` set: SIGTERM, SIGINT, a face closing): nothing new is admitted, queued
 work leaves (a file's lines come back from its journal on the next run; an HTTP request gets 503),
-the rows in flight get ``grace`` seconds to finish, then :class:`Stop` goes down the pipeline.
+the passes in flight come back, and rows that a checkpoint cannot keep (live requests, several rows
+or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop` goes down the pipeline and the
+last rank checkpoints the file's rows in flight, which the next run resumes where they stopped.
 
 With one stage (P = 1) the last rank is in this process: messages go straight to its handler.
 """
@@ -99,8 +101,8 @@ class Engine:
                 self._take(self.requests.take())
             if deadline is None:
                 self._file_step()
-            if deadline is None or time.monotonic() < deadline:
-                self._launch()
+            if deadline is None or (self.driver.unresumable and time.monotonic() < deadline):
+                self._launch()  # stopping: only while rows a checkpoint cannot keep are in flight
             if self.owed == 0:
                 if deadline is not None or self._finished():
                     break
@@ -254,9 +256,10 @@ class Engine:
             j.opened, j.skip, j.started = True, msg.skip, time.perf_counter()
             # ``skip`` counts this share's finished lines; read from its next one on (tasks/shards.py)
             self.driver.start(read_lines(j.job.input, skip=index_of(self.data_rank, msg.skip, self.data_size)),
-                              msg.suspects, msg.culprits)
-            if msg.skip:
-                log.info("%s: resuming after %d finished requests", j.job.input, msg.skip)
+                              msg.suspects, msg.culprits, msg.resume)
+            if msg.skip or msg.resume:
+                log.info("%s: resuming after %d finished requests%s", j.job.input, msg.skip,
+                         f", {len(msg.resume)} rows where they stopped" if msg.resume else "")
             self.files.opened(j.job, msg.skip)
 
     def _close(self, j: FileRun) -> None:

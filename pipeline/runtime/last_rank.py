@@ -9,6 +9,7 @@ message are written in their input position.
 
 from __future__ import annotations
 
+import time
 
 import torch
 
@@ -30,6 +31,8 @@ class LastRank:
         self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
         self.file: OutputFile | None = None
         self.status = None  # file mode: the run's tasks.status.RunStatus (pipeline.runtime.monitor)
+        self.checkpoint_interval = 0.0  # seconds between checkpoints of the rows in flight (0: only at a stop)
+        self._checkpointed = 0.0
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
@@ -44,7 +47,20 @@ class LastRank:
         if isinstance(msg, CloseFile):
             return self._close(msg)
         assert isinstance(msg, Stop), msg
+        if self.file is not None:  # stopped with the file open: its rows in flight resume where they are
+            self.file.checkpoint(self.head.checkpoint())
+            if self.file.inflight is not None:
+                self.file.inflight.stopped()  # a stop, not a crash: the next run suspects nobody
+        if self.status is not None:  # (a signal's reason, written first, stays)
+            self.status.finish("stopped" if self.file is not None else "finished")
         return None
+
+    def _checkpoint(self) -> None:
+        """Every ``checkpoint_interval`` seconds: the rows in flight, for a run after a crash to resume."""
+        now = time.monotonic()
+        if self.checkpoint_interval and now - self._checkpointed >= self.checkpoint_interval:
+            self._checkpointed = now
+            self.file.checkpoint(self.head.checkpoint())
 
     def idle(self) -> None:
         """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
@@ -62,7 +78,10 @@ class LastRank:
                 else:
                     self.status.open_file(msg.input, msg.output, share_size(self.info.data_rank, msg.total,
                                                                             self.info.data_size), skip)
-            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
+            self.head.resume = self.file.resumed_rows() if skip is not None else {}
+            self._checkpointed = time.monotonic()
+            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits,
+                          resume=[[i, r["ids"]] for i, r in sorted(self.head.resume.items())])
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
             return Opened(None, error=str(e))
@@ -139,6 +158,7 @@ class LastRank:
             PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
+            self._checkpoint()
         self.stage.clock("sample+write", t0, slot=hdr.slot)
         if self.status is not None and self.file is not None:
             f = self.file

@@ -62,6 +62,7 @@ class Admission:
     model: str | None = None  # the results' "model" when it is an adapter's name
     alone: bool = False  # a suspect of an earlier crash, run with nothing else in flight (tasks.inflight)
     probe: int = 0  # a suspect of an earlier crash probed with others: its probe group (pipeline.scheduling.isolation)
+    resumed: int = 0  # its row was checkpointed mid-generation: the last ``resumed`` prompt ids are its tokens so far
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Opened:
     error: str | None = None
     suspects: list[int] = field(default_factory=list)  # lines in flight when an earlier run crashed: run alone
     culprits: list[int] = field(default_factory=list)  # lines alone in flight when a run crashed: error lines
+    resume: list[list] = field(default_factory=list)  # [line, its generated ids] of rows checkpointed mid-generation
 
 
 @dataclass

@@ -231,7 +231,7 @@ def last_rank(rank: Rank, tokenizer=None, grammars=None) -> LastRank:
     head = Head(rank.stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
                 masks_on_thread(info.device, info.local_world_size, usable_cores()))
     last = LastRank(rank.stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
-    last.status = rank.status
+    last.status, last.checkpoint_interval = rank.status, opts.checkpoint_interval
     return last
 
 
@@ -266,8 +266,6 @@ def serve_rank(rank: Rank) -> str | None:
     last = last_rank(rank) if rank.info.is_last else None
     last_output = serve(link, rank.stage, last)
     link.flush()
-    if rank.status is not None:
-        rank.status.finish("finished")
     return last_output
 
 

@@ -65,11 +65,15 @@ class Driver:
         self.error_kinds: dict[str, int] = {}
         self.encode_seconds = 0.0
         self.isolation = Isolation()  # an earlier crash's suspects, probed in halves (pipeline.scheduling.isolation)
+        self.resume: dict[int, list[int]] = {}  # line -> its tokens generated before a stop or crash
+        self.unresumable: set[int] = set()  # groups in flight a checkpoint cannot keep (live, several rows or prompts, echo)
 
-    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=()) -> None:
+    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=(), resume=()) -> None:
         """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
-        ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
+        ``culprits`` come from the runs that crashed on it before (tasks.inflight), ``resume`` ([line,
+        generated ids]) from the last checkpoint of its rows in flight."""
         self.lines = lines
+        self.resume = {int(i): list(ids) for i, ids in resume}
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
         iso = self.isolation = Isolation(suspects, culprits)
         if iso.active:
@@ -223,10 +227,14 @@ class Driver:
                         "prompt, lower max_tokens, or run with --truncate-prompts", "prompt", reason="context_window")
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
+            done = [] if live else self.resume.pop(req.index, [])  # checkpointed mid-generation: tokens so far
+            if done and (len(req.prompts) != 1 or p.best_of != 1 or p.echo or len(done) >= p.max_tokens):
+                done = []  # (only one prompt, one row, no echo resume; the last rank checkpoints only those)
+            ids = ids + done  # computed as prompt, the row samples its next token where it stopped
             digests = block_digests(ids, self.prefix.block_size, salt) if self.prefix is not None else []
             chunkable = p.max_tokens > 0 and p.best_of == 1 and not p.echo  # whole-prompt logprobs: one pass
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live,
-                      chunkable=chunkable, adapter=adapter, request=req.index)
+            g = Group(self.next_gid + i, len(ids), p.max_tokens - len(done), p.best_of, tuple(digests),
+                      priority=live, chunkable=chunkable, adapter=adapter, request=req.index)
             if not self.sched.fits(g):
                 spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
                 raise RequestError(
@@ -235,7 +243,8 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream, adapter=adapter, model=model, alone=alone, probe=probe)
+                             stream=req.stream, adapter=adapter, model=model, alone=alone, probe=probe,
+                             resumed=len(done))
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -313,6 +322,9 @@ class Driver:
                 meta = self.metas.pop(gid)
                 meta.rows = list(rows)
                 hdr.admit.append(meta)
+                p = meta.params
+                if meta.live or meta.n_prompts != 1 or p.best_of != 1 or p.echo:
+                    self.unresumable.add(gid)
             for item in hdr.prefill:
                 if not item.partial:
                     self.prompts.pop(item.gid, None)
@@ -333,6 +345,7 @@ class Driver:
         out = self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
         for gid in out.finished:
             self.prompts.pop(gid, None)  # serve mode: a client left during a chunked prompt
+            self.unresumable.discard(gid)
         if self.isolation.active and (self.isolation.finished(out.finished) or self.isolation.draining):
             self._probe()  # the probe in flight is answered (or the pipeline may be empty for a lone one)
             return True
