@@ -42,6 +42,7 @@ from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
 from pipeline.runtime.in_process import in_process_options, plan_env, rank_of_thread, run_in_process  # noqa: E402
+from pipeline.runtime.monitor import stop_metrics  # noqa: E402
 from pipeline.runtime.roles import make_engine, serve_rank, start_rank  # noqa: E402
 from pipeline.runtime.sources import FileList, RunError  # noqa: E402
 from terminal.interactive import run_chat_client, run_interactive  # noqa: E402
@@ -314,6 +315,7 @@ def execute(plan, opts, info=None, stopping: threading.Event | None = None) -> i
     finally:
         if rank.stage.trace is not None and last_output:
             log.info("profile trace: %s", rank.stage.trace.save(f"{last_output}.trace-rank{rank.info.rank}.json"))
+        stop_metrics(rank.metrics)
         shutdown(rank.info, clean)
 
 
@@ -330,8 +332,6 @@ def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
     make_engine(rank, files=files, stopping=stopping).run()
     if stopping.is_set():
         return files.last_output, stopped_code() or 143
-    if rank.status is not None:
-        rank.status.finish("finished")
     reports = files.reports
     summarize(reports)
     if dummy:

@@ -91,6 +91,12 @@ class ServeMetrics:
         with self.lock:
             self.stages = figures
 
+    def idle(self, kv_cells: int) -> None:
+        """Nothing runs: every stage busy 0 and holding ``kv_cells`` (the prefix pool: every stage holds the
+        same micro-batches and pool, and the micro-batches went with the engine's Release)."""
+        with self.lock:
+            self.stages = [dict(s, busy_fraction=0.0, kv_cells=kv_cells) for s in self.stages]
+
     def answered(self, started: float, usage: dict | None, first_at: float | None = None) -> None:
         now = time.monotonic()
         self.duration.observe(now - started)

@@ -338,9 +338,10 @@ class BatchStore:
         ok = [line for line in answered if not is_error(line)]
         bad = [line for line in answered if is_error(line)]
         inp = self._dir(b["_owner"], "files") / b["input_file_id"] if valid_id(b["input_file_id"]) else None
-        code = {"failed": "batch_failed", "expired": "batch_expired"}.get(status)
+        code = {"failed": "batch_failed", "expired": "batch_expired", "cancelled": "batch_cancelled"}.get(status)
         if code and deliver and inp is not None and inp.is_file():
-            why = message or "This request could not be executed before the completion window expired."
+            why = message or ("The batch was cancelled before this request ran." if status == "cancelled" else
+                              "This request could not be executed before the completion window expired.")
             bad += unanswered_lines(inp, len(answered), code, why)
         key = b["id"].split("_", 1)[1]
         if ok or status in ("completed", "cancelled"):  # a cancelled batch always has its (maybe empty) output

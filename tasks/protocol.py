@@ -39,6 +39,10 @@ class RequestError(ValueError):
                    status=status)
 
 
+CANCELLED = RequestError("the request file (the batch) was cancelled before this request finished", None,
+                         "batch_cancelled", reason="cancelled")
+
+
 def server_error(message: str, status: int = 500) -> RequestError:
     """A failure on our side (a computation that raised, a shutdown: 503), not the request's fault."""
     return RequestError(message, None, "server_error", reason="computation", status=status)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.capabilities import refusals
 from pipeline.config.interactive_options import interactive_problems
 from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
@@ -102,6 +103,7 @@ class RunOptions:
     lenient_fields: bool = _opt(False, "Ignore request fields this runner does not know or does not implement with the value given (vLLM's behaviour), logging and counting them (the summary's ignored_fields), instead of answering the request with an error naming the field.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
+    checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal): a run started again after a crash resumes them mid-generation instead of from their first token; a stop (SIGTERM, SIGINT) checkpoints them at once. 0: only at a stop.", type=float)
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
@@ -304,6 +306,8 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
     if opts.data_group_size < 1:
         problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.checkpoint_interval < 0:
+        problems.append(f"--checkpoint-interval must be 0 (only at a stop) or more seconds, got {opts.checkpoint_interval}")
     if opts.status_interval < 1:
         problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
@@ -332,10 +336,8 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
-    if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
-        problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
-                        "cache: drop --kv-cache-dtype or use --backend auto")
+    problems += _layout_problems(opts) + _lora_problems(opts)
+    problems += refusals(opts, generic="--backend transformers" if opts.backend == "transformers" else None)
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
     problems += interactive_problems(opts)
@@ -377,25 +379,6 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         names.add(name)
         if not Path(path).is_dir() and not looks_like_repo_id(path):
             problems.append(f"--lora {value}: no such folder, nor a hub id org/name")
-    if opts.batch_invariant:
-        problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
-                        "adapter path): drop --batch-invariant or --lora")
-    return problems
-
-
-def _quantize_problems(opts: RunOptions) -> list[str]:
-    if opts.quantize == "none":
-        return []
-    problems = []
-    if opts.lora:
-        problems.append(f"--quantize {opts.quantize} does not apply LoRA adapters (they wrap float projections): "
-                        "drop --quantize or --lora")
-    if opts.batch_invariant:
-        problems.append(f"--quantize {opts.quantize} has no fixed-shape kernels for --batch-invariant: "
-                        "drop --quantize or --batch-invariant")
-    if opts.backend == "transformers":
-        problems.append(f"--quantize {opts.quantize} needs a native family; --backend transformers runs transformers' "
-                        "own layers, which are not quantized: drop --quantize or use --backend auto")
     return problems
 
 

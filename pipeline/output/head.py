@@ -38,6 +38,7 @@ class Head:
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
+        self.resume: dict[int, dict] = {}  # the open file's rows checkpointed mid-generation (line -> state)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
@@ -57,9 +58,9 @@ class Head:
         req.batch_size = max(req.batch_size, slot_rows)
         if meta.note:
             req.notes.append(meta.note)
-        req.prompt_tokens += len(meta.prompt_ids)
-        if p.return_token_ids:
-            req.prompt_ids[meta.prompt_i] = list(meta.prompt_ids)
+        req.prompt_tokens += len(meta.prompt_ids) - meta.resumed
+        if p.return_token_ids:  # the prompt's own ids (a resumed row's tokens so far follow them)
+            req.prompt_ids[meta.prompt_i] = list(meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed])
         g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
@@ -68,8 +69,9 @@ class Head:
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
             stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
             rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
+            prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]
             try:
-                rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+                rows[r].text = IncrementalText(self.detok, prompt) if p.stop or stream else None
             except Exception as e:
                 self._failed(req, "reading its prompt", e)
             if p.structured is not None:
@@ -77,6 +79,47 @@ class Head:
                     rows[r].matcher = self.constraints.matcher(p.structured)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
+            if meta.resumed:
+                try:
+                    self._restore(rows[r], meta, p)
+                except Exception as e:
+                    self._failed(req, "restoring its checkpointed tokens", e)
+
+    def _restore(self, st: RowState, meta: Admission, p: Params) -> None:
+        """A row checkpointed mid-generation: its tokens, logprobs, text, penalty counts and grammar state
+        as they were; it samples its next token from where it stopped (its random stream goes on by step)."""
+        saved = self.resume.pop(meta.req)
+        ids = meta.prompt_ids[len(meta.prompt_ids) - meta.resumed:]
+        assert saved["ids"] == ids, "the checkpoint and rank 0 disagree on the row's tokens"
+        c = st.cand
+        c.ids, c.logprobs, c.generated = list(ids), list(saved["logprobs"]), len(ids)
+        if st.matcher is not None:
+            self.constraints.forget(st.matcher)  # its first mask (not flushed yet) is for the state before these
+        if c.top is not None:
+            c.top = [[tuple(x) for x in t] for t in saved["top"]]
+        for tok in ids:
+            if p.counts_tokens:
+                st.counts[tok] = st.counts.get(tok, 0) + 1
+            if st.text is not None:
+                st.text.add(tok)
+            if st.matcher is not None and not st.matcher.consume_token(tok):
+                raise GrammarError(f"its checkpointed token {tok} does not fit its grammar")
+        if st.matcher is not None:
+            self.constraints.ahead([st.matcher])
+
+    def checkpoint(self) -> dict[int, dict]:
+        """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo):
+        line -> its generated tokens, their logprobs and top logprobs."""
+        out = {}
+        for rows in self.slots.values():
+            for st in rows.values():
+                g = self.groups[st.gid]
+                p, c = g.params, st.cand
+                if g.meta.live or g.meta.n_prompts != 1 or p.best_of != 1 or p.echo or not c.ids:
+                    continue
+                out[g.meta.req] = {"ids": list(c.ids), "logprobs": list(c.logprobs),
+                                   "top": [[list(x) for x in t] for t in c.top] if c.top is not None else None}
+        return out
 
     def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
         """A request whose computation raised is answered with an error (its rows finish at their
@@ -266,6 +309,18 @@ class Head:
         for req in live_reqs:
             if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
                 self.requests.pop((True, req), None)
+        return rows
+
+    def cancel(self, slot: int, lines: set[int], error: dict) -> list[int]:
+        """A cancelled file's ``lines`` in ``slot``: their requests are answered with ``error``, their rows
+        end now; returns the rows."""
+        rows = [r for r, st in self.slots.get(slot, {}).items() if not self.groups[st.gid].meta.live
+                and self.groups[st.gid].meta.req in lines]
+        for r in rows:
+            req = self._request_of(self.slots[slot][r].gid)
+            if req is not None and req.error is None:
+                req.error = dict(error)
+            self._finish_row(slot, r)
         return rows
 
     def rows_of(self, gid: int) -> list[int]:

@@ -14,7 +14,9 @@ while requests wait. Nothing asks every slot after every reply.
 
 **Stopping** (``stopping`` set: SIGTERM, SIGINT, a face closing): nothing new is admitted, queued
 work leaves (a file's lines come back from its journal on the next run; an HTTP request gets 503),
-the rows in flight get ``grace`` seconds to finish, then :class:`Stop` goes down the pipeline.
+the passes in flight come back, and rows that a checkpoint cannot keep (live requests, several rows
+or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop` goes down the pipeline and the
+last rank checkpoints the file's rows in flight, which the next run resumes where they stopped.
 
 With one stage (P = 1) the last rank is in this process: messages go straight to its handler.
 """
@@ -34,7 +36,7 @@ from tasks.protocol import Answer, server_error
 from tasks.shards import index_of
 
 from pipeline.runtime.last_rank import LastRank
-from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Reply, Stop
+from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Release, Reply, Stop
 from pipeline.runtime.retry import Retry
 from pipeline.runtime.sources import FileReport, FileSource, Job, Live, Requests
 from pipeline.runtime.stage import Stage, allocate_ahead, pack
@@ -99,8 +101,8 @@ class Engine:
                 self._take(self.requests.take())
             if deadline is None:
                 self._file_step()
-            if deadline is None or time.monotonic() < deadline:
-                self._launch()
+            if deadline is None or (self.driver.unresumable and time.monotonic() < deadline):
+                self._launch()  # stopping: only while rows a checkpoint cannot keep are in flight
             if self.owed == 0:
                 if deadline is not None or self._finished():
                     break
@@ -113,7 +115,20 @@ class Engine:
         return self.requests is None and self.job is None and not (self.files is not None and self.files.more())
 
     def _idle(self) -> None:
-        """Nothing in flight: wait for a request, or (files alone) the open file cannot go on."""
+        """Nothing in flight: the emptied slots' caches freed on every stage (no pass will carry their
+        release), the load gauges at rest; then wait for a request, or (files alone) the open file cannot go on."""
+        released = self.driver.take_released()
+        if released:
+            self.stage.release(released)
+            if self.link is not None:
+                self.link.send_next(Release(released))
+            if self.metrics is not None:
+                self.metrics.idle(self.stage.kv_cells)
+        if self.metrics is not None and self._load_at >= 0:
+            self._load_at = -1.0  # at rest: measured again with the next pass's answer
+            d, prefix = self.driver, self.driver.prefix
+            self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
+                                  prefix.prompt_tokens if prefix else 0)
         if self.requests is not None:
             self._take(self.requests.take(timeout=0.05))
         elif self.job is not None and self.job.opened and not self.job.closing:
@@ -177,7 +192,7 @@ class Engine:
             return
         if not j.opened or j.closing:
             return
-        if d.lines is not None and not self._paused:
+        if not d.exhausted and not self._paused:
             self._fill()
         answered = (j.done, sum(d.error_kinds.values()))
         if answered != j.reported:
@@ -193,7 +208,10 @@ class Engine:
         if j is None or not j.opened or j.closing or j.cancelled or j.expiring:
             return
         if self.files.cancel_requested(j.job):
-            j.cancelled, d.lines = True, None
+            j.cancelled = True
+            started = d.cancel_file()
+            log.info("%s: cancelled; %d lines in flight end with their next passes, the queued ones never start",
+                     j.job.id or j.job.input, started)
         elif self.files.expired(j.job):
             log.warning("%s: its completion window passed; it ends expired with what it answered", j.job.id)
             j.expiring, d.lines = True, None
@@ -210,7 +228,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - its input failed: close with what it has, mark it failed
             log.error("%s: %s: %s", j.job.input, type(e).__name__, e)
             j.error = f"the file stopped after {j.skip + d.requests_read} lines: {type(e).__name__}"
-            j.cancelled, d.lines, d.held = True, None, None
+            j.cancelled, d.lines = True, None
+            d.isolation.aside.clear()
         if d.queued != queued:
             self._new_work()
 
@@ -237,9 +256,10 @@ class Engine:
             j.opened, j.skip, j.started = True, msg.skip, time.perf_counter()
             # ``skip`` counts this share's finished lines; read from its next one on (tasks/shards.py)
             self.driver.start(read_lines(j.job.input, skip=index_of(self.data_rank, msg.skip, self.data_size)),
-                              msg.suspects, msg.culprits)
-            if msg.skip:
-                log.info("%s: resuming after %d finished requests", j.job.input, msg.skip)
+                              msg.suspects, msg.culprits, msg.resume)
+            if msg.skip or msg.resume:
+                log.info("%s: resuming after %d finished requests%s", j.job.input, msg.skip,
+                         f", {len(msg.resume)} rows where they stopped" if msg.resume else "")
             self.files.opened(j.job, msg.skip)
 
     def _close(self, j: FileRun) -> None:
@@ -290,7 +310,7 @@ class Engine:
                 self._launch_pass(*built, busy)
                 self.flight[sid] += 1
                 self.owed += 1
-                if self.job is not None and d.lines is not None:
+                if self.job is not None and not d.exhausted:
                     self._fill()
 
     def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
@@ -369,7 +389,7 @@ class Engine:
         if msg.stats:
             self.metrics.on_stats(msg.stats)
         now = time.monotonic()
-        if now - self._load_at < 0.5:
+        if 0 <= now - self._load_at < 0.5:
             return
         self._load_at = now
         d, prefix = self.driver, self.driver.prefix

@@ -18,7 +18,7 @@ from comm.faults import LOAD, set_rank
 from pipeline.config.options import RunOptions
 from pipeline.config.plan import RunPlan
 from pipeline.runtime.host_memory import keep_freed_memory
-from pipeline.runtime.monitor import start_metrics, start_status
+from pipeline.runtime.monitor import start_metrics, start_status, stop_metrics
 from tasks.status import RunStatus, fail_active
 
 from pipeline.config.options import UsageError
@@ -175,6 +175,7 @@ class Rank:
     stage: Stage
     budget: int
     status: RunStatus | None = None  # the writing rank's status file (file mode)
+    metrics: object = None  # its --metrics-port server (pipeline.runtime.monitor.stop_metrics closes it)
 
 
 def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
@@ -193,16 +194,18 @@ def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
     except ValueError as e:  # e.g. two ranks on one GPU
         raise UsageError(str(e)) from None
     status = start_status(plan, opts, info)  # the writing rank's status file, "loading"
+    metrics = None
     try:
-        start_metrics(opts, status)
+        metrics = start_metrics(opts, status)
         load_ahead(plan, opts, info)
         stage = load_stage(plan, opts, info)
         LOAD.tick()
         budget = run_budget(opts, info, stage, plan)
     except BaseException as e:
         fail_active(f"{type(e).__name__}: {e}")
+        stop_metrics(metrics)
         raise
-    return Rank(plan, opts, info, stage, budget, status)
+    return Rank(plan, opts, info, stage, budget, status, metrics)
 
 
 def load_ahead(plan, opts, info) -> None:
@@ -228,7 +231,7 @@ def last_rank(rank: Rank, tokenizer=None, grammars=None) -> LastRank:
     head = Head(rank.stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
                 masks_on_thread(info.device, info.local_world_size, usable_cores()))
     last = LastRank(rank.stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
-    last.status = rank.status
+    last.status, last.checkpoint_interval = rank.status, opts.checkpoint_interval
     return last
 
 
@@ -264,8 +267,6 @@ def serve_rank(rank: Rank) -> str | None:
     last = last_rank(rank) if rank.info.is_last else None
     last_output = serve(link, rank.stage, last)
     link.flush()
-    if rank.status is not None:
-        rank.status.finish("finished")
     return last_output
 
 

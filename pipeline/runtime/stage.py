@@ -17,7 +17,7 @@ import torch
 
 from comm.faults import ForwardPoint
 
-from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Stop
+from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Release, Stop
 from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
@@ -261,6 +261,11 @@ def serve(link, stage: Stage, last=None) -> str | None:
             if last is None:
                 link.send_next(msg)
             stage.prepare(msg)
+            continue
+        if isinstance(msg, Release):  # rank 0 is idle: no pass carries these slots' release
+            stage.release(msg.slots)
+            if last is None:
+                link.send_next(msg)
             continue
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)

@@ -143,6 +143,19 @@ class Scheduler:
             self.slots[sid].drops.add(request)
         return gone, held
 
+    def cancel_lines(self) -> tuple[list[Group], set[int]]:
+        """A request file is cancelled: its lines that have not started leave the queue (returned); the
+        slots holding rows of those that did end them with their next passes (the last rank answers
+        them). Returns (the groups that left, the lines in flight)."""
+        started = {g.request for g in self.groups.values() if not g.priority}
+        gone = [g for g in self._queue if not g.priority and g.request not in started]
+        for g in gone:
+            self._queue.remove(g)
+        for s in self.slots:
+            held = {self.groups[x].request for x in s.row_group if x is not None and not self.groups[x].priority}
+            s.cancels |= held
+        return gone, started
+
     def shed(self) -> list[Group]:
         """Shutdown: every queued group leaves the queue (returned, oldest first); nothing new starts."""
         gone = list(self._queue)
@@ -317,6 +330,7 @@ class Scheduler:
         ps = self._assemble(slot, alloc, new, resume, self.parts()) if slot.rows else None
         if ps is None:
             slot.drops.clear()  # nothing runs there: its rows are gone already
+            slot.cancels.clear()
         return ps
 
     def _allocate(self, slot: Slot) -> tuple[tuple[int, int] | None, list[Group]]:
@@ -444,12 +458,13 @@ class Scheduler:
         for g in new:
             for r in dict(admitted)[g.gid]:
                 slot.adapters[r] = g.adapter
-        drop, release = tuple(sorted(slot.drops)), tuple(self.released)
+        drop, cancel, release = tuple(sorted(slot.drops)), tuple(sorted(slot.cancels)), tuple(self.released)
         slot.drops.clear()
+        slot.cancels.clear()
         self.released.clear()
         return Pass(slot.sid, slot.rows, alloc, release, tuple(decode_rows), tuple(layout),
                     tuple(column.get(r, 0) for r in layout), tuple(planned), tuple(forks), tuple(admitted), grow,
-                    tuple(slot.adapters) if any(slot.adapters) else (), drop, split)
+                    tuple(slot.adapters) if any(slot.adapters) else (), drop, split, cancel)
 
     def _plan_prompts(self, slot: Slot, prompts: list[tuple[Group, int]],
                       resume: dict[int, int]) -> list[PromptPart]:

@@ -237,19 +237,19 @@ def test_a_line_that_kills_the_process_is_answered_with_an_error_not_a_crash_loo
 # -- serve mode ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(mistral_model, tmp_path_factory):
-    from tests.integration.test_serve import Server
+    """A server of its own in this process (tests/servers.py): one test stops and restarts it."""
+    from tests.servers import LocalServer
 
-    folder = tmp_path_factory.mktemp("isolation")
-    s = Server(str(mistral_model), 1, folder / "state", folder / "server.log")
-    s.start()
+    s = LocalServer(["--model-name", str(mistral_model), "--served-model-name", "tiny"],
+                    tmp_path_factory.mktemp("isolation"), name="isolation").start()
     yield s
-    s.kill()
+    s.stop(check=False)
 
 
 def test_the_server_answers_each_bad_request_400_and_goes_on(server):
-    from tests.integration.test_serve import KEY, httpx
+    from tests.servers import httpx
 
-    headers = {"Authorization": f"Bearer {KEY}"}
+    headers = {"Authorization": f"Bearer {server.key()}"}
     for body, param in BAD:
         r = httpx.post(server.url("/v1/completions"), json=dict(body, max_tokens=2), headers=headers, timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -260,13 +260,14 @@ def test_the_server_answers_each_bad_request_400_and_goes_on(server):
     r = httpx.post(server.url("/v1/chat/completions"), headers=headers, timeout=120,
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
-    assert server.proc.poll() is None
+    assert server.running
 
 
 def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works(server):
-    from tests.integration.test_serve import wait_batch
+    from tests.serve_cases import wait_batch
 
-    client = server.client()
+    key = server.key()
+    client = server.client(key)
     lines, errors = mixed_lines(30, chat_only=True)
     f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
@@ -274,31 +275,31 @@ def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works
     assert b.status == "completed" and b.request_counts.failed == len(errors) and b.request_counts.completed == 30
     bad = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in bad) == sorted(lines[i]["custom_id"] for i in errors)
-    server.kill()
+    server.stop()
     # while it is down, a batch is left in progress whose input file is gone
     from tasks.batch_store import BatchStore
 
-    store = BatchStore(server.serve_dir)
+    store, owner = BatchStore(server.serve_dir), server.owner(key)
     line = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}
-    f2 = store.add_file("default", (json.dumps(line) + "\n").encode(), "in2.jsonl", "batch")
-    b2 = store.create_batch("default", {"input_file_id": f2["id"], "endpoint": "/v1/completions",
-                                        "completion_window": "24h"})
-    (server.serve_dir / "files" / f2["id"]).unlink()
-    server.start()  # the same --serve-dir: every batch keeps its state, the broken one fails
-    client = server.client()
+    f2 = store.add_file(owner, (json.dumps(line) + "\n").encode(), "in2.jsonl", "batch")
+    b2 = store.create_batch(owner, {"input_file_id": f2["id"], "endpoint": "/v1/completions",
+                                    "completion_window": "24h"})
+    (server.serve_dir / "keys" / owner / "files" / f2["id"]).unlink()
+    client = server.start().client(key)  # the same --serve-dir: every batch keeps its state, the broken one fails
     b2 = wait_batch(client, b2["id"])
     assert b2.status == "failed" and "input file" in b2.errors.data[0].message
     assert client.batches.retrieve(b.id).status == "completed"
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices
-    server.kill()
-    server.start()  # and again, with a failed batch in the folder
-    assert server.client().batches.retrieve(b2.id).status == "failed"
+    server.restart()  # and again, with a failed batch in the folder
+    assert server.client(key).batches.retrieve(b2.id).status == "failed"
 
 
 def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistral_model, tmp_path):
     """Each restart on the same --serve-dir resumes the batch; the line that ends the server is run
-    alone after the first crash and answered with an error after the second: the batch completes."""
-    from tests.integration.test_serve import Server, wait_batch
+    alone after the first crash and answered with an error after the second: the batch completes (a
+    process of its own: the fault kills it)."""
+    from tests.serve_cases import wait_batch
+    from tests.servers import ProcessServer
 
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Line {i} is", "max_tokens": 2, "temperature": 0}} for i in range(12)]
@@ -308,9 +309,9 @@ def test_a_batch_line_that_kills_the_server_is_answered_after_two_restarts(mistr
     f = store.add_file("default", "".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")
     bid = store.create_batch("default", {"input_file_id": f["id"], "endpoint": "/v1/completions",
                                          "completion_window": "24h"})["id"]
-    s = Server(str(mistral_model), 1, tmp_path / "state", tmp_path / "server.log")
+    s = ProcessServer(["--model-name", str(mistral_model)], 1, tmp_path)
     try:
-        os.environ.update(DIST_INFER_FAULT="line", DIST_INFER_FAULT_LINE="6")  # Server passes os.environ on
+        os.environ.update(DIST_INFER_FAULT="line", DIST_INFER_FAULT_LINE="6")  # ProcessServer passes os.environ on
         deaths = 0
         try:
             while deaths < 4:

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.utils import (RUNNER, _env, _kill_group, free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess,
-                         run_torchrun, strip_volatile, wait_served, write_jsonl)
+from tests.servers import LocalServer
+from tests.utils import (free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, strip_volatile,
+                         write_jsonl)
 
 FACTORS: dict[str, tuple] = {  # the first value of each is what a refusal check leaves the others at
     "stages": (1, 2, 3),
@@ -326,20 +325,13 @@ def test_pairwise_runs_give_their_references_answers_and_show_each_feature(setup
 
 
 def serve_run(run: dict, setup: dict, tmp_path: Path) -> list[dict]:
-    """The requests one after the other over HTTP to a server of the run's options; result lines."""
-    args = [str(RUNNER), *flags(run, setup), "--serve", "0", "--serve-dir", str(tmp_path / "state")]
-    if run["stages"] > 1:
-        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(run["stages"]), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), *args]
-    log = tmp_path / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=f, env=_env(None), start_new_session=True)
+    """The requests one after the other over HTTP to a server of the run's options (in this process, every
+    rank a thread: tests/servers.py); result lines."""
+    server = LocalServer(flags(run, setup), tmp_path / "server", stages=run["stages"], keys=0).start()
     try:
-        url = wait_served(proc, log, 300)
-        return [{"request": r, "result": _post(f"{url}/v1/completions", r)}
-                for r in requests(run["lora"])]
+        return [{"request": r, "result": _post(server.url("/v1/completions"), r)} for r in requests(run["lora"])]
     finally:
-        _kill_group(proc)
+        server.stop()
 
 
 def _post(url: str, body: dict) -> dict:

@@ -8,7 +8,6 @@ of P = 1, 2, 3 and in serve mode (pipeline.runtime.retry). The fault: ``DIST_INF
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -91,9 +90,12 @@ def test_with_the_prefix_cache_and_chunked_prefill(tmp_path):
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tmp_path, stages):
+def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tmp_path, stages, monkeypatch):
+    """The server in this process (every rank a thread: tests/servers.py); the last stage's forward raises on one
+    batch line."""
     from tasks.batch_store import BatchStore
-    from tests.integration.test_serve import Server, wait_batch
+    from tests.serve_cases import wait_batch
+    from tests.servers import LocalServer
 
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Line {i} is", "max_tokens": 3, "temperature": 0}} for i in range(10)]
@@ -101,25 +103,23 @@ def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tm
     f = store.add_file("default", "".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")
     bid = store.create_batch("default", {"input_file_id": f["id"], "endpoint": "/v1/completions",
                                          "completion_window": "24h"})["id"]
-    s = Server(str(DEFAULT_MODEL), stages, tmp_path / "state", tmp_path / "server.log")
+    s = LocalServer(["--model-name", str(DEFAULT_MODEL), "--served-model-name", "tiny"], tmp_path, stages, keys=0)
     fault = {"DIST_INFER_FAULT": "forward-raise", "DIST_INFER_FAULT_LINE": "4",
              "DIST_INFER_FAULT_RANK": str(stages - 1), "DIST_INFER_FAULT_PASS": "2"}
     try:
-        os.environ.update(fault)  # Server passes os.environ on
-        try:
+        with monkeypatch.context() as env:  # read when each stage is built
+            for k, v in fault.items():
+                env.setenv(k, v)
             s.start()
-        finally:
-            for k in fault:
-                os.environ.pop(k)
         client = s.client()
         b = wait_batch(client, bid, timeout=600)
         assert b.status == "completed" and b.request_counts.failed == 1 and b.request_counts.completed == 9
         (bad,) = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
         assert bad["custom_id"] == "r4" and "forward raised" in bad["error"]["message"]
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
-        assert s.proc.poll() is None
+        assert s.running
     finally:
-        s.kill()
+        s.stop(check=False)
 
 
 @pytest.mark.parametrize("stages,rank", [(3, 1), (2, 0)])

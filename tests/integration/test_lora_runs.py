@@ -1,12 +1,10 @@
-"""LoRA adapters (--lora): rows of one micro-batch with different adapters equal HF + peft with each: the runs that start processes (the rest: tests/unit/pipeline/models/test_lora.py)."""
+"""LoRA adapters (--lora): rows of one micro-batch with different adapters equal HF + peft with each: the runs that start processes (the rest: tests/unit/pipeline/models/test_lora.py; serve mode's: tests/runs/test_serve_models_runs.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import pytest
-from tests.utils import RUNNER, _env, hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, wait_served, write_jsonl
-from tests.unit.pipeline.models.test_lora import _edit_config, _http, llama, make_adapter  # noqa: F401 (fixtures and helpers)
+from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, write_jsonl
+from tests.unit.pipeline.models.test_lora import _edit_config, llama, make_adapter  # noqa: F401 (fixtures and helpers)
 
 
 def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
@@ -73,31 +71,3 @@ def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):
         assert choice["text"] == tok.decode(ref_t, skip_special_tokens=True), i
         assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref_lp, strict=True)) < 1e-4
     assert out[2]["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a1 reused a1's blocks
-
-
-def test_serve_lists_and_runs_adapters(llama, tmp_path):
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", llama["model"], "--serve", "0",
-                             "--served-model-name", "base", "--lora", f"a1={llama['a1']}", "--num-threads", "1",
-                             "--serve-dir", str(tmp_path / "s")], stdout=log, stderr=log, env=_env(None),
-                            start_new_session=True)
-    try:
-        url = wait_served(proc, tmp_path / "server.log", 300)
-        assert [m["id"] for m in _http(url + "/v1/models")[1]["data"]] == ["base", "a1"]
-        prompt = [5, 9, 13, 2, 7, 21]
-        body = {"model": "a1", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}
-        status, r = _http(url + "/v1/completions", body)
-        assert status == 200 and r["model"] == "a1"
-        tok = local_tokenizer()
-        ref_t, ref_lp = hf_greedy(llama["ref"][1], prompt, 4)
-        assert max(abs(a - b) for a, b in zip(r["choices"][0]["logprobs"]["token_logprobs"], ref_lp, strict=True)) < 1e-4
-        assert r["choices"][0]["text"] == tok.decode(ref_t, skip_special_tokens=True)
-        status, r = _http(url + "/v1/completions", dict(body, model="a9"))
-        assert status == 404 and "'base', 'a1'" in r["error"]["message"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()

@@ -3,7 +3,8 @@ compressed-tensors int4 one at P = 1 (with a LoRA adapter on the quantized base 
 cache on shared prompts), each against the runner on the float checkpoint holding the same
 dequantized weights (whose parity with transformers tests/test_llama_parity.py and
 tests/unit/pipeline/loading/test_quantized.py check): greedy tokens equal, logprobs within 1e-4.
-The results' ``model`` carries the format; an unsupported quantization_config exits with 2.
+The results' ``model`` carries the format; an unsupported quantization_config exits with 2. Serve mode on a
+GPTQ checkpoint: tests/runs/test_serve_models_runs.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests import quant_checkpoints as qk
-from tests.unit.pipeline.models.test_lora import _http, make_adapter
-from tests.utils import RUNNER, _env, read_jsonl, run_inprocess, run_torchrun, wait_served, write_jsonl
+from tests.unit.pipeline.models.test_lora import make_adapter
+from tests.utils import RUNNER, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
 TOL = 1e-4
 SHARED = "the quick brown fox jumps over the lazy dog and runs far away into the woods, " * 2
@@ -100,32 +101,3 @@ def test_refused_combinations(make_llama, tmp_path, flag):
     with pytest.raises(UsageError, match="gptq-int4"):
         run_inprocess(["--model-name", q, "--infer-data", _requests(tmp_path), "--output-path",
                        str(tmp_path / "o.jsonl"), *flag])
-
-
-def test_serve_mode_answers_from_a_gptq_checkpoint_as_file_mode_does(make_llama, tmp_path):
-    """The server on a GPTQ int4 checkpoint answers /v1/completions with file mode's tokens and logprobs
-    on the same checkpoint (and names the format in ``model``)."""
-    base = make_llama(num_hidden_layers=2, seed=5)
-    q, _ = qk.gptq(base, tmp_path / "q", tmp_path / "ref", bits=4, group=32)
-    data = _requests(tmp_path)
-    want = _run(q, data, tmp_path / "q.jsonl", 1)
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", q, "--serve", "0",
-                                 "--num-threads", "1", "--serve-dir", str(tmp_path / "s")], stdout=out, stderr=out,
-                                env=_env(None), start_new_session=True)
-    try:
-        url = wait_served(proc, log, 300)
-        got = []
-        for line in read_jsonl(data):
-            status, r = _http(url + "/v1/completions", line)
-            assert status == 200, r
-            assert "gptq-int4" in r["model"], r["model"]
-            got.append({"result": r})
-        _same(got, want)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()

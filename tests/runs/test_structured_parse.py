@@ -10,7 +10,6 @@ import io
 
 import pytest
 
-from tests.runs.inprocess_server import Server
 from tests.utils import REPO
 
 PAGE = REPO / "docs" / "usage" / "structured-outputs.md"
@@ -30,33 +29,30 @@ def parse_example() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("parse"))
-    yield s
-    s.close()
+def server(servers):
+    return servers.get("default", 1)  # keyed: the example's api_key="none" becomes one of its keys
 
 
 def test_the_documented_parse_example_finishes_on_the_default_model(server):
     code = parse_example()
-    assert DOCS_URL in code and "name: str" in code
+    assert DOCS_URL in code and "name: str" in code and 'api_key="none"' in code
+    code = code.replace(DOCS_URL, server.url("/v1")).replace('api_key="none"', f'api_key="{server.key()}"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code.replace(DOCS_URL, server.url("/v1")), str(PAGE), "exec", dont_inherit=True),
-             {"__name__": "__main__"})
+        exec(compile(code, str(PAGE), "exec", dont_inherit=True), {"__name__": "__main__"})
     name, kind, age = out.getvalue().strip().rsplit(" ", 2)
     assert kind in ("cat", "dog", "fish") and int(age) >= 0 and name
 
 
 def test_plain_strings_end_within_the_chats_default_max_tokens(server):
     """Sampled answers to several questions (each request's own stream): every one a valid object."""
-    import openai
     from pydantic import BaseModel
 
     class Story(BaseModel):
         title: str
         moral: str
 
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    client = server.client(server.key())
     model = client.models.list().data[0].id
     for seed in range(4):
         story = client.chat.completions.parse(model=model, response_format=Story, seed=seed, messages=[

@@ -273,7 +273,7 @@ class FakeDriver(SimpleNamespace):
     def take_released(self):
         return []
 
-    def start(self, lines, suspects=(), culprits=()):
+    def start(self, lines, suspects=(), culprits=(), resume=()):
         self.lines = lines
 
 
@@ -281,11 +281,11 @@ def engine_for(store: BatchStore, fingerprint: dict):
     from pipeline.runtime.engine import Engine
     from serve.batch_jobs import BatchJobs
 
-    driver = FakeDriver(lines=None, held=None, filled=0, error_kinds={}, ignored_fields={}, exhausted=False, requests_read=0,
-                        encode_seconds=0.0, padding_ratio=0.0, queued=0, slot_ids=range(1), prefix=None,
+    driver = FakeDriver(lines=None, held=None, filled=0, error_kinds={}, ignored_fields={}, exhausted=False,
+                        requests_read=0, encode_seconds=0.0, padding_ratio=0.0, queued=0, slot_ids=range(1), prefix=None,
                         group_of=lambda slot, row: None)
     stage = SimpleNamespace(busy=0.0, peak_cells=0, kv_cells=0, gpu_peak_mb=lambda: [], memory_mb=lambda: {},
-                            precision=lambda: {}, release=lambda slots: None)
+                            precision=lambda: {}, release=lambda slots: None, add_figures=lambda msg: None)
     eng = Engine(stage, driver, None, SimpleNamespace(), files=BatchJobs(store, fingerprint))
     eng.sent = []
     eng._down = eng.sent.append

@@ -1,7 +1,7 @@
 """Serve mode's limits without a model: keys and their names, the Host/Origin/Content-Type/body
 checks (serve.guard), caps before tokenizing (serve.tokenizing), admission by rows and bounded stream
 buffers (serve.http_channel); the connection cap and timeouts: tests/unit/serve/test_protocol.py; the same
-limits on the real server: tests/integration/test_serve_load.py. Apps run on uvicorn threads on 127.0.0.1."""
+limits on the real server: tests/runs/test_serve_load_runs.py. Apps run on uvicorn threads on 127.0.0.1."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Structured outputs over HTTP with the `openai` client (one server, P = 2, the default model):
+"""Structured outputs over HTTP with the `openai` client (the shared in-process "default" server at P = 2,
+grammars compiled within 10 s; a key of its own per test):
 response_format json_schema on chat and completions, `client.chat.completions.parse` with a pydantic
 model, structured_outputs through extra_body, streaming of constrained tokens, a schema that cannot
 compile (HTTP 400), and a Batch API file of the varied cases."""
@@ -12,9 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from pipeline.loading.default_model import default_model_dir
+from tests.serve_cases import batch_bodies, wait_batch
 from tests.structured_cases import ENDLESS, LABEL, check, request_lines
-from tests.integration.test_serve import NAME, Server, batch_bodies, wait_batch
 
 
 class Pet(BaseModel):
@@ -24,53 +24,58 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("structured-serve")
-    s = Server(str(default_model_dir()), 2, d / "serve", d / "server.log", ("--grammar-timeout", "10"))
-    s.start()
-    yield s
-    s.kill()
+def server(servers):
+    return servers.get("default", 2)
 
 
-def test_response_format_parse_and_stream(server):
-    client = server.client()
+@pytest.fixture
+def client(server):
+    return server.client(server.key())
+
+
+@pytest.fixture(scope="module")
+def name(server) -> str:
+    """The served name: the default model's folder name."""
+    return server.client(server.key()).models.list().data[0].id
+
+
+def test_response_format_parse_and_stream(client, name):
     rf = {"type": "json_schema", "json_schema": {"name": "label", "schema": LABEL, "strict": True}}
     msgs = [{"role": "user", "content": "Classify: I love it"}]
     valid = 0
     for seed in range(4):  # seeded sampling: several tries, every one that stopped must validate
-        r = client.chat.completions.create(model=NAME, messages=msgs, response_format=rf, max_tokens=40,
+        r = client.chat.completions.create(model=name, messages=msgs, response_format=rf, max_tokens=40,
                                            temperature=0.8, seed=seed)
         if r.choices[0].finish_reason == "stop":
             check("label", r.choices[0].message.content)
             valid += 1
-        p = client.chat.completions.parse(model=NAME, messages=msgs, response_format=Pet, max_tokens=40,
+        p = client.chat.completions.parse(model=name, messages=msgs, response_format=Pet, max_tokens=40,
                                           temperature=0.8, seed=seed)
         if p.choices[0].finish_reason == "stop":
             assert isinstance(p.choices[0].message.parsed, Pet)
             valid += 1
     assert valid >= 4
-    c = client.completions.create(model=NAME, prompt="Date:", max_tokens=20, temperature=0,
+    c = client.completions.create(model=name, prompt="Date:", max_tokens=20, temperature=0,
                                   extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]"}})
     assert c.choices[0].finish_reason == "stop"
     check_regex = __import__("re").fullmatch(r"20[0-9]{2}-[01][0-9]", c.choices[0].text)
     assert check_regex, c.choices[0].text
     pieces = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        model=NAME, messages=msgs, max_tokens=40, temperature=0, stream=True, response_format=rf)]
-    whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0,
+        model=name, messages=msgs, max_tokens=40, temperature=0, stream=True, response_format=rf)]
+    whole = client.chat.completions.create(model=name, messages=msgs, max_tokens=40, temperature=0,
                                            response_format=rf).choices[0]
     assert "".join(pieces) == whole.message.content and len([p for p in pieces if p]) > 1
     with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
-        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, response_format={
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
     with pytest.raises(openai.BadRequestError, match="could not go on") as e:  # compiles, then cannot go on
-        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, response_format={
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "endless", "schema": ENDLESS}})
     assert e.value.body["param"] == "response_format"
-    assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2).choices  # the server goes on
+    assert client.chat.completions.create(model=name, messages=msgs, max_tokens=2).choices  # the server goes on
 
 
-def test_batch_api_file(server):
-    client = server.client()
+def test_batch_api_file(client):
     cases = request_lines(free=1, max_tokens=48, chat=True, temperature=0)
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
              for i, (body, _) in enumerate(cases)]
