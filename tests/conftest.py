@@ -120,3 +120,7 @@ def pytest_collection_modifyitems(config, items):
                 config.unit_tests_starting_processes.append(item.nodeid)
     # the fast tier first (its order kept): a full run with -x stops on a unit failure in minutes
     items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)
+
+
+# the suite's own figures in docs/testing.md, rewritten at the end of a full run that passed
+from tests.suite_figures import pytest_collection_finish, pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401

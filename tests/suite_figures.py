@@ -1,0 +1,74 @@
+"""The suite's own figures in docs/testing.md: how many tests each tier holds, and the last full run's
+time on which machine. A pytest plugin (tests/conftest.py loads it): at the end of a full run that
+passed (``python -m pytest tests``, no ``-k``/``-m``, no test deselected), it rewrites the block between
+the markers below; ``tests/unit/test_docs_pages.py`` checks the counts against the collection of a full run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
+BEGIN = "<!-- suite-figures: written by tests/suite_figures.py at the end of a full run that passed -->"
+END = "<!-- /suite-figures -->"
+_STARTED = [0.0]
+
+
+def full_run(config) -> bool:
+    """The whole suite was asked for: no keyword or marker filter, every path under tests/ (or none)."""
+    if config.option.keyword or config.option.markexpr or getattr(config.option, "collectonly", False):
+        return False
+    tests = Path(__file__).resolve().parent
+    paths = [Path(a.split("::")[0]).resolve() for a in config.args] or [tests]
+    return all(p == tests for p in paths)
+
+
+def counts(items) -> dict[str, int]:
+    process = sum(1 for i in items if i.get_closest_marker("multiprocess") is not None)
+    return {"tests": len(items), "fast": len(items) - process, "processes": process}
+
+
+def cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def block(c: dict[str, int], seconds: float) -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return (f"{BEGIN}\n{c['tests']} tests: {c['fast']} in one process (the fast tier), {c['processes']} that start "
+            f"processes (the `multiprocess` marker). The last full run that passed: {seconds / 60:.1f} minutes on "
+            f"{time.strftime('%Y-%m-%d')}, {cpu()}, {os.cpu_count()} cores (load {load:.1f} at its end).\n{END}")
+
+
+def read() -> dict[str, int] | None:
+    """The counts docs/testing.md states (None: no block)."""
+    m = re.search(r"(\d+) tests: (\d+) in one process \(the fast tier\), (\d+) that start processes", DOC.read_text())
+    return None if m is None else {"tests": int(m[1]), "fast": int(m[2]), "processes": int(m[3])}
+
+
+def pytest_sessionstart(session) -> None:
+    _STARTED[0] = time.monotonic()
+
+
+def pytest_collection_finish(session) -> None:
+    session.config.suite_counts = counts(session.items) if full_run(session.config) else None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    c = getattr(session.config, "suite_counts", None)
+    if c is None or exitstatus != 0 or session.testsfailed or not DOC.exists():
+        return
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        return
+    head, rest = text.split(BEGIN, 1)
+    DOC.write_text(head + block(c, time.monotonic() - _STARTED[0]) + rest.split(END, 1)[1])
