@@ -97,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             sig = getattr(signal, f"SIG{name}")
             out = Path(d) / f"cut-{name}.jsonl"
             runs, total = 0, 0.0
+            journal = Path(str(out) + ".partial")
             while not out.exists():
                 code, s = run(command(src, out, args), args.every, sig, rng)
                 runs, total = runs + 1, total + s
+                done = journal.read_bytes().count(b"\n") if journal.exists() else len(ref)
+                print(f"  SIG{name} run {runs}: exit {code} after {s:.1f}s, {done}/{len(ref)} lines journaled", flush=True)
                 if runs > 200:
                     raise SystemExit(f"SIG{name}: no end after {runs} runs")
             got = [json.loads(x) for x in out.read_text().splitlines()]
