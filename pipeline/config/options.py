@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -81,6 +82,7 @@ class RunOptions:
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
     quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
     kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see docs/usage/quantization.md).", choices=("auto", "int8"))
+    kernel_table: str | None = _opt(None, "JSON file of the kernels chosen per layer shape for --quantize int8 and pre-quantized checkpoints (read where it has the shape; where not, timed once and written to it). Default: one file per kind of machine in the cache (DIST_INFER_CACHE, else ~/.cache/dist-inference-runner/kernels/), so a choice is made once and kept; give a path to pin the choices (e.g. one file for every node of a cluster). See docs/usage/quantization.md.", metavar="PATH")
     cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
     no_memory_check: bool = _opt(False, "Skip the check before loading that the stages on this node fit its memory (weights in the run's dtype, the --budget KV cache, the process itself; on GPUs each device's free memory). Use it when the estimate is wrong for your machine.")
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see docs/design/determinism.md).")
@@ -308,7 +310,7 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
+    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts) + _kernel_table_problems(opts)
     if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
         problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
                         "cache: drop --kv-cache-dtype or use --backend auto")
@@ -354,6 +356,20 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
                         "adapter path): drop --batch-invariant or --lora")
     return problems
+
+
+def _kernel_table_problems(opts: RunOptions) -> list[str]:
+    """--kernel-table PATH: a file there must be a table (it is read and added to, never replaced)."""
+    if not opts.kernel_table or not Path(opts.kernel_table).exists():
+        return []
+    try:
+        data = json.loads(Path(opts.kernel_table).read_text())
+        if isinstance(data, dict) and isinstance(data.get("entries", {}), dict):
+            return []
+    except (OSError, ValueError):
+        pass
+    return [f"--kernel-table {opts.kernel_table}: not a kernel table (a JSON object with 'entries', as a run writes "
+            "it): give a new path or a table a run wrote"]
 
 
 def _quantize_problems(opts: RunOptions) -> list[str]:

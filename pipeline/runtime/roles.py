@@ -25,6 +25,7 @@ from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
 from pipeline.models.kernels import fp8, weight_only
+from pipeline.models.kernels.kernel_table import KernelTable
 from pipeline.config.budget import resolve_budget
 from comm.p2p import Messenger
 from pipeline.runtime.link import Link
@@ -87,33 +88,45 @@ def load_stage(plan, opts, info):
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
-    """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
-    faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
+    """The int8 kernel of each shape, from the machine's kernel table (timed on this stage's shapes, a
+    decode micro-batch and a prefill chunk, where the table has none); logged and in the run summary
+    (``model.quantized``). Every int8 kernel gives the same results: the choice is speed only."""
 
     t0 = time.perf_counter()
-    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    table = KernelTable(opts.kernel_table)
+    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table)
     fused = fuse_prologues(model)
     model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
-                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}}
-    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s; %d projections "
-             "quantize their norm or activation in the same pass", stage, time.perf_counter() - t0,
-             opts.max_micro_batch_size,
-             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
-                       for shape, c in chosen.items()), fused)
+                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}, "kernel_table": table.summary()}
+    log.info("stage %d: int8 kernels in %.1fs (%s; rows %s; median ms per kernel): %s; %d projections quantize "
+             "their norm or activation in the same pass", stage, time.perf_counter() - t0, _table_note(table),
+             opts.max_micro_batch_size, _kernel_note(chosen), fused)
 
 
 def choose_packed_kernels(model, dtype, opts, stage: int, fmt: str) -> None:
-    """A pre-quantized checkpoint (pipeline.loading.quantized): time the int4 / int8 kernels on this
-    stage's shapes and keep the fastest per shape (FP8: torch._scaled_mm on CUDA where it runs); the
-    choice is logged and goes into the run summary (``model.quantized``)."""
+    """A pre-quantized checkpoint (pipeline.loading.quantized): the int4 / int8 kernel of each shape from
+    the machine's kernel table (timed where it has none: these kernels round differently, so the choice
+    is kept, not timed again by every run); FP8: torch._scaled_mm on CUDA where it runs. Logged and in
+    the run summary (``model.quantized``)."""
     t0 = time.perf_counter()
-    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    table = KernelTable(opts.kernel_table)
+    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table)
     kernels = {shape: c["kernel"] for shape, c in chosen.items()} | fp8.choose_kernels(model, dtype)
     model.quantized = {"weights": fmt, "compute_dtype": str(dtype).removeprefix("torch."), "kernels": kernels}
-    log.info("stage %d: %s kernels chosen in %.1fs (rows %d and 256; best ms per kernel): %s", stage, fmt,
-             time.perf_counter() - t0, opts.max_micro_batch_size,
-             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
-                       for shape, c in chosen.items()) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
+    if chosen:
+        model.quantized["kernel_table"] = table.summary()
+    log.info("stage %d: %s kernels chosen in %.1fs (%s; median ms per kernel): %s", stage, fmt,
+             time.perf_counter() - t0, _table_note(table),
+             _kernel_note(chosen) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
+
+
+def _table_note(table: KernelTable) -> str:
+    return f"{table.kept} shapes from {table.path}, {table.measured} timed now"
+
+
+def _kernel_note(chosen: dict) -> str:
+    return "; ".join(f"{shape} -> {c['kernel']}" + (f" ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                                                    if c.get("ms") else "") for shape, c in chosen.items())
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:

@@ -75,31 +75,34 @@ void quantize_rows_u8(const void *x, int64_t rows, int64_t cols, int64_t stride,
         quantize_row(as_f32(x, r * stride, cols, dtype, buf), cols, out + r * cols, scale + r);
 }
 
-/* out (rows, cols) in `dtype` = acc (rows, cols) float32 * s[r] (+ bias[c], float32, may be NULL).
+/* out (rows, cols) in `dtype` = acc (rows, cols) float32 * w[c] (float32, may be NULL) * s[r] (+ bias[c],
+ * float32, may be NULL), multiplied in that order (pipeline.models.kernels.int8.epilogue's eager order).
  * out may be acc itself when dtype is float32. */
-void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, const float *bias, int dtype,
-                void *out) {
+void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, const float *w, const float *bias,
+                int dtype, void *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *a = acc + r * cols;
         const float sr = s[r];
+        float t[cols];
+        if (w) {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = (a[c] * w[c]) * sr;
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = a[c] * sr;
+        }
+        if (bias) {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = bias[c] + t[c];
+        }
         if (dtype == 1) {
             uint16_t *o = (uint16_t *)out + r * cols;
-            if (bias) {
 #pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(bias[c] + a[c] * sr);
-            } else {
-#pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(a[c] * sr);
-            }
+            for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(t[c]);
         } else {
             float *o = (float *)out + r * cols;
-            if (bias) {
 #pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = bias[c] + a[c] * sr;
-            } else {
-#pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = a[c] * sr;
-            }
+            for (int64_t c = 0; c < cols; c++) o[c] = t[c];
         }
     }
 }

@@ -109,7 +109,7 @@ def library() -> ctypes.CDLL | None:
     lib.quantize_rows_u8_fused.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR, ctypes.c_float,
                                            _PTR, _PTR]
     lib.quantize_rows_u8_fused.restype = None
-    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
+    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
     lib.scale_rows.restype = None
     lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
                                      ctypes.c_float, ctypes.c_int, ctypes.c_int, _PTR]
@@ -153,13 +153,15 @@ def quantize_rows_u8_fused(x: torch.Tensor, prologue: str, weight: torch.Tensor 
     return u, scale
 
 
-def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``(acc * s + bias).to(dtype)`` for a contiguous float32 ``acc`` (rows, out), ``s`` (rows, 1) and
-    a float32 ``bias`` (out,) or None; float32 results overwrite ``acc``."""
+def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+               w: torch.Tensor | None = None) -> torch.Tensor:
+    """``(acc * w * s + bias).to(dtype)``, multiplied in that order, for a contiguous float32 ``acc``
+    (rows, out), ``s`` (rows, 1), float32 ``w`` (out,) or None and a float32 ``bias`` (out,) or None;
+    float32 results overwrite ``acc``."""
     rows, cols = acc.shape
     out = acc if dtype == torch.float32 else torch.empty(rows, cols, dtype=dtype)
-    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if bias is None else bias.data_ptr(),
-                         _DTYPES[dtype], out.data_ptr())
+    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if w is None else w.data_ptr(),
+                         None if bias is None else bias.data_ptr(), _DTYPES[dtype], out.data_ptr())
     return out
 
 
