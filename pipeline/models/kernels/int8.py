@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("int8", "onednn", "dequantize")
 QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)
+QUANTIZE_ROWS = 256  # weight rows quantized at a time at load (per-row scales: any split gives the same bits)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +106,15 @@ class Int8Linear(nn.Module):
         return self
 
     @torch.no_grad()
-    def load_float(self, w: torch.Tensor) -> None:
-        """Quantize the checkpoint's float weight (out, in) into this module (on its device)."""
-        q, scale = quantize_rows(w.to(self.weight.device))
-        self.weight.copy_(q)
-        self.scale.copy_(scale)
+    def load_float(self, w: torch.Tensor, row: int = 0) -> None:
+        """Quantize the checkpoint's float weight (out, in) into this module (on its device); ``row``:
+        a piece of a fused weight (q of q/k/v, gate of gate/up) goes into its rows from ``row`` on.
+        ``QUANTIZE_ROWS`` rows at a time, so the float temporaries stay a few MiB whatever the tensor's
+        size (quantized whole, an 8B model's gate/up took ~2 GB of float32 copies at load)."""
+        for a in range(0, w.shape[0], QUANTIZE_ROWS):
+            q, scale = quantize_rows(w[a : a + QUANTIZE_ROWS].to(self.weight.device))
+            self.weight[row + a : row + a + q.shape[0]].copy_(q)
+            self.scale[row + a : row + a + q.shape[0]].copy_(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (m, in)

@@ -441,3 +441,32 @@ def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
     assert floats[0] == 4 * (sum(a * b for a, b in proj) + 2 * h)
     assert int8s[0] == sum(a * b + 4 * b for a, b in proj) + 4 * 2 * h
     assert (q_first, q_last) == (f_first, f_last)  # embedding and head stay in the run's dtype
+
+
+def test_loading_quantizes_each_stored_tensor_into_its_rows(peaked, monkeypatch):
+    """Fused projections (q/k/v, gate/up) are quantized stored tensor by stored tensor, a block of rows at
+    a time, into their rows: the same int8 values and scales as quantizing the fused float weight whole;
+    a stored tensor of the wrong shape is an error naming it."""
+    from safetensors.torch import load_file
+    from pipeline.loading.tensor_store import CheckpointError
+    from pipeline.models.kernels import int8 as int8_module
+
+    monkeypatch.setattr(int8_module, "QUANTIZE_ROWS", 7)  # blocks that do not divide the rows
+    model, _ = build_stage(peaked, 0, 2, True, True, quantize="int8")
+    stored = load_file(f"{peaked}/model.safetensors")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for lin, names in ((layer.attn.qkv, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                           (layer.mlp.up, ["mlp.gate_proj", "mlp.up_proj"]), (layer.mlp.down, ["mlp.down_proj"])):
+            q, scale = quantize_rows(torch.cat([stored[p + n + ".weight"] for n in names]))
+            assert torch.equal(lin.weight, q) and torch.equal(lin.scale, scale)
+    import shutil
+    from pathlib import Path
+    from safetensors.torch import save_file
+
+    bad = Path(peaked).parent / "peaked-bad"
+    shutil.copytree(peaked, bad, dirs_exist_ok=True)
+    stored["model.layers.1.mlp.up_proj.weight"] = stored["model.layers.1.mlp.up_proj.weight"][:, :-1].contiguous()
+    save_file(stored, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="mlp.up_proj.weight"):
+        build_stage(str(bad), 0, 2, True, True, quantize="int8")
