@@ -25,7 +25,7 @@ from pipeline.loading.stage_weights import CheckpointError, check_weights_presen
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.options import RunOptions, UsageError
-from pipeline.config.cores import usable_cores
+from pipeline.config.cores import default_threads, layer_weights, usable_cores
 from pipeline.config.partition import stage_ranges
 from pipeline.loading.adapters import check_adapter, read_adapter
 from pipeline.config.options import parse_lora_flag
@@ -158,7 +158,8 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
-    threads = opts.num_threads or max(1, (cpu_count or usable_cores()) // max(1, local_world))
+    threads = opts.num_threads or default_threads(cpu_count or usable_cores(), local_world,
+                                                  layer_weights(config) if device.type == "cpu" else None)
     # one micro-batch more than stages on the CPU: it covers the ring's host work (the last stage's
     # sampling, rank 0's scheduling) that P alone leaves exposed; measured at P = 2 on 100 generation
     # requests: 50.9 s with 3 against 57.8 s with 2 (4: 51.1 s)

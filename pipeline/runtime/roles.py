@@ -20,6 +20,7 @@ from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
 from pipeline.runtime.stage import Stage
 from pipeline.runtime.memory import MemoryLedger
+from pipeline.runtime.host_memory import release_freed_memory
 from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
@@ -37,6 +38,7 @@ from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
 from pipeline.config.cores import usable_cores
+from pipeline.config.openmp import wait_note
 from pipeline.sampling.grammar import Grammars, masks_on_thread
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
@@ -59,9 +61,9 @@ def load_stage(plan, opts, info):
                                    None if opts.quantize == "none" else opts.quantize)
     except (CheckpointError, UnsupportedModel, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
-    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads (%s)", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
-             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads, wait_note())
     ledger.loaded(model)  # the weights as loaded, before kernels repack them
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
@@ -94,7 +96,7 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
 
     t0 = time.perf_counter()
     table = KernelTable(opts.kernel_table)
-    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table)
+    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table, release_freed_memory)
     fused = fuse_prologues(model)
     model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
                        "kernels": {shape: c["kernel"] for shape, c in chosen.items()}, "kernel_table": table.summary()}
@@ -135,7 +137,8 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
     (the run summary's ``stage_precision``)."""
 
     t0 = time.perf_counter()
-    n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear)
+    n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear,
+                           release_freed_memory)
     if reason is None:
         log.info("stage %d: %d linear weights prepacked for oneDNN in %.2fs", info.stage, n, time.perf_counter() - t0)
     elif opts.cpu_linear == "onednn":

@@ -309,7 +309,7 @@ def median_times(fns: dict[str, Callable[[], object]], rounds: int = 7, budget_s
 
 @torch.inference_mode()
 def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
-                   table: KernelTable | None = None) -> dict[str, dict]:
+                   table: KernelTable | None = None, release: Callable[[], object] | None = None) -> dict[str, dict]:
     """Choose the kernel of each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
     and set it on every layer of that shape; returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms":
     {kernel: [median ms at each size timed]}}}``. Every kernel gives the same results bit for bit
@@ -320,7 +320,8 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
     ``rows`` token rows (a decode micro-batch, a prefill chunk), the least total time wins. A kernel
     that fails (e.g. no int8 GEMM for this device or shape) is dropped; one over 3x slower than the
     fastest at a size is not timed at the larger sizes (it lost already: on a CPU without VNNI a big
-    prefill product in int8 would take seconds) and cannot be chosen."""
+    prefill product in int8 would take seconds) and cannot be chosen. ``release``: called after each
+    layer's weight is repacked and after the timing (the caller hands freed memory back)."""
     by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
     for m in model.modules():
         if isinstance(m, Int8Linear):
@@ -332,9 +333,14 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
         measure = functools.partial(_measure, probe, packed, alive, dtype, rows)
         key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}"
         entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
+        del packed
         for m in mods:
             m.set_kernel(entry["kernel"])
+            if release is not None and entry["kernel"] == "onednn":  # the plain weight's pages, before the next copy
+                release()
         chosen[f"{k}x{n}"] = entry
+    if release is not None:
+        release()  # the timing's temporaries
     return chosen
 
 
