@@ -24,6 +24,8 @@ once timed different kernels and then differed in every greedy row: no longer po
   scales, so oneDNN returns ``float32(acc)``; the packed copy replaces the plain weight. Not offered
   where oneDNN's u8 x s8 product saturates int16 pair sums (CPUs without VNNI / AMX,
   :func:`onednn_saturates`);
+- ``native`` (CPU, the C loops built): :func:`native_mm`, AVX512-VNNI on the weight repacked once into
+  16-output blocks (a decode step reads each weight once), else AVX2 on the plain weight;
 - ``dequantize``: the int8 activations and weights as float32 matmuls over 1024 input features at
   a time (every partial sum an integer below 2^24, so exact whatever the BLAS's order), the pieces
   added in int32: float GEMM speed where int8 products are slow.
@@ -55,7 +57,7 @@ from pipeline.models.decoder import MLP, Block, Norm
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("int8", "onednn", "dequantize")
+KERNELS = ("int8", "onednn", "dequantize", "native")
 QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)
 QUANTIZE_ROWS = 256  # weight rows quantized at a time at load (per-row scales: any split gives the same bits)
 
@@ -85,18 +87,30 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel = "dequantize"
-        self.packed = None  # kernel "onednn": oneDNN's prepacked copy of the weight (an opaque tensor)
+        self.packed = None  # "onednn": oneDNN's prepacked weight (opaque); "native" with VNNI: native.pack_vnni's
+        self.weight_sums = None  # "native" with VNNI: (out,) int32 sums of each weight row
         self.prologue = None  # what the quantizing pass computes first (fuse_prologues): "rms" or "silu_gate"
         self.norm_weight, self.norm_eps = None, 0.0  # "rms": the deferred norm's float32 weight and eps
 
     def set_kernel(self, kernel: str) -> None:
-        """Use ``kernel`` from now on. ``onednn`` reorders the weight once and frees the plain copy
-        (so no other kernel can be set afterwards)."""
-        if kernel == "onednn" and self.packed is None:
+        """Use ``kernel`` from now on. ``onednn`` (and ``native`` with AVX512-VNNI) reorders the weight
+        once into its layout and frees the plain copy (so no other kernel can be set afterwards)."""
+        if self.packed is not None:
+            if kernel != self.kernel:
+                raise ValueError(f"this layer's int8 weight lives in the {self.kernel} kernel's packed layout only")
+            return
+        if kernel == "onednn":
             self.packed = onednn_prepack(self.weight)
+        elif kernel == "native":
+            path = native.int8_products_path(self.in_features) if self.weight.device.type == "cpu" else None
+            if path is None:
+                raise RuntimeError(f"no native int8 product for {self.in_features} input features here (a CPU "
+                                   "with AVX2 and the C loops built)")
+            if path == "vnni":
+                self.weight_sums = self.weight.sum(1, dtype=torch.int32)
+                self.packed = native.pack_vnni(self.weight)
+        if self.packed is not None:
             self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8, device=self.weight.device), requires_grad=False)
-        elif kernel != "onednn" and self.packed is not None:
-            raise ValueError("this layer's int8 weight lives in oneDNN's packed layout only")
         self.kernel = kernel
 
     def _apply(self, fn, recurse=True):
@@ -268,7 +282,20 @@ def onednn_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None
     return epilogue(_qlinear(xu, 128, m.packed, m.out_features), s, m, x.dtype)
 
 
-PRODUCTS = {"int8": int8_mm, "onednn": onednn_mm, "dequantize": dequantized_mm}
+def native_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): the integer sums by the project's C loops (pipeline/models/kernels/native.c):
+    with AVX512-VNNI against the weight repacked once into 16-output blocks (vpdpbusd, weights streamed
+    once per block of up to 8 rows: a decode step reads each weight once), else AVX2 on the plain weight."""
+    xu, s = _activations(x, quantized)
+    xu = xu.contiguous()
+    if m.packed is not None:
+        acc = native.int8_products_vnni(xu, m.packed, m.out_features, m.weight_sums)
+    else:
+        acc = native.int8_products(xu, m.weight)
+    return epilogue(acc.float(), s, m, x.dtype)
+
+
+PRODUCTS = {"int8": int8_mm, "onednn": onednn_mm, "dequantize": dequantized_mm, "native": native_mm}
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -329,14 +356,14 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
     chosen = {}
     for (k, n), mods in by_shape.items():
         probe = mods[0]
-        alive, packed = _available(probe)
-        measure = functools.partial(_measure, probe, packed, alive, dtype, rows)
+        alive, copies = _available(probe)
+        measure = functools.partial(_measure, probe, copies, alive, dtype, rows)
         key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}"
         entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
-        del packed
+        del copies
         for m in mods:
             m.set_kernel(entry["kernel"])
-            if release is not None and entry["kernel"] == "onednn":  # the plain weight's pages, before the next copy
+            if release is not None and m.packed is not None:  # the plain weight's pages, before the next copy
                 release()
         chosen[f"{k}x{n}"] = entry
     if release is not None:
@@ -344,16 +371,15 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
     return chosen
 
 
-def _measure(probe: Int8Linear, packed: Int8Linear, alive: list[str], dtype: torch.dtype,
+def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str], dtype: torch.dtype,
              rows: tuple[int, ...]) -> dict:
-    """Time ``alive`` kernels on ``probe`` (``packed``: its copy with oneDNN's weight) at each size of
+    """Time ``alive`` kernels (each on its copy of ``probe`` from :func:`_available`) at each size of
     ``rows``: ``{"kernel": the least total time, "rows": rows, "ms": {kernel: [median ms per size]}}``."""
     gen = torch.Generator().manual_seed(0)
     ms: dict[str, list[float]] = {kernel: [] for kernel in alive}  # per size of rows
     for m_rows in rows:
         x = torch.randn(m_rows, probe.in_features, generator=gen).to(device=probe.weight.device, dtype=dtype)
-        fns = {kernel: functools.partial(PRODUCTS[kernel], x, packed if kernel == "onednn" else probe)
-               for kernel in alive}
+        fns = {kernel: functools.partial(PRODUCTS[kernel], x, copies[kernel]) for kernel in alive}
         for kernel, seconds in median_times(fns).items():
             ms[kernel].append(round(seconds * 1e3, 4))
         fastest = min(ms[kernel][-1] for kernel in alive)
@@ -362,22 +388,40 @@ def _measure(probe: Int8Linear, packed: Int8Linear, alive: list[str], dtype: tor
     return {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
 
 
-def _available(probe: Int8Linear) -> tuple[list[str], Int8Linear]:
+def _available(probe: Int8Linear) -> tuple[list[str], dict[str, Int8Linear]]:
     """The kernels that run on ``probe``'s device and shape (one call each on a row of zeros; those that
-    fail are logged and left out), and a shallow copy of the probe holding oneDNN's packed copy of its
-    weight to time (the layers pack their own if that kernel wins)."""
-    alive, packed = [], copy.copy(probe)
+    fail are logged and left out), each with a shallow copy of the probe to time it on: the packed
+    kernels' copies hold their own layout of the weight (the layers pack theirs if the kernel wins;
+    the probe's plain weight stays)."""
+    alive, copies = [], {}
     x = torch.zeros(1, probe.in_features, device=probe.weight.device)
     for kernel in KERNELS:
         try:
-            if kernel == "onednn":
-                packed.packed = onednn_prepack(probe.weight)
-            PRODUCTS[kernel](x, packed if kernel == "onednn" else probe)
+            copies[kernel] = _timing_copy(probe, kernel)
+            PRODUCTS[kernel](x, copies[kernel])
             alive.append(kernel)
         except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the op
+            copies.pop(kernel, None)
             log.info("int8 kernel %s unavailable for %dx%d: %s", kernel, probe.in_features, probe.out_features,
                      str(e).splitlines()[0])
-    return alive, packed
+    return alive, copies
+
+
+def _timing_copy(probe: Int8Linear, kernel: str) -> Int8Linear:
+    """A shallow copy of ``probe`` set up for ``kernel`` without touching the probe (its parameters are
+    shared: the copy's own attributes hold any packed layout)."""
+    other = copy.copy(probe)
+    other.packed, other.weight_sums, other.kernel = None, None, kernel
+    if kernel == "onednn":
+        other.packed = onednn_prepack(probe.weight)
+    elif kernel == "native":
+        path = native.int8_products_path(probe.in_features) if probe.weight.device.type == "cpu" else None
+        if path is None:
+            raise RuntimeError(f"no native int8 product for {probe.in_features} input features here")
+        if path == "vnni":
+            other.weight_sums = probe.weight.sum(1, dtype=torch.int32)
+            other.packed = native.pack_vnni(probe.weight)
+    return other
 
 
 class DeferredNorm(nn.Module):

@@ -208,9 +208,11 @@ def test_a_compiler_without_openmp_keeps_the_loops_but_not_decode_attention(tmp_
         native.decode_dtypes.cache_clear()
 
 
-def _kernels() -> list[str]:
-    """The kernels offered on this machine (oneDNN's only where it has the op and its product is exact)."""
-    return [k for k in int8.KERNELS if k != "onednn" or (ONEDNN and not int8.onednn_saturates())]
+def _kernels(*widths: int) -> list[str]:
+    """The kernels offered on this machine (oneDNN's only where it has the op and its product is exact;
+    the C loops' where they have a path for every input width of ``widths``)."""
+    return [k for k in int8.KERNELS if (k != "onednn" or (ONEDNN and not int8.onednn_saturates()))
+            and (k != "native" or all(native.int8_products_path(w) for w in widths or (64,)))]
 
 
 def _with_kernel(lin: Int8Linear, kernel: str) -> Int8Linear:
@@ -240,7 +242,7 @@ def test_every_kernel_gives_the_same_bits(bias, dtype, k):
     big = torch.rand(2, k, generator=g) * 0.1 + 1
     for x in (torch.randn(1, k, generator=g), torch.randn(3, 5, k, generator=g) * 30, torch.randn(300, k, generator=g), big):
         x = x.to(dtype)
-        outs = {kernel: _with_kernel(lin, kernel)(x) for kernel in _kernels()}
+        outs = {kernel: _with_kernel(lin, kernel)(x) for kernel in _kernels(k)}
         first = outs["int8"]
         assert first.dtype == dtype and first.shape == (*x.shape[:-1], 24)
         assert all(torch.equal(y, first) for y in outs.values()), {kk: (y - first).abs().max() for kk, y in outs.items()}
@@ -262,7 +264,7 @@ def test_a_kernel_that_would_not_give_the_same_bits_is_not_offered(monkeypatch):
     with pytest.raises(RuntimeError, match="saturates"):
         lin.set_kernel("onednn")
     chosen = choose_kernels(torch.nn.Sequential(lin), torch.float32, rows=(4, 16))
-    assert "onednn" not in chosen["64x32"]["ms"] and lin.kernel in ("int8", "dequantize")
+    assert "onednn" not in chosen["64x32"]["ms"] and lin.kernel in ("int8", "dequantize", "native")
 
 
 @needs_onednn
@@ -298,14 +300,15 @@ def test_choose_kernels_times_each_shape_and_keeps_the_faster(monkeypatch):
         m.load_float(torch.randn(m.out_features, m.in_features))
         if m.bias is not None:
             m.bias.data.zero_()
-    speeds = {"int8": 1.0, "onednn": 0.5, "dequantize": 4.0}
+    speeds = {"int8": 1.0, "onednn": 0.5, "dequantize": 4.0, "native": 0.7}
     monkeypatch.setattr(int8, "median_times", lambda fns, **_: {k: speeds[k] * 1e-3 for k in fns})
     chosen = choose_kernels(model, torch.float32, rows=(4, 16))
     assert set(chosen) == {"32x64", "64x32"}
-    best = "onednn" if "onednn" in _kernels() else "int8"
+    best = "onednn" if "onednn" in _kernels(32, 64) else "native" if "native" in _kernels(32, 64) else "int8"
     for shape, c in chosen.items():
         assert c["kernel"] == best and c["rows"] == [4, 16]
         assert c["ms"]["int8"] == [1.0, 1.0] and c["ms"]["dequantize"] == ([4.0] if best == "onednn" else [4.0, 4.0])
+        assert c["ms"].get("native", [0.7, 0.7]) == [0.7, 0.7]
     assert model[0].kernel == model[1].kernel == model[2].kernel == best
 
 
@@ -337,7 +340,7 @@ def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges):
     n = len(ranges)
     make = lambda q: [build_stage(peaked, a, b, i == 0, i == n - 1, quantize=q)[0] for i, (a, b) in enumerate(ranges)]
     full, by_kernel = chain_logits(make(None), PROMPTS), {}
-    for kernel in _kernels():
+    for kernel in _kernels(64, 128):
         int8s = make("int8")
         for stage in int8s:
             for m in stage.modules():
@@ -470,3 +473,25 @@ def test_loading_quantizes_each_stored_tensor_into_its_rows(peaked, monkeypatch)
     save_file(stored, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="mlp.up_proj.weight"):
         build_stage(str(bad), 0, 2, True, True, quantize="int8")
+
+
+@needs_native
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 16), (3, 128, 33), (13, 64, 7), (8, 1088, 50), (17, 4096, 20)])
+def test_native_int8_products_are_the_exact_integer_sums(rows, k, n):
+    """Both C loops (AVX512-VNNI on the 16-output layout, AVX2 on the plain weight), where this CPU's
+    build has them: the exact sums of (u - 128) x w at every row count (blocks of 8, 4, 2, 1 rows), output
+    count (partial blocks) and width, extremes included."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    u = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    u[0], w[0] = 255, 127  # every product at its largest
+    exact = (u.long() - 128) @ w.long().t()
+    paths = 0
+    if native.int8_products_path(k) == "vnni":
+        got = native.int8_products_vnni(u, native.pack_vnni(w), n, w.sum(1, dtype=torch.int32))
+        assert torch.equal(got.long(), exact)
+        paths += 1
+    if native.library().int8_products_path(k):
+        assert torch.equal(native.int8_products(u, w).long(), exact)
+        paths += 1
+    assert paths or native.int8_products_path(k) is None
