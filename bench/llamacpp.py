@@ -119,15 +119,19 @@ import sys
 sys.path.insert(0, sys.argv[1])           # the vendored gguf package, matching the converter
 sys.path.insert(0, sys.argv[2])           # the converter's folder
 import convert_hf_to_gguf as c
+try:  # where TextModel lives moved between llama.cpp versions
+    from conversion.base import TextModel
+except ImportError:
+    TextModel = c.TextModel
 # the project's tokenizer is a byte-level BPE of its own: the converter knows pre-tokenizers by a hash of
 # their output on a probe text and stops at an unknown one; it splits as GPT-2's does
-_pre = c.TextModel.get_vocab_base_pre
+_pre = TextModel.get_vocab_base_pre
 def get_vocab_base_pre(self, tokenizer):
     try:
         return _pre(self, tokenizer)
     except NotImplementedError:
         return "gpt-2"
-c.TextModel.get_vocab_base_pre = get_vocab_base_pre
+TextModel.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 c.main()
 """
@@ -142,8 +146,12 @@ def gguf(model_dir: Path, outtype: str) -> Path:
     assert isinstance(src, Path), src
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    subprocess.run([sys.executable, "-c", CONVERT, str(src / "gguf-py"), str(src), str(model_dir), "--outtype", outtype,
-                    "--outfile", str(tmp)], check=True)
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-c", CONVERT, str(src / "gguf-py"), str(src), str(model_dir), "--outtype",
+                            outtype, "--outfile", str(tmp)], stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {r.returncode}): {log.read_text()[-2000:]}")
     tmp.rename(out)
     return out
 
