@@ -96,11 +96,11 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
 
     t0 = time.perf_counter()
     table = KernelTable(opts.kernel_table)
-    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table, release_freed_memory)
+    chosen = choose_kernels(model, dtype, (1, opts.max_micro_batch_size, 256), table, release_freed_memory)
     fused = fuse_prologues(model)
     model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
                        "kernels": {shape: c["kernel"] for shape, c in chosen.items()}, "kernel_table": table.summary()}
-    log.info("stage %d: int8 kernels in %.1fs (%s; rows %s; median ms per kernel): %s; %d projections quantize "
+    log.info("stage %d: int8 kernels in %.1fs (%s; rows 1, %s and 256; median ms per kernel): %s; %d projections quantize "
              "their norm or activation in the same pass", stage, time.perf_counter() - t0, _table_note(table),
              opts.max_micro_batch_size, _kernel_note(chosen), fused)
 

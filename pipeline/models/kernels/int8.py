@@ -344,7 +344,8 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
 
     The choice is ``table``'s (:class:`~pipeline.models.kernels.kernel_table.KernelTable`: measured
     once per kind of machine, then read) when given, else measured now: each kernel timed with
-    ``rows`` token rows (a decode micro-batch, a prefill chunk), the least total time wins. A kernel
+    ``rows`` token rows (a decode micro-batch, a prefill chunk), the least sum of times relative to the
+    fastest at each size wins. A kernel
     that fails (e.g. no int8 GEMM for this device or shape) is dropped; one over 3x slower than the
     fastest at a size is not timed at the larger sizes (it lost already: on a CPU without VNNI a big
     prefill product in int8 would take seconds) and cannot be chosen. ``release``: called after each
@@ -384,7 +385,9 @@ def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str],
             ms[kernel].append(round(seconds * 1e3, 4))
         fastest = min(ms[kernel][-1] for kernel in alive)
         alive = [kernel for kernel in alive if ms[kernel][-1] <= 3 * fastest]
-    best = min(alive, key=lambda kernel: sum(ms[kernel]))
+    # each size counts alike (a kernel's time over the fastest's at that size, summed): a plain sum
+    # would let the prefill size alone decide, where single-stream decode is a chat user's whole wait
+    best = min(alive, key=lambda kernel: sum(t / min(ms[k][i] for k in alive) for i, t in enumerate(ms[kernel])))
     return {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
 
 
