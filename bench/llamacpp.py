@@ -176,7 +176,9 @@ def run_runner(model_dir: Path, flags: list[str], requests: list[list[int]], gen
     if m["rc"] != 0:
         raise RuntimeError(f"runner failed: {(work / 'runner.log').read_text()[-2000:]}")
     s = json.loads(Path(f"{out}.summary.json").read_text())
-    return {"generated": s["completion_tokens"], "seconds": s["wall_seconds"], "peak_rss_mb": m["peak_rss_mb"],
+    # the runner's own VmHWM (its summary): wait4's ru_maxrss keeps this process's resident set at the fork
+    peak = s.get("last_rank_peak_rss_mb") or m["peak_rss_mb"]
+    return {"generated": s["completion_tokens"], "seconds": s["wall_seconds"], "peak_rss_mb": peak,
             "stage_memory_mb": s.get("stage_memory_mb")}
 
 
@@ -248,17 +250,17 @@ def workloads(args, vocab: int) -> list[tuple[str, list[list[int]]]]:
     return out
 
 
-def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
+def weight_bytes_per_token(model_dir: Path, precision: str, engine: str) -> int:
     """Bytes of weights a decode step reads: every layer's projections and the head (not the embedding,
-    which is a row lookup), at the precision's bytes per weight (int8/Q8_0: about 1, the head in f32 for
-    the runner: counted at the runner's size, the larger)."""
+    a row lookup). The runner keeps its head in float32 under ``--quantize int8``; llama.cpp's Q8_0 is
+    34 bytes per 32 weights, its head included."""
     cfg = json.loads((model_dir / "config.json").read_text())
     h, i, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
-    size = {"f32": 4, "bf16": 2, "int8": 1}[precision]
-    head = vocab * h * (4 if precision == "int8" else size)
-    return layers * per_layer * size + head
+    size = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 if engine == "runner" else 34 / 32}[precision]
+    head = vocab * h * (4.0 if precision == "int8" and engine == "runner" else size)
+    return int(layers * per_layer * size + head)
 
 
 def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
@@ -295,8 +297,8 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
             row = {"precision": precision, "workload": name, "tok_s": tok_s, "runs": runs,
                    "ratio": tok_s["runner"] / tok_s["llama.cpp"], "peak_rss_mb": peaks, "runner_memory_mb": memory}
             if name == "single":
-                per_token = weight_bytes_per_token(model_dir, precision)
-                row["bandwidth_share"] = {k: v * per_token / (bw * 1e9) for k, v in tok_s.items()}
+                row["bandwidth_share"] = {k: v * weight_bytes_per_token(model_dir, precision, k) / (bw * 1e9)
+                                          for k, v in tok_s.items()}
                 row["bandwidth_gb_s"] = bw
             rows.append(row)
     return rows
