@@ -52,7 +52,9 @@ SITUATIONS = ("quiet", "busy-loop", "second-runner")
 WORKLOADS = ("quickstart", "throughput")
 QUICKSTART_COPIES = 5
 THREADS = re.compile(r"(\d+) threads \(")
-BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+# spins on one core while the benchmark that started it lives (a killed benchmark must not leave it behind)
+BUSY_LOOP = ("import os, sys\nparent = os.getppid()\nos.sched_setaffinity(0, {int(sys.argv[1])})\n"
+             "while os.getppid() == parent:\n    for _ in range(10**6):\n        pass\n")
 
 
 def machine_busy_seconds() -> float:
@@ -143,8 +145,8 @@ class Neighbour:
         elif self.situation == "second-runner":
             other = [a.replace(str(self.work), str(self.work / "neighbour")) for a in self.args]
             (self.work / "neighbour").mkdir(exist_ok=True)
-            loop = ("import subprocess, sys\nwhile True:\n    subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
-                    "stderr=subprocess.DEVNULL)\n")
+            loop = ("import os, subprocess, sys\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
+                    "    subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
             self.proc = subprocess.Popen([sys.executable, "-c", loop, sys.executable, str(RUNNER), *other,
                                           "--no-progress", "--overwrite"], env=self.env, cwd=str(REPO),
                                          start_new_session=True)

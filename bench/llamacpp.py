@@ -182,6 +182,17 @@ def run_runner(model_dir: Path, flags: list[str], requests: list[list[int]], gen
             "stage_memory_mb": s.get("stage_memory_mb")}
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: the kernel kills it when the benchmark dies (Linux)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class LlamaServer:
     """llama-server on one GGUF file: started, waited for, measured, stopped."""
 
@@ -193,7 +204,7 @@ class LlamaServer:
         self.proc = subprocess.Popen([str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads),
                                       "-np", str(slots), "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1",
                                       "--port", str(self.port), "--no-webui", "-b", "2048", "-ub", "512"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.time() + 1800
         while time.time() < deadline:
             if self.proc.poll() is not None:
