@@ -227,7 +227,7 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     decode passes bound by weight reads) and one process would fit this node's memory: on a quiet node
     P = 1 reads each weight once per step for all rows on the same cores, where P stages re-read theirs
     per micro-batch; on a busy one, single-threaded stages lose less to other work (a 1B bf16 model,
-    32 requests, 2 cores shared with ~10 other runnable threads: P = 2 19.4 generated tok/s, P = 1 9.5)."""
+    32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5)."""
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
