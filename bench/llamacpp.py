@@ -28,7 +28,7 @@ Then per precision (runner ``--dtype float32`` against f32 GGUF, ``--dtype bfloa
   llama.cpp's from the first request sent to the last answer (the server started and warmed up first).
 - **single**: one request of 16 prompt tokens and ``--gen`` generated, the decode speed a chat user
   sees; also reported as the share of the memory-bandwidth bound, tokens/s x bytes of weights read per
-  token / bandwidth (a 1 GiB copy's read + write speed, measured in the same run).
+  token / bandwidth (the best of 7 reads of a 1 GiB tensor on the same threads, measured in the run).
 
 Generated tokens are what each engine reports (EOS ends a row early on both; a random model rarely
 picks it). Printed per precision and workload: each engine's generated tokens/s (median of its runs),
@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.real_size import SHAPES, bandwidth, build  # noqa: E402
+from bench.real_size import SHAPES, build  # noqa: E402
 from pipeline.paths import cache_root  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
@@ -251,6 +251,25 @@ class LlamaServer:
 # ------------------------------------------------------------------------------------------------
 # the comparison
 # ------------------------------------------------------------------------------------------------
+def read_bandwidth(threads: int) -> float:
+    """GB/s of reading memory: the best of 7 sums of a 1 GiB float32 tensor on ``threads`` threads (a
+    decode step reads its weights and writes little; the best run is the closest to what the memory
+    gives, on a machine where other work takes some of it)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a = torch.ones(1 << 28, dtype=torch.float32)
+    a.sum()
+    best = 0.0
+    for _ in range(7):
+        t0 = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / 1e9 / (time.perf_counter() - t0))
+    torch.set_num_threads(old)
+    return best
+
+
 def workloads(args, vocab: int) -> list[tuple[str, list[list[int]]]]:
     """(name, prompts): each --batch size, then single-stream decode; random ids in the tokenizer's range."""
     rng = random.Random(0)
@@ -278,7 +297,7 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
     from pipeline.loading.default_model import build_tokenizer
 
     vocab = len(build_tokenizer())
-    bw = bandwidth()
+    bw = read_bandwidth(args.threads)
     rows = []
     for precision in args.precisions:
         flags, outtype = PRECISIONS[precision]
