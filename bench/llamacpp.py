@@ -196,14 +196,15 @@ def _die_with_parent() -> None:
 class LlamaServer:
     """llama-server on one GGUF file: started, waited for, measured, stopped."""
 
-    def __init__(self, binary: Path, model: Path, threads: int, slots: int, ctx_per_slot: int, work: Path):
+    def __init__(self, binary: Path, model: Path, threads: int, slots: int, ctx_per_slot: int, work: Path,
+                 extra: list[str] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = open(work / "llama-server.log", "w")
         self.proc = subprocess.Popen([str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads),
                                       "-np", str(slots), "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--no-webui", "-b", "2048", "-ub", "512"],
+                                      "--port", str(self.port), "--no-webui", "-b", "2048", "-ub", "512", *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.time() + 1800
         while time.time() < deadline:
@@ -313,7 +314,8 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
                         r = run_runner(model_dir, flags, requests, args.gen, args.threads, work)
                         memory = r["stage_memory_mb"]
                     else:
-                        server = LlamaServer(binary, model_file, args.threads, slots, args.prompt + args.gen + 8, work)
+                        server = LlamaServer(binary, model_file, args.threads, slots, args.prompt + args.gen + 8, work,
+                                             args.llama_args.split())
                         try:
                             r = server.run(requests, args.gen)
                             r["peak_rss_mb"] = server.peak_rss_mb()
@@ -338,7 +340,8 @@ def report(rows: list[dict], args, model_dir: Path) -> str:
     from bench.contention import cpu_name
 
     lines = [f"{cpu_name()}, {args.threads} threads each; model {args.model} ({model_dir.name}); llama.cpp from "
-             f"llama-cpp-python {LLAMA_CPP_PYTHON}; {args.repeats} x (runner, llama.cpp, llama.cpp, runner)",
+             f"llama-cpp-python {LLAMA_CPP_PYTHON} {args.llama_args}; {args.repeats} x (runner, llama.cpp, llama.cpp, "
+             "runner)",
              f"{'precision':<9} {'workload':<10} {'runner tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>7} "
              f"{'runner peak MB':>14} {'llama.cpp peak MB':>17}  bandwidth share (runner, llama.cpp)"]
     for r in rows:
@@ -363,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=usable_cores(), help="threads of each engine (default: the cores)")
     ap.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (continuous batching)")
     ap.add_argument("--repeats", type=int, default=1, help="(runner, llama.cpp, llama.cpp, runner) quartets")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0' (its threads sleep "
+                    "instead of spinning while they wait: what the runner's do, OMP_WAIT_POLICY=PASSIVE)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
