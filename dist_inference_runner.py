@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is started from
     sys.path.insert(0, str(ROOT))
 
+from pipeline.config.openmp import passive_waits  # noqa: E402 (the standard library only)
+
+OPENMP_WAITS = passive_waits()  # before torch loads its OpenMP runtime, which reads it once
+
 from comm.dist import shutdown  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402

@@ -42,8 +42,10 @@ from bench.memory_per_stage import MB, PROMPTS  # noqa: E402
 from pipeline.paths import cache_root  # noqa: E402
 
 GB = 1e9
-SHAPES = {  # Llama-3.x shapes (vocab 128,256); small: the same vocab on a 1B-class body, for a smoke run
+SHAPES = {  # Llama-3.x shapes (vocab 128,256); small: the same vocab on a 1B-class body, for a smoke run;
+    # 1b: TinyLlama-1.1B's (vocab 32,000, untied), the shape bench/llamacpp.py compares at
     "small": dict(hidden=2048, layers=8, intermediate=5632, heads=32, kv_heads=8, tied=True),
+    "1b": dict(hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, tied=False, vocab=32000),
     "3b": dict(hidden=3072, layers=28, intermediate=8192, heads=24, kv_heads=8, tied=True),
     "8b": dict(hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8, tied=False),
 }
@@ -54,8 +56,8 @@ SHARD = 2 * 10**9
 def tensors(shape: dict):
     """(name, shape) of every tensor of a Llama checkpoint, in file order."""
     h, i, L = shape["hidden"], shape["intermediate"], shape["layers"]
-    kv = shape["kv_heads"] * h // shape["heads"]
-    yield "model.embed_tokens.weight", (VOCAB, h)
+    kv, vocab = shape["kv_heads"] * h // shape["heads"], shape.get("vocab", VOCAB)
+    yield "model.embed_tokens.weight", (vocab, h)
     for n in range(L):
         p = f"model.layers.{n}."
         yield p + "input_layernorm.weight", (h,)
@@ -69,7 +71,7 @@ def tensors(shape: dict):
         yield p + "mlp.down_proj.weight", (h, i)
     yield "model.norm.weight", (h,)
     if not shape["tied"]:
-        yield "lm_head.weight", (VOCAB, h)
+        yield "lm_head.weight", (vocab, h)
 
 
 def build(out: Path, shape: dict) -> None:
@@ -84,7 +86,8 @@ def build(out: Path, shape: dict) -> None:
     tok.save_pretrained(out)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape["hidden"],
            "intermediate_size": shape["intermediate"], "num_hidden_layers": shape["layers"],
-           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"], "vocab_size": VOCAB,
+           "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+           "vocab_size": shape.get("vocab", VOCAB),
            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
            "tie_word_embeddings": shape["tied"], "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "hidden_act": "silu"}
@@ -218,7 +221,7 @@ def stage_bytes(model_dir: Path, stages: int) -> list[int]:
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     shape = {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"], "layers": cfg["num_hidden_layers"],
              "heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"],
-             "tied": cfg["tie_word_embeddings"]}
+             "tied": cfg["tie_word_embeddings"], "vocab": cfg["vocab_size"]}
     sizes = {n: 2 * math.prod(d) for n, d in tensors(shape)}
     assert set(sizes) == set(index)
     out = []

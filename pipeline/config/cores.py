@@ -12,6 +12,27 @@ import os
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+# a layer with fewer matmul weights runs on one thread by default: its products take a few microseconds a
+# pass, less than waking a second thread (bench/contention.py: the 1.4M-parameter default model, 213k
+# weights a layer, answered the README's quick start in 0.057 s on one thread, 0.09 s on two)
+SMALL_LAYER_WEIGHTS = 400_000
+
+
+def default_threads(cores: int, local_ranks: int, layer_weights: int | None = None) -> int:
+    """``--num-threads 0``: ``cores`` divided among the host's ranks, one for a model whose layers hold
+    fewer than ``SMALL_LAYER_WEIGHTS`` matmul weights (None: unknown, no such limit)."""
+    share = max(1, cores // max(1, local_ranks))
+    return 1 if layer_weights is not None and layer_weights < SMALL_LAYER_WEIGHTS else share
+
+
+def layer_weights(config: dict) -> int | None:
+    """About how many matmul weights a decoder layer of an HF ``config`` holds (4 h^2 for attention, 3 h i
+    for a gated MLP), or None where the config names no hidden size."""
+    h = config.get("hidden_size") or config.get("n_embd") or config.get("d_model")
+    if not isinstance(h, int):
+        return None
+    inter = config.get("intermediate_size") or config.get("ffn_dim") or config.get("n_inner") or 4 * h
+    return 4 * h * h + 3 * h * int(inter)
 
 
 def usable_cores(cgroup: Path = CGROUP, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:

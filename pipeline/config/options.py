@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -66,7 +67,7 @@ class RunOptions:
     # scheduling
     budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=budget_value)
     max_micro_batch_size: int = _opt(64, "Most sequences (rows) in one micro-batch.")
-    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling).")
+    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling), P there too when a stage holds 512 MiB of weights or more (its decode passes are bound by reading them, once per micro-batch).")
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
     prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
@@ -82,6 +83,7 @@ class RunOptions:
     dtype: str = _opt("auto", "Weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU. Logprobs are always float32.", choices=DTYPES)
     quantize: str = _opt("none", "int8: the decoder layers' linear weights stored in int8 (per-output-channel scales, quantized as each stage loads); each stage times int8 compute (dynamic per-token activations) against dequantizing to --dtype on its own shapes and keeps the faster (see docs/usage/quantization.md). Native families only; not with --lora or --batch-invariant.", choices=QUANTIZE)
     kv_cache_dtype: str = _opt("auto", "Keys and values kept in the KV cache: auto = the compute dtype; int8 = one byte a value plus a float32 scale per token and head (CPU, native families): decode attention reads a quarter of float32's bytes, half of bfloat16's. Prompts attend to their own keys before they are stored, so echo scoring is unchanged; generated tokens see the rounding (see docs/usage/quantization.md).", choices=("auto", "int8"))
+    kernel_table: str | None = _opt(None, "JSON file of the kernels chosen per layer shape for --quantize int8 and pre-quantized checkpoints (read where it has the shape; where not, timed once and written to it). Default: one file per kind of machine in the cache (DIST_INFER_CACHE, else ~/.cache/dist-inference-runner/kernels/), so a choice is made once and kept; give a path to pin the choices (e.g. one file for every node of a cluster). See docs/usage/quantization.md.", metavar="PATH")
     cpu_linear: str = _opt("onednn", "CPU stages in float32 (and bfloat16 on CPUs with avx512_bf16 or AMX): onednn = the decoder layers' linear weights reordered once, at load, into oneDNN's blocked layout and multiplied by its kernel (measured 1.2-2.6x faster than MKL at decode micro-batch sizes, even at prefill sizes; results within float rounding); plain = F.linear (MKL). GPU stages, float16, --quantize and --batch-invariant always use their own kernels.", choices=("onednn", "plain"))
     no_memory_check: bool = _opt(False, "Skip the check before loading that the stages on this node fit its memory (weights in the run's dtype, the --budget KV cache, the process itself; on GPUs each device's free memory). Use it when the estimate is wrong for your machine.")
     batch_invariant: bool = _opt(False, "Bit-identical logits for a request whatever shares its micro-batch, the budget or the pipeline size (fixed-shape row tiles, per-row attention), so sampled outputs repeat exactly across layouts; costs speed (see docs/design/determinism.md).")
@@ -96,7 +98,7 @@ class RunOptions:
     in_process: bool = _opt(False, "Run every rank (--pipeline-group-size x --data-group-size) as a thread of this one process, joined by in-memory links instead of a process group: no torchrun. For tests and debugging, and for several stages on one GPU (each stage on GPU stage %% device count).")
     dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
     timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
-    num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
+    num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes, 1 for a model under 400k weights a layer. Threads wait passively between parallel regions (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set).")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
     json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).")
@@ -336,7 +338,7 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts)
+    problems += _layout_problems(opts) + _lora_problems(opts) + _kernel_table_problems(opts)
     problems += refusals(opts, generic="--backend transformers" if opts.backend == "transformers" else None)
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
@@ -380,6 +382,20 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         if not Path(path).is_dir() and not looks_like_repo_id(path):
             problems.append(f"--lora {value}: no such folder, nor a hub id org/name")
     return problems
+
+
+def _kernel_table_problems(opts: RunOptions) -> list[str]:
+    """--kernel-table PATH: a file there must be a table (it is read and added to, never replaced)."""
+    if not opts.kernel_table or not Path(opts.kernel_table).exists():
+        return []
+    try:
+        data = json.loads(Path(opts.kernel_table).read_text())
+        if isinstance(data, dict) and isinstance(data.get("entries", {}), dict):
+            return []
+    except (OSError, ValueError):
+        pass
+    return [f"--kernel-table {opts.kernel_table}: not a kernel table (a JSON object with 'entries', as a run writes "
+            "it): give a new path or a table a run wrote"]
 
 
 def parse_lora_flag(value: str) -> tuple[str, str]:

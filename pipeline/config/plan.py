@@ -26,8 +26,8 @@ from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.capabilities import refusals
 from pipeline.config.options import RunOptions, UsageError
-from pipeline.config.cores import usable_cores
-from pipeline.config.partition import stage_ranges
+from pipeline.config.cores import default_threads, layer_weights, usable_cores
+from pipeline.config.partition import gib, stage_ranges
 from pipeline.loading.adapters import check_adapter, read_adapter
 from pipeline.config.options import parse_lora_flag
 from pipeline.config.partition import parse_layers_per_stage
@@ -141,12 +141,15 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
-    threads = opts.num_threads or max(1, (cpu_count or usable_cores()) // max(1, local_world))
-    # one micro-batch more than stages on the CPU: it covers the ring's host work (the last stage's
-    # sampling, rank 0's scheduling) that P alone leaves exposed; measured at P = 2 on 100 generation
-    # requests: 50.9 s with 3 against 57.8 s with 2 (4: 51.1 s)
-    slots = opts.num_micro_batches or (pipeline + 1 if pipeline > 1 and device.type == "cpu" else pipeline)
+    threads = opts.num_threads or default_threads(cpu_count or usable_cores(), local_world,
+                                                  layer_weights(config) if device.type == "cpu" else None)
+    stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
+    slots = opts.num_micro_batches or default_micro_batches(pipeline, device, max(stage_weights))
     warnings = []
+    note = _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world), dtype, device,
+                                  stage_weights, threads)
+    if note:
+        warnings.append(note)
     if slots < pipeline:
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
@@ -168,6 +171,64 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
                    slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source)
+
+
+# a stage holding more weight bytes than this reads them for longer than the ring's host work takes
+# (the last stage's sampling, rank 0's scheduling: a few ms a pass), so its decode passes are bound by
+# weight reads: a bfloat16 1B stage at P = 2 reads 1.1 GB a pass, ~0.1 s at this machine's 13 GB/s
+BIG_STAGE_BYTES = 512 << 20
+
+
+def default_micro_batches(pipeline: int, device: torch.device, stage_bytes: int) -> int:
+    """``--num-micro-batches 0``: P on a GPU and for one stage. A pipeline of CPU stages keeps P + 1 in
+    flight where a stage's pass is short: the extra one covers the ring's host work that P alone leaves
+    exposed (the 86M benchmark model, 170 MB a stage at P = 2, 100 generation requests: 50.9 s with 3
+    against 57.8 s with 2, 51.1 s with 4). Where a stage's weights pass ``BIG_STAGE_BYTES`` its decode
+    passes are bound by reading them, once per micro-batch: P + 1 micro-batches of fewer rows each read
+    every weight (P + 1) / P times as often for the same tokens (1.5x at P = 2 when the requests do
+    not fill every micro-batch), so P."""
+    if pipeline == 1 or device.type != "cpu":
+        return pipeline
+    return pipeline if stage_bytes >= BIG_STAGE_BYTES else pipeline + 1
+
+
+def _stage_weight_bytes(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], dtype) -> list[int]:
+    """Bytes of weights each stage of ``ranges`` holds (config.json on the meta device; 0s where the model
+    cannot be sized that way)."""
+    try:
+        weights, _, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype, 0, None,
+                                              opts.quantize == "int8", False)
+    except Exception:  # noqa: BLE001 (a family the sizing does not know: no size-based defaults)
+        return [0] * len(ranges)
+    return [n.weights for n in stage_needs(weights, [0] * len(weights), first, last, ranges)]
+
+
+def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]],
+                           where: tuple[int, int, int], dtype, device, stage_weights: list[int],
+                           threads: int) -> str | None:
+    """A note when every stage of a CPU pipeline shares this node's cores, the stages are big (their
+    decode passes bound by weight reads) and one process would fit this node's memory: on a quiet node
+    P = 1 reads each weight once per step for all rows on the same cores, where P stages re-read theirs
+    per micro-batch; on a busy one, single-threaded stages lose less to other work (a 1B bf16 model,
+    32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5)."""
+    pipeline, world, local_world = where
+    if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
+        return None
+    one = stage_needs(*_layer_parts(opts, config, spec, dtype), [(ranges[0][0], ranges[-1][1])])[0]
+    if one.total > available_ram():
+        return None
+    return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each): one process fits this node's memory "
+            f"(needs {gib(one.total)} of {gib(available_ram())} available). On a node to itself --nproc-per-node 1 is "
+            f"as fast or faster: it reads each weight once per decode step for all rows, where the {pipeline} stages "
+            "read theirs once per micro-batch on a share of the cores each; on a node shared with other work, stages "
+            "of one thread each hold up better (docs/usage/scale.md)")
+
+
+def _layer_parts(opts: RunOptions, config: dict, spec, dtype) -> tuple[list[int], list[int], int, int]:
+    weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
+                                           planned_budget(opts.budget, torch.device("cpu")), None,
+                                           opts.quantize == "int8", opts.kv_cache_dtype == "int8")
+    return weights, kv, first, last
 
 
 def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], where: tuple[int, int, int],

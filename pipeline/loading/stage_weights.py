@@ -164,6 +164,8 @@ def _load_param(store: TensorStore, up: Uploader, model: torch.nn.Module, family
                 part: Part, param: torch.nn.Parameter) -> None:
     """Fill one parameter the threaded reader does not take (GPU stages, int8 weights, other formats):
     read (straight into the target when stored as is), combine, check the shape, put or quantize."""
+    if param.dtype == torch.int8 and source.combine in (_AS_IS, cat0):
+        return _quantize_param(store, model, family, name, source, part, param)
     if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
         with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
             target = up.target(param.data)
@@ -189,6 +191,28 @@ def _load_param(store: TensorStore, up: Uploader, model: torch.nn.Module, family
             model.get_submodule(name.rsplit(".", 1)[0]).load_float(value)
         else:
             up.put(param.data, value)  # casts to the stage dtype without another temporary
+
+
+def _quantize_param(store: TensorStore, model: torch.nn.Module, family: str, name: str, source: Source, part: Part,
+                    param: torch.nn.Parameter) -> None:
+    """An Int8Linear's weight from its stored float tensor(s), one stored tensor at a time, each quantized
+    into its own rows a block at a time (per-row scales: the same bits as quantizing the fused weight
+    whole), so loading holds one stored tensor, never the fused float weight nor its float32 copies."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    row, shapes = 0, []
+    for n in source.names:
+        tensor = store.get(n, part)
+        shapes.append(tuple(tensor.shape))
+        if tensor.dim() != 2 or tensor.shape[1] != param.shape[1] or row + tensor.shape[0] > param.shape[0]:
+            break
+        module.load_float(tensor, row)
+        row += tensor.shape[0]
+        del tensor
+    if row != param.shape[0] or len(shapes) != len(source.names):
+        files = ", ".join(sorted({str(store.file_of[n]) for n in source.names if n in store.file_of}))
+        raise CheckpointError(f"{files}: tensor {'+'.join(source.names)} has shape "
+                              f"{' + '.join(map(str, shapes))}, but {name} of this {family} config needs "
+                              f"{tuple(param.shape)}")
 
 
 def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, reader: ParallelReader) -> bool:

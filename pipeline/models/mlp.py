@@ -10,6 +10,8 @@ from pipeline.models.kernels.invariant import fixed_elementwise, map_rows
 from pipeline.models.lora import LoraRows
 from pipeline.models.spec import DecoderSpec
 
+MLP_ROWS = 1024  # tokens of one MLP call at most (default mode): large enough for the GEMMs' full speed
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -28,7 +30,21 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
-        return map_rows(self._mlp, x, self.tile) if self.tile else self._mlp(x, lora, layer)
+        if self.tile:
+            return map_rows(self._mlp, x, self.tile)
+        if lora is not None or x.numel() <= MLP_ROWS * x.shape[-1]:
+            return self._mlp(x, lora, layer)
+        # a long prefill pass: MLP_ROWS tokens at a time, so the (tokens, 2 x intermediate) activations
+        # stay tens of MiB (8192 tokens of a 1B model's gate/up were 370 MB of float32 at once, kept
+        # by a CPU stage's heap: a tenth of its int8 weights' resident size again)
+        flat = x.reshape(-1, x.shape[-1])
+        y = None
+        for a in range(0, flat.shape[0], MLP_ROWS):
+            part = self._mlp(flat[a : a + MLP_ROWS])
+            if y is None:
+                y = part.new_empty(flat.shape[0], part.shape[-1])
+            y[a : a + part.shape[0]] = part
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _mlp(self, x: torch.Tensor, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
         h = self.up(x)

@@ -39,3 +39,21 @@ def keep_freed_memory() -> bool:
     ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1
     log.debug("glibc malloc keeps freed memory: %s", ok)
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the system now (glibc's ``malloc_trim(0)``: free pages anywhere in
+    the heap, not only at its top); False off glibc. For load-time steps that replace one big tensor by
+    another (oneDNN's packed copy of a weight, then the plain one freed): the freed weight's pages stay
+    resident in a heap that keeps freed memory, and a packed copy a little larger than the hole it
+    could have reused goes above it, so without this a float32 1.1B stage held ~470 MB of such holes
+    after packing (5,063 MB resident when ready against 4,594 MB unpacked; 4,196 MB of weights)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

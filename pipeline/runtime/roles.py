@@ -29,11 +29,13 @@ from pipeline.models.hf_stage import UnsupportedModel
 from pipeline.config.plan import resolve_dtype
 from pipeline.runtime.stage import Stage
 from pipeline.runtime.memory import MemoryLedger
+from pipeline.runtime.host_memory import release_freed_memory
 from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
 from pipeline.models.kernels.packed import pack_stage
 from pipeline.models.kernels import fp8, weight_only
+from pipeline.models.kernels.kernel_table import KernelTable
 from pipeline.config.budget import resolve_budget
 from comm.local import LocalMessenger
 from comm.p2p import Messenger
@@ -47,6 +49,7 @@ from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
 from pipeline.config.cores import usable_cores
+from pipeline.config.openmp import wait_note
 from pipeline.sampling.grammar import Grammars, masks_on_thread
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
@@ -69,9 +72,9 @@ def load_stage(plan, opts, info):
                                    None if opts.quantize == "none" else opts.quantize)
     except (CheckpointError, UnsupportedModel, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
-    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads", info.stage,
+    log.info("stage %d/%d: layers [%d, %d), %d tensors, %.1fs, dtype %s%s, %d threads (%s)", info.stage,
              info.pipeline_size, first, last, len(store.loaded), time.perf_counter() - t0, dtype,
-             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads)
+             "" if opts.quantize == "none" else f", {opts.quantize} weights", plan.threads, wait_note())
     ledger.loaded(model)  # the weights as loaded, before kernels repack them
     model.kv_int8 = opts.kv_cache_dtype == "int8"  # the plan allowed it: a native family on a CPU stage
     if opts.quantize != "none":
@@ -99,33 +102,45 @@ def load_stage(plan, opts, info):
 
 
 def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
-    """Time the int8 kernels on this stage's shapes (a decode micro-batch, a prefill chunk), keep the
-    faster per shape; the choice is logged and goes into the run summary (``model.quantized``)."""
+    """The int8 kernel of each shape, from the machine's kernel table (timed on this stage's shapes, a
+    decode micro-batch and a prefill chunk, where the table has none); logged and in the run summary
+    (``model.quantized``). Every int8 kernel gives the same results: the choice is speed only."""
 
     t0 = time.perf_counter()
-    chosen = choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    table = KernelTable(opts.kernel_table)
+    chosen = choose_kernels(model, dtype, (1, opts.max_micro_batch_size, 256), table, release_freed_memory)
     fused = fuse_prologues(model)
     model.quantized = {"weights": opts.quantize, "compute_dtype": str(dtype).removeprefix("torch."),
-                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}}
-    log.info("stage %d: int8 kernels timed in %.1fs (rows %d and 256; best ms per kernel): %s; %d projections "
-             "quantize their norm or activation in the same pass", stage, time.perf_counter() - t0,
-             opts.max_micro_batch_size,
-             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
-                       for shape, c in chosen.items()), fused)
+                       "kernels": {shape: c["kernel"] for shape, c in chosen.items()}, "kernel_table": table.summary()}
+    log.info("stage %d: int8 kernels in %.1fs (%s; rows 1, %s and 256; median ms per kernel): %s; %d projections quantize "
+             "their norm or activation in the same pass", stage, time.perf_counter() - t0, _table_note(table),
+             opts.max_micro_batch_size, _kernel_note(chosen), fused)
 
 
 def choose_packed_kernels(model, dtype, opts, stage: int, fmt: str) -> None:
-    """A pre-quantized checkpoint (pipeline.loading.quantized): time the int4 / int8 kernels on this
-    stage's shapes and keep the fastest per shape (FP8: torch._scaled_mm on CUDA where it runs); the
-    choice is logged and goes into the run summary (``model.quantized``)."""
+    """A pre-quantized checkpoint (pipeline.loading.quantized): the int4 / int8 kernel of each shape from
+    the machine's kernel table (timed where it has none: these kernels round differently, so the choice
+    is kept, not timed again by every run); FP8: torch._scaled_mm on CUDA where it runs. Logged and in
+    the run summary (``model.quantized``)."""
     t0 = time.perf_counter()
-    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256))
+    table = KernelTable(opts.kernel_table)
+    chosen = weight_only.choose_kernels(model, dtype, (opts.max_micro_batch_size, 256), table)
     kernels = {shape: c["kernel"] for shape, c in chosen.items()} | fp8.choose_kernels(model, dtype)
     model.quantized = {"weights": fmt, "compute_dtype": str(dtype).removeprefix("torch."), "kernels": kernels}
-    log.info("stage %d: %s kernels chosen in %.1fs (rows %d and 256; best ms per kernel): %s", stage, fmt,
-             time.perf_counter() - t0, opts.max_micro_batch_size,
-             "; ".join(f"{shape} -> {c['kernel']} ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
-                       for shape, c in chosen.items()) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
+    if chosen:
+        model.quantized["kernel_table"] = table.summary()
+    log.info("stage %d: %s kernels chosen in %.1fs (%s; median ms per kernel): %s", stage, fmt,
+             time.perf_counter() - t0, _table_note(table),
+             _kernel_note(chosen) or ", ".join(f"{k} -> {v}" for k, v in kernels.items()))
+
+
+def _table_note(table: KernelTable) -> str:
+    return f"{table.kept} shapes from {table.path}, {table.measured} timed now"
+
+
+def _kernel_note(chosen: dict) -> str:
+    return "; ".join(f"{shape} -> {c['kernel']}" + (f" ({', '.join(f'{k} {v}' for k, v in c['ms'].items())})"
+                                                    if c.get("ms") else "") for shape, c in chosen.items())
 
 
 def pack_cpu_linears(model, dtype, opts, info) -> None:
@@ -134,7 +149,8 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
     (the run summary's ``stage_precision``)."""
 
     t0 = time.perf_counter()
-    n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear)
+    n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear,
+                           release_freed_memory)
     if reason is None:
         log.info("stage %d: %d linear weights prepacked for oneDNN in %.2fs", info.stage, n, time.perf_counter() - t0)
     elif opts.cpu_linear == "onednn":

@@ -53,7 +53,9 @@ def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
     probs = probs * keep
-    return ids, probs / probs.sum(-1, keepdim=True)
+    # the kept mass summed in order (cumsum's last entry), not by sum(): ATen splits a reduction to one
+    # value (a single hot row) of 32768+ entries among its threads, so its last bits followed the thread count
+    return ids, probs / probs.cumsum(-1)[:, -1:]
 
 
 def sample(

@@ -13,18 +13,21 @@ from tests.utils import _env  # PYTHONPATH: the repository, for the probes' impo
 PROBE = """
 import sys
 import torch
-from pipeline.runtime.host_memory import keep_freed_memory
+from pipeline.runtime.host_memory import keep_freed_memory, release_freed_memory
 
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
-if sys.argv[1] == "keep":
+if sys.argv[1] in ("keep", "release"):
     assert keep_freed_memory()
 before = rss_mib()
 x = torch.ones(256 << 18)  # 256 MiB of float32, every page touched
+y = torch.ones(1 << 10)  # above it in the heap: x's pages are a hole, not the heap's top
 held = rss_mib() - before
 del x
+if sys.argv[1] == "release":
+    assert release_freed_memory()
 print(round(rss_mib() - before), round(held))
 """
 
@@ -42,6 +45,7 @@ def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
     assert kept_after_free("system")[0] < 50  # glibc's default: the tensor's mmap is unmapped when freed
     kept, held = kept_after_free("keep")
     assert kept >= held - 10  # kept in the heap: the next pass's tensors reuse mapped pages
+    assert kept_after_free("release")[0] < 50  # load-time holes handed back on request (malloc_trim)
 
 
 # A 256 MiB KV cache on the CPU: resident memory after allocating it, after one row writes 1 MiB of it,

@@ -6,47 +6,60 @@ scale per output channel (``scale = max |w_row| / 127``), computed from the chec
 as it is loaded, so a stage never holds its layers in float. Embeddings, norms, the head, MoE
 routers and routed experts stay in the compute dtype.
 
-Three kernels compute ``x @ W.T`` from the int8 weights:
+Every kernel computes the same thing: the activations quantized per token (one symmetric scale per
+row of ``x``, :func:`quantize_tokens`, or the fused prologue's pass), the exact int32 sums of the
+int8 x int8 products, and one :func:`epilogue` (``float32(acc) * weight scale * row scale + bias``,
+in that order). The kernels differ only in how they sum, and integer sums have one answer, so the
+choice between them, made by timing, changes speed and never a result (two runs on a busy machine
+once timed different kernels and then differed in every greedy row: no longer possible):
 
-- ``int8``: dynamic per-token activation quantization (one symmetric scale per row of ``x``),
-  ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel torchao's
-  int8 dynamic-activation path calls), then both scales applied in float32;
-- ``onednn`` (CPU): the same per-token quantization and the same integer products, against int8
-  weights reordered once into oneDNN's blocked layout (``torch.ops.onednn.qlinear_prepack``, the
-  pair PyTorch's compiler uses for its x86 int8 models). ``torch._int_mm`` re-reads the plain
-  (out, in) weight on every call; the prepacked product measured ~2x faster at 1-32 rows on an AMX
-  Xeon (2 threads, 768x2304: 0.055 against 0.10 ms at 32 rows). The activations go in as uint8 with
-  zero point 128 (``q + 128``: exactly the int8 values; oneDNN's u8 x s8 path is its fastest at
-  prefill sizes), the per-channel weight scales as oneDNN's output scales, the per-row scale after;
-  the packed copy replaces the plain weight. On CPUs without VNNI / AMX oneDNN's u8 x s8 product
-  saturates int16 pair sums (:func:`onednn_saturates`): there it runs as two exact products;
-- ``dequantize``: the int8 weights cast to the compute dtype for each matmul, an ordinary matmul,
-  then the per-channel scales (what a fake-quantized float model computes, to float rounding).
+- ``int8``: ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel
+  torchao's int8 dynamic-activation path calls);
+- ``onednn`` (CPU): the same integer products against int8 weights reordered once into oneDNN's
+  blocked layout (``torch.ops.onednn.qlinear_prepack``, the pair PyTorch's compiler uses for its
+  x86 int8 models). ``torch._int_mm`` re-reads the plain (out, in) weight on every call; the
+  prepacked product measured ~2x faster at 1-32 rows on an AMX Xeon (2 threads, 768x2304: 0.055
+  against 0.10 ms at 32 rows). The activations go in as uint8 with zero point 128 (``q + 128``:
+  exactly the int8 values; oneDNN's u8 x s8 path is its fastest at prefill sizes) with unit weight
+  scales, so oneDNN returns ``float32(acc)``; the packed copy replaces the plain weight. Not offered
+  where oneDNN's u8 x s8 product saturates int16 pair sums (CPUs without VNNI / AMX,
+  :func:`onednn_saturates`);
+- ``native`` (CPU, the C loops built): :func:`native_mm`, AVX512-VNNI on the weight repacked once into
+  16-output blocks (a decode step reads each weight once), else AVX2 on the plain weight;
+- ``dequantize``: the int8 activations and weights as float32 matmuls over 1024 input features at
+  a time (every partial sum an integer below 2^24, so exact whatever the BLAS's order), the pieces
+  added in int32: float GEMM speed where int8 products are slow.
 
 Which is faster depends on the machine: on AVX-512 VNNI / AMX CPUs and on GPUs the int8 product
 is several times a float one; on CPUs without VNNI ``torch._int_mm`` is ~30x slower than float. So
-:func:`choose_kernels` times both on the stage's own shapes when the stage is loaded and keeps the
-faster for each shape; the choice is logged and reported in the run summary.
+:func:`choose_kernels` times them on the stage's own shapes when the stage is loaded (the median of
+interleaved rounds: robust to a busy neighbour) and keeps the fastest for each shape; the choice is
+logged and reported in the run summary.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.kernels import native
+from pipeline.models.kernels.kernel_table import KernelTable
 from pipeline.models.decoder import projections
 from pipeline.models.decoder import MLP, Block, Norm
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("int8", "onednn", "dequantize")
+KERNELS = ("int8", "onednn", "dequantize", "native")
 QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)
+QUANTIZE_ROWS = 256  # weight rows quantized at a time at load (per-row scales: any split gives the same bits)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,18 +87,30 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel = "dequantize"
-        self.packed = None  # kernel "onednn": oneDNN's prepacked copy of the weight (an opaque tensor)
+        self.packed = None  # "onednn": oneDNN's prepacked weight (opaque); "native" with VNNI: native.pack_vnni's
+        self.weight_sums = None  # "native" with VNNI: (out,) int32 sums of each weight row
         self.prologue = None  # what the quantizing pass computes first (fuse_prologues): "rms" or "silu_gate"
         self.norm_weight, self.norm_eps = None, 0.0  # "rms": the deferred norm's float32 weight and eps
 
     def set_kernel(self, kernel: str) -> None:
-        """Use ``kernel`` from now on. ``onednn`` reorders the weight once and frees the plain copy
-        (so no other kernel can be set afterwards)."""
-        if kernel == "onednn" and self.packed is None:
+        """Use ``kernel`` from now on. ``onednn`` (and ``native`` with AVX512-VNNI) reorders the weight
+        once into its layout and frees the plain copy (so no other kernel can be set afterwards)."""
+        if self.packed is not None:
+            if kernel != self.kernel:
+                raise ValueError(f"this layer's int8 weight lives in the {self.kernel} kernel's packed layout only")
+            return
+        if kernel == "onednn":
             self.packed = onednn_prepack(self.weight)
+        elif kernel == "native":
+            path = native.int8_products_path(self.in_features) if self.weight.device.type == "cpu" else None
+            if path is None:
+                raise RuntimeError(f"no native int8 product for {self.in_features} input features here (a CPU "
+                                   "with AVX2 and the C loops built)")
+            if path == "vnni":
+                self.weight_sums = self.weight.sum(1, dtype=torch.int32)
+                self.packed = native.pack_vnni(self.weight)
+        if self.packed is not None:
             self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8, device=self.weight.device), requires_grad=False)
-        elif kernel != "onednn" and self.packed is not None:
-            raise ValueError("this layer's int8 weight lives in oneDNN's packed layout only")
         self.kernel = kernel
 
     def _apply(self, fn, recurse=True):
@@ -95,51 +120,80 @@ class Int8Linear(nn.Module):
         return self
 
     @torch.no_grad()
-    def load_float(self, w: torch.Tensor) -> None:
-        """Quantize the checkpoint's float weight (out, in) into this module (on its device)."""
-        q, scale = quantize_rows(w.to(self.weight.device))
-        self.weight.copy_(q)
-        self.scale.copy_(scale)
+    def load_float(self, w: torch.Tensor, row: int = 0) -> None:
+        """Quantize the checkpoint's float weight (out, in) into this module (on its device); ``row``:
+        a piece of a fused weight (q of q/k/v, gate of gate/up) goes into its rows from ``row`` on.
+        ``QUANTIZE_ROWS`` rows at a time, so the float temporaries stay a few MiB whatever the tensor's
+        size (quantized whole, an 8B model's gate/up took ~2 GB of float32 copies at load)."""
+        for a in range(0, w.shape[0], QUANTIZE_ROWS):
+            q, scale = quantize_rows(w[a : a + QUANTIZE_ROWS].to(self.weight.device))
+            self.weight[row + a : row + a + q.shape[0]].copy_(q)
+            self.scale[row + a : row + a + q.shape[0]].copy_(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (m, in)
-        if self.prologue is not None:  # the kernel is onednn, the library loaded (fuse_prologues)
-            xu, s = native.quantize_rows_u8_fused(flat, self.prologue, self.norm_weight, self.norm_eps)
-            y = onednn_mm(flat, self, self.packed, (xu, s))
-        else:
-            y = (onednn_mm(flat, self, self.packed) if self.kernel == "onednn" else int8_mm(flat, self)
-                 if self.kernel == "int8" else dequantized_mm(flat, self))
+        quantized = None
+        if self.prologue is not None:  # the library is loaded (fuse_prologues): norm / activation and quantization
+            quantized = native.quantize_rows_u8_fused(flat, self.prologue, self.norm_weight, self.norm_eps)
+        y = PRODUCTS[self.kernel](flat, self, quantized)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"
 
 
-def dequantized_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
-    """(rows, in) -> (rows, out) through the int8 weights cast to x's dtype (one temporary per call).
-
-    The per-output-channel scale is applied to the product, not to the weights: one pass over the
-    weights less (int8 values are exact in every float dtype), and float32 / bfloat16 have the range
-    for the unscaled sums. float16 has not (127 x 4096 x a large activation overflows it): there the
-    weights are scaled first."""
-    if x.dtype == torch.float16:
-        return F.linear(x, m.weight.to(x.dtype) * m.scale.to(x.dtype)[:, None], m.bias)
-    y = F.linear(x, m.weight.to(x.dtype))
-    y = y * m.scale if x.dtype == torch.float32 else (y.float() * m.scale).to(x.dtype)
-    return y if m.bias is None else y + m.bias
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (rows, in) uint8 values + 128, (rows, 1) float32 scales
+EXACT_K = 1024  # input features whose int8 x int8 sum float32 holds exactly: 1024 x 127 x 127 < 2^24
+EXACT_FLOAT = float(2**24)  # below this, every integer is a float32
 
 
-def int8_mm(x: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+def _activations(x: torch.Tensor, quantized: Quantized | None) -> Quantized:
+    """x's per-token uint8 values (zero point 128) and scales: ``quantized`` when the prologue computed them."""
+    return quantize_tokens(x, unsigned=True) if quantized is None else quantized
+
+
+def epilogue(acc: torch.Tensor, s: torch.Tensor, m: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
+    """The one end of every kernel: ``float32(acc) * weight scale * row scale (+ bias)`` in ``dtype``, for
+    acc (rows, out) the exact integer sums, already as float32 (``float32(int32)`` rounds to nearest
+    even, as oneDNN and ``Tensor.float()`` both do). The same operations in the same order whichever
+    kernel summed: the kernels differ in speed only, never in an answer."""
+    if native.usable(acc) and dtype in (torch.float32, torch.bfloat16):
+        return native.scale_rows(acc.contiguous(), s, None if m.bias is None else m.bias.float(), dtype, m.scale)
+    y = acc.mul_(m.scale).mul_(s)
+    if m.bias is not None:
+        y = y.add_(m.bias.float())
+    return y.to(dtype)
+
+
+def dequantized_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): the int8 products as float32 matmuls (any device, any BLAS): the
+    per-token int8 activations and the weights cast to float32, ``EXACT_K`` input features at a time,
+    so every partial sum is an integer below 2^24 (exact in any summation order), the pieces added
+    in int32. Float GEMMs where the CPU has no fast int8 product (no VNNI: there ``torch._int_mm`` is
+    ~30x slower than float), bit for bit the integer kernels' sums."""
+    xu, s = _activations(x, quantized)
+    xf = xu.float().sub_(128.0)  # the int8 values, exactly
+    k = xf.shape[1]
+    if k <= EXACT_K:
+        acc = F.linear(xf, m.weight.float())
+    else:
+        total = None
+        for c in range(0, k, EXACT_K):
+            part = F.linear(xf[:, c : c + EXACT_K], m.weight[:, c : c + EXACT_K].float()).to(torch.int32)
+            total = part if total is None else total.add_(part)
+        acc = total.float()
+    return epilogue(acc, s, m, x.dtype)
+
+
+def int8_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
     """(rows, in) -> (rows, out): rows quantized to int8 with one scale each, int8 x int8 -> int32."""
-    xq, s = quantize_tokens(x)  # (rows, in) int8, (rows, 1)
+    xu, s = _activations(x, quantized)
+    xq = xu.bitwise_xor(128).view(torch.int8)  # u - 128, the same bytes with the top bit flipped
     rows = xq.shape[0]
     if xq.is_cuda and rows <= 16:  # cuBLASLt's int8 GEMM needs more than 16 rows: pad
         xq = F.pad(xq, (0, 0, 0, 17 - rows))
     acc = torch._int_mm(xq, m.weight.t())[:rows]  # (rows, out) int32; weight.t(): the (in, out) operand, column-major
-    y = acc.float() * s * m.scale
-    if m.bias is not None:
-        y = y + m.bias.float()
-    return y.to(x.dtype)
+    return epilogue(acc.float(), s, m, x.dtype)
 
 
 def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +226,16 @@ def eager_quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torc
 
 
 def onednn_prepack(weight: torch.Tensor) -> torch.Tensor:
-    """int8 (out, in) -> oneDNN's prepacked int8 weight for :func:`onednn_mm` (CPU only)."""
+    """int8 (out, in) -> oneDNN's prepacked int8 weight for :func:`onednn_mm` (CPU only, where oneDNN's
+    product is exact: :func:`onednn_saturates`)."""
     if weight.device.type != "cpu":
         raise RuntimeError("oneDNN's int8 linear is a CPU kernel")
+    if onednn_saturates():
+        raise RuntimeError("oneDNN's u8 x s8 product saturates int16 pair sums on this CPU (no VNNI / AMX)")
+    return _prepack(weight)
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(weight, None)
 
 
@@ -184,9 +245,16 @@ def zero_points(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long)
 
 
-def _qlinear(xu: torch.Tensor, x_scale: float, x_zero: int, packed: torch.Tensor, m: Int8Linear) -> torch.Tensor:
-    """oneDNN's ``x_scale * (xu - x_zero) @ W.T * weight scales``: (rows, in) uint8 -> (rows, out) float32."""
-    return torch.ops.onednn.qlinear_pointwise(xu, x_scale, x_zero, packed, m.scale, zero_points(m.out_features), None,
+@functools.cache
+def unit_scales(n: int) -> torch.Tensor:
+    """Weight scales of 1 for oneDNN, one shared tensor per width: its output is then float32(acc), the
+    weight scales applied by :func:`epilogue` like every kernel's."""
+    return torch.ones(n, dtype=torch.float32)
+
+
+def _qlinear(xu: torch.Tensor, x_zero: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """oneDNN's ``float32((xu - x_zero) @ W.T)``: (rows, in) uint8 -> (rows, n) float32."""
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, x_zero, packed, unit_scales(n), zero_points(n), None,
                                               1.0, 0, torch.float32, "none", [], "")
 
 
@@ -197,28 +265,37 @@ def onednn_saturates() -> bool:
     and saturates: 2 x 255 x 127 = 64770 > 32767, so a row of large activations against large weights
     of one sign comes out wrong (an AVX2 EPYC measured logits off by 0.25 and single products by 4).
     Measured, not read from the CPU flags, on the products that saturate there (all 127, every pair
-    at the limit), at a decode and a prefill row count. When true, :func:`onednn_mm` splits the
-    activations so that no pair can pass 2 x 127 x 127 = 32258."""
+    at the limit), at a decode and a prefill row count. When true the ``onednn`` kernel is not offered
+    (:func:`onednn_prepack` refuses): splitting the activations into two exact products gives sums
+    that float32 no longer holds exactly past 2,064 input features, and a kernel that may be chosen
+    must give the other kernels' results bit for bit."""
     w = torch.full((32, 64), QMAX, dtype=torch.int8)
-    packed, probe = onednn_prepack(w), Int8Linear(64, 32, False)
+    packed = _prepack(w)
     exact = float(QMAX * QMAX * 64)  # each output: 64 products of 127 x 127, exact in float32
-    return any(not bool((_qlinear(torch.full((rows, 64), 255, dtype=torch.uint8), 1.0, 128, packed, probe) == exact).all())
+    return any(not bool((_qlinear(torch.full((rows, 64), 255, dtype=torch.uint8), 128, packed, 32) == exact).all())
                for rows in (1, 32))
 
 
-def onednn_mm(x: torch.Tensor, m: Int8Linear, packed: torch.Tensor,
-              quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): :func:`int8_mm`'s arithmetic against ``packed`` (oneDNN's layout);
-    ``quantized``: x's uint8 values and scales already computed (x then only gives the dtype)."""
-    xu, s = quantize_tokens(x, unsigned=True) if quantized is None else quantized  # (rows, in) uint8, (rows, 1)
-    if onednn_saturates():  # u = 2h + l: (u - 128) . w = 2 (h - 64) . w + l . w, each product exact
-        y = _qlinear(xu >> 1, 2.0, 64, packed, m).add_(_qlinear(xu & 1, 1.0, 0, packed, m))
+def onednn_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): :func:`int8_mm`'s integer sums against ``m.packed`` (oneDNN's layout)."""
+    xu, s = _activations(x, quantized)  # (rows, in) uint8, (rows, 1)
+    return epilogue(_qlinear(xu, 128, m.packed, m.out_features), s, m, x.dtype)
+
+
+def native_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): the integer sums by the project's C loops (pipeline/models/kernels/native.c):
+    with AVX512-VNNI against the weight repacked once into 16-output blocks (vpdpbusd, weights streamed
+    once per block of up to 8 rows: a decode step reads each weight once), else AVX2 on the plain weight."""
+    xu, s = _activations(x, quantized)
+    xu = xu.contiguous()
+    if m.packed is not None:
+        acc = native.int8_products_vnni(xu, m.packed, m.out_features, m.weight_sums)
     else:
-        y = _qlinear(xu, 1.0, 128, packed, m)
-    if native.usable(y) and x.dtype in (torch.float32, torch.bfloat16):
-        return native.scale_rows(y, s, None if m.bias is None else m.bias.float(), x.dtype)
-    y = y.mul_(s) if m.bias is None else torch.addcmul(m.bias.float(), y, s)
-    return y.to(x.dtype)
+        acc = native.int8_products(xu, m.weight)
+    return epilogue(acc.float(), s, m, x.dtype)
+
+
+PRODUCTS = {"int8": int8_mm, "onednn": onednn_mm, "dequantize": dequantized_mm, "native": native_mm}
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -232,60 +309,122 @@ def quantize_linears(model: nn.Module) -> int:
     return len(found)
 
 
-def _time(fn, budget_s: float = 0.05, reps: int = 5) -> float:
-    """Best seconds of ``fn()`` over up to ``reps`` calls (after one warm-up), within about ``budget_s``."""
+def median_times(fns: dict[str, Callable[[], object]], rounds: int = 7, budget_s: float = 0.3) -> dict[str, float]:
+    """Median seconds of each of ``fns`` over up to ``rounds`` rounds (at least 3), after one warm-up
+    call each. The calls interleave (each round times every function once, in a rotated order), so a
+    burst of other work on the machine lands on every candidate alike, and the median drops the
+    rounds it spoiled: on a busy 2-core machine single timings of one kernel swung 100x (124 ms
+    against 0.68 ms), the best of a few back-to-back calls of each kernel picked a different kernel
+    from run to run."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CUDA runs asynchronously
-    fn()
-    best, start = float("inf"), time.perf_counter()
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
             break
-    return best
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()
-def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256)) -> dict[str, dict]:
-    """Time the kernels on each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
-    with ``rows`` token rows (a decode micro-batch, a prefill chunk), set the one with the least
-    total time on every layer of that shape, and return ``{"INxOUT": {"kernel": ..., "rows": rows,
-    "ms": {kernel: [best ms at each size timed]}}}``. A kernel that fails (e.g. no int8 GEMM for
-    this device or shape) is dropped; one over 3x slower than the fastest at a size is not timed at
-    the larger sizes (it lost already: on a CPU without VNNI a big prefill product in int8 would
-    take seconds) and cannot be chosen."""
+def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
+                   table: KernelTable | None = None, release: Callable[[], object] | None = None) -> dict[str, dict]:
+    """Choose the kernel of each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
+    and set it on every layer of that shape; returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms":
+    {kernel: [median ms at each size timed]}}}``. Every kernel gives the same results bit for bit
+    (the same integer sums, one :func:`epilogue`), so the choice decides speed only, never an answer.
+
+    The choice is ``table``'s (:class:`~pipeline.models.kernels.kernel_table.KernelTable`: measured
+    once per kind of machine, then read) when given, else measured now: each kernel timed with
+    ``rows`` token rows (a decode micro-batch, a prefill chunk), the least sum of times relative to the
+    fastest at each size wins. A kernel
+    that fails (e.g. no int8 GEMM for this device or shape) is dropped; one over 3x slower than the
+    fastest at a size is not timed at the larger sizes (it lost already: on a CPU without VNNI a big
+    prefill product in int8 would take seconds) and cannot be chosen. ``release``: called after each
+    layer's weight is repacked and after the timing (the caller hands freed memory back)."""
     by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
     for m in model.modules():
         if isinstance(m, Int8Linear):
             by_shape.setdefault((m.in_features, m.out_features), []).append(m)
     chosen = {}
-    gen = torch.Generator().manual_seed(0)
     for (k, n), mods in by_shape.items():
         probe = mods[0]
-        ms: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}  # per size of rows
-        alive, packed = list(KERNELS), None
-        for m_rows in rows:
-            x = torch.randn(m_rows, k, generator=gen).to(device=probe.weight.device, dtype=dtype)
-            for kernel in list(alive):
-                try:
-                    if kernel == "onednn" and packed is None:
-                        packed = onednn_prepack(probe.weight)  # a copy to time; the layers pack if it wins
-                    fn = {"int8": lambda: int8_mm(x, probe), "dequantize": lambda: dequantized_mm(x, probe),
-                          "onednn": lambda: onednn_mm(x, probe, packed)}[kernel]
-                    ms[kernel].append(round(_time(fn) * 1e3, 4))
-                except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the op
-                    log.info("int8 kernel %s unavailable for %dx%d: %s", kernel, k, n, str(e).splitlines()[0])
-                    alive.remove(kernel)
-            fastest = min(ms[kernel][-1] for kernel in alive)
-            alive = [kernel for kernel in alive if ms[kernel][-1] <= 3 * fastest]
-        best = min(alive, key=lambda kernel: sum(ms[kernel]))
+        alive, copies = _available(probe)
+        measure = functools.partial(_measure, probe, copies, alive, dtype, rows)
+        key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}"
+        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
+        del copies
         for m in mods:
-            m.set_kernel(best)
-        chosen[f"{k}x{n}"] = {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
+            m.set_kernel(entry["kernel"])
+            if release is not None and m.packed is not None:  # the plain weight's pages, before the next copy
+                release()
+        chosen[f"{k}x{n}"] = entry
+    if release is not None:
+        release()  # the timing's temporaries
     return chosen
+
+
+def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str], dtype: torch.dtype,
+             rows: tuple[int, ...]) -> dict:
+    """Time ``alive`` kernels (each on its copy of ``probe`` from :func:`_available`) at each size of
+    ``rows``: ``{"kernel": the least total time, "rows": rows, "ms": {kernel: [median ms per size]}}``."""
+    gen = torch.Generator().manual_seed(0)
+    ms: dict[str, list[float]] = {kernel: [] for kernel in alive}  # per size of rows
+    for m_rows in rows:
+        x = torch.randn(m_rows, probe.in_features, generator=gen).to(device=probe.weight.device, dtype=dtype)
+        fns = {kernel: functools.partial(PRODUCTS[kernel], x, copies[kernel]) for kernel in alive}
+        for kernel, seconds in median_times(fns).items():
+            ms[kernel].append(round(seconds * 1e3, 4))
+        fastest = min(ms[kernel][-1] for kernel in alive)
+        alive = [kernel for kernel in alive if ms[kernel][-1] <= 3 * fastest]
+    # each size counts alike (a kernel's time over the fastest's at that size, summed): a plain sum
+    # would let the prefill size alone decide, where single-stream decode is a chat user's whole wait
+    best = min(alive, key=lambda kernel: sum(t / min(ms[k][i] for k in alive) for i, t in enumerate(ms[kernel])))
+    return {"kernel": best, "rows": list(rows), "ms": {kk: v for kk, v in ms.items() if v}}
+
+
+def _available(probe: Int8Linear) -> tuple[list[str], dict[str, Int8Linear]]:
+    """The kernels that run on ``probe``'s device and shape (one call each on a row of zeros; those that
+    fail are logged and left out), each with a shallow copy of the probe to time it on: the packed
+    kernels' copies hold their own layout of the weight (the layers pack theirs if the kernel wins;
+    the probe's plain weight stays)."""
+    alive, copies = [], {}
+    x = torch.zeros(1, probe.in_features, device=probe.weight.device)
+    for kernel in KERNELS:
+        try:
+            copies[kernel] = _timing_copy(probe, kernel)
+            PRODUCTS[kernel](x, copies[kernel])
+            alive.append(kernel)
+        except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the op
+            copies.pop(kernel, None)
+            log.info("int8 kernel %s unavailable for %dx%d: %s", kernel, probe.in_features, probe.out_features,
+                     str(e).splitlines()[0])
+    return alive, copies
+
+
+def _timing_copy(probe: Int8Linear, kernel: str) -> Int8Linear:
+    """A shallow copy of ``probe`` set up for ``kernel`` without touching the probe (its parameters are
+    shared: the copy's own attributes hold any packed layout)."""
+    other = copy.copy(probe)
+    other.packed, other.weight_sums, other.kernel = None, None, kernel
+    if kernel == "onednn":
+        other.packed = onednn_prepack(probe.weight)
+    elif kernel == "native":
+        path = native.int8_products_path(probe.in_features) if probe.weight.device.type == "cpu" else None
+        if path is None:
+            raise RuntimeError(f"no native int8 product for {probe.in_features} input features here")
+        if path == "vnni":
+            other.weight_sums = probe.weight.sum(1, dtype=torch.int32)
+            other.packed = native.pack_vnni(probe.weight)
+    return other
 
 
 class DeferredNorm(nn.Module):
@@ -301,23 +440,24 @@ class DeferredNorm(nn.Module):
 
 
 def fuse_prologues(model: nn.Module) -> int:
-    """On a CPU stage whose projections run oneDNN's int8 product, move what feeds each projection
+    """On a CPU stage with int8 projections (any kernel: they all take the quantized rows), move what feeds each projection
     into its quantizing pass (one C loop, :func:`pipeline.models.kernels.native.quantize_rows_u8_fused`):
     the input RMSNorm of ``attn.qkv`` and of ``mlp.up`` (pre-norm layers, where the norm's output has
     no other reader) and SiLU(gate) * up of a gated MLP's ``down``. The float tensors in between
     are never written, and four to six eager operators a projection go (decode micro-batches spend
     about as long in them as in the product). Returns how many projections took a prologue."""
 
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    if native.library() is None or dtype not in (torch.float32, torch.bfloat16):
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    if native.library() is None or not floats or floats[0].dtype not in (torch.float32, torch.bfloat16) \
+            or floats[0].device.type != "cpu":
         return 0
     fused = 0
 
-    def onednn(lin) -> bool:
-        return isinstance(lin, Int8Linear) and lin.kernel == "onednn"
+    def int8(lin) -> bool:  # whichever kernel: the prologue must not depend on a timing
+        return isinstance(lin, Int8Linear)
 
     def take_norm(lin: Int8Linear, norm) -> bool:
-        if not (isinstance(norm, Norm) and norm.kind == "rms" and not norm.tile and onednn(lin)):
+        if not (isinstance(norm, Norm) and norm.kind == "rms" and not norm.tile and int8(lin)):
             return False
         lin.prologue, lin.norm_eps = "rms", float(norm.eps)
         lin.norm_weight = (norm.weight.detach().float() + norm.offset).contiguous()
@@ -331,6 +471,6 @@ def fuse_prologues(model: nn.Module) -> int:
         if isinstance(block.mlp, MLP) and block.n2 is not None and take_norm(block.mlp.up, block.n2):
             block.n2, fused = DeferredNorm(block.n2), fused + 1
         mlp = block.mlp
-        if isinstance(mlp, MLP) and mlp.gated and block.spec.activation == "silu" and onednn(mlp.down):
+        if isinstance(mlp, MLP) and mlp.gated and block.spec.activation == "silu" and int8(mlp.down):
             mlp.down.prologue, fused = "silu_gate", fused + 1
     return fused

@@ -75,31 +75,34 @@ void quantize_rows_u8(const void *x, int64_t rows, int64_t cols, int64_t stride,
         quantize_row(as_f32(x, r * stride, cols, dtype, buf), cols, out + r * cols, scale + r);
 }
 
-/* out (rows, cols) in `dtype` = acc (rows, cols) float32 * s[r] (+ bias[c], float32, may be NULL).
+/* out (rows, cols) in `dtype` = acc (rows, cols) float32 * w[c] (float32, may be NULL) * s[r] (+ bias[c],
+ * float32, may be NULL), multiplied in that order (pipeline.models.kernels.int8.epilogue's eager order).
  * out may be acc itself when dtype is float32. */
-void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, const float *bias, int dtype,
-                void *out) {
+void scale_rows(const float *acc, int64_t rows, int64_t cols, const float *s, const float *w, const float *bias,
+                int dtype, void *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *a = acc + r * cols;
         const float sr = s[r];
+        float t[cols];
+        if (w) {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = (a[c] * w[c]) * sr;
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = a[c] * sr;
+        }
+        if (bias) {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) t[c] = bias[c] + t[c];
+        }
         if (dtype == 1) {
             uint16_t *o = (uint16_t *)out + r * cols;
-            if (bias) {
 #pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(bias[c] + a[c] * sr);
-            } else {
-#pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(a[c] * sr);
-            }
+            for (int64_t c = 0; c < cols; c++) o[c] = f32_to_bf16(t[c]);
         } else {
             float *o = (float *)out + r * cols;
-            if (bias) {
 #pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = bias[c] + a[c] * sr;
-            } else {
-#pragma omp simd
-                for (int64_t c = 0; c < cols; c++) o[c] = a[c] * sr;
-            }
+            for (int64_t c = 0; c < cols; c++) o[c] = t[c];
         }
     }
 }
@@ -450,6 +453,158 @@ void decode_attention(const void *q, int64_t rows, int64_t heads, int64_t q_row,
     }
 #undef TASKS
 }
+
+/* ---- int8 x int8 products for --quantize int8 (the "native" kernel of pipeline.models.kernels.int8) ----
+ * acc (rows, n) int32 = sum over c of (u[r][c] - 128) * w[o][c], exactly: u (rows, k) uint8 is the
+ * activations' int8 values + 128 (what quantize_rows_u8 writes), w the layer's (n, k) int8 weight.
+ * With AVX512-VNNI the weight is repacked once into blocks of 16 outputs (pack_vnni), vpdpbusd adds four
+ * u8 x s8 products into each int32 lane (no saturation) and 128 * wsum[o] (wsum[o] = the sum of w's row
+ * o) is subtracted; with AVX2 (plain layout) u - 128 and w are widened to int16 and vpmaddwd adds pairs.
+ * Every step is exact in int32 (|u . w| <= 255 * 127 * k < 2^31 for k < 66,000), so the result is the
+ * integers oneDNN or torch._int_mm compute, whatever the order. Threads over blocks of outputs; rows go
+ * a few at a time against a block's weights (kept in cache): at decode sizes each weight is read once. */
+#define RB 4
+#define OB 4
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The VNNI layout of an (n, k) int8 weight (k % 4 == 0): blocks of 16 outputs, each step of 4 input
+ * features one 64-byte vector, output j's 4 values in lanes 4j..4j+3:
+ *   p[((b * (k / 4) + e) * 16 + j) * 4 + t] = w[16 b + j][4 e + t]   (outputs past n: 0)
+ * so vpdpbusd of one vector against a row's 4 activations broadcast adds 16 outputs' partial sums,
+ * with no reduction across lanes; the weights stream once per block of rows. */
+void pack_vnni(const int8_t *w, int64_t n, int64_t k, int8_t *p) {
+    const int64_t blocks = (n + 15) / 16, steps = k / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t e = 0; e < steps; e++)
+            for (int64_t j = 0; j < 16; j++) {
+                int8_t *dst = p + ((b * steps + e) * 16 + j) * 4;
+                const int64_t o = 16 * b + j;
+                for (int t = 0; t < 4; t++) dst[t] = o < n ? w[o * k + 4 * e + t] : 0;
+            }
+}
+
+/* rows r0..r0+R-1 against output blocks b0, b0+1 (32 outputs): 2R accumulators of 16 lanes */
+#define VNNI_ROWS(R)                                                                                          \
+    static void vnni_rows_##R(const uint8_t *u, int64_t r0, int64_t k, const int8_t *p, int64_t b0, int64_t nb, \
+                              __m512i *out) {                                                                  \
+        const int64_t steps = k / 4;                                                                           \
+        const int8_t *p0 = p + b0 * steps * 64, *p1 = p + (b0 + (nb > 1)) * steps * 64;                       \
+        __m512i a0[R], a1[R];                                                                                  \
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_si512();                                    \
+        for (int64_t e = 0; e < steps; e++) {                                                                  \
+            const __m512i w0 = _mm512_loadu_si512(p0 + e * 64), w1 = _mm512_loadu_si512(p1 + e * 64);          \
+            for (int r = 0; r < R; r++) {                                                                      \
+                int32_t four;                                                                                  \
+                memcpy(&four, u + (r0 + r) * k + 4 * e, 4);                                                    \
+                const __m512i x = _mm512_set1_epi32(four);                                                     \
+                a0[r] = _mm512_dpbusd_epi32(a0[r], x, w0);                                                     \
+                a1[r] = _mm512_dpbusd_epi32(a1[r], x, w1);                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < R; r++) out[2 * r] = a0[r], out[2 * r + 1] = a1[r];                                \
+    }
+VNNI_ROWS(8)
+VNNI_ROWS(4)
+VNNI_ROWS(2)
+VNNI_ROWS(1)
+#undef VNNI_ROWS
+
+/* acc (rows, n) int32 = (u - 128) . w for w in the VNNI layout (pack_vnni), wsum as int8_products */
+void int8_products_vnni(const uint8_t *u, int64_t rows, int64_t k, const int8_t *p, int64_t n, const int32_t *wsum,
+                        int32_t *acc) {
+    const int64_t blocks = (n + 15) / 16, pairs = (blocks + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < pairs; q++) {
+        const int64_t b0 = 2 * q, nb = blocks - b0 < 2 ? blocks - b0 : 2;
+        __m512i sums[16];
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int64_t left = rows - r0, R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (R == 8) vnni_rows_8(u, r0, k, p, b0, nb, sums);
+            else if (R == 4) vnni_rows_4(u, r0, k, p, b0, nb, sums);
+            else if (R == 2) vnni_rows_2(u, r0, k, p, b0, nb, sums);
+            else vnni_rows_1(u, r0, k, p, b0, nb, sums);
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t h = 0; h < nb; h++) {
+                    int32_t lanes[16];
+                    _mm512_storeu_si512(lanes, sums[2 * r + h]);
+                    const int64_t o0 = 16 * (b0 + h);
+                    for (int64_t j = 0; j < 16 && o0 + j < n; j++)
+                        acc[(r0 + r) * n + o0 + j] = lanes[j] - 128 * wsum[o0 + j];
+                }
+            r0 += R;
+        }
+    }
+}
+
+int has_vnni(void) { return 1; }
+#else
+int has_vnni(void) { return 0; }
+void pack_vnni(const int8_t *w, int64_t n, int64_t k, int8_t *p) { (void)w, (void)n, (void)k, (void)p; }
+void int8_products_vnni(const uint8_t *u, int64_t rows, int64_t k, const int8_t *p, int64_t n, const int32_t *wsum,
+                        int32_t *acc) {
+    (void)u, (void)rows, (void)k, (void)p, (void)n, (void)wsum, (void)acc;
+}
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* the same sums without VNNI: 16 values a step widened to int16 (u - 128 and w both fit), pairs of
+ * products added into int32 by vpmaddwd (exact: no int16 pair sum of the u8 x s8 form that saturates) */
+static void dot_block_avx2(const uint8_t *u, int64_t rows, int64_t r0, const int8_t *w, int64_t n, int64_t o0,
+                           int64_t k, int32_t *sums) {
+    const __m256i bias = _mm256_set1_epi16(128);
+    for (int r = 0; r < RB; r++) {
+        const uint8_t *ur = u + (r0 + r < rows ? r0 + r : rows - 1) * k;
+        for (int o = 0; o < OB; o++) {
+            const int8_t *wo = w + (o0 + o < n ? o0 + o : n - 1) * k;
+            __m256i a = _mm256_setzero_si256();
+            for (int64_t e = 0; e < k; e += 16) {
+                const __m256i uv = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(ur + e))), bias);
+                const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wo + e)));
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(uv, wv));
+            }
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            sums[r * OB + o] = _mm_cvtsi128_si32(h); /* of u - 128 already: no wsum correction */
+        }
+    }
+}
+#endif
+
+/* whether this build has the plain-layout loop for k input features (AVX2, k % 16 == 0) */
+int int8_products_path(int64_t k) {
+#if defined(__AVX2__)
+    return k % 16 == 0;
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
+/* acc (rows, n) int32 = (u - 128) . w, w plain (n, k); returns 0 when this build has no path for k */
+int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, int64_t n, const int32_t *wsum,
+                  int32_t *acc) {
+    (void)wsum;
+    if (!int8_products_path(k)) return 0;
+#if defined(__AVX2__)
+    const int64_t blocks = (n + OB - 1) / OB;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o0 = b * OB;
+        int32_t sums[RB * OB];
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            dot_block_avx2(u, rows, r0, w, n, o0, k, sums);
+            for (int r = 0; r < RB && r0 + r < rows; r++)
+                for (int o = 0; o < OB && o0 + o < n; o++) acc[(r0 + r) * n + o0 + o] = sums[r * OB + o];
+        }
+    }
+#endif
+    return 1;
+}
+#undef RB
+#undef OB
 
 /* 1 when this build computes bfloat16 decode scores with the AVX512-BF16 dot product */
 int has_bf16_dot(void) {

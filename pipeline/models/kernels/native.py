@@ -1,5 +1,6 @@
 """CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
-when they cannot be: the element-wise loops around the int8 product, and decode attention over
+when they cannot be: the element-wise loops around the int8 product, the exact int8 products of the
+``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), and decode attention over
 per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch
 has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
 the process keeps one pool).
@@ -109,13 +110,21 @@ def library() -> ctypes.CDLL | None:
     lib.quantize_rows_u8_fused.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR, ctypes.c_float,
                                            _PTR, _PTR]
     lib.quantize_rows_u8_fused.restype = None
-    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR]
+    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
     lib.scale_rows.restype = None
     lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
                                      ctypes.c_float, ctypes.c_int, ctypes.c_int, _PTR]
     lib.decode_attention.restype = None
     lib.kv_store_i8.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, _PTR, _PTR]
     lib.kv_store_i8.restype = None
+    lib.int8_products.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+    lib.int8_products.restype = lib.int8_products_path.restype = ctypes.c_int
+    lib.int8_products_path.argtypes = [_I64]
+    lib.pack_vnni.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.pack_vnni.restype = None
+    lib.int8_products_vnni.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+    lib.int8_products_vnni.restype = None
+    lib.has_vnni.restype = ctypes.c_int
     lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
     return lib
 
@@ -153,14 +162,57 @@ def quantize_rows_u8_fused(x: torch.Tensor, prologue: str, weight: torch.Tensor 
     return u, scale
 
 
-def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``(acc * s + bias).to(dtype)`` for a contiguous float32 ``acc`` (rows, out), ``s`` (rows, 1) and
-    a float32 ``bias`` (out,) or None; float32 results overwrite ``acc``."""
+def scale_rows(acc: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+               w: torch.Tensor | None = None) -> torch.Tensor:
+    """``(acc * w * s + bias).to(dtype)``, multiplied in that order, for a contiguous float32 ``acc``
+    (rows, out), ``s`` (rows, 1), float32 ``w`` (out,) or None and a float32 ``bias`` (out,) or None;
+    float32 results overwrite ``acc``."""
     rows, cols = acc.shape
     out = acc if dtype == torch.float32 else torch.empty(rows, cols, dtype=dtype)
-    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if bias is None else bias.data_ptr(),
-                         _DTYPES[dtype], out.data_ptr())
+    library().scale_rows(acc.data_ptr(), rows, cols, s.data_ptr(), None if w is None else w.data_ptr(),
+                         None if bias is None else bias.data_ptr(), _DTYPES[dtype], out.data_ptr())
     return out
+
+
+def int8_products_path(k: int) -> str | None:
+    """Which int8 product loop this CPU's build has for ``k`` input features: "vnni" (AVX512-VNNI,
+    k % 4 == 0: :func:`pack_vnni` + :func:`int8_products_vnni`), "avx2" (plain weights, k % 16 == 0:
+    :func:`int8_products`), or None (no library, or no loop for k)."""
+    lib = library()
+    if lib is None:
+        return None
+    if lib.has_vnni() and k % 4 == 0:
+        return "vnni"
+    return "avx2" if lib.int8_products_path(k) else None
+
+
+def pack_vnni(w: torch.Tensor) -> torch.Tensor:
+    """(n, k) int8 -> the VNNI layout (blocks of 16 outputs, 4 input features a lane; native.c's pack_vnni)
+    as a flat int8 tensor of ceil(n / 16) x 16 x k bytes. Needs the "vnni" path."""
+    n, k = w.shape
+    p = torch.empty((n + 15) // 16 * 16 * k, dtype=torch.int8)
+    library().pack_vnni(w.contiguous().data_ptr(), n, k, p.data_ptr())
+    return p
+
+
+def int8_products_vnni(u: torch.Tensor, p: torch.Tensor, n: int, wsum: torch.Tensor) -> torch.Tensor:
+    """(rows, k) uint8 (int8 values + 128) x a :func:`pack_vnni` weight of n outputs -> (rows, n) int32, the
+    exact sums ``(u - 128) @ w.T``; ``wsum`` (n,) int32 = ``w.sum(1)``."""
+    rows, k = u.shape
+    acc = torch.empty(rows, n, dtype=torch.int32)
+    library().int8_products_vnni(u.data_ptr(), rows, k, p.data_ptr(), n, wsum.data_ptr(), acc.data_ptr())
+    return acc
+
+
+def int8_products(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(rows, k) uint8 (int8 values + 128) x (n, k) int8 -> (rows, n) int32, the exact sums
+    ``(u - 128) @ w.T`` (AVX2, plain layout). Needs the "avx2" path; contiguous inputs."""
+    rows, k = u.shape
+    n = w.shape[0]
+    acc = torch.empty(rows, n, dtype=torch.int32)
+    if not library().int8_products(u.data_ptr(), rows, k, w.data_ptr(), n, None, acc.data_ptr()):
+        raise RuntimeError(f"no native int8 product for {k} input features on this CPU")
+    return acc
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor,

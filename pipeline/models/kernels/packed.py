@@ -22,6 +22,8 @@ would emulate it). The GPU keeps cuBLAS, int8 weights have their own kernels, an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from pipeline.models.decoder import projections
@@ -81,21 +83,26 @@ def native_bf16() -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, release: Callable[[], object] | None = None) -> int:
     """Replace the projections of every Attention and MLP in the loaded ``model`` by
-    :class:`PackedLinear`; returns how many."""
+    :class:`PackedLinear`; returns how many. ``release``: called after each (the caller's way to hand
+    the plain weight's freed memory back before the next packed copy is made)."""
 
     count = 0
     for module, name in projections(model):
         lin = getattr(module, name)
         if type(lin) is nn.Linear:
             setattr(module, name, PackedLinear(lin))
+            del lin
             count += 1
+            if release is not None:
+                release()
     return count
 
 
 def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False,
-               quantize: str = "none", kernel: str = "onednn") -> tuple[int, str | None]:
+               quantize: str = "none", kernel: str = "onednn",
+               release: Callable[[], object] | None = None) -> tuple[int, str | None]:
     """``--cpu-linear KERNEL`` on a loaded stage: (projections packed, None), or (0, why not).
     Sets ``model.cpu_linear`` ("onednn" or "plain") on a CPU stage, for the run summary."""
 
@@ -104,4 +111,4 @@ def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     reason = "--cpu-linear plain" if kernel == "plain" else why_not(device, dtype, batch_invariant, quantize)
     if device.type == "cpu":
         model.cpu_linear = "plain" if reason else "onednn"
-    return (0, reason) if reason else (pack_linears(model), None)
+    return (0, reason) if reason else (pack_linears(model, release), None)

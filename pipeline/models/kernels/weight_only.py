@@ -7,7 +7,7 @@ scale ``s`` and zero point ``z`` (in code units) per output row and group of inp
 GPTQ's act-order (``desc_act``) checkpoints, the stored ``g_idx[i]``. Every format this runner reads
 is that formula with its own packing (pipeline/loading/quantized/).
 
-Kernels (chosen per (in, out) shape by timing at load, :func:`choose_kernels`, like ``--quantize int8``):
+Kernels (chosen per (in, out) shape by timing, once per kind of machine and kept: :func:`choose_kernels`):
 
 - ``dequantize``: the codes dequantized to the compute dtype, then ``F.linear`` (any device).
 - ``int4pack`` (int4, groups of 32..256 columns, CPU): torch's ``_weight_int4pack_mm_for_cpu``,
@@ -20,6 +20,8 @@ Kernels (chosen per (in, out) shape by timing at load, :func:`choose_kernels`, l
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.kernels.int8 import _time
+from pipeline.models.kernels.int8 import median_times
+from pipeline.models.kernels.kernel_table import KernelTable
 
 log = logging.getLogger(__name__)
 
@@ -201,30 +204,64 @@ def prepare_int8pack(m: QuantLinear) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256)) -> dict[str, dict]:
-    """Time the kernels that can run on each distinct (in, out, bits, group) shape of the stage's
-    :class:`QuantLinear` layers at ``rows`` token rows, set the one with the least total time on every
-    layer of that shape; returns ``{"INxOUT": {"kernel": ..., "ms": {kernel: [best ms per size]}}}``."""
+def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
+                   table: KernelTable | None = None) -> dict[str, dict]:
+    """Choose the kernel of each distinct (in, out, bits, group) shape of the stage's
+    :class:`QuantLinear` layers and set it on every layer of that shape; returns ``{"INxOUT":
+    {"kernel": ..., "ms": {kernel: [median ms per size]}}}``. These kernels round differently (a
+    float product of dequantized weights against torch's packed kernels), so a choice is an answer:
+    with ``table`` (:class:`~pipeline.models.kernels.kernel_table.KernelTable`) it is measured once per
+    kind of machine and then read by every run; without, measured now (the median of interleaved
+    timings at ``rows`` token rows; the least total time wins)."""
     by_shape: dict[tuple, list[QuantLinear]] = {}
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            by_shape.setdefault((m.in_features, m.out_features, m.bits, m.group_size), []).append(m)
+            by_shape.setdefault((m.in_features, m.out_features, m.bits, m.group_size, bool(m.perm.numel())),
+                                []).append(m)
     chosen = {}
+    for (k, n, bits, group, act_order), mods in by_shape.items():
+        probe = mods[0]
+        alive = [kernel for kernel in KERNELS if _runs(probe, kernel)]
+        measure = functools.partial(_measure, probe, alive, dtype, rows)
+        key = (f"weight-only/{probe.qweight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}/int{bits}/g{group}"
+               f"{'/act-order' if act_order else ''}")
+        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
+        for m in mods:
+            m.set_kernel(entry["kernel"])
+        chosen[f"{k}x{n}"] = entry
+    return chosen
+
+
+def _runs(probe: QuantLinear, kernel: str) -> bool:
+    """Whether ``kernel`` can be set on ``probe`` here (its operands prepared; logged when not)."""
+    try:
+        probe.set_kernel(kernel)
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        log.debug("kernel %s unavailable for %dx%d int%d: %s", kernel, probe.in_features, probe.out_features,
+                  probe.bits, str(e).splitlines()[0])
+        return False
+
+
+def _measure(probe: QuantLinear, alive: list[str], dtype: torch.dtype, rows: tuple[int, ...]) -> dict:
+    """Median ms of each kernel of ``alive`` at each size of ``rows`` (interleaved): the least total wins."""
     gen = torch.Generator().manual_seed(0)
-    for (k, n, bits, group), mods in by_shape.items():
-        probe, ms = mods[0], {}
-        for kernel in KERNELS:
+    ms: dict[str, list[float]] = {}
+    for kernel in alive:
+        ms[kernel] = []
+    for m_rows in rows:
+        x = torch.randn(m_rows, probe.in_features, generator=gen).to(device=probe.qweight.device, dtype=dtype)
+        fns = {}
+        for kernel in list(alive):
             try:
                 probe.set_kernel(kernel)
-                times = []
-                for m_rows in rows:
-                    x = torch.randn(m_rows, k, generator=gen).to(device=probe.qweight.device, dtype=dtype)
-                    times.append(round(_time(lambda: run_kernel(probe, x, kernel)) * 1e3, 4))
-                ms[kernel] = times
+                fns[kernel] = functools.partial(run_kernel, copy.copy(probe), x, kernel)
+                fns[kernel]()
             except (RuntimeError, AttributeError, NotImplementedError) as e:
-                log.debug("kernel %s unavailable for %dx%d int%d: %s", kernel, k, n, bits, str(e).splitlines()[0])
-        best = min(ms, key=lambda kernel: sum(ms[kernel]))
-        for m in mods:
-            m.set_kernel(best)
-        chosen[f"{k}x{n}"] = {"kernel": best, "rows": list(rows), "ms": ms}
-    return chosen
+                log.debug("kernel %s fails at %d rows: %s", kernel, m_rows, str(e).splitlines()[0])
+                alive.remove(kernel)
+                ms.pop(kernel)
+        for kernel, seconds in median_times(fns).items():
+            ms[kernel].append(round(seconds * 1e3, 4))
+    best = min(ms, key=lambda kernel: sum(ms[kernel]))
+    return {"kernel": best, "rows": list(rows), "ms": ms}

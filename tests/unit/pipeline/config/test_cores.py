@@ -65,5 +65,50 @@ def test_the_default_thread_count_divides_the_usable_cores(monkeypatch, llama_2l
     monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.setattr(cores.os, "cpu_count", lambda: 128)
     monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda *a: None)
+    monkeypatch.setattr(cores, "SMALL_LAYER_WEIGHTS", 0)  # llama_2l is tiny: see the next test
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     assert make_plan(parse_options(["--model-name", llama_2l]), env=env).threads == 2
+
+
+def test_a_tiny_model_runs_on_one_thread_by_default(monkeypatch, llama_2l):
+    """Layers of a few hundred thousand weights take microseconds a product: one thread by default, the
+    share of the cores otherwise; --num-threads always wins."""
+    from pipeline.config.options import parse_options
+    from pipeline.config.plan import make_plan
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    assert make_plan(parse_options(["--model-name", llama_2l]), env=env, cpu_count=8).threads == 1
+    assert make_plan(parse_options(["--model-name", llama_2l, "--num-threads", "3"]), env=env, cpu_count=8).threads == 3
+    assert cores.layer_weights({"hidden_size": 64, "intermediate_size": 128}) == 4 * 64 * 64 + 3 * 64 * 128
+    assert cores.layer_weights({"n_embd": 768}) == 4 * 768 * 768 + 3 * 768 * 3072 and cores.layer_weights({}) is None
+    assert cores.default_threads(8, 2, cores.layer_weights({"hidden_size": 2048, "intermediate_size": 5632})) == 4
+    assert cores.default_threads(8, 2, cores.SMALL_LAYER_WEIGHTS - 1) == 1
+    assert cores.default_threads(8, 2, None) == 4 and cores.default_threads(1, 4, None) == 1
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """The runner sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp (which reads it once), unless
+    any wait variable of an OpenMP runtime is set already."""
+    import ast
+    from pathlib import Path
+
+    from pipeline.config.openmp import passive_waits
+
+    env = {}
+    assert passive_waits(env) == "OMP_WAIT_POLICY=PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}, {"KMP_BLOCKTIME": "0"}):
+        env = dict(own)
+        assert passive_waits(env) == " ".join(f"{k}={v}" for k, v in own.items()) and env == own
+    # in the entry script, the call comes before the first import that can load torch (only os, logging,
+    # sys, time, pathlib, typing and the openmp module itself before it)
+    tree = ast.parse((Path(__file__).resolve().parents[4] / "dist_inference_runner.py").read_text())
+    before = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and "passive_waits" in ast.unparse(node.value):
+            break
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            before += [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+    else:
+        raise AssertionError("dist_inference_runner.py does not call passive_waits()")
+    assert set(before) <= {"__future__", "os", "signal", "functools", "logging", "sys", "threading", "time", "pathlib",
+                           "typing", "pipeline.config.openmp"}  # the standard library only

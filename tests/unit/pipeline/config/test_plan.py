@@ -23,7 +23,8 @@ def plan(model, *flags, world=1, rank=0, local_world=None, cpus=8):
     (4, 3, ["--data-group-size", "2", "--num-threads", "3"], 1, (1, 2), 3, False),
     (2, 1, ["--max-layers", "1", "--pipeline-group-size", "1", "--data-group-size", "2"], 0, (0, 1), 4, True),
 ])
-def test_layout(llama_2l, world, rank, flags, stage, layers, threads, has_inputs):
+def test_layout(llama_2l, world, rank, flags, stage, layers, threads, has_inputs, monkeypatch):
+    monkeypatch.setattr("pipeline.config.cores.SMALL_LAYER_WEIGHTS", 0)  # the share of the cores, tiny as it is
     p = plan(llama_2l, "--infer-data", str(DATA / "mixed_params.jsonl"), *flags, world=world, rank=rank)
     assert (p.stage, p.layers, p.threads, bool(p.inputs)) == (stage, layers, threads, has_inputs)
     assert p.slots == (p.pipeline + 1 if p.pipeline > 1 else 1) and p.model_name == Path(llama_2l).name  # CPU: P + 1
@@ -36,6 +37,38 @@ def test_inputs_from_a_folder_and_the_job_name(llama_2l, tmp_path):
     assert plan(llama_2l, "--job-name", f"x#{tmp_path / 'b.jsonl'}").inputs == [str(tmp_path / "b.jsonl")]
     assert output_for("/q/a.jsonl", None, False) == "/q/output_a.jsonl"
     assert output_for("/q/a.jsonl", "/o", True) == "/o/output_a.jsonl"
+
+
+def test_micro_batches_follow_what_bounds_a_pass(llama_2l, monkeypatch):
+    """CPU pipelines keep P + 1 micro-batches in flight (host work covered) unless a stage's weights are
+    big enough that reading them bounds its decode passes: then P (fewer re-reads per token); one stage,
+    and GPUs, P. --num-micro-batches wins."""
+    import torch
+    from pipeline.config import plan as plan_mod
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    big = plan_mod.BIG_STAGE_BYTES
+    assert [plan_mod.default_micro_batches(p, cpu, big - 1) for p in (1, 2, 3)] == [1, 3, 4]
+    assert [plan_mod.default_micro_batches(p, cpu, big) for p in (1, 2, 3)] == [1, 2, 3]
+    assert [plan_mod.default_micro_batches(p, gpu, 0) for p in (1, 2, 3)] == [1, 2, 3]
+    assert plan(llama_2l, world=2).slots == 3
+    monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
+    assert plan(llama_2l, world=2).slots == 2 and plan(llama_2l, "--num-micro-batches", "5", world=2).slots == 5
+
+
+def test_a_pipeline_on_one_node_hears_when_one_process_would_do(llama_2l, monkeypatch):
+    """Big stages of a CPU pipeline sharing one node's cores, where one process would fit: a warning that
+    says how to run P = 1 (not with stages on several nodes, small stages, or when P = 1 cannot fit)."""
+    from pipeline.config import plan as plan_mod
+
+    assert not any("--nproc-per-node 1" in w for w in plan(llama_2l, world=2).warnings)  # small stages
+    monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
+    (note,) = [w for w in plan(llama_2l, world=2).warnings if "--nproc-per-node 1" in w]
+    assert "one process fits this node's memory" in note and "2 stages" in note
+    assert not any("--nproc-per-node" in w for w in plan(llama_2l, world=2, local_world=1).warnings)  # two nodes
+    assert not any("--nproc-per-node" in w for w in plan(llama_2l).warnings)  # P = 1 already
+    monkeypatch.setattr(plan_mod, "available_ram", lambda: 10 << 20)  # one process would not fit 10 MiB
+    assert not any("--nproc-per-node" in w for w in plan(llama_2l, "--no-memory-check", world=2).warnings)
 
 
 def test_too_few_micro_batches_is_a_warning(llama_2l):

@@ -115,14 +115,15 @@ def test_native_quantization_is_the_eager_one_bit_for_bit(dtype, rows):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_row_scaling_is_the_eager_one(dtype):
-    """The product's per-row rescale (and bias) in one pass: bit for bit without a bias, to float32
-    rounding with one (the eager ``addcmul`` may fuse its multiply-add)."""
+    """The products' epilogue in one pass (weight scales, row scales, bias): bit for bit the eager
+    operators in the same order."""
     g = torch.Generator().manual_seed(4)
     acc, s, bias = torch.randn(9, 70, generator=g) * 1e3, torch.rand(9, 1, generator=g), torch.randn(70, generator=g)
+    w = torch.rand(70, generator=g) * 1e-2
     got = native.scale_rows(acc.clone(), s, None, dtype)
     assert got.dtype == dtype and torch.equal(got, (acc * s).to(dtype))
-    torch.testing.assert_close(native.scale_rows(acc.clone(), s, bias, dtype), torch.addcmul(bias, acc, s).to(dtype),
-                               rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-3)
+    assert torch.equal(native.scale_rows(acc.clone(), s, bias, dtype, w), (acc * w * s + bias).to(dtype))
+    assert torch.equal(native.scale_rows(acc.clone(), s, None, dtype, w), (acc * w * s).to(dtype))
 
 
 @needs_native
@@ -207,88 +208,149 @@ def test_a_compiler_without_openmp_keeps_the_loops_but_not_decode_attention(tmp_
         native.decode_dtypes.cache_clear()
 
 
+def _kernels(*widths: int) -> list[str]:
+    """The kernels offered on this machine (oneDNN's only where it has the op and its product is exact;
+    the C loops' where they have a path for every input width of ``widths``)."""
+    return [k for k in int8.KERNELS if (k != "onednn" or (ONEDNN and not int8.onednn_saturates()))
+            and (k != "native" or all(native.int8_products_path(w) for w in widths or (64,)))]
+
+
+def _with_kernel(lin: Int8Linear, kernel: str) -> Int8Linear:
+    """A copy of ``lin`` on ``kernel`` (oneDNN's packing frees the plain weight: the original keeps it)."""
+    other = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None)
+    other.load_state_dict(lin.state_dict())
+    other.set_kernel(kernel)
+    return other
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernels_against_the_fake_quantized_product(bias):
-    g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-    x = torch.randn(3, 5, 40, generator=g)
-    lin = Int8Linear(40, 24, bias)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 1024, 2500])  # one exact float piece, exactly one, three (dequantize)
+def test_every_kernel_gives_the_same_bits(bias, dtype, k):
+    """Each kernel forced in turn on the same weights and rows (a decode row, a batch, a prefill-sized
+    block; large rows whose int32 sums pass 2^24): bit-identical outputs, so the kernel the timing
+    picks can never change an answer; all within the activation rounding of the fake-quantized
+    float product (the plain reference)."""
+    g = torch.Generator().manual_seed(k)
+    w, b = torch.randn(24, k, generator=g), torch.randn(24, generator=g)
+    w[:4] = torch.rand(4, k, generator=g) * 0.3 + 1  # rows of one sign: with x > 0, sums past 2^24 at k = 2500
+    lin = Int8Linear(k, 24, bias)
     lin.load_float(w)
     if bias:
         lin.bias.data.copy_(b)
-    ref = F.linear(x, fake_quantize(w), b if bias else None)  # the plain reference
-    lin.kernel = "dequantize"
-    torch.testing.assert_close(lin(x), ref, atol=1e-5, rtol=1e-5)
-    lin.kernel = "int8"
-    # per-token activation rounding moves x by at most half its row scale per element: bound the change
-    step = x.abs().amax(-1, keepdim=True) / 127 / 2  # (3, 5, 1)
-    bound = step * fake_quantize(w).abs().sum(1) + 1e-4
-    y = lin(x)
-    assert ((y - ref).abs() <= bound).all()
-    assert (y - ref).abs().max() > 0  # really the int8 path, not a float product
-    if ONEDNN:  # the same integer products against oneDNN's packed weights: only the scales' rounding differs
+    lin = lin.to(dtype)
+    big = torch.rand(2, k, generator=g) * 0.1 + 1
+    for x in (torch.randn(1, k, generator=g), torch.randn(3, 5, k, generator=g) * 30, torch.randn(300, k, generator=g), big):
+        x = x.to(dtype)
+        outs = {kernel: _with_kernel(lin, kernel)(x) for kernel in _kernels(k)}
+        first = outs["int8"]
+        assert first.dtype == dtype and first.shape == (*x.shape[:-1], 24)
+        assert all(torch.equal(y, first) for y in outs.values()), {kk: (y - first).abs().max() for kk, y in outs.items()}
+        ref = F.linear(x.float(), fake_quantize(w), b if bias else None)
+        # per-token activation rounding moves x by at most half its row scale per element: bound the change
+        step = x.float().abs().amax(-1, keepdim=True) / 127 / 2
+        bound = step * fake_quantize(w).abs().sum(1) + (1e-4 if dtype == torch.float32 else 1e-2 * ref.abs())
+        assert ((first.float() - ref).abs() <= bound).all()
+    xq, _ = quantize_tokens(big.to(dtype))
+    assert (torch._int_mm(xq, lin.weight.t()).abs().max() > 2**24) == (k > 2048)  # past float32's exact integers
+
+
+def test_a_kernel_that_would_not_give_the_same_bits_is_not_offered(monkeypatch):
+    """Where oneDNN's u8 x s8 product saturates (no VNNI / AMX) the ``onednn`` kernel is refused and
+    the choice is between the exact ones."""
+    monkeypatch.setattr(int8, "onednn_saturates", lambda: True)
+    lin = Int8Linear(64, 32, False)
+    lin.load_float(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="saturates"):
         lin.set_kernel("onednn")
-        assert lin.weight.numel() == 0 and lin.packed is not None  # the packed copy replaced the plain one
-        torch.testing.assert_close(lin(x), y, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(lin(x[0, :1]), y[0, :1], atol=1e-4, rtol=1e-5)  # one row (decode)
-        with pytest.raises(ValueError, match="packed"):
-            lin.set_kernel("dequantize")
+    chosen = choose_kernels(torch.nn.Sequential(lin), torch.float32, rows=(4, 16))
+    assert "onednn" not in chosen["64x32"]["ms"] and lin.kernel in ("int8", "dequantize", "native")
 
 
 @needs_onednn
-@pytest.mark.parametrize("split", [False, True])
-def test_onednn_products_stay_exact_where_int16_pair_sums_would_saturate(split, monkeypatch):
-    """Rows at +-max against weights of 100-127 of one sign per output: every u8 x s8 pair sum is
-    past int16 (what oneDNN's kernel saturates on CPUs without VNNI / AMX). The product split in two
-    halves (forced here on any CPU) is exact everywhere; the single product only where the probe
-    finds no saturation, and where it does find it, the single product really is wrong there."""
+def test_onednn_products_are_exact_where_it_is_offered():
+    """Rows at +-max against weights of 100-127 of one sign per output: every u8 x s8 pair sum is past
+    int16 (what oneDNN's kernel saturates on CPUs without VNNI / AMX). Where the probe finds no
+    saturation oneDNN's sums are exact (the int32 products' bits); where it finds it, the plain u8 x s8
+    product really is wrong there and the kernel is not offered."""
     g = torch.Generator().manual_seed(7)
     w = (torch.rand(24, 64, generator=g) * 27 + 100) * torch.tensor([1.0, -1.0]).repeat(12)[:, None]
     x = (torch.rand(6, 64, generator=g) * 0.05 + 0.95) * torch.tensor([3.0, -2.0, 1.0, -0.5, 7.0, -1.0])[:, None]
     lin = Int8Linear(64, 24, False)
     lin.load_float(w)
-    lin.kernel = "int8"
-    y = lin(x)  # int8 x int8 -> int32: torch._int_mm, exact
-    lin.set_kernel("onednn")
-    saturates = int8.onednn_saturates()
-    monkeypatch.setattr(int8, "onednn_saturates", lambda: split)
-    if split or not saturates:
-        torch.testing.assert_close(lin(x), y, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(lin(x[:1]), y[:1], atol=1e-4, rtol=1e-5)  # one row (decode)
-    else:
-        assert (lin(x) - y).abs().max() > 1  # what the probe found: the plain u8 x s8 product loses sums here
+    y = _with_kernel(lin, "int8")(x)  # int8 x int8 -> int32: torch._int_mm, exact
+    if int8.onednn_saturates():
+        packed = int8._prepack(lin.weight)
+        u, _ = quantize_tokens(x, unsigned=True)
+        assert (int8._qlinear(u, 128, packed, 24) - torch._int_mm(u.bitwise_xor(128).view(torch.int8),
+                                                                    lin.weight.t()).float()).abs().max() > 1
+        return
+    onednn = _with_kernel(lin, "onednn")
+    assert onednn.weight.numel() == 0 and onednn.packed is not None  # the packed copy replaced the plain one
+    assert torch.equal(onednn(x), y) and torch.equal(onednn(x[:1]), y[:1])
+    with pytest.raises(ValueError, match="packed"):
+        onednn.set_kernel("dequantize")
 
 
-def test_choose_kernels_times_each_shape_and_keeps_the_faster():
+def test_choose_kernels_times_each_shape_and_keeps_the_faster(monkeypatch):
+    """The median of interleaved timings decides; a kernel over 3x slower than the fastest at one size
+    is not timed at the next (timings faked: kernel speeds by name)."""
     model = torch.nn.Sequential(Int8Linear(32, 64, False), Int8Linear(32, 64, False), Int8Linear(64, 32, True))
     for m in model:
         m.load_float(torch.randn(m.out_features, m.in_features))
         if m.bias is not None:
             m.bias.data.zero_()
+    speeds = {"int8": 1.0, "onednn": 0.5, "dequantize": 4.0, "native": 0.7}
+    monkeypatch.setattr(int8, "median_times", lambda fns, **_: {k: speeds[k] * 1e-3 for k in fns})
     chosen = choose_kernels(model, torch.float32, rows=(4, 16))
     assert set(chosen) == {"32x64", "64x32"}
+    best = "onednn" if "onednn" in _kernels(32, 64) else "native" if "native" in _kernels(32, 64) else "int8"
     for shape, c in chosen.items():
-        assert c["kernel"] in c["ms"] and all(len(v) >= 1 for v in c["ms"].values())
-        timed = {k: v for k, v in c["ms"].items() if len(v) == 2}  # not dropped after the first size
-        last = min(v[-1] for v in timed.values())  # a kernel over 3x slower at the last size is out too
-        fastest = min(sum(v) for v in timed.values() if v[-1] <= 3 * last)
-        assert sum(c["ms"][c["kernel"]]) == fastest
-    assert model[0].kernel == model[1].kernel == chosen["32x64"]["kernel"]
+        assert c["kernel"] == best and c["rows"] == [4, 16]
+        assert c["ms"]["int8"] == [1.0, 1.0] and c["ms"]["dequantize"] == ([4.0] if best == "onednn" else [4.0, 4.0])
+        assert c["ms"].get("native", [0.7, 0.7]) == [0.7, 0.7]
+    assert model[0].kernel == model[1].kernel == model[2].kernel == best
+
+
+def test_median_times_interleave_and_take_the_median():
+    """Each function is called once to warm up, then once per round in a rotated order; the result is
+    each one's median, so a few spoiled rounds do not decide."""
+    calls, clock = [], iter([0, 0, 1, 1, 2, 2, 3, 3, 100, 100, 101, 101, 102, 102])
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    import pipeline.models.kernels.int8 as mod
+
+    real = mod.time.perf_counter
+    try:
+        mod.time.perf_counter = lambda: next(clock)
+        got = mod.median_times(fns, rounds=3, budget_s=1e9)
+    finally:
+        mod.time.perf_counter = real
+    assert calls[:2] == ["a", "b"] and calls[2:] == ["a", "b", "b", "a", "a", "b"]
+    assert got == {"a": 1, "b": 1}  # a's 97-second round (a busy neighbour) is outvoted
 
 
 @pytest.mark.parametrize("ranges", [[(0, 2)], [(0, 1), (1, 2)]])  # P = 1 and P = 2
-@pytest.mark.parametrize("kernel", ["dequantize", "int8", pytest.param("onednn", marks=needs_onednn)])
-def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
+def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges):
+    """Each kernel forced on every projection of the stages, as the runner loads them (fused prologues
+    where the C loops build): the same logits bit for bit whichever kernel runs, within int8's
+    rounding of HF with the fake-quantized weights and of float32, the same first choices."""
     from transformers import AutoModelForCausalLM
+    from pipeline.models.kernels.int8 import fuse_prologues
 
     n = len(ranges)
     make = lambda q: [build_stage(peaked, a, b, i == 0, i == n - 1, quantize=q)[0] for i, (a, b) in enumerate(ranges)]
-    floats, int8s = make(None), make("int8")
-    for stage in int8s:
-        for m in stage.modules():
-            if isinstance(m, Int8Linear):
-                m.set_kernel(kernel)
-    ours, full = chain_logits(int8s, PROMPTS), chain_logits(floats, PROMPTS)
+    full, by_kernel = chain_logits(make(None), PROMPTS), {}
+    for kernel in _kernels(64, 128):
+        int8s = make("int8")
+        for stage in int8s:
+            for m in stage.modules():
+                if isinstance(m, Int8Linear):
+                    m.set_kernel(kernel)
+            fuse_prologues(stage)
+        by_kernel[kernel] = chain_logits(int8s, PROMPTS)
+    ours = by_kernel["int8"]
+    for kernel, logits in by_kernel.items():
+        assert all(torch.equal(a, b) for a, b in zip(logits, ours, strict=True)), kernel
     hf = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, mod in hf.model.layers.named_modules():
@@ -296,10 +358,7 @@ def test_stage_against_fake_quantized_hf_and_float32(peaked, ranges, kernel):
                 mod.weight.copy_(fake_quantize(mod.weight))
         for prompt, x, f in zip(PROMPTS, ours, full, strict=True):
             ref = hf(torch.tensor([prompt])).logits[0]
-            if kernel == "dequantize":  # the same arithmetic as the plain reference, to float rounding
-                torch.testing.assert_close(x, ref, atol=1e-4, rtol=1e-4)
-            else:
-                assert (x - ref).abs().max() < LOGIT_TOL
+            assert (x - ref).abs().max() < LOGIT_TOL
             top2 = f.topk(2, dim=-1).values
             assert (top2[:, 0] - top2[:, 1]).min() > 2 * LOGIT_TOL + 1  # the premise: no near-tie anywhere
             assert (x - f).abs().max() < LOGIT_TOL
@@ -385,3 +444,54 @@ def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
     assert floats[0] == 4 * (sum(a * b for a, b in proj) + 2 * h)
     assert int8s[0] == sum(a * b + 4 * b for a, b in proj) + 4 * 2 * h
     assert (q_first, q_last) == (f_first, f_last)  # embedding and head stay in the run's dtype
+
+
+def test_loading_quantizes_each_stored_tensor_into_its_rows(peaked, monkeypatch):
+    """Fused projections (q/k/v, gate/up) are quantized stored tensor by stored tensor, a block of rows at
+    a time, into their rows: the same int8 values and scales as quantizing the fused float weight whole;
+    a stored tensor of the wrong shape is an error naming it."""
+    from safetensors.torch import load_file
+    from pipeline.loading.tensor_store import CheckpointError
+    from pipeline.models.kernels import int8 as int8_module
+
+    monkeypatch.setattr(int8_module, "QUANTIZE_ROWS", 7)  # blocks that do not divide the rows
+    model, _ = build_stage(peaked, 0, 2, True, True, quantize="int8")
+    stored = load_file(f"{peaked}/model.safetensors")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for lin, names in ((layer.attn.qkv, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                           (layer.mlp.up, ["mlp.gate_proj", "mlp.up_proj"]), (layer.mlp.down, ["mlp.down_proj"])):
+            q, scale = quantize_rows(torch.cat([stored[p + n + ".weight"] for n in names]))
+            assert torch.equal(lin.weight, q) and torch.equal(lin.scale, scale)
+    import shutil
+    from pathlib import Path
+    from safetensors.torch import save_file
+
+    bad = Path(peaked).parent / "peaked-bad"
+    shutil.copytree(peaked, bad, dirs_exist_ok=True)
+    stored["model.layers.1.mlp.up_proj.weight"] = stored["model.layers.1.mlp.up_proj.weight"][:, :-1].contiguous()
+    save_file(stored, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="mlp.up_proj.weight"):
+        build_stage(str(bad), 0, 2, True, True, quantize="int8")
+
+
+@needs_native
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 16), (3, 128, 33), (13, 64, 7), (8, 1088, 50), (17, 4096, 20)])
+def test_native_int8_products_are_the_exact_integer_sums(rows, k, n):
+    """Both C loops (AVX512-VNNI on the 16-output layout, AVX2 on the plain weight), where this CPU's
+    build has them: the exact sums of (u - 128) x w at every row count (blocks of 8, 4, 2, 1 rows), output
+    count (partial blocks) and width, extremes included."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    u = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    u[0], w[0] = 255, 127  # every product at its largest
+    exact = (u.long() - 128) @ w.long().t()
+    paths = 0
+    if native.int8_products_path(k) == "vnni":
+        got = native.int8_products_vnni(u, native.pack_vnni(w), n, w.sum(1, dtype=torch.int32))
+        assert torch.equal(got.long(), exact)
+        paths += 1
+    if native.library().int8_products_path(k):
+        assert torch.equal(native.int8_products(u, w).long(), exact)
+        paths += 1
+    assert paths or native.int8_products_path(k) is None

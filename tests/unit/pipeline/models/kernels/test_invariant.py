@@ -15,7 +15,8 @@ from tests.unit.pipeline.models.families.test_opt_bloom_gpt2 import build as bui
 from tests.utils import hf_logits, stage_chain, tiny_llama
 
 TARGET = [5, 17, 300, 42, 9, 11, 200, 7, 13, 64, 3]
-OTHERS = [[100, 200], [31, 400, 8, 99, 150, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1, 2, 3, 4, 5], [9] * 40, [12, 13, 14]]
+OTHERS = [[100, 200], [31, 400, 8, 99, 150, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1, 2, 3, 4, 5], [9] * 40, [12, 13, 14],
+          [(3 * i) % 500 + 3 for i in range(260)]]  # past SDPA's 192-query block
 
 
 @pytest.fixture
@@ -106,10 +107,10 @@ def test_stage_chain_is_batch_invariant_and_matches_hf(make, tmp_path, threads):
     alone = None
     for stages in (1, 2, 3):
         chain = stage_chain(model_dir, stage_ranges(3, stages), batch_invariant=True)
-        for th in (1, 2):
+        for th in (1, 2, 3):
             torch.set_num_threads(th)
-            layouts = [([TARGET], [0]), ([TARGET] + OTHERS, [0, 1, 2, 3, 4]),
-                       ([TARGET] + OTHERS, [3, 1, 4, 0, 2]), ([TARGET] + OTHERS[2:], [2, 1, 0])]
+            layouts = [([TARGET], [0]), ([TARGET] + OTHERS, [0, 1, 2, 3, 4, 5]),
+                       ([TARGET] + OTHERS, [3, 1, 5, 4, 0, 2]), ([TARGET] + OTHERS[2:], [2, 3, 1, 0])]
             for prompts, order in layouts:
                 got = _prefill_and_decode(chain, prompts, order)[0]
                 if alone is None:

@@ -112,3 +112,16 @@ def test_packed_bfloat16_stage_matches_the_plain_one(llama_2l):
     assert packed[0].layers[0].mlp.up.weight.dtype == torch.bfloat16
     for ours, ref in zip(chain_logits(packed, prompts), chain_logits(plain, prompts), strict=True):
         torch.testing.assert_close(ours, ref, atol=2e-2, rtol=2e-2)  # bf16's rounding, whichever kernel
+
+
+def test_packing_hands_each_freed_weight_back_before_the_next(llama_2l):
+    """pack_stage calls ``release`` once per packed projection (the runner's: malloc_trim, so a plain
+    weight's freed pages are not resident while the next packed copy is made)."""
+    from pipeline.models.kernels.packed import pack_stage, why_not
+
+    if why_not(torch.device("cpu"), torch.float32, False, "none") is not None:
+        pytest.skip("no oneDNN packing here")
+    stage = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
+    calls = []
+    n, reason = pack_stage(stage, torch.device("cpu"), torch.float32, release=lambda: calls.append(1))
+    assert reason is None and n == 4 * 2 and len(calls) == n

@@ -1,0 +1,71 @@
+"""bench/contention.py and bench/llamacpp.py without processes: the workloads' flags and summaries, the
+interleaved measurement and its ratio (runs faked), the neighbours' exit with their parent, the bytes a
+decode step reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench.contention as contention
+import bench.llamacpp as llamacpp
+
+
+def test_the_quick_start_runs_five_copies_and_reads_each_summary(tmp_path):
+    args = contention.workload_args("quickstart", tmp_path)
+    inputs = args[args.index("--infer-data") + 1 : args.index("--output-path")]
+    assert len(inputs) == contention.QUICKSTART_COPIES and all(Path(i).read_text() for i in inputs)
+    assert [p.name for p in contention.summaries(args)] == [f"output_requests{i}.jsonl.summary.json"
+                                                             for i in range(contention.QUICKSTART_COPIES)]
+    one = ["--infer-data", "a.jsonl", "--output-path", str(tmp_path / "o.jsonl")]
+    assert contention.summaries(one) == [tmp_path / "o.jsonl.summary.json"]
+
+
+def test_configurations_interleave_and_the_default_is_compared_with_the_best(tmp_path, monkeypatch):
+    calls = []
+    speed = {None: 1.2, 1: 1.0, 2: 1.5}
+
+    def fake(args, threads, env, log):
+        calls.append(threads)
+        return speed[threads], 0.25, threads or 1
+
+    monkeypatch.setattr(contention, "run_once", fake)
+    monkeypatch.setattr(contention, "workload_args", lambda *a: ["--infer-data", "x", "--output-path", "y"])
+    r = contention.measure("quiet", "quickstart", [None, 1, 2], 3, {}, tmp_path, "quick")
+    assert calls == [None, 1, 2, 1, 2, None, 2, None, 1]  # rotated rounds
+    assert r["best"] == "--num-threads 1" and abs(r["default_over_best"] - 1.2) < 1e-9
+    assert r["default_threads"] == 1 and r["other_load_cores"] == 0.25
+    assert "1.20x" in contention.report([r], "none")
+
+
+def test_the_busy_loop_ends_with_the_benchmark():
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {contention.BUSY_LOOP!r}, '0'])\n"
+            "print(p.pid, flush=True)\ntime.sleep(0.5)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_decode_bytes_per_token(tmp_path):
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
+    assert llamacpp.weight_bytes_per_token(tmp_path, "f32", "runner") == 4 * (2 * layer + 100 * 64)
+    assert llamacpp.weight_bytes_per_token(tmp_path, "bf16", "llama.cpp") == 2 * (2 * layer + 100 * 64)
+    assert llamacpp.weight_bytes_per_token(tmp_path, "int8", "runner") == 2 * layer + 4 * 100 * 64  # float32 head
+    assert llamacpp.weight_bytes_per_token(tmp_path, "int8", "llama.cpp") == int((2 * layer + 100 * 64) * 34 / 32)
