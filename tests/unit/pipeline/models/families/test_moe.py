@@ -184,7 +184,8 @@ def test_moe_batch_invariant_and_matches_hf(tmp_path):
     whichever other tokens its experts process), at P = 1 and 2, with 1 and 2 threads."""
     d = tiny_moe(tmp_path / "q2", "qwen2_moe")
     alone = None
-    layouts = [([TARGET], [0]), ([TARGET] + OTHERS, [0, 1, 2, 3, 4]), ([TARGET] + OTHERS, [3, 1, 4, 0, 2])]
+    n = len(OTHERS) + 1
+    layouts = [([TARGET], [0]), ([TARGET] + OTHERS, list(range(n))), ([TARGET] + OTHERS, list(reversed(range(n))))]
     for stages, th in ((1, 1), (2, 2)):
         torch.set_num_threads(th)
         chain = stage_chain(d, stage_ranges(3, stages), batch_invariant=True)
