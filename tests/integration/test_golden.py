@@ -1,14 +1,12 @@
-"""The shared request files give the results recorded in tests/data/golden (tests/golden.py), at
-P = 1 and P = 2, up to float rounding: a refactor of the pipeline must not change what users get."""
-
-import pytest
+"""The shared request files through torchrun (a process per rank, gloo links) at P = 2 give the results
+recorded in tests/data/golden (tests/golden.py), up to float rounding: the in-process runs of
+tests/runs/test_golden_runs.py (P = 1, 2, 3) compute what real processes compute."""
 
 from tests.golden import FILES, recorded, run_files
 from tests.utils import assert_consistent_results
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_shared_files_match_recorded_outputs(tmp_path, stages):
-    got, want = run_files(tmp_path, stages), recorded(stages)
+def test_shared_files_through_torchrun_match_recorded_outputs(tmp_path):
+    got, want = run_files(tmp_path, 2, torchrun=True), recorded(2)
     for name in FILES:
         assert_consistent_results(got[name], want[name])
