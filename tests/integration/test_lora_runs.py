@@ -1,78 +1,12 @@
-"""LoRA adapters (--lora): rows of one micro-batch with different adapters equal HF + peft with each: the runs that start processes (the rest: tests/unit/pipeline/models/test_lora.py)."""
+"""LoRA adapters (--lora) in serve mode (a server process). File mode's runs, in one process:
+tests/runs/test_lora_runs.py; the stage math against peft: tests/unit/pipeline/models/test_lora.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import pytest
-from tests.utils import RUNNER, _env, hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, wait_served, write_jsonl
-from tests.unit.pipeline.models.test_lora import _edit_config, _http, llama, make_adapter  # noqa: F401 (fixtures and helpers)
-
-
-def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
-    from pipeline.loading.adapters import AdapterError, check_adapter, read_adapter
-    from pipeline.loading.stage_weights import read_config
-    from pipeline.models.families import spec_from_config
-
-    model = llama["model"]
-    cfg = read_config(model)
-    spec = spec_from_config(cfg)
-    cases = [
-        (_edit_config(llama["a1"], tmp_path / "dora", use_dora=True), "DoRA"),
-        (_edit_config(llama["a1"], tmp_path / "save", modules_to_save=["lm_head"]), "modules_to_save"),
-        (_edit_config(llama["a1"], tmp_path / "alpha", alpha_pattern={"q_proj": 4}), "alpha_pattern"),
-        (make_adapter(model, tmp_path / "head", ["lm_head"], seed=5), "lm_head"),
-        (make_adapter(model, tmp_path / "emb", ["embed_tokens"], seed=5), "not a LoRA A/B factor"),
-        (make_adapter(make_llama(num_hidden_layers=3, hidden_size=32, intermediate_size=64), tmp_path / "other",
-                      ["q_proj"], seed=5), "trained on another model"),
-        (str(tmp_path), "no adapter_config.json"),
-    ]
-    for path, message in cases:
-        with pytest.raises(AdapterError, match=message):
-            check_adapter(read_adapter("x", path), cfg, spec)
-    from pipeline.config.options import UsageError, parse_options
-    from pipeline.config.plan import make_plan
-
-    with pytest.raises(UsageError, match="--lora needs a native family"):
-        make_plan(parse_options(["--model-name", model, "--lora", f"a1={llama['a1']}", "--backend", "transformers"]),
-                  env={"RANK": "0", "WORLD_SIZE": "1"})
-    # through the runner: exit 2 with the message, before any process group or weights
-    res = run_single(["--model-name", model, "--lora", f"bad={cases[0][0]}", "--no-progress"], timeout=120)
-    assert res.returncode == 2 and "DoRA" in res.stderr
-    res = run_single(["--model-name", model, "--lora", f"a1={llama['a1']}", "--batch-invariant"], timeout=120)
-    assert res.returncode == 2 and "--batch-invariant does not apply LoRA adapters" in res.stderr
-    res = run_single(["--model-name", model, "--lora", "a1"], timeout=120)
-    assert res.returncode == 2 and "expected NAME=PATH" in res.stderr
-
-
-def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):
-    """P = 2 with unequal stages (1 + 2 layers) and the prefix cache on small blocks: a base and an
-    adapter request with the same prompt must not share cached keys and values; two a1 requests do."""
-    shared = "The quick brown fox jumps over the lazy dog and runs"
-    reqs = [{"prompt": shared, "max_tokens": 5, "temperature": 0, "logprobs": 1},
-            {"prompt": shared, "max_tokens": 5, "temperature": 0, "logprobs": 1, "model": "a1"},
-            {"prompt": shared + " away", "max_tokens": 5, "temperature": 0, "logprobs": 1, "model": "a1"},
-            {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "logprobs": 1, "model": "nope"},
-            {"prompt": shared, "max_tokens": 5, "temperature": 0, "logprobs": 1, "model": "a2"},
-            {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "logprobs": 1, "model": "org/llama"}]
-    src = write_jsonl(tmp_path / "r.jsonl", reqs)
-    model_link = tmp_path / "llama"
-    model_link.symlink_to(llama["model"])  # the base model's folder name: "llama"
-    res = run_torchrun(["--model-name", str(model_link), "--infer-data", src, "--lora", f"a1={llama['a1']}",
-                        "--lora", f"a2={llama['a2']}", "--layers-per-stage", "1,2", "--prefix-block-size", "4",
-                        "--no-progress"], nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = read_jsonl(tmp_path / "output_r.jsonl")
-    assert "unknown model 'nope'" in out[3]["error"]["message"] and out[3]["error"]["param"] == "model"
-    assert [o["result"]["model"] for i, o in enumerate(out) if i != 3] == ["llama", "a1", "a1", "a2", "llama"]
-    tok = local_tokenizer()
-    for i, k in [(0, 0), (1, 1), (2, 1), (4, 2), (5, 0)]:
-        ids = tok(reqs[i]["prompt"])["input_ids"]
-        ref_t, ref_lp = hf_greedy(llama["ref"][k], ids, 5)
-        choice = out[i]["result"]["choices"][0]
-        assert choice["text"] == tok.decode(ref_t, skip_special_tokens=True), i
-        assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref_lp, strict=True)) < 1e-4
-    assert out[2]["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a1 reused a1's blocks
+from tests.utils import RUNNER, _env, hf_greedy, local_tokenizer, wait_served
+from tests.unit.pipeline.models.test_lora import _http, llama  # noqa: F401 (a fixture)
 
 
 def test_serve_lists_and_runs_adapters(llama, tmp_path):

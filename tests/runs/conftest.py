@@ -1,0 +1,58 @@
+"""Runs in this process (``--in-process``) must leave the process as they found it: a run that changes
+a process-wide setting (torch's thread count, the umask, logging, signal handling, the environment,
+the working folder, a patched library function) or leaves a rank's thread behind would change what
+the next test computes. Each test here is checked for that."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+
+def _state() -> dict:
+    umask = os.umask(0o22)
+    os.umask(umask)
+    root = logging.getLogger()
+    return {
+        "torch threads": torch.get_num_threads(),
+        "torch default dtype": torch.get_default_dtype(),
+        "umask": umask,
+        "logging level": root.level,
+        "logging handlers": list(root.handlers),
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "blocked signals": signal.pthread_sigmask(signal.SIG_BLOCK, []),
+        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "working folder": os.getcwd(),
+        "stdout": sys.stdout,
+        "stderr": sys.stderr,
+        "nn.Module.register_parameter": nn.Module.register_parameter,
+    }
+
+
+def _rank_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("rank ")]
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_process_as_it_found_it():
+    before = _state()
+    yield
+    deadline = time.monotonic() + 5
+    while _rank_threads() and time.monotonic() < deadline:  # a failed run's ranks wind down
+        time.sleep(0.05)
+    assert _rank_threads() == [], "a run left rank threads behind"
+    after = _state()
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    if "environment" in changed:
+        a, b = changed["environment"]
+        changed["environment"] = {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert not changed, f"the test changed process-wide state: {changed}"
