@@ -49,8 +49,10 @@ def read_prompts(opts) -> list[str]:
         return [unescape(line.rstrip("\r\n")) for line in f if line.strip()]
 
 
-def run_prompts(engine: LocalEngine, opts, out=sys.stdout) -> int:
-    """Print every prompt and its completion (or its error), then the report; 1 when any failed."""
+def run_prompts(engine: LocalEngine, opts, out=None) -> int:
+    """Print every prompt and its completion (or its error), then the report (to ``out``: this process's
+    stdout at the time of the call); 1 when any failed."""
+    out = out or sys.stdout
     prompts = read_prompts(opts)
     body = sampling_body(opts)
     tickets: list[Ticket | RequestError] = []

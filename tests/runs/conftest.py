@@ -17,6 +17,10 @@ import torch
 from torch import nn
 
 
+# set by pytest for each test, and by torch's inductor the first time it is imported (its cache folder)
+SET_ONCE = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _state() -> dict:
     umask = os.umask(0o22)
     os.umask(umask)
@@ -24,13 +28,14 @@ def _state() -> dict:
     return {
         "torch threads": torch.get_num_threads(),
         "torch default dtype": torch.get_default_dtype(),
+        "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "umask": umask,
         "logging level": root.level,
         "logging handlers": list(root.handlers),
         "SIGTERM handler": signal.getsignal(signal.SIGTERM),
         "SIGINT handler": signal.getsignal(signal.SIGINT),
         "blocked signals": signal.pthread_sigmask(signal.SIG_BLOCK, []),
-        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "environment": {k: v for k, v in os.environ.items() if k not in SET_ONCE},
         "working folder": os.getcwd(),
         "stdout": sys.stdout,
         "stderr": sys.stderr,
