@@ -3,7 +3,8 @@
 ``tests/data/golden/`` holds a tiny Llama (weights and tokenizer committed, so every machine loads
 the same numbers) and what the runner answered on ``tests/data/*.jsonl`` at P = 1, 2 and 3 when
 they were recorded. tests/runs/test_golden_runs.py reruns the files in one process at each P
-(``--in-process``), tests/integration/test_golden.py once through torchrun at P = 2, and both compare with
+(``--in-process``), tests/integration/test_launch.py once through torchrun at P = 2
+(launch/local_torchrun.sh), and both compare with
 ``assert_consistent_results``: tokens and texts equal, logprobs within 1e-4, except where float
 rounding decides a near-tie (the rules of tests.utils). Record again only when a change of results
 is intended, and say why in the commit:
@@ -21,7 +22,7 @@ import gzip
 import json
 from pathlib import Path
 
-from tests.utils import DATA, local_tokenizer, read_jsonl, run_local, run_torchrun
+from tests.utils import DATA, local_tokenizer, read_jsonl, run_local
 
 GOLDEN = DATA / "golden"
 MODEL = GOLDEN / "model"
@@ -48,12 +49,11 @@ def build_model(out: Path = MODEL) -> Path:
     return out
 
 
-def run_files(out_dir: Path, stages: int, torchrun: bool = False) -> dict[str, list[dict]]:
-    """The runner on every shared file at P = ``stages`` (in this process, or ``torchrun``: a process per
-    rank): {file name: output lines}."""
+def run_files(out_dir: Path, stages: int) -> dict[str, list[dict]]:
+    """The runner on every shared file at P = ``stages``, in this process: {file name: output lines}."""
     args = ["--model-name", str(MODEL), "--infer-data", *[str(DATA / f) for f in FILES], "--output-path",
             str(out_dir), "--no-progress", "--num-threads", "1"]
-    p = run_torchrun(args, stages) if torchrun else run_local(args, stages)
+    p = run_local(args, stages)
     assert p.returncode == 0, p.stderr[-3000:]
     return {f: read_jsonl(out_dir / f"output_{f}") for f in FILES}
 

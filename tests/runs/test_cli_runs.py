@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.utils import DATA, read_jsonl, run_local
+from tests.utils import DATA, assert_identical_results, read_jsonl, run_local
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,21 @@ def test_broken_checkpoint_is_reported_naming_the_file_and_tensor(tmp_path):
     assert str(d / shard) in r.stderr
     assert any(f"tensor {n!r}" in r.stderr for n, f in index.items() if f == shard), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_job_name_path_is_the_input(llama_2l, tmp_path):
+    """A job named ``name#path`` (LSF's ``bsub -J``, or --job-name) runs the file at ``path``: the same
+    answers as ``--infer-data path``."""
+    data = tmp_path / "request_7.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "The kitchen is north of the hallway.", "max_tokens": 6, "temperature": 0, "logprobs": 2},
+        {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 7},
+        {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 0, "echo": True, "logprobs": 3}]))
+    fast = ["--num-threads", "1", "--no-progress", "--batch-invariant"]
+    ref = tmp_path / "ref.jsonl"
+    assert run_local(["--model-name", llama_2l, "--infer-data", str(data), "--output-path", str(ref), *fast]).returncode == 0
+    job = f"x#{data}"
+    for env, args in (({"LSB_JOBNAME": job}, []), ({}, ["--job-name", job])):
+        p = run_local(["--model-name", llama_2l, *args, *fast, "--overwrite"], env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert_identical_results(read_jsonl(tmp_path / "output_request_7.jsonl"), read_jsonl(ref))

@@ -1,6 +1,6 @@
 """The shared request files give the results recorded in tests/data/golden (tests/golden.py) at P = 1, 2
 and 3, in one process (``--in-process``), up to float rounding: a refactor of the pipeline must not
-change what users get. Through torchrun: tests/integration/test_golden.py."""
+change what users get. Through torchrun: tests/integration/test_launch.py (launch/local_torchrun.sh)."""
 
 import pytest
 
