@@ -29,7 +29,7 @@ class FakeCache:
     def tokens(self, row: int, n: int) -> list[int]:
         return self.k[0, row, 0, :n, 0].long().tolist()
 
-    def fork(self, lead: int, rows: list[int], cols: int) -> None:
+    def copy_lead(self, lead: int, rows: list[int], cols: int) -> None:  # a best_of fork of the cache
         self.k[:, rows, :, :cols] = self.k[:, lead : lead + 1, :, :cols]
         self.v[:, rows, :, :cols] = self.v[:, lead : lead + 1, :, :cols]
 
@@ -96,7 +96,7 @@ class Run:
         if hdr.prefill:
             self.pool.save_pass(hdr.slot, hdr.prefill, cache, out)
         for f in hdr.forks:
-            cache.fork(f.lead, f.rows, f.cols)
+            cache.copy_lead(f.lead, f.rows, f.cols)
 
     def reply(self, hdr: PassHeader) -> Reply:
         """The last rank's answer: a token for each row that produced one, finished rows."""
