@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs.test_feature_matrix_runs import SERVE_RUNS, check_run, flags, reference, requests, setup  # noqa: F401 (a fixture)
+from tests.runs.test_feature_matrix_runs import SERVE_RUNS, check_run, flags, reference, requests, setup  # noqa: F401
 from tests.utils import RUNNER, _env, _kill_group, free_port, wait_served
 
 

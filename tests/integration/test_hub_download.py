@@ -13,7 +13,8 @@ from tests.runs.test_hub_runs import (COMMIT, PROMPTS, REPO, SHARDS, adapter, fo
 from tests.utils import RUNNER, _env, _kill_group, free_port, read_jsonl, write_jsonl
 
 
-def test_ranks_of_a_node_share_its_cache_and_each_fetches_only_its_own_shards(hub, folder_results, tmp_path):  # noqa: F811
+def test_ranks_of_a_node_share_its_cache_and_each_fetches_only_its_own_shards(hub, folder_results,  # noqa: F811
+                                                                             tmp_path):
     """Two ranks (the seed's per-rank launch, each with its own endpoint prefix so that the hub tells them
     apart) and one HF_HUB_CACHE: no file is downloaded twice (the cache's locks hold across processes),
     stage 0 (layers 0-1) asks only for shards 1-2 and stage 1 (layers 2-3) only for shards 2-3, and the

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tasks.status import is_stale, read_status
-from tests.unit.pipeline.cache.test_prefix import assert_same_answers, model_dir, reference, workload  # noqa: F401 (fixtures)
+from tests.unit.pipeline.cache.test_prefix import assert_same_answers, model_dir, reference, workload  # noqa: F401
 from tests.utils import (REPO, RUNNER, _env, _kill_group, assert_identical_results, free_port, read_jsonl, run_local,
                          run_single, run_torchrun, write_jsonl)
 
@@ -250,7 +250,8 @@ def test_sigint_and_sigterm_stop_every_rank_and_the_rerun_completes(llama_3l, tm
     p = run_local(["--model-name", llama_3l, "--infer-data", data, "--output-path", str(out), *flags], 2)
     assert p.returncode == 0 and "resuming after" in p.stderr, p.stderr[-3000:]
     clean = tmp_path / "clean.jsonl"
-    assert run_local(["--model-name", llama_3l, "--infer-data", data, "--output-path", str(clean), *flags]).returncode == 0
+    p = run_local(["--model-name", llama_3l, "--infer-data", data, "--output-path", str(clean), *flags])
+    assert p.returncode == 0, p.stderr[-3000:]
     assert_identical_results(read_jsonl(out), read_jsonl(clean))
 
 

@@ -127,7 +127,8 @@ def test_job_name_path_is_the_input(llama_2l, tmp_path):
         {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 0, "echo": True, "logprobs": 3}]))
     fast = ["--num-threads", "1", "--no-progress", "--batch-invariant"]
     ref = tmp_path / "ref.jsonl"
-    assert run_local(["--model-name", llama_2l, "--infer-data", str(data), "--output-path", str(ref), *fast]).returncode == 0
+    p = run_local(["--model-name", llama_2l, "--infer-data", str(data), "--output-path", str(ref), *fast])
+    assert p.returncode == 0, p.stderr[-3000:]
     job = f"x#{data}"
     for env, args in (({"LSB_JOBNAME": job}, []), ({}, ["--job-name", job])):
         p = run_local(["--model-name", llama_2l, *args, *fast, "--overwrite"], env=env)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from examples import check_default_model as check
-from tests.unit.pipeline.loading.test_default_model import FLOORS, N_PER_TASK, heldout_runs, model_dir, tokenizer  # noqa: F401 (fixtures)
+from tests.unit.pipeline.loading.test_default_model import (FLOORS, N_PER_TASK, heldout_runs, model_dir,  # noqa: F401
+                                                             tokenizer)
 
 
 @pytest.mark.parametrize("pipeline", [1, 2])

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.loading.tokenizer import load_tokenizer
 from tests.unit.pipeline.loading.test_tokenizer import _sp_folder, sp_model  # noqa: F401 (a fixture)
-from tests.unit.pipeline.models.test_hf_stage import _check_against_hf, _requests, llama, models  # noqa: F401 (fixtures)
+from tests.unit.pipeline.models.test_hf_stage import _check_against_hf, _requests, llama, models  # noqa: F401
 from tests.utils import (DATA, assert_consistent_results, hf_greedy, hf_logits, local_tokenizer, random_hf_model,
                          read_jsonl, run_inprocess, run_local, write_jsonl)
 

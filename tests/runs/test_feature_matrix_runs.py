@@ -23,7 +23,8 @@ import random
 
 import pytest
 
-from tests.utils import free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_local, strip_volatile, write_jsonl
+from tests.utils import (free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_local, strip_volatile,
+                         write_jsonl)
 
 FACTORS: dict[str, tuple] = {  # the first value of each is what a refusal check leaves the others at
     "stages": (1, 2, 3),

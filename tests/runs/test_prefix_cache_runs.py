@@ -8,14 +8,16 @@ import json
 
 import pytest
 
-from tests.unit.pipeline.cache.test_prefix import assert_same_answers, cached, model_dir, reference, workload  # noqa: F401 (fixtures)
+from tests.unit.pipeline.cache.test_prefix import (assert_same_answers, cached, model_dir, reference,  # noqa: F401
+                                                    workload)
 from tests.unit.pipeline.cache.test_prefix_chunked import fewshot
 from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_local, write_jsonl
 
 
 @pytest.mark.parametrize("stages, extra", [(2, ["--prefill-chunk", "48", "--budget", "8192"]),
                                            (3, ["--budget", "520", "--max-micro-batch-size", "3"])])
-def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages, extra):  # noqa: F811
+def test_pipelines_and_a_tiny_budget_equal_cache_off(model_dir, workload, reference, tmp_path, stages,  # noqa: F811
+                                                     extra):
     """P = 2 with chunked prefill (48 tokens a pass), and P = 3 with a budget so small that blocks are
     evicted and recomputed mid-file; the stages never hold more KV cells (micro-batches + pool) than
     --budget."""
