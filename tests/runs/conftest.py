@@ -1,7 +1,7 @@
 """Runs in this process (``--in-process``) must leave the process as they found it: a run that changes
 a process-wide setting (torch's thread count, the umask, logging, signal handling, the environment,
-the working folder, a patched library function) or leaves a rank's thread behind would change what
-the next test computes. Each test here is checked for that."""
+the working folder, a patched library function), leaves a rank's thread behind or a run's status file
+or in-flight record open would change what the next test computes. Each test here is checked for that."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import time
 import pytest
 import torch
 from torch import nn
+
+import tasks.inflight
+import tasks.status
 
 
 # set by pytest for each test, and by torch's inductor the first time it is imported (its cache folder)
@@ -40,6 +43,8 @@ def _state() -> dict:
         "stdout": sys.stdout,
         "stderr": sys.stderr,
         "nn.Module.register_parameter": nn.Module.register_parameter,
+        "running status files": list(tasks.status._ACTIVE),  # a run's, still "running" in this process
+        "open in-flight records": list(tasks.inflight._OPEN),  # a run's record of its lines in flight
     }
 
 
