@@ -12,12 +12,18 @@ The seed's per-rank launch works too:
 from __future__ import annotations
 
 import os
+import signal
 
 START_PPID = os.getppid()  # the launcher, read first thing: a rank must not outlive it (comm.lifeline)
+if __name__ == "__main__":  # the runner's own process: SIGTERM and SIGINT blocked before any library (torch,
+    # OpenMP, tokenizers) starts a thread, which would inherit them unblocked and take the default action (an
+    # exit with no log line, a KeyboardInterrupt traceback); only watch_signals' thread receives them
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
-import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
@@ -26,22 +32,19 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is started from
     sys.path.insert(0, str(ROOT))
 
-from comm.dist import init_distributed, shutdown  # noqa: E402
-from comm.faults import LOAD, set_rank  # noqa: E402
+from comm.dist import shutdown  # noqa: E402
 from comm.lifeline import launcher_pid, watch_launcher as watch  # noqa: E402
 from comm.p2p import PeerLost  # noqa: E402
-from pipeline.api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
+from python_api import LLM, Choice, EngineDead, RequestFailed, Result, SamplingParams, Score  # noqa: E402,F401 (the Python API)
+from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
 from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
-from pipeline.runtime.first_rank import Job, RunError  # noqa: E402
-from pipeline.runtime.host_memory import keep_freed_memory  # noqa: E402
-from pipeline.runtime.in_process import plan_env, rank_of_thread, rank_options, run_in_process  # noqa: E402
-from pipeline.config.estimate import dry_run  # noqa: E402
-from pipeline.runtime.monitor import start_metrics, start_status  # noqa: E402
-from pipeline.runtime.roles import first_rank, load_stage, load_tokenizer, run_budget, serve_rank  # noqa: E402
-from serve.interactive import run_chat_client, run_interactive  # noqa: E402
-from serve.source import STOPPING  # noqa: E402
-from serve.state_dir import serve_dir_problem  # noqa: E402
+from pipeline.runtime.in_process import in_process_options, plan_env, rank_of_thread, run_in_process  # noqa: E402
+from pipeline.runtime.monitor import stop_metrics  # noqa: E402
+from pipeline.runtime.roles import make_engine, serve_rank, start_rank  # noqa: E402
+from pipeline.runtime.sources import FileList, RunError  # noqa: E402
+from terminal.interactive import run_chat_client, run_interactive  # noqa: E402
+from tasks.serve_dir import serve_dir_problem  # noqa: E402
 from tasks.dummy import DummyWorkload, print_latency, write_dummy_requests  # noqa: E402
 from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
@@ -82,15 +85,15 @@ def setup_logging(rank: int) -> None:
             handler.addFilter(_RankPrefix(rank))
 
 
-def main(argv: list[str] | None = None, signals: bool = True) -> int:
+def main(argv: list[str] | None = None, signals: bool = True, stopping: threading.Event | None = None) -> int:
     """Parse and plan (a flag that cannot work exits 2 here, before any process group or loading),
     then execute.
 
     A problem found before the ranks meet is the same on every rank: rank 0 prints it (and, under
     torchrun, leaves it in the agent's error file so its failure report shows it), the other ranks
     exit with the same code quietly. ``signals=False`` leaves signal handling to an in-process
-    caller (tests); otherwise SIGTERM and SIGINT are masked before anything (torch's import
-    included) can start a thread.
+    caller (tests), who may stop the run with ``stopping``; otherwise SIGTERM and SIGINT are masked
+    before anything (torch's import included) can start a thread.
     """
 
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         except UsageError as e:
             return usage_error(e, quiet=rank != 0)
     if signals:
-        watch_signals(rank, serving=opts.serve is not None)
+        watch_signals(rank)
         watch_launcher()
 
     try:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
                       file=sys.stderr)
         return 0
     try:
-        return start(launch, opts, plan)
+        return start(launch, opts, plan, stopping)
     except UsageError as e:
         return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
@@ -143,17 +146,8 @@ def main(argv: list[str] | None = None, signals: bool = True) -> int:
         _hard_exit(1)
 
 
-def in_process_options(opts):
-    """Rank 0's options of an ``--in-process`` run (UsageError when the process is one rank of a launch)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--in-process runs every rank in one process, but this process is one rank of a launch "
-                         "(torchrun): drop --in-process, or start it with plain python")
-    pipeline = opts.pipeline_group_size or 1
-    return rank_options(dataclasses.replace(opts, pipeline_group_size=pipeline), 0, pipeline * opts.data_group_size)
-
-
 def check_serve_dir(opts) -> None:
-    """--serve-dir is trusted only when it is this user's and closed to others (serve.state_dir): refused
+    """--serve-dir is trusted only when it is this user's and closed to others (tasks.serve_dir): refused
     before anything loads."""
     if opts.serve is None or opts.serve_dir is None:
         return
@@ -208,27 +202,27 @@ def _hard_exit(code: int) -> None:
 
 
 STOP_GRACE = 0.5  # seconds the last stage waits, after a signal, to tell a stop from a dead peer (P > 1)
-RECEIVED: list[int] = []  # the stopping signal, once received (serve mode exits 128 + it after draining)
+BACKSTOP_S = 25.0  # seconds after a signal by which any rank still alive exits anyway
+RECEIVED: list[int] = []  # the stopping signal, once received (the run exits 128 + it after draining)
+STOP = threading.Event()  # set by SIGTERM/SIGINT: rank 0's engine stops admitting, drains and stops every rank
 
 
 def stopped_code() -> int:
-    """Serve mode's exit code: 128 + the signal that stopped it (143 for SIGTERM), as file mode's."""
+    """The exit code of a run a signal stopped: 128 + the signal (143 for SIGTERM, 130 for SIGINT); else 0."""
     return 128 + RECEIVED[0] if RECEIVED else 0
 
 
-def watch_signals(rank: int, serving: bool = False) -> None:
-    """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive.
+def watch_signals(rank: int) -> None:
+    """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive: one
+    path for every launch style and face.
 
     Python runs signal handlers only between bytecodes, never while the main thread waits in a
     gloo/NCCL call, so the signals are blocked in every thread and a dedicated thread waits for them.
-    The journal is flushed after every write, so what finished is kept.
-
-    Serving, rank 0 instead stops accepting requests, lets in-flight ones finish and stops every rank
-    (serve.engine); any rank still alive 25 s after the signal exits anyway.
+    It sets :data:`STOP`: rank 0's engine stops admitting, lets the rows in flight finish (bounded),
+    and sends Stop down the pipeline, so every rank ends its loop and exits 128 + the signal. The
+    journal is flushed after every write, so what finished is kept; any rank still alive
+    :data:`BACKSTOP_S` seconds after the signal exits anyway.
     """
-    import signal
-    import threading
-
     sigs = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 
@@ -239,24 +233,16 @@ def watch_signals(rank: int, serving: bool = False) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and recording():
             # the last stage: when an earlier stage dies, torchrun sends this signal to the others; the
             # connection to the dead stage is seen lost meanwhile (the main thread exits 1 and the run
-            # counts as a crash, not a stop: tasks.inflight). The other ranks wait longer below.
+            # counts as a crash, not a stop: tasks.inflight)
             time.sleep(STOP_GRACE)
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
-        if not serving:
-            fail_active(f"{name} received")
-        if serving:
-
-            log.warning("rank %d: %s received, finishing in-flight requests and stopping", rank, name)
-            STOPPING.set()
-            backstop = threading.Timer(25.0, _hard_exit, (128 + sig,))
-            backstop.daemon = True
-            backstop.start()
-            return
-        log.error("rank %d: %s received, stopping; finished results are journaled, rerun the same command to resume",
-                  rank, name)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not recording():
-            time.sleep(2 * STOP_GRACE)  # the last stage records the stop before this rank's connections close
-        _hard_exit(128 + sig)
+        fail_active(f"{name} received")
+        log.warning("rank %d: %s received, finishing the rows in flight and stopping; finished results are "
+                    "journaled, rerun the same command to resume", rank, name)
+        STOP.set()
+        backstop = threading.Timer(BACKSTOP_S, _hard_exit, (128 + sig,))
+        backstop.daemon = True
+        backstop.start()
 
     threading.Thread(target=wait, name="signals", daemon=True).start()
 
@@ -290,96 +276,67 @@ def plan_run(opts):
     return opts, rank0, make_plan(rank0, plan_env())
 
 
-def start(launch, opts, plan) -> int:
+def start(launch, opts, plan, stopping: threading.Event | None = None) -> int:
     """This rank's start-up and role; with ``--in-process`` every rank's, on threads of this process."""
     if launch.in_process:
-        return run_in_process(launch, plan, execute, make_plan)
-    return execute(plan, opts)
+        return run_in_process(launch, plan, functools.partial(execute, stopping=stopping), make_plan)
+    return execute(plan, opts, stopping=stopping)
 
 
-def load_ahead(plan, opts, info) -> None:
-    """What this rank uses later, loaded before its stage's memory account starts: the libraries count in
-    its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server's)."""
-    if info.is_first or info.is_last:
-        try:
-            load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
-        except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
-            pass
-    if opts.serve is not None and info.is_first:
-        import serve.run  # noqa: F401  # lazy: FastAPI and uvicorn, serve mode's only
-
-
-def execute(plan, opts, info=None) -> int:
-    """Start distributed (``info``: this rank's place when the ranks run in this process), load this
-    stage, play this rank's role; returns the exit code."""
-    import torch
-
-    set_rank(plan.rank)
-    inputs, dummy = list(plan.inputs), None
-    talking = bool(opts.prompts or opts.prompts_file or opts.chat)  # serve.interactive: the terminal's requests
-    workload = DummyWorkload(opts.batch_size, opts.input_seq_length, opts.generate_seq_length)
-    if plan.stage == 0 and not inputs and opts.serve is None and not talking:
-        dummy = write_dummy_requests(workload)
-        inputs = [dummy]
-    torch.set_num_threads(plan.threads)
-    if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
-        keep_freed_memory()
+def execute(plan, opts, info=None, stopping: threading.Event | None = None) -> int:
+    """Start this rank (``info``: its place when every rank runs in this process), play its role: rank
+    0 runs the face the flags name (request files, the server, the terminal) on its engine, the others
+    serve passes until Stop. ``stopping``: what stops the engine (default :data:`STOP`, the signals').
+    Returns the exit code."""
+    rank = start_rank(plan, opts, info)
+    last_output, clean = None, False
     try:
-        info = info or init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
-                                        opts.dist_url, opts.cuda_id, opts.timeout)
-    except ValueError as e:  # e.g. two ranks on one GPU
-        raise UsageError(str(e)) from None
-    status = start_status(plan, opts, info)  # the writing rank's status file, "loading" (pipeline.runtime.monitor)
-    try:
-        start_metrics(opts, status)
-        load_ahead(plan, opts, info)
-        stage = load_stage(plan, opts, info)
-        LOAD.tick()
-        opts.budget = run_budget(opts, info, stage, plan)
-    except BaseException as e:
-        fail_active(f"{type(e).__name__}: {e}")
-        raise
-    last_output = None  # the profile trace goes beside the run's last output
-    clean = False
-    try:
-        if not info.is_first:
-            last_output = serve_rank(plan, opts, info, stage, status)
-            clean = True
-            return stopped_code() if opts.serve is not None else 0
-        if talking:
-            code = run_interactive(plan, opts, info, stage, first_rank)
-            clean = True
-            return code
-        if opts.serve is not None:
-            from serve.run import run_server  # lazy: FastAPI and uvicorn, 0.6 s of every other rank's start-up
-
-            run_server(plan, opts, info, stage, first_rank)
+        if not rank.info.is_first:
+            last_output = serve_rank(rank)
             clean = True
             return stopped_code()
-        jobs = [Job(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs]
-        last_output = jobs[-1].output if jobs else None
-        rank0 = first_rank(plan, opts, info, stage)
-        rank0.stats_every = opts.status_interval
-        if rank0.last is not None:
-            rank0.last.status = status
-        reports = rank0.drive(jobs)
-        clean = True
-        if status is not None:
-            status.finish("finished")
-        summarize(reports)
-        if dummy:
+        stopping = stopping or STOP
+        if opts.prompts or opts.prompts_file or opts.chat:
+            code = run_interactive(rank, stopping)
+        elif opts.serve is not None:
+            from serve.server import run_server  # lazy: FastAPI and uvicorn, 0.6 s of every other rank's start-up
 
-            print_latency(reports[0], workload)
-            for path in (dummy, jobs[0].output, jobs[0].output + ".summary.json"):
-                Path(path).unlink(missing_ok=True)
-        return 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+            run_server(rank, stopping)
+            code = stopped_code()
+        else:
+            last_output, code = run_files(rank, stopping)
+        clean = True
+        return code
     except BaseException as e:
         fail_active(f"{type(e).__name__}: {e}")
         raise
     finally:
-        if stage.trace is not None and last_output:
-            log.info("profile trace: %s", stage.trace.save(f"{last_output}.trace-rank{info.rank}.json"))
-        shutdown(info, clean)
+        if rank.stage.trace is not None and last_output:
+            log.info("profile trace: %s", rank.stage.trace.save(f"{last_output}.trace-rank{rank.info.rank}.json"))
+        stop_metrics(rank.metrics)
+        shutdown(rank.info, clean)
+
+
+def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
+    """File mode on rank 0: every input through the engine, one after the other (dummy-data mode:
+    generated requests, a latency report); (the last output, the exit code)."""
+    plan, opts = rank.plan, rank.opts
+    inputs, dummy = list(plan.inputs), None
+    workload = DummyWorkload(opts.batch_size, opts.input_seq_length, opts.generate_seq_length)
+    if not inputs:
+        dummy = write_dummy_requests(workload)
+        inputs = [dummy]
+    files = FileList([(i, output_for(i, opts.output_path, len(inputs) > 1)) for i in inputs])
+    make_engine(rank, files=files, stopping=stopping).run()
+    if stopping.is_set():
+        return files.last_output, stopped_code() or 143
+    reports = files.reports
+    summarize(reports)
+    if dummy:
+        print_latency(reports[0], workload)
+        for path in (dummy, reports[0].output, reports[0].output + ".summary.json"):
+            Path(path).unlink(missing_ok=True)
+    return files.last_output, 1 if (opts.strict and sum(r.errors for r in reports)) else 0
 
 
 def summarize(reports) -> None:

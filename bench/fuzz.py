@@ -72,10 +72,11 @@ def fuzz_driver(model: str, until: float, work: Path, stats: dict, rng_seed: int
 
 
 def fuzz_server(model: str, until: float, work: Path, stats: dict, rng_seed: int) -> None:
-    from tests.integration.test_serve import KEY, Server, httpx
+    from tests.servers import KEY, ProcessServer, httpx
 
-    server = Server(model, 1, work / "state", work / "server.log")
-    server.start()
+    # a process of its own: a request that kills the server shows as a death, not as the fuzzer's own crash
+    server = ProcessServer(["--model-name", model, "--served-model-name", "tiny", "--max-pending", "40",
+                            "--max-request-bytes", "200000"], 1, work).start()
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
     @seed(rng_seed)

@@ -1,7 +1,7 @@
 """Start torch.distributed once: torchrun's environment or the seed's legacy per-rank flags.
 
-NCCL when CUDA is available, gloo otherwise; an explicit timeout; world size 1 needs no process
-group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
+NCCL when CUDA is available, gloo otherwise (``backend="gloo"`` on GPUs: every message through host
+memory, and ranks may share a GPU); an explicit timeout; world size 1 needs no process group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
 grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``, with this rank's one-way pipeline links
 (:func:`comm.p2p.open_channels`, created here, before loading, so a rank that dies while loading is
 seen by its neighbours' header receives) and a CPU (gloo) group over every rank for the barrier
@@ -38,6 +38,7 @@ class DistInfo:
     cpu_group: object = field(default=None, compare=False)  # gloo over every rank (the default group on CPU),
     # or with every rank in this process the comm.local.LocalGroup
     local: LocalWorld | None = field(default=None, compare=False)  # the in-memory links of an in-process run
+    gpu_sharers: int = 1  # ranks on this rank's GPU (more than one over gloo, --dist-backend gloo, or in process)
 
     @property
     def stage(self) -> int:
@@ -99,17 +100,18 @@ def init_distributed(
     dist_url: str | None = None,
     cuda_id: int | None = None,
     timeout_s: int = 1800,
+    backend: str = "auto",
 ) -> DistInfo:
-    """The one place that starts distributed. Safe to call with nothing set (single process)."""
+    """The one place that starts distributed. Safe to call with nothing set (single process).
+    ``backend``: auto (NCCL on GPUs, gloo on CPUs), gloo (also on GPUs: activations through host
+    memory, so ranks may share a GPU) or nccl (GPUs required)."""
     rank, world, local_rank, local_world, pipeline, data = resolve_layout(
         rank, world_size, pipeline_group_size, data_group_size
     )
-    if torch.cuda.is_available():
-        device = torch.device("cuda", cuda_id if cuda_id is not None else local_rank % torch.cuda.device_count())
+    device, backend = choose_backend(backend, torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                                     cuda_id, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if world == 1:
         return DistInfo(rank, 1, 0, 1, 1, 1, device, None)
 
@@ -124,11 +126,27 @@ def init_distributed(
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout,
                                                                           group_desc="cpu")
-    if backend == "nccl":
-        check_one_rank_per_gpu(device, cpu_group)
+    sharers = 1
+    if device.type == "cuda":
+        sharers = gpu_sharers(device, cpu_group, refuse=backend == "nccl")
     channels = open_channels(rank, pipeline, data, backend, timeout)
-    log.info("process group up: backend=%s rank=%d/%d pipeline=%d data=%d", backend, rank, world, pipeline, data)
-    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend, channels, cpu_group)
+    log.info("process group up: backend=%s rank=%d/%d pipeline=%d data=%d device=%s%s", backend, rank, world, pipeline,
+             data, device, f" (shared by {sharers} ranks)" if sharers > 1 else "")
+    return DistInfo(rank, world, local_rank, local_world, pipeline, data, device, backend, channels, cpu_group,
+                    gpu_sharers=sharers)
+
+
+def choose_backend(wanted: str, gpus: int, cuda_id: int | None, local_rank: int) -> tuple[torch.device, str]:
+    """(this rank's device, the process group's backend) for ``--dist-backend`` ``wanted`` with ``gpus``
+    CUDA devices visible (0: none): GPU ``--cuda-id``, else ``LOCAL_RANK`` modulo the GPUs."""
+    if wanted not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--dist-backend {wanted}: choose auto, gloo or nccl")
+    if not gpus:
+        if wanted == "nccl":
+            raise ValueError("--dist-backend nccl needs CUDA GPUs and none is visible: use auto or gloo on CPUs")
+        return torch.device("cpu"), "gloo"
+    device = torch.device("cuda", cuda_id if cuda_id is not None else local_rank % gpus)
+    return device, "gloo" if wanted == "gloo" else "nccl"
 
 
 def local_infos(pipeline: int, data: int = 1) -> list[DistInfo]:
@@ -141,8 +159,10 @@ def local_infos(pipeline: int, data: int = 1) -> list[DistInfo]:
     for rank in range(world):
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+        sharers = len(range(rank % torch.cuda.device_count(), world, torch.cuda.device_count())) if cuda else 1
         infos.append(DistInfo(rank, world, rank, world, pipeline, data, device, "local" if world > 1 else None,
-                              cpu_group=local.group if world > 1 else None, local=local if world > 1 else None))
+                              cpu_group=local.group if world > 1 else None, local=local if world > 1 else None,
+                              gpu_sharers=sharers))
     return infos
 
 
@@ -160,16 +180,19 @@ def agree_min(value: int, group) -> int:
     return int(mine)
 
 
-def check_one_rank_per_gpu(device: torch.device, cpu_group) -> None:
-    """Refuse two ranks on one GPU (``LOCAL_RANK % device_count`` would hide it): each would hold a
+def gpu_sharers(device: torch.device, cpu_group, refuse: bool) -> int:
+    """How many ranks are placed on this rank's GPU (a collective over ``cpu_group``). ``refuse``
+    (NCCL): more than one is an error (``LOCAL_RANK % device_count`` would hide it): each would hold a
     full stage, and NCCL does not support two ranks of a communicator on one device."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (socket.gethostname(), device.index), group=cpu_group)
     shared = sharing_a_gpu(everyone, dist.get_rank())
-    if shared:
+    if shared and refuse:
         raise ValueError(f"ranks {shared} would share GPU {device.index} of {everyone[shared[0]][0]}: launch at most "
                          f"{torch.cuda.device_count()} processes per node (torchrun --nproc-per-node), give each "
-                         "legacy rank its own --cuda-id, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+                         "legacy rank its own --cuda-id, or make more GPUs visible (CUDA_VISIBLE_DEVICES); "
+                         "--dist-backend gloo lets ranks share a GPU (messages through host memory, slower)")
+    return max(1, len(shared))
 
 
 def sharing_a_gpu(placements: list[tuple[str, int]], rank: int) -> list[int]:

@@ -7,7 +7,9 @@ Every directed link ``src -> dst`` is a :class:`Channel` of its own, carrying tr
   the GPU and a closed socket is seen at once;
 - on GPU the **payload** tensor goes over a second group of this link alone (NCCL). NCCL creates one
   communicator per group for a pair of ranks, so no NCCL pair ever carries traffic both ways (rank
-  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups.
+  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups,
+  nor do GPU runs over gloo (``--dist-backend gloo``): there the payload is copied to the host and
+  travels inline, as on the CPU, and the receiving stage copies it to its GPU.
 
 Sends are asynchronous (``isend``) and their buffers kept until they complete, so no two ranks
 block sending to each other. The receiver keeps a receive posted for the link's next message
@@ -42,7 +44,8 @@ def _payload_at(header_len: int) -> int:
 
 def frame(header: bytes, tensor: torch.Tensor | None = None, inline: bool = True) -> torch.Tensor:
     """One message as bytes: the block of sizes, the encoded header and, ``inline``, the payload's bytes
-    (a CPU tensor; otherwise only its dtype and shape are described, and it travels on its own)."""
+    (copied to the host from a GPU tensor; otherwise only its dtype and shape are described, and it
+    travels on its own)."""
     meta = torch.zeros(_META, dtype=torch.int64)
     meta[0] = len(header)
     if tensor is not None:
@@ -85,12 +88,13 @@ class PeerLost(RuntimeError):
 @dataclass(frozen=True)
 class Channel:
     """The directed link ``src -> dst``: its header group (gloo) and its payload group (None on the
-    ring back to rank 0, which carries headers only)."""
+    ring back to rank 0, which carries headers only, and over gloo, where payloads travel inline)."""
 
     src: int
     dst: int
     header: dist.ProcessGroup
     payload: dist.ProcessGroup | None
+    inline: bool = True  # a payload may follow the header in the message (gloo); False: NCCL's ring back
 
 
 def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
@@ -110,7 +114,7 @@ def open_channels(rank: int, pipeline_size: int, data_size: int, backend: str,
                 payload = dist.new_group([src, dst], timeout=timeout, backend=backend,
                                          group_desc=f"payload {src}->{dst}")
             if rank in (src, dst):
-                mine.append(Channel(src, dst, header, payload))
+                mine.append(Channel(src, dst, header, payload, inline=backend == "gloo"))
     return tuple(mine)
 
 
@@ -133,8 +137,8 @@ class Messenger:
         ch = self.out[dst]
         if tensor is not None:
             tensor = tensor.to(self.device).contiguous()
-        inline = tensor is not None and ch.payload is None  # CPU: the payload's bytes follow the header
-        assert not inline or self.device.type == "cpu", f"the link {ch.src} -> {ch.dst} carries headers only"
+        inline = tensor is not None and ch.payload is None  # gloo: the payload's bytes follow the header
+        assert not inline or ch.inline, f"the link {ch.src} -> {ch.dst} carries headers only"
         msg = frame(header, tensor, inline)
         try:
             for part in (msg[:_FIRST], msg[_FIRST:]) if msg.numel() > _FIRST else (msg,):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Print a run's status file (see docs/usage/monitoring.md) every EVERY seconds until the run is
-# finished, failed or stale (its writing rank gone), or until process PID (the run) has exited; used
+# finished, failed, stopped or stale (its writing rank gone), or until process PID (the run) has exited; used
 # in the background by drain.sh and the Slurm/LSF recipes, whose job log then shows where a long job is.
 #
 # Usage: launch/status_watch.sh STATUS_FILE [EVERY=60] [PID]
@@ -18,7 +18,7 @@ file=${1:?usage: status_watch.sh STATUS_FILE [EVERY] [PID]}
 every=${2:-60}
 pid=${3:-}
 trap 'exit 0' TERM INT
-show() {  # one status line; returns the reader's code (0 finished, 1 failed/stale, 3 running)
+show() {  # one status line; returns the reader's code (0 finished, 1 failed/stopped/stale, 3 running)
     [[ -f $file ]] || return 3
     local line rc
     line=$(cd "$REPO" && "$PYTHON" -m tasks.status "$file")

@@ -1,25 +1,14 @@
-"""Serve mode: an OpenAI-compatible HTTP API (FastAPI + uvicorn) in front of rank 0's driver.
+"""Serve mode's HTTP server: an OpenAI-compatible API (FastAPI + uvicorn) in front of rank 0's engine.
 
-- :mod:`serve.source`   the thread-safe handoff between HTTP handlers and the pipeline loop, admission;
-- :mod:`serve.engine`   rank 0's loop: live requests first, then the lines of the running batch;
-- :mod:`serve.batches`  the Batch API's files and batches, kept in ``--serve-dir``;
-- :mod:`serve.app`      the HTTP endpoints; :mod:`serve.sse` the streamed chunk format;
-- :mod:`serve.guard`    checks before any handler: Host/Origin, keys, media type, body size;
-- :mod:`serve.auth`     API keys and their names, the Host/Origin allow-lists;
-- :mod:`serve.intake`   per-request caps before tokenizing, tokenizing on worker threads;
-- :mod:`serve.protocol` the connection cap and the header/body/send timeouts (uvicorn's h11 protocol);
-- :mod:`serve.upload`   ``POST /v1/files`` parsed and written to disk as it arrives;
-- :mod:`serve.responses` JSON answers in OpenAI's shapes, bodies read under a size limit;
-- :mod:`serve.metrics`  Prometheus metrics at ``/metrics`` (requests, load, tokens, latencies, stages).
+- :mod:`serve.server`       start serve mode on rank 0: the store, the HTTP thread, the engine;
+- :mod:`serve.endpoints`    the HTTP endpoints and the uvicorn thread; :mod:`serve.sse` the streamed chunk format;
+- :mod:`serve.http_channel` an HTTP request's way back from the engine (asyncio futures and queues);
+- :mod:`serve.batch_routes` ``/v1/files`` and ``/v1/batches`` over the Batch API's store (tasks.batch_store);
+- :mod:`serve.batch_jobs`   that store as the engine's file source;
+- :mod:`serve.guard`, :mod:`serve.auth`, :mod:`serve.connection_limits`: what every request passes
+  (Host/Origin, keys, media type, body size; the connection cap and timeouts);
+- :mod:`serve.tokenizing`   caps before tokenizing, tokenizing off the engine's thread;
+- :mod:`serve.file_upload`, :mod:`serve.responses`, :mod:`serve.metrics`, :mod:`serve.web_page`.
 
-The other faces of the same engine (docs/usage/chat.md):
-
-- :mod:`serve.local`    rank 0's own requests into :mod:`serve.engine` on a pipeline thread (no HTTP);
-- :mod:`serve.prompts`  ``--prompts`` / ``--prompts-file``: completions and a latency report;
-- :mod:`serve.chat_shell` the ``--chat`` shell (conversation, commands, trimming to the window), its
-  :mod:`serve.chat_terminal` (readline, Ctrl-C as a key) and :mod:`serve.chat_backends` (this process's
-  pipeline, or a running server over HTTP); :mod:`serve.interactive` starts them;
-- :mod:`serve.web_page` the chat page at ``/`` (``serve/static/index.html``).
-
-May import every pipeline package, tasks and comm; nothing imports serve but the entry point.
+A face of the engine: may import pipeline, tasks and comm; nothing imports serve but the entry point.
 """

@@ -20,11 +20,10 @@ import os
 import socket
 import stat
 from dataclasses import dataclass, field
-from pipeline.config.options import read_key_file
+from pipeline.config.serve_options import API_KEY_ENVS, read_key_file
 
 log = logging.getLogger("serve")
 
-API_KEY_ENVS = ("DIST_INFER_API_KEY", "DIST_RUNNER_API_KEY")
 DEFAULT_NAME = "default"  # the name of the one key of --api-key / the environment, and of keyless requests
 
 

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.routing import Match
 
-from tasks.metrics import stage_metrics
+from tasks.status_exporter import stage_metrics
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -81,6 +81,12 @@ class ServeMetrics:
         self._last = [(now, s[0]) for s in stats]
         with self.lock:
             self.stages = figures
+
+    def idle(self, kv_cells: int) -> None:
+        """Nothing runs: every stage busy 0 and holding ``kv_cells`` (the prefix pool: every stage holds the
+        same micro-batches and pool, and the micro-batches went with the engine's Release)."""
+        with self.lock:
+            self.stages = [dict(s, busy_fraction=0.0, kv_cells=kv_cells) for s in self.stages]
 
     def answered(self, started: float, usage: dict | None, first_at: float | None = None) -> None:
         now = time.monotonic()

@@ -6,7 +6,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from serve.batches import StoreError
+from tasks.batch_store import StoreError
 from tasks.requests import json_problem
 
 

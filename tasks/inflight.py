@@ -7,6 +7,7 @@ journal in ``<journal>.inflight``, the input lines each pass admits, before it c
     {"open": 12}                 a run starts (12 of this share's lines already journaled)
     {"in": [40, 41, 42]}         lines admitted (with others)
     {"alone": [43]}              a suspect line admitted with nothing else in flight
+    {"probe": [7, 9], "group": 2}  suspects probed together (pipeline.scheduling.isolation)
     {"stopped": 1}               SIGTERM/SIGINT: the run was stopped, it did not crash
 
 When a run opens the journal, each earlier run that ended without finishing or being stopped crashed,
@@ -14,9 +15,12 @@ and its admitted lines that are not journaled were in flight then:
 
 - a line that was in flight *alone* when a process died is the culprit: it is answered with an
   error line (:func:`crash_error`) instead of being run again;
-- the others are suspects: each runs alone, nothing else in flight (pipeline.scheduling.driver), so that a crash
-  names its line and an innocent one is answered as usual. A SIGKILL mid-batch therefore costs the
-  in-flight lines one run each, alone, and marks none of them failed.
+- when a probe group was in flight, the crash is blamed on it alone (the lines beside it ran as usual);
+- otherwise the lines in flight are suspects.
+
+Suspects are probed in halves beside the rest of the file (pipeline.scheduling.isolation): a poison
+line among k suspects is cornered in about log2(k) runs, a line is a culprit only after it ended a run
+alone, and an innocent one is answered as usual. A run stopped by a signal blames nobody.
 
 The file goes when the output is complete. With P > 1 rank 0 sends the lines a pass admits ahead of
 the pass (pipeline.runtime.messages.Admitting); each rank forwards that notice and waits until it has
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import orjson
 
-from tasks.shards import CHUNK, share_of
+from tasks.shards import position_of, share_of
 
 _OPEN: list["InFlight"] = []  # records of this process, told when a signal stops the run
 
@@ -64,12 +68,15 @@ class InFlight:
         _OPEN.append(self)
         return sorted(suspects), sorted(culprits)
 
-    def admitted(self, indices: list[int], alone: list[int]) -> None:
-        """Lines that enter the pipeline (``alone``: suspects with nothing else in flight), before they run."""
+    def admitted(self, indices: list[int], alone: list[int], probe: list[int] = (), group: int = 0) -> None:
+        """Lines that enter the pipeline, before they run: ``alone``, suspects with nothing else in flight;
+        ``probe``, suspects probed together as probe ``group`` (pipeline.scheduling.isolation)."""
         if indices:
             self._write({"in": indices})
         if alone:
             self._write({"alone": alone})
+        if probe:
+            self._write({"probe": list(probe), "group": group})
 
     def stopped(self) -> None:
         """The run is stopped on purpose (a signal): its lines in flight are not suspects."""
@@ -105,20 +112,27 @@ def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[s
         if not isinstance(rec, dict):
             continue
         if "open" in rec:
-            runs.append({"in": set(), "alone": set(), "stopped": False})
+            runs.append({"in": set(), "alone": set(), "probe": {}, "stopped": False})
         elif runs:
             run = runs[-1]
             run["stopped"] |= bool(rec.get("stopped"))
             for key in ("in", "alone"):
                 run[key].update(i for i in rec.get(key, []) if isinstance(i, int))
+            if isinstance(rec.get("group"), int):
+                run["probe"].setdefault(rec["group"], set()).update(i for i in rec.get("probe", []) if isinstance(i, int))
     suspects, culprits = set(), set()
-    for run in runs:
+    for run in runs:  # what each run that crashed says, in order
         if run["stopped"]:
             continue
-        culprits |= run["alone"]
-        suspects |= run["in"] | run["alone"]
+        if run["alone"]:  # a line alone in flight ended the process: the culprit
+            culprits |= run["alone"]
+            suspects -= run["alone"]
+        elif run["probe"]:  # a probe group was in flight: it holds the poison (the lines beside it ran as usual)
+            suspects = set(run["probe"][max(run["probe"])])
+        else:
+            suspects |= run["in"]
     def pending(i: int) -> bool:  # not journaled: this share's line at or after position `written`
-        return share_of(i, shares) == share and (i // (CHUNK * shares)) * CHUNK + i % CHUNK >= written
+        return share_of(i, shares) == share and position_of(i, shares) >= written
 
     culprits = {i for i in culprits if pending(i)}
     return {i for i in suspects if pending(i)} - culprits, culprits

@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
+
 from comm.faults import MIDGEN
 
-from tasks.files import write_atomic
+from tasks.files import atomic_path, write_atomic
 from tasks.inflight import InFlight
-from tasks.shards import share_size
+from tasks.shards import position_of, share_of, share_size
 from tasks.status import peak_rss_bytes
 from tasks.writer import OrderedWriter, record_path, try_merge_shares
 from tasks.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,6 +117,7 @@ class OutputFile:
             self.inflight = InFlight(self.writer.journal, self.data_rank, self.data_size)
             if fresh:
                 self.inflight.path.unlink(missing_ok=True)
+                self.rows_path.unlink(missing_ok=True)
             self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
 
@@ -125,12 +131,42 @@ class OutputFile:
         self.writer.put(index, line)
         self.errors += error
 
+    @property
+    def rows_path(self) -> Path:
+        """``<journal>.rows``: the rows in flight at the last checkpoint, resumed mid-generation by the next run."""
+        return self.writer.journal.with_name(self.writer.journal.name + ".rows")
+
+    def checkpoint(self, rows: dict[int, dict]) -> None:
+        """Record the rows in flight (input index -> their generated tokens, logprobs, top logprobs),
+        replacing the last record; a full disk loses the checkpoint, not the run."""
+        try:
+            with atomic_path(self.rows_path, fsync=False) as tmp:
+                tmp.write_bytes(orjson.dumps({str(i): r for i, r in rows.items()}))
+        except OSError as e:
+            log.warning("%s: the rows in flight were not checkpointed: %s", self.rows_path, e)
+
+    def resumed_rows(self) -> dict[int, dict]:
+        """The rows of the last checkpoint whose lines are not journaled yet (nothing when none was kept)."""
+        try:
+            rows = orjson.loads(self.rows_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return {}
+        w = self.writer
+        return {int(i): r for i, r in rows.items() if i.isdigit() and isinstance(r, dict)
+                and share_of(int(i), w.shares) == w.share and position_of(int(i), w.shares) >= w.written}
+
+    @property
+    def answered(self) -> int:
+        """Lines answered (journaled, or waiting for an earlier line to be written in input order)."""
+        return self.writer.written + len(self.writer.pending)
+
     def flush(self, generated_tokens: int) -> None:
-        """Journal what is contiguous; update the progress display."""
-        done = self.writer.flush()
-        MIDGEN.tick(ready=self.writer.written >= 3)
+        """Journal what is contiguous; update the progress display (lines answered, in any order)."""
+        self.writer.flush()
+        if MIDGEN.armed:
+            MIDGEN.tick(ready=self.writer.written >= 3)
         if self.progress is not None:
-            self.progress.update(done, generated_tokens)
+            self.progress.update(self.answered, generated_tokens)
 
     def close(self, total: int, stats: FileStats, busy: list[float], completion_tokens: int,
               format_seconds: float, pipeline_size: int, kv_cells_peak: int = 0,
@@ -143,6 +179,8 @@ class OutputFile:
         complete = self.writer.close(total)
         if self.inflight is not None:
             self.inflight.close(complete)
+        if complete:
+            self.rows_path.unlink(missing_ok=True)
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
             str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,

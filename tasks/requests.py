@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from tasks.protocol import RequestError
+
 MAX_N = 128  # n and best_of
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
@@ -24,23 +26,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds (and what the wir
 # vLLM's _SAMPLING_EPS is the same 1e-5.
 GREEDY_BELOW = 1e-5
 _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits (int() would take "+5", " 5", "٥")
-
-
-class RequestError(ValueError):
-    """A request that cannot run; becomes {"error": {"message", "type", "param"}}.
-
-    ``reason`` is the kind counted in the run summary (default: the param, else "line"), for errors
-    whose OpenAI param does not say what went wrong (a request larger than ``--budget``: "budget").
-    """
-
-    def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 reason: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.kind = message, param, kind
-        self.reason = reason or param or "line"
-
-    def to_dict(self) -> dict:
-        return {"message": self.message, "type": self.kind, "param": self.param}
 
 
 @dataclass
@@ -320,8 +305,9 @@ def parse_body(body: object, chat: bool, index: int = 0) -> Request:
 
 def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
     """What is wrong with ``data``, which orjson refused, in the runner's words and with the position
-    ("column C", or "line L column C" in text of several lines). orjson's own text changes between
-    releases, so only its ``pos`` (the stdlib JSONDecodeError's offset in the text) is used."""
+    ("column C", or "line L column C" in text of several lines). orjson's text, and where it says the
+    problem is, change between releases, so the position is the standard library's parser's (the same
+    for every orjson); orjson's only for what the standard library reads (NaN, Infinity)."""
     try:
         doc = data.decode("utf-8")
     except UnicodeDecodeError as u:
@@ -329,19 +315,26 @@ def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
     text = doc.rstrip()
     if not text.strip():
         return "it is empty"
+    pos = e.pos
+    try:
+        json.loads(doc)
+    except json.JSONDecodeError as std:
+        pos = len(text) if std.msg.startswith("Unterminated string") else std.pos
+    except ValueError:
+        pass
 
     def where(pos: int) -> str:
         line, col = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
         return f"line {line} column {col}" if "\n" in text else f"column {col}"
 
-    if e.pos >= len(text):
+    if pos >= len(text):
         return f"it ends before the JSON value is complete ({where(len(text))})"
     start = len(doc) - len(doc.lstrip())
     try:  # a complete value, then more: e.g. two objects on one line
-        after = start + json.JSONDecoder().raw_decode(doc[start:])[1] <= e.pos
+        after = start + json.JSONDecoder().raw_decode(doc[start:])[1] <= pos
     except ValueError:
         after = False
-    return f"unexpected {doc[e.pos]!r} {'after the JSON value ' if after else ''}at {where(e.pos)}"
+    return f"unexpected {doc[pos]!r} {'after the JSON value ' if after else ''}at {where(pos)}"
 
 
 def as_json(value: object, where: str = "the request"):

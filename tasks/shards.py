@@ -22,6 +22,11 @@ def index_of(share: int, k: int, shares: int) -> int:
     return ((k // CHUNK) * shares + share) * CHUNK + k % CHUNK
 
 
+def position_of(index: int, shares: int) -> int:
+    """Where input line ``index`` comes among its share's lines (the inverse of :func:`index_of`)."""
+    return (index // (CHUNK * shares)) * CHUNK + index % CHUNK
+
+
 def share_size(share: int, total: int, shares: int) -> int:
     """How many of ``total`` lines share ``share`` answers."""
     rounds, rest = divmod(total, CHUNK * shares)

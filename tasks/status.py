@@ -3,7 +3,7 @@
 A :class:`RunStatus` holds what the writing rank knows (the run record, each input's lines done and
 total, tokens, per-stage figures that ride in with passes) and a heartbeat thread replaces the JSON
 file atomically every ``interval`` seconds, and once more at the end. ``state`` is ``loading``,
-``running``, ``finished`` or ``failed: <reason>``; ``updated_at`` (Unix seconds) with
+``running``, ``finished``, ``stopped`` or ``failed: <reason>``; ``updated_at`` (Unix seconds) with
 ``heartbeat_seconds`` lets a reader tell a dead writer (its file stops changing) from a live one:
 :func:`is_stale`. Readers: ``launch/drain.sh``, the Slurm/LSF recipes (:func:`describe` prints one
 line), ``--dry-run``'s estimate (``pipeline.config.estimate``) and ``--metrics-port``.
@@ -69,8 +69,8 @@ class RunStatus:
         self.lock = threading.Lock()
         self.state = "loading"
         self.started_at = time.time()
-        self.files = [{"input": i, "output": o, "lines_total": n, "lines_done": 0, "resumed_lines": 0, "errors": 0,
-                       "state": "waiting"} for i, o, n in files]
+        self.files = [{"input": i, "output": o, "lines_total": n, "lines_done": 0, "lines_written": 0, "resumed_lines": 0,
+                       "errors": 0, "state": "waiting"} for i, o, n in files]
         self.current: dict | None = None
         self.done_tokens = {"prompt": 0, "generated": 0, "cached": 0}  # files already closed
         self.tokens = {"prompt": 0, "generated": 0, "cached": 0}  # the open file
@@ -99,7 +99,8 @@ class RunStatus:
             if entry is None:
                 entry = {"input": input_path, "output": output}
                 self.files.append(entry)
-            entry.update(lines_total=total, lines_done=resumed, resumed_lines=resumed, errors=0, state="running")
+            entry.update(lines_total=total, lines_done=resumed, lines_written=resumed, resumed_lines=resumed, errors=0,
+                         state="running")
             self.current, self.file_started = entry, time.time()
             self.tokens = {"prompt": 0, "generated": 0, "cached": 0}
             self.stages = []
@@ -109,19 +110,20 @@ class RunStatus:
         with self.lock:
             for f in self.files:
                 if f["output"] == output:
-                    f.update(state="skipped", lines_done=f["lines_total"])
+                    f.update(state="skipped", lines_done=f["lines_total"], lines_written=f["lines_total"])
 
     def progress(self, lines_done: int, errors: int, prompt: int, cached: int, generated: int,
-                 stages: list[list[float]] | None = None) -> None:
-        """After a pass: the open file's lines done (resumed ones included) and tokens; ``stages``:
-        per stage [busy seconds since the file opened, KV cells held, peak memory MiB] when the pass
-        carried them."""
+                 stages: list[list[float]] | None = None, lines_written: int | None = None) -> None:
+        """After a pass: the open file's lines answered, in any order (resumed ones included), of them
+        ``lines_written`` in input order so far, and tokens; ``stages``: per stage [busy seconds since
+        the file opened, KV cells held, peak memory MiB] when the pass carried them."""
         now = time.time()
         with self.lock:
             f = self.current
             if f is None:
                 return
             f["lines_done"], f["errors"] = lines_done, errors
+            f["lines_written"] = lines_done if lines_written is None else lines_written
             self.tokens = {"prompt": prompt, "generated": generated, "cached": cached}
             self.last_pass_at = now
             self.samples.append((now, self._total("generated"), self._lines_done()))
@@ -142,7 +144,7 @@ class RunStatus:
             self.current = None
 
     def finish(self, state: str) -> None:
-        """The last write: ``finished`` or ``failed: reason``; the heartbeat stops."""
+        """The last write: ``finished``, ``stopped`` or ``failed: reason``; the heartbeat stops."""
         with self.lock:
             if self.state.startswith("failed"):
                 return  # the first reason stays
@@ -195,6 +197,7 @@ class RunStatus:
                 "files": [dict(f) for f in self.files],
                 "lines_total": sum(f["lines_total"] or 0 for f in self.files),
                 "lines_done": sum(f["lines_done"] for f in self.files),
+                "lines_written": sum(f.get("lines_written", f["lines_done"]) for f in self.files),
                 "errors": sum(f["errors"] for f in self.files),
                 "prompt_tokens": prompt,
                 "generated_tokens": generated,
@@ -268,7 +271,8 @@ def describe(status: dict, now: float | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tasks.status FILE``: one line describing the run; exit 0 finished, 1 failed or stale, 3 running."""
+    """``python -m tasks.status FILE``: one line describing the run; exit 0 finished, 1 failed, stopped or
+    stale (run it again to resume), 3 running."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m tasks.status STATUS_FILE", file=sys.stderr)
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(status))
     if status["state"] == "finished":
         return 0
-    return 1 if status["state"].startswith("failed") or is_stale(status) else 3
+    return 1 if status["state"].startswith(("failed", "stopped")) or is_stale(status) else 3
 
 
 if __name__ == "__main__":

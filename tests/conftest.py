@@ -45,6 +45,10 @@ def free_port() -> int:
     return _free_port()
 
 
+from tests.serve_cases import serve_reference  # noqa: E402,F401 (file mode's answers to the serve tests' requests)
+from tests.servers import servers  # noqa: E402,F401 (the shared in-process servers: tests/servers.py)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_stray_processes():
     """After the run, kill whatever child processes a failed test left behind (and their groups)."""

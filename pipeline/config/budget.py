@@ -70,11 +70,12 @@ def _agree_min(value: int, cpu_group) -> int:
 
 
 def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None, local_world: int = 1,
-                   most_layers: int = 0) -> int:
+                   most_layers: int = 0, gpu_sharers: int = 1) -> int:
     """The run's budget in tokens: ``value`` itself, or for ``auto`` the minimum over stages of what
     fits in the memory left after every stage has loaded, agreed by a collective every rank calls
-    (GPU: each device's free memory; CPU: :func:`cpu_budget`, the node's available RAM shared by its
-    local stages, sized for the stage with ``most_layers`` layers, measured once all have loaded)."""
+    (GPU: each device's free memory, split evenly among the ``gpu_sharers`` ranks placed on it, measured
+    once all have loaded; CPU: :func:`cpu_budget`, the node's available RAM shared by its local stages,
+    sized for the stage with ``most_layers`` layers, measured once all have loaded)."""
     if value != "auto":
         return int(value)
     if device.type != "cuda":
@@ -86,7 +87,9 @@ def resolve_budget(value: int | str, model, device: torch.device, cpu_group=None
         _agree_min(0, cpu_group)  # a barrier: every stage of the node has loaded before anyone measures
         return _agree_min(cpu_budget(available_ram(), local_world, cell), cpu_group)
     torch.cuda.synchronize(device)
+    _agree_min(0, cpu_group)  # a barrier: ranks sharing a GPU (--dist-backend gloo) have all loaded before measuring
     free, total = torch.cuda.mem_get_info(device)
+    free, total = free // gpu_sharers, total // gpu_sharers
     budget = _agree_min(budget_from_memory(free, total, kv_cell_bytes(model)), cpu_group)
     if budget < 1:
         raise ValueError(f"--budget auto: no GPU memory is left for the KV cache after loading ({free / GiB:.1f} "

@@ -26,7 +26,8 @@ import orjson
 
 import torch
 
-from tasks.requests import RequestError, parse_line
+from tasks.requests import parse_line
+from tasks.protocol import RequestError
 from tasks.status import read_status
 
 from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.capabilities import refusals
 from pipeline.config.interactive_options import interactive_problems
 from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
@@ -93,12 +94,14 @@ class RunOptions:
     cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
     dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
     in_process: bool = _opt(False, "Run every rank (--pipeline-group-size x --data-group-size) as a thread of this one process, joined by in-memory links instead of a process group: no torchrun. For tests and debugging, and for several stages on one GPU (each stage on GPU stage %% device count).")
+    dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
     timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes.")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
+    checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal): a run started again after a crash resumes them mid-generation instead of from their first token; a stop (SIGTERM, SIGINT) checkpoints them at once. 0: only at a stop.", type=float)
     strict: bool = _opt(False, "Exit non-zero when any request failed.")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
@@ -110,7 +113,7 @@ class RunOptions:
     batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
     input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
     generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
-    # talking to the model (serve/prompts.py, serve/chat_shell.py; docs/usage/chat.md)
+    # talking to the model (terminal/prompts.py, terminal/chat_shell.py; docs/usage/chat.md)
     prompts: list[str] = _opt(None, "Generate for these prompts (one quoted text each) with the sampling flags below, print each with its completion and a latency report, then exit.", nargs="+", metavar="TEXT")
     prompts_file: str | None = _opt(None, "Like --prompts, one prompt per line of this text file (blank lines skipped; \\n in a line is a newline).")
     chat: bool = _opt(False, "An interactive chat shell on the loaded pipeline (rank 0 reads the terminal), or with --url on a running --serve server; /help lists its commands.")
@@ -132,7 +135,7 @@ class RunOptions:
     serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
     max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
     max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes, chunked bodies included (larger: 413).")
-    # serve mode: limits where clients reach (serve/limits.py, serve/protocol.py, serve/auth.py)
+    # serve mode: limits where clients reach (serve/limits.py, serve/connection_limits.py, serve/auth.py)
     api_key_file: str | None = _opt(None, "Serve mode: file of API keys, one a line as KEY, NAME:KEY or 'KEY NAME' (# comments); each key's name identifies its holder. Not with --api-key.")
     max_upload_bytes: int = _opt(200_000_000, "Serve mode: largest uploaded file (POST /v1/files) in bytes, streamed to --serve-dir with a running count (larger: 413); OpenAI's limit for batch input files is 200 MB.")
     max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.")
@@ -281,6 +284,8 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
     if opts.data_group_size < 1:
         problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
+    if opts.checkpoint_interval < 0:
+        problems.append(f"--checkpoint-interval must be 0 (only at a stop) or more seconds, got {opts.checkpoint_interval}")
     if opts.status_interval < 1:
         problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
@@ -309,10 +314,8 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve runs one pipeline: drop --data-group-size (or run one server per pipeline)")
         if opts.infer_data:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
-    problems += _layout_problems(opts) + _lora_problems(opts) + _quantize_problems(opts)
-    if opts.kv_cache_dtype == "int8" and opts.backend == "transformers":
-        problems.append("--kv-cache-dtype int8 needs a native family; --backend transformers keeps transformers' own "
-                        "cache: drop --kv-cache-dtype or use --backend auto")
+    problems += _layout_problems(opts) + _lora_problems(opts)
+    problems += refusals(opts, generic="--backend transformers" if opts.backend == "transformers" else None)
     problems += _serve_limit_problems(opts)
     problems += _serve_state_problems(opts)
     problems += interactive_problems(opts)
@@ -323,6 +326,8 @@ def _layout_problems(opts: RunOptions) -> list[str]:
     problems = []
     if opts.in_process and (opts.rank is not None or opts.world_size is not None or opts.dist_url is not None):
         problems.append("--in-process runs every rank in this process: drop --rank, --world-size and --dist-url")
+    if opts.in_process and opts.dist_backend != "auto":
+        problems.append("--in-process joins its ranks by in-memory links, not a process group: drop --dist-backend")
     given = [f for f in ("num_layers", "layers_per_stage", "stage_memory") if getattr(opts, f) is not None]
     if len(given) > 1:
         problems.append(f"{' and '.join('--' + f.replace('_', '-') for f in given)} each decide the stage sizes: "
@@ -352,25 +357,6 @@ def _lora_problems(opts: RunOptions) -> list[str]:
         names.add(name)
         if not Path(path).is_dir() and not looks_like_repo_id(path):
             problems.append(f"--lora {value}: no such folder, nor a hub id org/name")
-    if opts.batch_invariant:
-        problems.append("--batch-invariant does not apply LoRA adapters (its fixed-shape kernels have no per-row "
-                        "adapter path): drop --batch-invariant or --lora")
-    return problems
-
-
-def _quantize_problems(opts: RunOptions) -> list[str]:
-    if opts.quantize == "none":
-        return []
-    problems = []
-    if opts.lora:
-        problems.append(f"--quantize {opts.quantize} does not apply LoRA adapters (they wrap float projections): "
-                        "drop --quantize or --lora")
-    if opts.batch_invariant:
-        problems.append(f"--quantize {opts.quantize} has no fixed-shape kernels for --batch-invariant: "
-                        "drop --quantize or --batch-invariant")
-    if opts.backend == "transformers":
-        problems.append(f"--quantize {opts.quantize} needs a native family; --backend transformers runs transformers' "
-                        "own layers, which are not quantized: drop --quantize or use --backend auto")
     return problems
 
 

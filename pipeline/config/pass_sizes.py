@@ -2,7 +2,7 @@
 :class:`~pipeline.config.components.SchedulerConfig`: pass sizes, chunked prefill, micro-batches,
 file or serve (which policy it runs, :mod:`pipeline.scheduling.policy`); and the prefix cache's block size.
 
-Rank 0's factory (:func:`pipeline.runtime.roles.first_rank`) calls :func:`scheduler_config` with the
+Rank 0's factory (:func:`pipeline.runtime.roles.make_engine`) calls :func:`scheduler_config` with the
 run's budget once it is known (``--budget auto`` needs the loaded stage); every rank derives the same
 :func:`prefix_block` for its prefix pool.
 """

@@ -24,6 +24,7 @@ from pipeline.loading.quantized import checkpoint_format
 from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
+from pipeline.config.capabilities import refusals
 from pipeline.config.options import RunOptions, UsageError
 from pipeline.config.cores import usable_cores
 from pipeline.config.partition import stage_ranges
@@ -81,36 +82,18 @@ class RunPlan:
         return self.ranges[self.stage]
 
 
-def _check_kv_cache_dtype(opts: RunOptions, spec, device: torch.device) -> None:
-    """--kv-cache-dtype int8 where it runs: a native family on CPU stages, head dims in whole float32 words."""
-    if opts.kv_cache_dtype != "int8":
-        return
-    if not isinstance(spec, DecoderSpec):
-        raise UsageError(f"--kv-cache-dtype int8 needs a native family; {spec.family} runs on transformers' own layers "
-                         "(--backend auto/transformers) and their cache: drop --kv-cache-dtype")
-    if device.type != "cpu":
-        raise UsageError("--kv-cache-dtype int8 runs on CPU stages only (its decode attention is the native CPU "
-                         "kernel; a GPU would dequantize the cache every step): drop --kv-cache-dtype")
-    if spec.head_dim % 4:
+def _check_kv_cache_dtype(opts: RunOptions, spec) -> None:
+    """--kv-cache-dtype int8 keeps a float32 scale after each head's values: head dims in whole float32 words."""
+    if opts.kv_cache_dtype == "int8" and isinstance(spec, DecoderSpec) and spec.head_dim % 4:
         raise UsageError(f"--kv-cache-dtype int8 keeps a float32 scale after each head's values, which needs a head "
                          f"dimension divisible by 4 (this model's is {spec.head_dim}): drop --kv-cache-dtype")
 
 
-def _check_checkpoint_format(opts: RunOptions, config: dict, spec):
-    """A pre-quantized checkpoint's format (None: float), refused where it cannot run exactly."""
+def _check_checkpoint_format(config: dict, spec):
+    """A pre-quantized checkpoint's format (None: float); one of a mixture-of-experts model is refused."""
     fmt = checkpoint_format(config)  # UnsupportedQuantization (a ValueError) names what is not understood
-    if fmt is None:
-        return None
-    if not isinstance(spec, DecoderSpec):
-        raise UsageError(f"a {fmt.name} checkpoint needs a native family; {spec.family} runs on transformers' own "
-                         "layers (--backend auto/transformers), which this runner does not load packed weights into")
-    if spec.moe is not None:
+    if fmt is not None and isinstance(spec, DecoderSpec) and spec.moe is not None:
         raise UsageError(f"a {fmt.name} checkpoint of a mixture-of-experts model: quantized experts are not supported")
-    if opts.quantize != "none":
-        raise UsageError(f"--quantize {opts.quantize} on a checkpoint that is already quantized ({fmt.name}): "
-                         "drop --quantize")
-    if opts.batch_invariant:
-        raise UsageError(f"--batch-invariant has no fixed-shape kernels for {fmt.name} weights: drop --batch-invariant")
     return fmt
 
 
@@ -127,17 +110,17 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
         if source.repo_id is None:
             check_weights_present(model_dir)
-        if opts.batch_invariant and not isinstance(spec, DecoderSpec):
-            raise UsageError(f"--batch-invariant needs a native family; {spec.family} runs on transformers' own "
-                             "layers (--backend auto/transformers): drop --batch-invariant")
-        if opts.quantize != "none" and not isinstance(spec, DecoderSpec):
-            raise UsageError(f"--quantize {opts.quantize} needs a native family; {spec.family} runs on transformers' own "
-                             "layers (--backend auto/transformers), which are not quantized: drop --quantize")
-        fmt = _check_checkpoint_format(opts, config, spec)
+        fmt = _check_checkpoint_format(config, spec)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if opts.dist_backend == "nccl" and device.type != "cuda":
+            raise UsageError("--dist-backend nccl needs CUDA GPUs and none is visible: use auto (gloo on CPUs)")
+        problems = refusals(opts, None if isinstance(spec, DecoderSpec) else f"{spec.family} (--backend auto)",
+                            device.type, fmt.name if fmt is not None else None)
+        if problems:
+            raise UsageError("; ".join(problems))
+        _check_kv_cache_dtype(opts, spec)
         all_inputs = resolve_inputs(opts, env)
         check_outputs_distinct(all_inputs, opts.output_path)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _check_kv_cache_dtype(opts, spec, device)
         dtype = resolve_dtype(opts.torch_dtype_name, config, device, model_dir)
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
@@ -215,10 +198,6 @@ def load_adapters(opts: RunOptions, config: dict, spec) -> list:
     """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
     if not opts.lora:
         return []
-
-    if not isinstance(spec, DecoderSpec):
-        raise UsageError(f"--lora needs a native family; {spec.family} runs on transformers' own layers "
-                         "(--backend auto/transformers), which do not apply adapters")
     adapters = []
     for value in opts.lora:
         name, path = parse_lora_flag(value)

@@ -7,6 +7,8 @@ import hashlib
 import re
 from pathlib import Path
 
+API_KEY_ENVS = ("DIST_INFER_API_KEY", "DIST_RUNNER_API_KEY")  # where a server's key, or a client's, may come from
+
 
 def _serve_limit_problems(opts) -> list[str]:
     """Serve mode's limits and keys (serve/limits.py, serve/auth.py): positive numbers, a readable key file."""
@@ -32,7 +34,7 @@ def _serve_limit_problems(opts) -> list[str]:
 
 
 def _serve_state_problems(opts) -> list[str]:
-    """The Batch API's storage flags (--serve-dir itself: serve.state_dir, checked by the entry point)."""
+    """The Batch API's storage flags (--serve-dir itself: tasks.serve_dir, checked by the entry point)."""
     problems = [f"--{name.replace('_', '-')} must be at least 1" for name in
                 ("key_storage_bytes", "key_max_files", "file_expiry_hours", "batch_retention_hours")
                 if getattr(opts, name) < 1]

@@ -1,9 +1,10 @@
-"""The last stage's output assembly after the layers: which rows need logits, their per-row state,
-stop strings, streaming deltas, best_of selection and finished requests.
+"""The last stage after its layers: which rows need logits, each row's state from admission to its
+end (EOS, stop strings, length, a grammar that is complete), and finished requests.
 
-The device work (logits -> tokens and logprobs for the whole micro-batch, echo scoring) is
-pipeline.sampling's; finished requests are formatted (pipeline.output.results) and handed to the
-ordered writer.
+By role: the rows' state is pipeline.output.head_state's; the device work (logits -> tokens and
+logprobs for the whole micro-batch, echo scoring) and structured outputs' masks are
+pipeline.sampling's (step, scoring, constraints); a finished request's result and a stream's deltas
+are assembled by pipeline.output.answers.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import time
 import torch
 
 from tasks.requests import Params
-from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice, output_line,
-                           result_object, top_dict)
 
+from pipeline.output.answers import Answers
 from pipeline.output.head_state import GroupState, RequestState, RowState
+from pipeline.output.results import Candidate, Detokenizer, IncrementalText
 from pipeline.runtime.messages import Admission, Prefill
-from pipeline.sampling.grammar import GrammarError, Grammars, MasksAhead, allowed_mask
+from pipeline.sampling.constraints import Constraints
+from pipeline.sampling.grammar import GrammarError, Grammars
 from pipeline.sampling.sampler import stream_key, uniform
 from pipeline.sampling.scoring import PromptScorer
 from pipeline.sampling.step import draw, head_logits
@@ -30,38 +32,19 @@ class Head:
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
-        self.results: list[tuple[int, dict]] = []  # (input index, output line) finished, not yet taken
-        self.live_results: list[tuple[int, dict]] = []  # the same for serve mode's HTTP requests
-        self.deltas: list[tuple] = []  # streaming: (request index, choice index, new text, its logprobs or None)
+        self.answers = Answers(self.detok, model_name)  # finished requests formatted, streamed text
+        self.constraints = Constraints(grammars, eos_ids, masks_on_thread)  # structured outputs' masks
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
         self.requests: dict[tuple[bool, int], RequestState] = {}  # (live, index) -> state
         self.generated_tokens = 0
-        self.format_seconds = 0.0  # detokenizing and formatting results
-        self.grammars = grammars  # structured outputs' compiled grammars (None: none in this process)
-        self.constrained_rows = 0  # rows sampled under a grammar's mask
-        self.mask_seconds = 0.0  # the sampling step waiting for (or computing) those masks
-        self.ahead = MasksAhead(masks_on_thread)  # constrained rows' next masks (ahead: while the stages run)
-        self.compile_base = (0.0, 0)  # the grammars' compile counters when the file opened
-        self.failed_requests = 0  # requests answered with an error because computing them raised (the run went on)
+        self.resume: dict[int, dict] = {}  # the open file's rows checkpointed mid-generation (line -> state)
 
     # -- admission --------------------------------------------------------------------------
     def start_file(self) -> None:
         """A new file: its counters from zero."""
-        self.generated_tokens, self.format_seconds = 0, 0.0
-        self.constrained_rows, self.mask_seconds = 0, 0.0
-        self.ahead.ahead_seconds = 0.0  # (no mask is pending between files)
-        self.compile_base = (self.grammars.compile_seconds, self.grammars.compiled) if self.grammars else (0.0, 0)
-
-    def structured_figures(self) -> dict:
-        """This file's structured-output figures for its summary ({} when no row was constrained)."""
-        if not self.constrained_rows or self.grammars is None:
-            return {}
-        return {"constrained_rows": self.constrained_rows,
-                "grammars_compiled": self.grammars.compiled - self.compile_base[1],
-                "compile_seconds": round(self.grammars.compile_seconds - self.compile_base[0], 4),
-                "mask_seconds": round(self.mask_seconds, 4),
-                "mask_ahead_seconds": round(self.ahead.ahead_seconds, 4), "masks_on_thread": self.ahead.on_thread}
+        self.generated_tokens, self.answers.format_seconds = 0, 0.0
+        self.constraints.start_file()
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
@@ -75,7 +58,7 @@ class Head:
         req.batch_size = max(req.batch_size, slot_rows)
         if meta.note:
             req.notes.append(meta.note)
-        req.prompt_tokens += len(meta.prompt_ids)
+        req.prompt_tokens += len(meta.prompt_ids) - meta.resumed
         g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
@@ -84,19 +67,57 @@ class Head:
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
             stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
             rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
+            prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]
             try:
-                rows[r].text = IncrementalText(self.detok, meta.prompt_ids) if p.stop or stream else None
+                rows[r].text = IncrementalText(self.detok, prompt) if p.stop or stream else None
             except Exception as e:
                 self._failed(req, "reading its prompt", e)
             if p.structured is not None:
                 try:
-                    if self.grammars is None:
-                        raise GrammarError("no grammar compiler on this rank")
-                    rows[r].matcher = self.grammars.matcher(p.structured)
-                    self.constrained_rows += 1
-                    self.ahead.start(rows[r].matcher, self.grammars.tok.vocab_size)  # (a chunked prompt's later passes)
+                    rows[r].matcher = self.constraints.matcher(p.structured)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
+            if meta.resumed:
+                try:
+                    self._restore(rows[r], meta, p)
+                except Exception as e:
+                    self._failed(req, "restoring its checkpointed tokens", e)
+
+    def _restore(self, st: RowState, meta: Admission, p: Params) -> None:
+        """A row checkpointed mid-generation: its tokens, logprobs, text, penalty counts and grammar state
+        as they were; it samples its next token from where it stopped (its random stream goes on by step)."""
+        saved = self.resume.pop(meta.req)
+        ids = meta.prompt_ids[len(meta.prompt_ids) - meta.resumed:]
+        assert saved["ids"] == ids, "the checkpoint and rank 0 disagree on the row's tokens"
+        c = st.cand
+        c.ids, c.logprobs, c.generated = list(ids), list(saved["logprobs"]), len(ids)
+        if st.matcher is not None:
+            self.constraints.forget(st.matcher)  # its first mask (not flushed yet) is for the state before these
+        if c.top is not None:
+            c.top = [[tuple(x) for x in t] for t in saved["top"]]
+        for tok in ids:
+            if p.presence_penalty or p.frequency_penalty:
+                st.counts[tok] = st.counts.get(tok, 0) + 1
+            if st.text is not None:
+                st.text.add(tok)
+            if st.matcher is not None and not st.matcher.consume_token(tok):
+                raise GrammarError(f"its checkpointed token {tok} does not fit its grammar")
+        if st.matcher is not None:
+            self.constraints.ahead([st.matcher])
+
+    def checkpoint(self) -> dict[int, dict]:
+        """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo):
+        line -> its generated tokens, their logprobs and top logprobs."""
+        out = {}
+        for rows in self.slots.values():
+            for st in rows.values():
+                g = self.groups[st.gid]
+                p, c = g.params, st.cand
+                if g.meta.live or g.meta.n_prompts != 1 or p.best_of != 1 or p.echo or not c.ids:
+                    continue
+                out[g.meta.req] = {"ids": list(c.ids), "logprobs": list(c.logprobs),
+                                   "top": [[list(x) for x in t] for t in c.top] if c.top is not None else None}
+        return out
 
     def _failed(self, req: RequestState | None, doing: str, e: Exception) -> None:
         """A request whose computation raised is answered with an error (its rows finish at their
@@ -169,11 +190,9 @@ class Head:
                 finished += g.rows
         for r in finished:
             self._finish_row(slot, r)
-        for r in feed:  # constrained rows' next masks, while the stages run their next pass
-            if states[r].matcher is not None:
-                self.ahead.start(states[r].matcher, self.grammars.tok.vocab_size)
-        if self.grammars is not None and self.grammars.tok is not None:
-            self.ahead.flush(self.grammars.tok.vocab_size)  # one batch for the pass's rows
+        matchers = [states[r].matcher for r in feed if states[r].matcher is not None]
+        if matchers:  # constrained rows' next masks, while the stages run their next pass
+            self.constraints.ahead(matchers)
         return feed, finished
 
     def _request_error(self, gid: int) -> dict | None:
@@ -185,13 +204,7 @@ class Head:
         device work (pipeline.sampling.step) raises before any row changes; a row whose own bookkeeping
         raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
         ps = [self.groups[states[r].gid].params for r in rows]
-        allowed = None
-        matchers = [states[r].matcher for r in rows]
-        if any(m is not None for m in matchers):  # structured outputs: the grammars' next-token masks
-            t0 = time.perf_counter()
-            allowed = allowed_mask(matchers, self.eos_ids, self.grammars.tok.vocab_size, logits.shape[-1],
-                                   logits.device, self.ahead)
-            self.mask_seconds += time.perf_counter() - t0
+        allowed = self.constraints.mask([states[r].matcher for r in rows], logits.shape[-1], logits.device)
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                   for r, p in zip(rows, ps)], allowed)
@@ -232,7 +245,8 @@ class Head:
                 finished.append(r)
                 return
             if st.sent >= 0:
-                self._stream(st, p)
+                meta = self.groups[st.gid].meta
+                self.answers.stream(meta.req, meta.prompt_i * p.n + st.cand.choice, st, p)
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
             cand.finish_reason = "stop"
             finished.append(r)
@@ -251,7 +265,7 @@ class Head:
     # -- finishing --------------------------------------------------------------------------
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
-        self.ahead.forget(st.matcher)
+        self.constraints.forget(st.matcher)
         g = self.groups[st.gid]
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
@@ -273,50 +287,7 @@ class Head:
             if len(req.choices) == req.n_prompts and all(
                 len(c) == req.params.best_of for c in req.choices.values()
             ):
-                self._format(key, self.requests.pop(key))
-
-    def take_results(self) -> list[tuple[int, dict]]:
-        """Requests finished since the last call: (input index, output line)."""
-        out, self.results = self.results, []
-        return out
-
-    def _stream(self, st: RowState, p: Params) -> None:
-        """Queue the whole tokens a streaming row can no longer take back (their text, and their
-        logprobs when asked): text up to the last (longest stop - 1) characters, which a stop string
-        found later could still cut, ending with a token that completes its characters."""
-        hold = max((len(s) for s in p.stop), default=1) - 1
-        safe = len(st.text.text) - hold
-        pieces, pos, end = st.text.pieces, st.sent_chars, st.sent
-        for k in range(st.sent, len(pieces)):
-            if pos + len(pieces[k]) > safe:
-                break
-            pos += len(pieces[k])
-            if pieces[k]:
-                end = k + 1
-        if end == st.sent:
-            return
-        text = "".join(pieces[st.sent:end])
-        lp = None
-        if p.logprobs is not None:
-            c, offsets, at = st.cand, [], st.sent_chars
-            for piece in pieces[st.sent:end]:
-                offsets.append(at)
-                at += len(piece)
-            lp = {"tokens": pieces[st.sent:end], "token_logprobs": c.logprobs[st.sent:end],
-                  "top_logprobs": [top_dict(self.detok, t) for t in c.top[st.sent:end]] if p.logprobs else None,
-                  "text_offset": offsets}
-        meta = self.groups[st.gid].meta
-        self.deltas.append((meta.req, meta.prompt_i * p.n + st.cand.choice, text, lp))
-        st.sent, st.sent_chars = end, st.sent_chars + len(text)
-
-    def take_deltas(self) -> list[tuple[int, int, str, dict | None]]:
-        out, self.deltas = self.deltas, []
-        return out
-
-    def take_live(self) -> list[tuple[int, dict]]:
-        """Serve mode: HTTP requests finished since the last call, (request index, output line)."""
-        out, self.live_results = self.live_results, []
-        return out
+                self.answers.finish(*key, self.requests.pop(key))
 
     def drop(self, slot: int, live_reqs: set[int]) -> list[int]:
         """Serve mode: forget the rows of ``live_reqs`` (their clients left) in ``slot``; the rows freed."""
@@ -324,7 +295,7 @@ class Head:
                 and self.groups[st.gid].meta.req in live_reqs]
         for r in rows:
             st = self.slots[slot].pop(r)
-            self.ahead.forget(st.matcher)
+            self.constraints.forget(st.matcher)
             g = self.groups[st.gid]
             g.done += 1
             if g.done == len(g.rows):
@@ -332,6 +303,18 @@ class Head:
         for req in live_reqs:
             if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
                 self.requests.pop((True, req), None)
+        return rows
+
+    def cancel(self, slot: int, lines: set[int], error: dict) -> list[int]:
+        """A cancelled file's ``lines`` in ``slot``: their requests are answered with ``error``, their rows
+        end now; returns the rows."""
+        rows = [r for r, st in self.slots.get(slot, {}).items() if not self.groups[st.gid].meta.live
+                and self.groups[st.gid].meta.req in lines]
+        for r in rows:
+            req = self._request_of(self.slots[slot][r].gid)
+            if req is not None and req.error is None:
+                req.error = dict(error)
+            self._finish_row(slot, r)
         return rows
 
     def rows_of(self, gid: int) -> list[int]:
@@ -352,41 +335,6 @@ class Head:
         for r in rows:
             self._finish_row(slot, r)
         return rows
-
-    def _format(self, key: tuple[bool, int], req: RequestState) -> None:
-        live, index = key
-        t0 = time.perf_counter()
-        line = None
-        if req.error is None:
-            try:
-                line = self._result_line(req)
-            except Exception as e:
-                self._failed(req, "formatting its result", e)
-        if req.error is not None:
-            self.failed_requests += 1
-            line = output_line(req.raw, req.custom_id, error=req.error)
-        (self.live_results if live else self.results).append((index, line))
-        self.format_seconds += time.perf_counter() - t0
-
-    def _result_line(self, req: RequestState) -> dict:
-        p = req.params
-        choices, completion_tokens = [], 0
-        for prompt_i in range(req.n_prompts):
-            cands = req.choices[prompt_i]
-            completion_tokens += sum(c.generated for c in cands)
-            best = sorted(cands, key=lambda c: (-c.mean_logprob, c.choice))[: p.n] if p.best_of > p.n else sorted(cands, key=lambda c: c.choice)
-            for j, cand in enumerate(best):
-                idx = prompt_i * p.n + j
-                if req.kind == "chat":
-                    choices.append(chat_choice(self.detok, cand, idx, p))
-                else:
-                    choices.append(completion_choice(self.detok, cand, idx, p.logprobs, req.echoes.get(prompt_i),
-                                                      p.return_token_ids))
-        result = result_object(req.kind, req.model or self.model_name, choices, req.prompt_tokens, completion_tokens,
-                               time.perf_counter() - req.started, req.batch_size, req.cached_tokens)
-        if req.notes:
-            result["warnings"] = req.notes
-        return output_line(req.raw, req.custom_id, result=result)
 
 
 def _find_stop(text: str, stops: list[str], since: int) -> int | None:

@@ -190,15 +190,3 @@ def result_object(kind: str, model: str, choices: list[dict], prompt_tokens: int
     }
 
 
-def output_line(raw: object, custom_id: str | None, result: dict | None = None, error: dict | None = None) -> dict:
-    """The line written for one request: the seed's {"request", "result"|"error"} or a Batch API line."""
-    if custom_id is None:
-        return {"request": raw, "result": result} if error is None else {"request": raw, "error": error}
-    rid = "req_" + uuid.uuid4().hex[:24]
-    line = {"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id}
-    if error is None:
-        line.update(response={"status_code": 200, "request_id": rid, "body": result}, error=None)
-    else:
-        line.update(response={"status_code": 400, "request_id": rid, "body": {"error": error}},
-                    error={"code": error.get("type"), "message": error["message"]})
-    return line

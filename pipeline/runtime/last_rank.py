@@ -9,12 +9,14 @@ message are written in their input position.
 
 from __future__ import annotations
 
+import time
 
 import torch
 
 from comm.dist import DistInfo
 from comm.faults import LINE, PREFILL
 from tasks.output_file import FileStats, OutputFile
+from tasks.protocol import CANCELLED
 from tasks.shards import share_size
 
 from pipeline.output.head import Head
@@ -29,6 +31,8 @@ class LastRank:
         self.fingerprint, self.overwrite, self.show_progress = fingerprint, overwrite, show_progress
         self.file: OutputFile | None = None
         self.status = None  # file mode: the run's tasks.status.RunStatus (pipeline.runtime.monitor)
+        self.checkpoint_interval = 0.0  # seconds between checkpoints of the rows in flight (0: only at a stop)
+        self._checkpointed = 0.0
 
     def handle(self, msg: Message, x: torch.Tensor | None) -> Message | None:
         """Act on a message that went through this stage's layers; the answer for rank 0, if any."""
@@ -43,11 +47,24 @@ class LastRank:
         if isinstance(msg, CloseFile):
             return self._close(msg)
         assert isinstance(msg, Stop), msg
+        if self.file is not None:  # stopped with the file open: its rows in flight resume where they are
+            self.file.checkpoint(self.head.checkpoint())
+            if self.file.inflight is not None:
+                self.file.inflight.stopped()  # a stop, not a crash: the next run suspects nobody
+        if self.status is not None:  # (a signal's reason, written first, stays)
+            self.status.finish("stopped" if self.file is not None else "finished")
         return None
+
+    def _checkpoint(self) -> None:
+        """Every ``checkpoint_interval`` seconds: the rows in flight, for a run after a crash to resume."""
+        now = time.monotonic()
+        if self.checkpoint_interval and now - self._checkpointed >= self.checkpoint_interval:
+            self._checkpointed = now
+            self.file.checkpoint(self.head.checkpoint())
 
     def idle(self) -> None:
         """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
-        self.head.ahead.idle()
+        self.head.constraints.idle()
 
     def _open(self, msg: OpenFile) -> Opened:
         self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
@@ -61,7 +78,10 @@ class LastRank:
                 else:
                     self.status.open_file(msg.input, msg.output, share_size(self.info.data_rank, msg.total,
                                                                             self.info.data_size), skip)
-            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits)
+            self.head.resume = self.file.resumed_rows() if skip is not None else {}
+            self._checkpointed = time.monotonic()
+            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits,
+                          resume=[[i, r["ids"]] for i, r in sorted(self.head.resume.items())])
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
             return Opened(None, error=str(e))
@@ -72,15 +92,18 @@ class LastRank:
         batch = [m for m in hdr.admit if not m.live]
         if not batch:
             return None
-        return Admitting(sorted({m.req for m in batch if not m.alone}), sorted({m.req for m in batch if m.alone}))
+        return Admitting(sorted({m.req for m in batch if not (m.alone or m.probe)}),
+                         sorted({m.req for m in batch if m.alone}), sorted({m.req for m in batch if m.probe}),
+                         max(m.probe for m in batch))
 
     def record(self, msg: Admitting | None) -> None:
         """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
         0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
         if msg is None or self.file is None or self.file.inflight is None:
             return
-        self.file.inflight.admitted(msg.lines, msg.alone)
-        LINE.admit(msg.lines + msg.alone)
+        self.file.inflight.admitted(msg.lines, msg.alone, msg.probe, msg.group)
+        if LINE.armed:
+            LINE.admit(msg.lines + msg.alone + msg.probe)
 
     def _pass(self, hdr: PassHeader, h: torch.Tensor | None) -> Reply:
         t0 = self.stage.mark()
@@ -89,6 +112,8 @@ class LastRank:
             if not meta.live:
                 self.file.prompt_tokens += len(meta.prompt_ids)
         dropped = self.head.drop(hdr.slot, set(hdr.drop)) if hdr.drop else []
+        if hdr.cancel:  # a cancelled file's rows end now, answered as cancelled
+            dropped += self.head.cancel(hdr.slot, set(hdr.cancel), CANCELLED.to_dict())
         if hdr.failed is not None:
             return self._failed(hdr, dropped, t0)
         h_dec, h_pre = unpack(hdr, h)
@@ -121,34 +146,33 @@ class LastRank:
 
     def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
         written = 0
-        for index, line in self.head.take_results():
+        for index, line in self.head.answers.take_results():
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
             if failed:  # the request's own field (a grammar that could not go on), else the computation
-                kind = line["error"].get("param") or "computation"
+                err = line["error"]
+                kind = err.get("param") or ("cancelled" if err.get("type") == CANCELLED.kind else "computation")
                 self.file.kinds[kind] = self.file.kinds.get(kind, 0) + 1
             written += 1
-        PREFILL.tick(ready=bool(hdr.prefill))
+        if PREFILL.armed:
+            PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
+            self._checkpoint()
         self.stage.clock("sample+write", t0, slot=hdr.slot)
         if self.status is not None and self.file is not None:
             f = self.file
-            self.status.progress(f.writer.written, f.errors, f.prompt_tokens, f.cached_tokens,
-                                 self.head.generated_tokens, hdr.stats)
+            self.status.progress(f.answered, f.errors, f.prompt_tokens, f.cached_tokens, self.head.generated_tokens,
+                                 hdr.stats, f.writer.written)
+        live, deltas = self.head.answers.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     self.head.take_live(), written, self.head.take_deltas(), stats=hdr.stats)
+                     live, written, deltas, stats=hdr.stats)
 
     def _close(self, msg: CloseFile) -> Closed:
-        if not self.info.is_first:  # with P = 1 rank 0 already counted this stage
-            msg.busy.append(self.stage.busy)
-            msg.gpu_peak_mb += self.stage.gpu_peak_mb()
-            msg.precision.append(self.stage.precision())
-            msg.memory.append(self.stage.memory_mb())
-        self.file.structured = self.head.structured_figures()
+        self.file.structured = self.head.constraints.figures()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
-                                            self.head.format_seconds, self.info.pipeline_size,
+                                            self.head.answers.format_seconds, self.info.pipeline_size,
                                             self.stage.peak_cells, msg.gpu_peak_mb, msg.precision, msg.memory)
         self.file = None
         if self.status is not None:

@@ -14,6 +14,7 @@ Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where i
   unread. Error lines ride along to reach the writer in their input position.
 - :class:`CloseFile`  the file's last pass has returned; each stage appends its compute seconds
   to ``busy`` on the way; the last rank publishes the output and answers :class:`Closed`.
+- :class:`Release`    rank 0 is idle: every stage frees the caches of the slots that emptied.
 - :class:`Stop`       the run ends.
 
 Back from the last rank to rank 0: :class:`Reply` (the tokens to feed next, finished rows) after
@@ -60,6 +61,8 @@ class Admission:
     adapter: int = 0  # LoRA adapter of its rows (0: the base model)
     model: str | None = None  # the results' "model" when it is an adapter's name
     alone: bool = False  # a suspect of an earlier crash, run with nothing else in flight (tasks.inflight)
+    probe: int = 0  # a suspect of an earlier crash probed with others: its probe group (pipeline.scheduling.isolation)
+    resumed: int = 0  # its row was checkpointed mid-generation: the last ``resumed`` prompt ids are its tokens so far
 
 
 @dataclass
@@ -102,6 +105,7 @@ class PassHeader:
     errors: list[ErrorLine] = field(default_factory=list)
     prefix_grow: int | None = None  # the prefix pools' new capacity in blocks (0: drop them), before this pass
     drop: list[int] = field(default_factory=list)  # serve mode: live requests whose client left
+    cancel: list[int] = field(default_factory=list)  # a cancelled file's lines: their rows end, answered as cancelled
     adapters: list[int] = field(default_factory=list)  # LoRA adapter of each slot row (0: base); empty: all base
     # every --status-interval seconds rank 0 sends [] and each stage appends [busy seconds since the file
     # opened, KV cells held, peak memory MiB] after its forward (the status file, /metrics: pipeline.runtime.monitor)
@@ -148,6 +152,8 @@ class Admitting:
     KIND: ClassVar[str] = "admitting"
     lines: list[int]  # admitted with others
     alone: list[int] = field(default_factory=list)  # suspects of an earlier crash, nothing else in flight
+    probe: list[int] = field(default_factory=list)  # suspects probed together beside the others
+    group: int = 0  # their probe group's number in this run
 
 
 @dataclass
@@ -180,6 +186,7 @@ class Opened:
     error: str | None = None
     suspects: list[int] = field(default_factory=list)  # lines in flight when an earlier run crashed: run alone
     culprits: list[int] = field(default_factory=list)  # lines alone in flight when a run crashed: error lines
+    resume: list[list] = field(default_factory=list)  # [line, its generated ids] of rows checkpointed mid-generation
 
 
 @dataclass
@@ -207,14 +214,22 @@ class Closed:
 
 
 @dataclass
+class Release:
+    """Rank 0 is idle: every stage frees the caches of these emptied slots now (no pass will carry them)."""
+
+    KIND: ClassVar[str] = "release"
+    slots: list[int]
+
+
+@dataclass
 class Stop:
     KIND: ClassVar[str] = "stop"
     errors: list[ErrorLine] = field(default_factory=list)
 
 
-Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Stop
+Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Release | Stop
 _KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Admitting, Reply, OpenFile, Opened, CloseFile,
-                                               Closed, Stop)}
+                                               Closed, Release, Stop)}
 
 
 class MessageError(ValueError):

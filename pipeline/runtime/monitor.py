@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dataclasses
 
-from tasks.metrics import StatusCollector
+from tasks.status_exporter import StatusCollector
 from tasks.shards import share_size
 from tasks.status import RunStatus, activate, count_lines
 
@@ -75,14 +75,22 @@ def run_flags(opts) -> dict:
     return out
 
 
-def start_metrics(opts, status: RunStatus | None) -> None:
+def start_metrics(opts, status: RunStatus | None):
     """``--metrics-port``: Prometheus metrics from the status figures on 127.0.0.1:PORT (a daemon
-    thread: it ends with the process)."""
+    thread) while the run lasts; the server, for :func:`stop_metrics` (None without the flag)."""
     if opts.metrics_port is None or status is None:
-        return
+        return None
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
     registry.register(StatusCollector(status))
-    start_http_server(opts.metrics_port, addr="127.0.0.1", registry=registry)
+    server, _ = start_http_server(opts.metrics_port, addr="127.0.0.1", registry=registry)
     log.info("metrics: http://127.0.0.1:%d/metrics", opts.metrics_port)
+    return server
+
+
+def stop_metrics(server) -> None:
+    """The run ended: its port is closed (a process ends anyway; an ``--in-process`` run's caller goes on)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()

@@ -1,8 +1,7 @@
-"""Rank 0, middle and last ranks assembled from a plan: the stage's layers (with adapters, int8
-kernels and the prefix block size), the KV budget, the links between stages, the driver and the head.
-
-``dist_inference_runner.execute`` calls these after the process groups exist; serve mode builds rank 0
-with :func:`first_rank` as file mode does.
+"""Ranks assembled from a plan: the one start-up (:func:`start_rank`: the process group, this stage's
+layers with adapters, int8 kernels and the prefix block size, the KV budget), then rank 0's engine
+(:func:`make_engine`: the driver, the scheduler and, at P = 1, the head) or every other rank's loop
+(:func:`serve_rank`). Every face starts its ranks through these.
 """
 
 from __future__ import annotations
@@ -11,7 +10,16 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from comm.dist import DistInfo, init_distributed
+from comm.faults import LOAD, set_rank
+from pipeline.config.options import RunOptions
+from pipeline.config.plan import RunPlan
+from pipeline.runtime.host_memory import keep_freed_memory
+from pipeline.runtime.monitor import start_metrics, start_status, stop_metrics
+from tasks.status import RunStatus, fail_active
 
 from pipeline.config.options import UsageError
 from pipeline.config.pass_sizes import prefix_block, scheduler_config
@@ -33,7 +41,8 @@ from pipeline.runtime.link import Link
 from pipeline.output.head import Head
 from pipeline.runtime.last_rank import LastRank
 from pipeline.scheduling.driver import Driver
-from pipeline.runtime.first_rank import FirstRank
+from pipeline.runtime.engine import Engine
+from pipeline.runtime.sources import FileSource, Requests
 from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
 from pipeline.scheduling.driver import ModelNames
@@ -137,7 +146,8 @@ def run_budget(opts, info, stage, plan=None) -> int:
 
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
-        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most)
+        budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
+                                info.gpu_sharers)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if opts.budget == "auto" and info.is_first:
@@ -155,26 +165,86 @@ def make_link(info, stage):
     return Link(info, Messenger(info.rank, info.device, info.channels, stage.trace))
 
 
-def last_rank(plan, opts, info, stage, tokenizer=None, grammars=None):
+@dataclass
+class Rank:
+    """A rank once started (:func:`start_rank`): where it is, its stage, the run's budget, its status file."""
+
+    plan: RunPlan
+    opts: RunOptions
+    info: DistInfo
+    stage: Stage
+    budget: int
+    status: RunStatus | None = None  # the writing rank's status file (file mode)
+    metrics: object = None  # its --metrics-port server (pipeline.runtime.monitor.stop_metrics closes it)
+
+
+def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
+    """The one start-up of every rank and face: threads, the process group (``info``: this rank's place
+    when every rank runs in this process), the status file, the tokenizer and server libraries ahead,
+    this rank's stage, the KV budget every stage agrees on."""
+    import torch
+
+    set_rank(plan.rank)
+    torch.set_num_threads(plan.threads)
+    if not torch.cuda.is_available():  # a CPU stage: activations reuse freed heap pages (see the module)
+        keep_freed_memory()
+    try:
+        info = info or init_distributed(opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size,
+                                        opts.dist_url, opts.cuda_id, opts.timeout, opts.dist_backend)
+    except ValueError as e:  # e.g. two ranks on one GPU
+        raise UsageError(str(e)) from None
+    status = start_status(plan, opts, info)  # the writing rank's status file, "loading"
+    metrics = None
+    try:
+        metrics = start_metrics(opts, status)
+        load_ahead(plan, opts, info)
+        stage = load_stage(plan, opts, info)
+        LOAD.tick()
+        budget = run_budget(opts, info, stage, plan)
+    except BaseException as e:
+        fail_active(f"{type(e).__name__}: {e}")
+        stop_metrics(metrics)
+        raise
+    return Rank(plan, opts, info, stage, budget, status, metrics)
+
+
+def load_ahead(plan, opts, info) -> None:
+    """What this rank uses later, loaded before its stage's memory account starts: the libraries count in
+    its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server's)."""
+    if info.is_first or info.is_last:
+        try:
+            load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
+        except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
+            pass
+    if opts.serve is not None and info.is_first:
+        import fastapi  # noqa: F401  # lazy: serve mode's HTTP libraries, no other rank's
+        import uvicorn  # noqa: F401
+
+
+def last_rank(rank: Rank, tokenizer=None, grammars=None) -> LastRank:
     """The last stage's handler: the head, and the fingerprint its journals are checked against.
     ``grammars``: rank 0's compiled structured-output grammars when it is also the last rank (P = 1)."""
-
+    plan, opts, info = rank.plan, rank.opts, rank.info
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size)
-    head = Head(stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
+    head = Head(rank.stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
                 masks_on_thread(info.device, info.local_world_size, usable_cores()))
-    return LastRank(stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
+    last = LastRank(rank.stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
+    last.status, last.checkpoint_interval = rank.status, opts.checkpoint_interval
+    return last
 
 
-def first_rank(plan, opts, info, stage, arriving: bool = False):
-    """Rank 0: the driver over a scheduler with this run's sizes and policy: serve's with --serve or when
-    requests arrive over time from another face (``arriving``: the chat shell, the Python API), else file's."""
+def make_engine(rank: Rank, files: FileSource | None = None, requests: Requests | None = None,
+                stopping=None, arriving: bool = False) -> Engine:
+    """Rank 0's engine over this rank's stage, fed by ``files`` and ``requests``; its scheduler runs serve
+    mode's policy with --serve or when requests arrive over time from another face (``arriving``: the
+    terminal, the Python API), else a file's."""
+    plan, opts, info = rank.plan, rank.opts, rank.info
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
-
     block = prefix_block(plan, opts)
-    config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", opts.budget, arriving)
-    sched = Scheduler(config, PrefixCache(block, opts.budget) if block else None, policy_for(config))
+    config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", rank.budget, arriving)
+    sched = Scheduler(config, PrefixCache(block, rank.budget) if block else None, policy_for(config))
     models = None
     if plan.adapters:
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
@@ -183,22 +253,19 @@ def first_rank(plan, opts, info, stage, arriving: bool = False):
     grammars = Grammars(tokenizer, plan.spec.vocab_size)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout))
-    # P = 1: one tokenizer, and the grammars rank 0 compiled
-    last = last_rank(plan, opts, info, stage, tokenizer, grammars) if info.is_last else None
-    return FirstRank(stage, driver, make_link(info, stage), last, info.data_rank, info.data_size)
+    last = last_rank(rank, tokenizer, grammars) if info.is_last else None  # P = 1: one tokenizer, rank 0's grammars
+    engine = Engine(rank.stage, driver, make_link(info, rank.stage), last, files, requests, stopping, info.data_rank,
+                    info.data_size)
+    engine.stats_every = opts.status_interval
+    return engine
 
 
-def serve_rank(plan, opts, info, stage, status=None) -> str | None:
-    """Every rank but the first; returns the last output it saw opened. ``status``: the last rank's
-    status file (pipeline.runtime.monitor), finished after the last file closed."""
-    link = make_link(info, stage)
-    last = last_rank(plan, opts, info, stage) if info.is_last else None
-    if last is not None:
-        last.status = status
-    last_output = serve(link, stage, last)
+def serve_rank(rank: Rank) -> str | None:
+    """Every rank but the first: passes until Stop; returns the last output it saw opened."""
+    link = make_link(rank.info, rank.stage)
+    last = last_rank(rank) if rank.info.is_last else None
+    last_output = serve(link, rank.stage, last)
     link.flush()
-    if status is not None:
-        status.finish("finished")
     return last_output
 
 

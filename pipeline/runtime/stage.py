@@ -17,7 +17,7 @@ import torch
 
 from comm.faults import ForwardPoint
 
-from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Stop
+from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, PassHeader, Release, Stop
 from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
@@ -47,6 +47,7 @@ class Stage:
         self.bad_blocks: set[int] = set()  # prefix pool blocks a failed pass did not write here
         self.ledger: MemoryLedger | None = None  # its memory account, when loaded by pipeline.runtime.roles
         self._noted_cells = 0  # KV cells at the ledger's last look
+        self._changed = True  # the caches changed since note_peak last looked
         self.fault = ForwardPoint()  # the reliability tests' injected forward failure (comm.faults); unset: inert
 
     @property
@@ -78,9 +79,21 @@ class Stage:
         head = block_buffer_bytes() if getattr(self.model, "has_head", False) else 0
         return self.ledger.breakdown(self.model, self.device, head)
 
+    def add_figures(self, msg: CloseFile) -> None:
+        """This stage's figures for the file's summary, appended to its CloseFile on the way down:
+        compute seconds, peak GPU memory, precision, memory breakdown."""
+        msg.busy.append(self.busy)
+        msg.gpu_peak_mb += self.gpu_peak_mb()
+        msg.precision.append(self.precision())
+        msg.memory.append(self.memory_mb())
+
     def note_peak(self) -> None:
-        """After the caches changed: the file's most KV cells, and the ledger's most KV bytes (looked
-        at only when the cells changed: a cache's bytes follow its cells)."""
+        """After the caches changed (:attr:`_changed`: allocated, created, released, the pool resized;
+        not on every pass): the file's most KV cells, and the ledger's most KV bytes (looked at only
+        when the cells changed: a cache's bytes follow its cells)."""
+        if not self._changed:
+            return
+        self._changed = False
         cells = self.kv_cells
         self.peak_cells = max(self.peak_cells, cells)
         if self.ledger is not None and cells != self._noted_cells:
@@ -117,9 +130,12 @@ class Stage:
         bookkeeping (release, allocation, prefix pool size) runs in any case, so that every stage
         keeps the same caches."""
         t0 = self.mark()
-        self.fault.watch(hdr)
-        self.release(hdr.release)
+        if self.fault.armed:
+            self.fault.watch(hdr)
+        if hdr.release:
+            self.release(hdr.release)
         if hdr.alloc:
+            self._changed = True
             self.caches.pop(hdr.slot, None)
             dims, cache = self.prepared.pop(hdr.slot, (None, None))
             if dims == hdr.alloc:
@@ -128,6 +144,7 @@ class Stage:
                 self.pending[hdr.slot] = hdr.alloc
         cache = self._cache(hdr)
         if hdr.prefix_grow is not None:
+            self._changed = True
             dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())  # an int8 cache's hidden
             if hdr.prefix_grow < self.prefix.capacity or not hdr.prefix_grow:
                 self.bad_blocks.clear()  # the pool is dropped
@@ -139,7 +156,8 @@ class Stage:
         out = None
         if hdr.failed is None:
             try:
-                self.fault.check(hdr)
+                if self.fault.armed:
+                    self.fault.check(hdr)
                 out = self._forward(hdr, x, cache)
             except Exception as e:  # the pass fails, not the process: rank 0 finds the row it was
                 hdr.failed = f"{type(e).__name__}: {str(e)[:300]}"
@@ -181,6 +199,7 @@ class Stage:
         t0 = self.mark()
         self.release([*msg.release, msg.slot])
         self.prepared[msg.slot] = ([msg.rows, msg.cols], self.model.new_cache(msg.rows, msg.cols))
+        self._changed = True
         self.note_peak()
         self.clock("allocate", t0, slot=msg.slot, rows=msg.rows, cols=msg.cols)
 
@@ -192,6 +211,7 @@ class Stage:
         needed = hdr.keeps_cache
         if cache is None and needed:
             cache = self.caches[hdr.slot] = self.model.new_cache(*self.pending.pop(hdr.slot))
+            self._changed = True
         return cache if needed else None
 
     @property
@@ -202,6 +222,7 @@ class Stage:
         return sum(c.rows * c.cols for c in self.caches.values()) + ahead + pool
 
     def release(self, slots: list[int]) -> None:
+        self._changed = True
         for sid in slots:
             self.caches.pop(sid, None)
             self.pending.pop(sid, None)
@@ -241,17 +262,18 @@ def serve(link, stage: Stage, last=None) -> str | None:
                 link.send_next(msg)
             stage.prepare(msg)
             continue
+        if isinstance(msg, Release):  # rank 0 is idle: no pass carries these slots' release
+            stage.release(msg.slots)
+            if last is None:
+                link.send_next(msg)
+            continue
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)
         elif isinstance(msg, OpenFile):
             stage.busy, stage.peak_cells, output = 0.0, stage.kv_cells, msg.output  # per-file figures
         elif isinstance(msg, CloseFile):
             stage.release(msg.release)
-            if last is None:
-                msg.busy.append(stage.busy)
-                msg.gpu_peak_mb += stage.gpu_peak_mb()
-                msg.precision.append(stage.precision())
-                msg.memory.append(stage.memory_mb())
+            stage.add_figures(msg)
         if last is None:
             link.send_next(msg, x)
         else:
@@ -302,8 +324,8 @@ def unpack(hdr: PassHeader, x: torch.Tensor | None) -> tuple[torch.Tensor | None
     """Inverse of :func:`pack`: (decode (r, 1, ...), prefill (b, t, ...)), shapes from the header."""
     if x is None:
         return None, None
-    r = len(hdr.decode_layout)
-    b, t = len(hdr.prefill), hdr.prefill_len
+    r, b = len(hdr.decode_layout), len(hdr.prefill)
+    t = hdr.prefill_len if b else 0
     x_dec = x[:r].reshape(r, 1, *x.shape[1:]) if r else None
     x_pre = x[r:].reshape(b, t, *x.shape[1:]) if b else None
     return x_dec, x_pre

@@ -45,6 +45,7 @@ class Slot:
     fed: deque[list[int]] = field(default_factory=deque)  # decode rows of each pass in flight, oldest first
     adapters: list[int] = field(default_factory=list)  # LoRA adapter per row (set when its group enters)
     drops: set[int] = field(default_factory=set)  # serve mode: requests to forget with the slot's next pass
+    cancels: set[int] = field(default_factory=set)  # a cancelled file's lines whose rows end with the next pass
 
     @property
     def inflight(self) -> int:
@@ -102,6 +103,7 @@ class Pass:
     adapters: tuple[int, ...] = ()  # LoRA adapter of each slot row; empty: every row is the base model
     drop: tuple[int, ...] = ()  # serve mode: requests whose client left (their rows end)
     split: bool = False  # its slot's decode rows are split over several passes in flight (Scheduler.parts)
+    cancel: tuple[int, ...] = ()  # a cancelled file's lines whose rows end (answered as cancelled)
 
     @property
     def prefill(self) -> list[tuple[int, int]]:
@@ -129,3 +131,4 @@ class Outcome:
 
     finished: tuple[int | None, ...]  # gid of each finished row (None: the row was free already)
     released: bool  # the slot emptied: its caches can be freed (sent with the next pass)
+    waiting: bool = False  # groups are queued (slots without a pass in flight may take them)

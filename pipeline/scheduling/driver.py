@@ -18,12 +18,13 @@ import torch
 
 from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
 from tasks.inflight import crash_error
-from tasks.requests import Request, RequestError, parse_line
-from pipeline.output.results import output_line
+from tasks.requests import Request, parse_line
+from tasks.protocol import CANCELLED, RequestError, output_line
 from tasks.shards import share_of
 
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_value
+from pipeline.scheduling.isolation import Isolation
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
 from pipeline.scheduling.scheduler import Group, Pass, Scheduler
@@ -63,60 +64,78 @@ class Driver:
         self.requests_read = 0
         self.error_kinds: dict[str, int] = {}
         self.encode_seconds = 0.0
-        self.suspects: set[int] = set()  # lines in flight when an earlier run crashed: each runs alone
-        self.culprits: set[int] = set()  # lines alone in flight when a run crashed: answered with an error
-        self.held: tuple[int, bytes] | None = None  # a suspect line read, waiting for the pipeline to empty
-        self.alone = False  # a suspect is running: read nothing more until it is done
+        self.isolation = Isolation()  # an earlier crash's suspects, probed in halves (pipeline.scheduling.isolation)
+        self.resume: dict[int, list[int]] = {}  # line -> its tokens generated before a stop or crash
+        self.unresumable: set[int] = set()  # groups in flight a checkpoint cannot keep (live, several rows or prompts, echo)
 
-    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=()) -> None:
+    def start(self, lines: Iterator[tuple[int, bytes]], suspects=(), culprits=(), resume=()) -> None:
         """A new file: read from ``lines``, with this file's counters from zero; ``suspects`` and
-        ``culprits`` come from the runs that crashed on it before (tasks.inflight)."""
+        ``culprits`` come from the runs that crashed on it before (tasks.inflight), ``resume`` ([line,
+        generated ids]) from the last checkpoint of its rows in flight."""
         self.lines = lines
+        self.resume = {int(i): list(ids) for i, ids in resume}
         self.requests_read, self.error_kinds, self.encode_seconds = 0, {}, 0.0
-        self.suspects, self.culprits, self.held, self.alone = set(suspects), set(culprits), None, False
-        if self.suspects or self.culprits:
-            log.warning("an earlier run ended while computing lines %s: %s", few(self.suspects | self.culprits),
-                        f"{len(self.suspects)} run again one at a time" + (
-                            f", {len(self.culprits)} (alone in flight then) answered with an error"
-                            if self.culprits else ""))
+        iso = self.isolation = Isolation(suspects, culprits)
+        if iso.active:
+            log.warning("an earlier run ended while computing lines %s: %s", few(iso.suspects | iso.culprits),
+                        (f"{len(iso.suspects)} probed in halves beside the rest of the file" if len(iso.suspects) > 1
+                         else f"{len(iso.suspects)} run alone" if iso.suspects else "none run again") + (
+                            f", {len(iso.culprits)} (alone in flight then) answered with an error"
+                            if iso.culprits else ""))
 
     # -- input ------------------------------------------------------------------------------
     def fill(self) -> None:
-        """Read lines until the scheduler has a full look-ahead window (or the input ends)."""
-        if self.alone or self.held:
-            if not self._empty():
-                return
-            self.alone = False
-        while self.lines is not None and self.sched.wants_more:
-            item, self.held = self.held or next(self.lines, None), None
+        """Read lines until the scheduler has a full look-ahead window (or the input ends); an earlier
+        crash's suspects are set aside for their probes (:class:`~pipeline.scheduling.isolation.Isolation`)."""
+        iso = self.isolation
+        if iso.active:
+            self._probe()
+        while self.lines is not None and self.sched.wants_more and not (iso.draining or iso.alone):
+            item = next(self.lines, None)
             if item is None:
                 self.lines = None
+                if iso.active:
+                    self._probe()
                 return
             index, line = item
             if share_of(index, self.data_size) != self.data_rank:
                 continue  # another data-parallel pipeline answers this line
-            if index in self.suspects and not self._empty():
-                self.held = item  # it runs once everything before it is done
-                return
-            self.requests_read += 1
-            if index in self.culprits:  # it was alone in flight when a process died: not run again
-                err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
-                self.error_line(index, raw_value(line), err)
+            if iso.active and iso.holds(index, line):
+                self._probe()
                 continue
-            req = None
-            try:
-                req = parse_line(line, index)
-                groups = self._groups(req, alone=index in self.suspects)
-            except Exception as e:  # any failure to prepare the line is its own error, never the run's
-                raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
-                    line.decode("utf-8", "replace").rstrip("\r\n")
-                self.error_line(index, raw, as_request_error(e))
-                continue
-            for g in groups:
-                self.sched.submit(g)
-            if index in self.suspects:
-                self.alone = True
-                return
+            self._read(index, line)
+
+    def _probe(self) -> None:
+        """Start the next probe group when its lines are read and none is in flight."""
+        iso = self.isolation
+        probe = iso.next_probe(self.lines is None, self._empty())
+        if probe is None:
+            return
+        lines, alone, group = probe
+        gids = []
+        for index, line in lines:
+            gids += self._read(index, line, alone, 0 if alone else group)
+        iso.started(gids, alone)
+
+    def _read(self, index: int, line: bytes, alone: bool = False, probe: int = 0) -> list[int]:
+        """One line into the scheduler (or answered with its error in its place); its groups' ids."""
+        self.requests_read += 1
+        if index in self.isolation.culprits:  # it was alone in flight when a process died: not run again
+            err = RequestError(crash_error(index)["message"], None, "server_error", reason="crashed")
+            self.error_line(index, raw_value(line), err)
+            return []
+        req = None
+        try:
+            req = parse_line(line, index)
+            groups = self._groups(req, alone=alone, probe=probe)
+        except Exception as e:  # any failure to prepare the line is its own error, never the run's
+            raw = req.raw if req is not None else e.raw if hasattr(e, "raw") else \
+                line.decode("utf-8", "replace").rstrip("\r\n")
+            self.error_line(index, raw, as_request_error(e))
+            return []
+        for g in groups:
+            self.sched.submit(g)
+        return [g.gid for g in groups]
 
     def _empty(self) -> bool:
         """Nothing queued, no row live: a suspect line can run alone."""
@@ -130,7 +149,8 @@ class Driver:
 
     @property
     def exhausted(self) -> bool:
-        return self.lines is None
+        """Every line of the file is read into the scheduler or answered (no suspect waits for its probe)."""
+        return self.lines is None and not self.isolation.waiting
 
     @property
     def done(self) -> bool:
@@ -181,7 +201,7 @@ class Driver:
         return [g.gid for g in groups]
 
     def _groups(self, req: Request, live: bool = False, alone: bool = False,
-                ids: list[list[int]] | None = None) -> list[Group]:
+                ids: list[list[int]] | None = None, probe: int = 0) -> list[Group]:
         p = req.params
         bad = [t for t in p.logit_bias if t >= self.vocab_size]
         if bad:
@@ -207,10 +227,14 @@ class Driver:
                         "prompt, lower max_tokens, or run with --truncate-prompts", "prompt", reason="context_window")
                 note = f"prompt {i} left-truncated from {len(ids)} to {keep} tokens to fit the context window"
                 ids = ids[-keep:]
+            done = [] if live else self.resume.pop(req.index, [])  # checkpointed mid-generation: tokens so far
+            if done and (len(req.prompts) != 1 or p.best_of != 1 or p.echo or len(done) >= p.max_tokens):
+                done = []  # (only one prompt, one row, no echo resume; the last rank checkpoints only those)
+            ids = ids + done  # computed as prompt, the row samples its next token where it stopped
             digests = block_digests(ids, self.prefix.block_size, salt) if self.prefix is not None else []
             chunkable = p.max_tokens > 0 and p.best_of == 1 and not p.echo  # whole-prompt logprobs: one pass
-            g = Group(self.next_gid + i, len(ids), p.max_tokens, p.best_of, tuple(digests), priority=live,
-                      chunkable=chunkable, adapter=adapter, request=req.index)
+            g = Group(self.next_gid + i, len(ids), p.max_tokens - len(done), p.best_of, tuple(digests),
+                      priority=live, chunkable=chunkable, adapter=adapter, request=req.index)
             if not self.sched.fits(g):
                 spare = " + 1 spare column for the prefix cache" if self.sched.spare else ""
                 raise RequestError(
@@ -219,7 +243,8 @@ class Driver:
                     "raise --budget", "max_tokens", reason="budget")
             meta = Admission(g.gid, req.index, i, len(req.prompts), ids, p, req.kind, req.custom_id,
                              note, rows=[], raw=req.raw if i == 0 else None, live=live,
-                             stream=req.stream, adapter=adapter, model=model, alone=alone)
+                             stream=req.stream, adapter=adapter, model=model, alone=alone, probe=probe,
+                             resumed=len(done))
             groups.append(g)
             metas.append(meta)
         self.next_gid += len(req.prompts)
@@ -245,6 +270,22 @@ class Driver:
             self.unqueue(g)
         return len(held)
 
+    def cancel_file(self) -> int:
+        """The open file is cancelled: no line is read, its queued lines never start (each answered with
+        the cancel error in its place), its rows in flight end with their slots' next passes (the last
+        rank answers them so). Returns the lines that had started."""
+        self.lines = None
+        self.isolation.aside.clear()
+        gone, started = self.sched.cancel_lines()
+        raws = {}
+        for g in gone:
+            meta = self.unqueue(g)
+            if meta is not None and meta.raw is not None:
+                raws[g.request] = meta.raw
+        for index in sorted({g.request for g in gone}):
+            self.error_line(index, raws.get(index), CANCELLED)
+        return len(started)
+
     def shed(self) -> list[Admission]:
         """Shutdown: nothing queued starts and no line is read; the admissions of the groups dropped."""
         metas = [self.unqueue(g) for g in self.sched.shed()]
@@ -252,13 +293,11 @@ class Driver:
         return [m for m in metas if m is not None]
 
     # -- passes -----------------------------------------------------------------------------
-    def next_pass(self, sid: int, ahead: bool = False) -> tuple[PassHeader, torch.Tensor | None,
-                                                               torch.Tensor | None] | None:
-        """Slot ``sid``'s next pass built, or None: the scheduler's decision for an idle slot or, with
-        ``ahead``, for one with a pass in flight (:meth:`Scheduler.next_pass`)."""
-        if self.sched.busy(sid) and not ahead:
-            return None
-        ps = self.sched.next_pass(sid, ahead=self.sched.busy(sid))
+    def next_pass(self, sid: int, busy: bool = False) -> tuple[PassHeader, torch.Tensor | None,
+                                                              torch.Tensor | None] | None:
+        """Slot ``sid``'s next pass built, or None: the scheduler's decision for an idle slot or, when
+        ``busy`` (a pass of it in flight), for a pass ahead of that one's answer (:meth:`Scheduler.next_pass`)."""
+        ps = self.sched.next_pass(sid, ahead=busy)
         return None if ps is None else self.build(ps)
 
     def build(self, ps: Pass) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:
@@ -266,7 +305,8 @@ class Driver:
         feed = self.last_token.setdefault(ps.slot, {})
         hdr = PassHeader(ps.slot, ps.rows, list(ps.alloc) if ps.alloc else None, list(ps.release),
                          list(ps.decode_rows), list(ps.decode_layout), list(ps.decode_start), errors=self.take_errors(),
-                         prefix_grow=ps.prefix_grow, drop=list(ps.drop), adapters=list(ps.adapters))
+                         prefix_grow=ps.prefix_grow, drop=list(ps.drop), adapters=list(ps.adapters),
+                         cancel=list(ps.cancel))
         layout = ps.decode_layout
         decode_ids = torch.tensor([[feed.get(r, 0)] for r in layout], dtype=torch.long) if layout else None
         prefill_ids = None
@@ -282,6 +322,9 @@ class Driver:
                 meta = self.metas.pop(gid)
                 meta.rows = list(rows)
                 hdr.admit.append(meta)
+                p = meta.params
+                if meta.live or meta.n_prompts != 1 or p.best_of != 1 or p.echo:
+                    self.unresumable.add(gid)
             for item in hdr.prefill:
                 if not item.partial:
                     self.prompts.pop(item.gid, None)
@@ -292,8 +335,9 @@ class Driver:
         return errors
 
     def on_reply(self, reply: Reply) -> bool:
-        """A pass's answer: the tokens to feed next; the scheduler is told the outcome. True when the
-        slot emptied (its caches are released with the next pass, or the file's close)."""
+        """A pass's answer: the tokens to feed next; the scheduler is told the outcome. True when slots
+        without a pass in flight may have work now: the slot emptied (its caches are released with the
+        next pass, or the file's close), or groups are queued."""
         slot_feed = self.last_token.setdefault(reply.slot, {})
         for r in reply.finished:
             slot_feed.pop(r, None)
@@ -301,7 +345,11 @@ class Driver:
         out = self.sched.on_reply(reply.slot, sorted(r for r, _ in reply.feed), reply.finished)
         for gid in out.finished:
             self.prompts.pop(gid, None)  # serve mode: a client left during a chunked prompt
-        return out.released
+            self.unresumable.discard(gid)
+        if self.isolation.active and (self.isolation.finished(out.finished) or self.isolation.draining):
+            self._probe()  # the probe in flight is answered (or the pipeline may be empty for a lone one)
+            return True
+        return out.released or out.waiting
 
     # -- what the loops and status read -----------------------------------------------------
     @property

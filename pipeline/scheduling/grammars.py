@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tasks.requests import RequestError
+from tasks.protocol import RequestError
 from pipeline.sampling.grammar import GrammarError, Grammars, spec_key
 
 DEFAULT_GRAMMAR_TIMEOUT = 5.0  # seconds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 
-from tasks.requests import RequestError
+from tasks.protocol import RequestError
 
 
 def raw_value(line: bytes):

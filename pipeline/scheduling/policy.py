@@ -29,8 +29,7 @@ class FilePolicy:
         a slot's decode rows split over passes for every stage (:meth:`Scheduler.parts`)."""
         return len(sched.slots) > 1
 
-    def split_tail(self) -> bool:
-        return True
+    splits_tail = True  # at a file's end a slot's decode rows split over passes for every stage (Scheduler.parts)
 
     def new_slot(self, sched: Scheduler, rows: int, cols: int) -> tuple[int, int]:
         """A new micro-batch's (rows, cols): exactly what its groups need."""
@@ -38,7 +37,7 @@ class FilePolicy:
 
     def pool_want(self, sched: Scheduler, want: int) -> int | None:
         """Cells the prefix pool gives way to (None: it stays): the oldest group's, once no slot is allocated."""
-        return None if any(s.allocated for s in sched.slots) else want
+        return None if any(s.rows for s in sched.slots) else want
 
     def blocked_limit(self, sched: Scheduler, slot: Slot) -> int | None:
         """The oldest queued group fits no slot: every slot drains for it (nothing joins)."""
@@ -65,8 +64,7 @@ class ServePolicy:
     def even_tail(self, sched: Scheduler) -> bool:
         return False  # the queue is never "the rest": more requests come
 
-    def split_tail(self) -> bool:
-        return False
+    splits_tail = False
 
     def new_slot(self, sched: Scheduler, rows: int, cols: int) -> tuple[int, int]:
         """Free rows with room for recent requests, within this slot's share."""
@@ -83,8 +81,8 @@ class ServePolicy:
     def blocked_limit(self, sched: Scheduler, slot: Slot) -> int | None:
         """Only the slot with the fewest rows in use drains, taking groups that end before its longest
         row (backfill); the others take requests as usual (None)."""
-        if self.draining is None or not sched.slots[self.draining].allocated:
-            held = [s for s in sched.slots if s.allocated]
+        if self.draining is None or not sched.slots[self.draining].rows:
+            held = [s for s in sched.slots if s.rows]
             self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
         if slot.sid != self.draining:
             return None

@@ -9,7 +9,7 @@ from a look-ahead window, and a slot whose rows finish takes new groups into tho
 
 The scheduler owns the decision: :meth:`Scheduler.next_pass` returns a complete, immutable
 :class:`~pipeline.scheduling.batches.Pass` (rows, segments, prefix loads and saves, chunk ends,
-adapters, releases, drops; :mod:`pipeline.scheduling.assembly`) and :meth:`Scheduler.on_reply` is
+adapters, releases, drops: :meth:`Scheduler._assemble`) and :meth:`Scheduler.on_reply` is
 told the outcome. Its sizes come in a :class:`~pipeline.config.components.SchedulerConfig`, what
 differs between a file and the server in a policy object (:mod:`pipeline.scheduling.policy`).
 Nothing outside it edits its queue or slots.
@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipeline.scheduling.assembly import assemble
-from pipeline.scheduling.batches import Group, Outcome, Pass, Slot  # noqa: F401  (Group is imported from here across the package)
+from pipeline.scheduling.batches import Group, Outcome, Pass, PromptPart, Slot  # noqa: F401  (Group is imported from here across the package)
 from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig  # noqa: F401  (re-exported)
 from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # noqa: F401
-from pipeline.scheduling.prefix_rules import blocks_coming, prompt_work, scoring_share, uneven_prefill, waits_for_block
 
 
 class Scheduler:
@@ -98,14 +96,14 @@ class Scheduler:
     @property
     def empty(self) -> bool:
         """Nothing queued, no row live, no pass in flight."""
-        return not self._queue and not any(s.inflight or s.live_rows for s in self.slots)
+        return not self._queue and not any(s.fed or s.live_rows for s in self.slots)
 
     def busy(self, sid: int) -> bool:
         """Slot ``sid`` has a pass in flight."""
-        return bool(self.slots[sid].inflight)
+        return bool(self.slots[sid].fed)
 
     def allocated(self, sid: int) -> bool:
-        return self.slots[sid].allocated
+        return self.slots[sid].rows > 0
 
     def group_of(self, sid: int, row: int) -> int | None:
         """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
@@ -145,6 +143,19 @@ class Scheduler:
             self.slots[sid].drops.add(request)
         return gone, held
 
+    def cancel_lines(self) -> tuple[list[Group], set[int]]:
+        """A request file is cancelled: its lines that have not started leave the queue (returned); the
+        slots holding rows of those that did end them with their next passes (the last rank answers
+        them). Returns (the groups that left, the lines in flight)."""
+        started = {g.request for g in self.groups.values() if not g.priority}
+        gone = [g for g in self._queue if not g.priority and g.request not in started]
+        for g in gone:
+            self._queue.remove(g)
+        for s in self.slots:
+            held = {self.groups[x].request for x in s.row_group if x is not None and not self.groups[x].priority}
+            s.cancels |= held
+        return gone, started
+
     def shed(self) -> list[Group]:
         """Shutdown: every queued group leaves the queue (returned, oldest first); nothing new starts."""
         gone = list(self._queue)
@@ -160,23 +171,23 @@ class Scheduler:
         return (g.need + self.spare) * g.width
 
     def idle(self) -> bool:
-        return not self._queue and not any(s.allocated for s in self.slots)
+        return not self._queue and not any(s.rows for s in self.slots)
 
     # -- building passes --------------------------------------------------------------------
     def _pack(self, available: int) -> list[Group]:
         """Groups for a new slot: the oldest queued group that need not wait for blocks being computed
-        (:func:`~pipeline.scheduling.prefix_rules.waits_for_block`) plus the most similar ones that fit."""
-        coming = blocks_coming(self)
+        (:meth:`_waits_for_block`) plus the most similar ones that fit."""
+        coming = self._blocks_coming()
         window = list(self._queue)[: self.window]
-        seed = next((g for g in window if not waits_for_block(self, g, [], coming)), None)
+        seed = next((g for g in window if not self._waits_for_block(g, [], coming)), None)
         if seed is None:
             return []
         target = max(self.budget // len(self.slots), self.cells(seed))
         cap = min(available, target)
         if self.cells(seed) > cap:
             return []
-        share = scoring_share(self, window)
-        scoring = (lambda g: 0 if g.max_tokens else prompt_work(self, g)) if share is not None else (lambda g: 0)
+        share = self._scoring_share(window)
+        scoring = (lambda g: 0 if g.max_tokens else self._prompt_work(g)) if share is not None else (lambda g: 0)
         chosen, rows, cols, work = [seed], seed.width, seed.need + self.spare, scoring(seed)
         most = self.max_rows
         if self.policy.even_tail(self) and len(self._queue) < self.window:
@@ -184,10 +195,10 @@ class Scheduler:
             # that a pipeline's last micro-batches are alike (40 prompts in 32 + 8 rows at P = 2: the
             # stages took turns on the 8-row passes)
             most = min(most, max(seed.width, -(-sum(g.width for g in self._queue) // sum(
-                not s.allocated for s in self.slots))))
+                not s.rows for s in self.slots))))
         for g in sorted((g for g in window if g is not seed), key=lambda g: abs(g.need - seed.need)):
             new_cols = max(cols, g.need + self.spare)
-            if waits_for_block(self, g, chosen, coming) or uneven_prefill(self, g, chosen):
+            if self._waits_for_block(g, chosen, coming) or self._uneven_prefill(g, chosen):
                 continue
             if scoring(g) and work + scoring(g) > share:
                 continue
@@ -198,7 +209,7 @@ class Scheduler:
 
     def _pass_work(self, g: Group) -> int:
         """Prompt tokens a pass computes for ``g``: its first chunk when its prompt is chunked."""
-        work = prompt_work(self, g)
+        work = self._prompt_work(g)
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
     def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
@@ -236,7 +247,7 @@ class Scheduler:
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
         free = len(slot.free_rows())
-        chosen, coming = [], blocks_coming(self)
+        chosen, coming = [], self._blocks_coming()
         for g in list(self._queue)[: self.window]:
             if free == 0:
                 break
@@ -244,8 +255,8 @@ class Scheduler:
                 continue
             if limit is not None and g.max_tokens > limit:
                 continue
-            if (g.width <= free and g.need + self.spare <= slot.cols and not waits_for_block(self, g, chosen, coming)
-                    and not uneven_prefill(self, g, chosen)):
+            if (g.width <= free and g.need + self.spare <= slot.cols and not self._waits_for_block(g, chosen, coming)
+                    and not self._uneven_prefill(g, chosen)):
                 chosen.append(g)
                 free -= g.width
         return chosen
@@ -258,7 +269,7 @@ class Scheduler:
         head = self._queue[0]
         if self.cells(head) <= self.budget - self.used:
             return False
-        return not any(s.allocated and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
+        return not any(s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def _refill_limit(self, slot: Slot) -> int | None:
         """Most new tokens a group may have to join this allocated slot now (None: any). While the
@@ -301,24 +312,25 @@ class Scheduler:
         slot = self.slots[sid]
         if ahead:
             parts = self.parts()
-            if parts > 1 and slot.decoding and slot.inflight < parts:  # the other rows' share
-                return assemble(self, slot, None, [], {}, parts)
-            if slot.inflight != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
+            if parts > 1 and slot.decoding and len(slot.fed) < parts:  # the other rows' share
+                return self._assemble(slot, None, [], {}, parts)
+            if len(slot.fed) != 1 or slot.fed[0] or slot.decoding or not slot.prefilling:
                 return None
-            return assemble(self, slot, None, [], self._resume(slot)[0])
-        assert not slot.inflight
+            return self._assemble(slot, None, [], self._resume(slot)[0])
+        assert not slot.fed
         alloc, resume, new = None, {}, []
-        if not slot.allocated and self._queue:
+        if not slot.rows and self._queue:
             alloc, new = self._allocate(slot)
-        elif slot.allocated:
+        elif slot.rows:
             limit = self._refill_limit(slot)
             resume, held = self._resume(slot)
             new = self._refill(slot, limit, held) if limit != 0 else []
         for g in new:
             self._queue.remove(g)
-        ps = assemble(self, slot, alloc, new, resume, self.parts()) if slot.allocated else None
+        ps = self._assemble(slot, alloc, new, resume, self.parts()) if slot.rows else None
         if ps is None:
             slot.drops.clear()  # nothing runs there: its rows are gone already
+            slot.cancels.clear()
         return ps
 
     def _allocate(self, slot: Slot) -> tuple[tuple[int, int] | None, list[Group]]:
@@ -340,17 +352,152 @@ class Scheduler:
         """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
         queued) with fewer micro-batches holding rows than there are stages: enough that every stage
         has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time)."""
-        active = sum(s.allocated for s in self.slots)
-        if not self.policy.split_tail() or self._queue or not active or active >= self.stages:
+        active = sum(s.rows > 0 for s in self.slots)
+        if not self.policy.splits_tail or self._queue or not active or active >= self.stages:
             return 1
         return -(-self.stages // active)
+
+    # -- the prefix cache's and scoring work's rules (they only read the scheduler) -----------------------
+    def _blocks_coming(self) -> set[bytes]:
+        """Digests of the blocks that prompts computed chunk by chunk have not completed yet (the block
+        holding the next token to compute, and every later one)."""
+        if self.prefix is None or not self.chunk:
+            return set()
+        bs, out = self.prefix.block_size, set()
+        for s in self.slots:
+            for row, done in s.prefilling.items():
+                g = self.groups.get(s.row_group[row])
+                if g is not None:
+                    out.update(g.digests[done // bs :])
+        return out
+
+    def _waits_for_block(self, g: Group, chosen: list[Group], coming: set[bytes]) -> bool:
+        """``g``'s first block that is not resident will be computed by a group chosen for this pass or by
+        a prompt being computed chunk by chunk (``coming``, :meth:`_blocks_coming`): ``g`` waits and then loads
+        it (and, by the chain, the rest of that shared prefix) instead of computing it beside them."""
+        if self.prefix is None or (i := self.prefix.hits(g.digests)) == len(g.digests):
+            return False  # no cache, or every block resident (or none: a prompt shorter than a block)
+        d = g.digests[i]
+        return d in coming or any(i < len(c.digests) and c.digests[i] == d for c in chosen)
+
+    def _prompt_work(self, g: Group) -> int:
+        """Prompt tokens the group's prefill computes: all but its leading resident blocks."""
+        if self.prefix is None:
+            return g.prompt_len
+        hits = self.prefix.hits(g.digests) * self.prefix.block_size
+        return g.prompt_len - min(hits, g.prompt_len - 1)
+
+    def _scoring_share(self, window: list[Group]) -> int | None:
+        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
+        new slot may compute: half an even share of the window's scoring work (a prompt counts only
+        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
+        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
+        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
+        if not self.policy.even_tail(self):
+            return None
+        total, seen = 0, set()
+        bs = self.prefix.block_size if self.prefix is not None else 0
+        for g in window:
+            if g.max_tokens:
+                continue
+            shared = 0
+            for d in g.digests:
+                if d not in seen and not self.prefix.resident(d):
+                    break
+                shared += 1
+            seen.update(g.digests)
+            total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
+        return -(-total // (2 * len(self.slots)))
+
+    def _uneven_prefill(self, g: Group, chosen: list[Group]) -> bool:
+        """With the prefix cache, ``g`` would make this pass's prefill pad: a pass computes every new
+        prompt to the longest one's length, so a prompt resuming after cached blocks (a few tokens
+        left) and one computed from the start (hundreds) do not share a pass; similar ones do."""
+        if self.prefix is None or not chosen:
+            return False
+        works = [self._prompt_work(x) for x in (*chosen, g)]
+        if all(w == x.prompt_len for w, x in zip(works, (*chosen, g))):
+            return False  # nothing cached: packing by length as without the cache
+        return max(works) > 2 * min(works) + 2 * self.prefix.block_size
+
+    # -- the pass, complete: rows, prompts' parts, forks, adapters (the state moves with it) -------------
+    def _assemble(self, slot: Slot, alloc: tuple[int, int] | None, new: list[Group],
+                  resume: dict[int, int], parts: int = 1) -> Pass | None:
+        """The pass: rows with a token to feed decode (with ``parts`` > 1 a share of the slot's live
+        rows), ``new`` groups enter free rows, ``resume`` (lead row -> tokens computed) continues chunked
+        prompts. None when it would compute nothing."""
+        decode_rows = sorted(slot.decoding)
+        if parts > 1:
+            decode_rows = decode_rows[: -(-slot.live_rows // parts)]
+        fed = set(decode_rows)
+        column = {r: slot.row_len[r] for r in decode_rows}
+        prompts, forks, admitted = [], [], []
+        free = slot.free_rows()
+        for g in new:
+            rows, free = free[: g.width], free[g.width :]
+            for r in rows:
+                slot.row_group[r], slot.row_len[r] = g.gid, g.prompt_len
+            self.groups[g.gid] = g
+            prompts.append((g, rows[0]))
+            if len(rows) > 1:
+                forks.append((rows[0], tuple(rows[1:]), g.prompt_len))
+            admitted.append((g.gid, tuple(rows)))
+        prompts += [(self.groups[slot.row_group[r]], r) for r in resume]
+        if not decode_rows and not prompts:
+            return None
+        slot.fed.append(decode_rows)
+        slot.decoding -= fed
+        # a dense decode segment writes column 0 of its idle rows: not beside a prompt's earlier chunks
+        # (those of earlier passes), nor beside rows decoding in another pass of the slot
+        split = parts > 1 and bool(decode_rows)
+        layout = decode_layout(decode_rows, slot.rows, not slot.prefilling and not split) if decode_rows else []
+        planned = self._plan_prompts(slot, prompts, resume)
+        grow = self.prefix.take_grow() if prompts and self.prefix is not None else None
+        if alloc:
+            slot.adapters = [0] * slot.rows
+        for g in new:
+            for r in dict(admitted)[g.gid]:
+                slot.adapters[r] = g.adapter
+        drop, cancel, release = tuple(sorted(slot.drops)), tuple(sorted(slot.cancels)), tuple(self.released)
+        slot.drops.clear()
+        slot.cancels.clear()
+        self.released.clear()
+        return Pass(slot.sid, slot.rows, alloc, release, tuple(decode_rows), tuple(layout),
+                    tuple(column.get(r, 0) for r in layout), tuple(planned), tuple(forks), tuple(admitted), grow,
+                    tuple(slot.adapters) if any(slot.adapters) else (), drop, split, cancel)
+
+    def _plan_prompts(self, slot: Slot, prompts: list[tuple[Group, int]],
+                      resume: dict[int, int]) -> list[PromptPart]:
+        """Each prompt's part in this pass, in order: where it starts (prefix pool hits, or where its last
+        chunk ended), where it ends (``chunk`` tokens on for a chunkable prompt), the pool blocks it loads
+        and those it saves; the slot records how far each chunked prompt got."""
+        prefix, pinned, saving, out = self.prefix, set(), set(), []
+        for g, row in prompts:
+            room = self.budget - self.used
+            cached, load, save, resumed = 0, [], [], row in resume
+            if resumed:  # the rest of a chunked prompt: its earlier tokens are in the cache
+                cached = resume[row]
+            elif prefix is not None:
+                cached, load, save, self.shared[g.gid] = prefix.plan(
+                    g.prompt_len, g.digests, room, pinned, saving, self.chunk if g.chunkable else 0)
+            end = chunk_end(self.chunk, g, cached)
+            if resumed and prefix is not None:  # the shared blocks this chunk completes
+                save = prefix.plan_chunk(g.digests, cached, end, self.shared.get(g.gid, 0), room, pinned, saving)
+            if end < g.prompt_len:  # the rest follows in the slot's next passes
+                slot.prefilling[row] = end
+            else:  # all of it computed: the row samples its first token and decodes
+                slot.prefilling.pop(row, None)
+                self.shared.pop(g.gid, None)
+            out.append(PromptPart(g.gid, row, end, g.prompt_len, cached, tuple(load), tuple(tuple(s) for s in save),
+                                  ends=not g.max_tokens and g.width == 1, resumed=resumed))
+        return out
 
     # -- results side -----------------------------------------------------------------------
     def on_reply(self, sid: int, continuing: list[int], finished: list[int]) -> Outcome:
         """The outcome of the slot's oldest pass in flight: ``continuing`` rows got a token to feed
         next; ``finished`` rows are done (their groups leave once all their rows are)."""
         slot = self.slots[sid]
-        was = slot.allocated
+        was = slot.rows > 0
         for r in slot.fed.popleft():
             slot.row_len[r] += 1  # the token fed this pass is now in the cache
         slot.decoding.update(continuing)
@@ -364,11 +511,26 @@ class Scheduler:
             slot.row_group[r] = None
             if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
                 del self.groups[gid]
-        if all(g is None for g in slot.row_group) and not slot.inflight:
+        if all(g is None for g in slot.row_group) and not slot.fed:
             slot.rows = slot.cols = 0
             slot.row_group, slot.row_len, slot.decoding, slot.prefilling = [], [], set(), {}
             slot.adapters = []
-        released = was and not slot.allocated
+        released = was and not slot.rows
         if released:
             self.released.append(sid)
-        return Outcome(tuple(gids), released)
+        return Outcome(tuple(gids), released, bool(self._queue))
+
+
+def chunk_end(chunk: int, g: Group, start: int) -> int:
+    """Where a pass's part of ``g``'s prompt ends when it computes from token ``start`` on: ``chunk``
+    tokens at a time for a group that may be chunked (one row that generates and needs no prompt
+    logprobs; see ``--prefill-chunk``), else the whole prompt."""
+    if chunk and g.chunkable:
+        return min(g.prompt_len, start + chunk)
+    return g.prompt_len
+
+
+def decode_layout(decode_rows: list[int], slot_rows: int, dense: bool = True) -> list[int]:
+    """Rows the decode segment computes: every row of the slot (no cache gather) unless few are live
+    or ``dense`` is false (an idle row holds keys that its column 0 must keep: a chunked prompt's)."""
+    return list(range(slot_rows)) if dense and 2 * len(decode_rows) >= slot_rows else list(decode_rows)

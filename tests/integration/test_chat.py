@@ -1,26 +1,22 @@
-"""The chat shell through a real terminal (pexpect's pty): the default model's path question, history,
-/set temperature 0, /system, /context, Ctrl-C mid-answer, bad commands, /quit and end of input; on the
-pipeline at P = 1, at P = 2 (torchrun, and the per-rank launch: rank 0 on the terminal), and as a client of --serve."""
+"""The chat shell through a real terminal (pexpect's pty) at P = 2 under torchrun, every rank sharing the
+terminal and rank 0 reading it: the default model's path question, history, /set temperature 0, /system,
+/context, Ctrl-C as a key mid-answer (the terminal's interrupt character off) and at the prompt (readline
+clears the line), lines typed right after an answer, bad commands, /quit. The same conversation on the
+pipeline at P = 1 and 2 in process and as a client of a server: tests/runs/test_chat_runs.py."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.utils import RUNNER, _env, free_port, wait_served
+from tests.utils import RUNNER, _env, free_port
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect drives the shell through a pty (requirements-test.txt)")
 
 PROMPT = ">>> "
 BASE = ["--user-msg-fmt", r"Passage: {}\nAnswer:", "--assistant-msg-fmt", r"{}\n\n", "--stop", r"\n",
         "--max-tokens", "6", "--num-threads", "1", "--no-progress"]
-KEY = "chat-test-key"
 
 
 def spawn(args: list[str], log, launcher: list[str] = ()) -> "pexpect.spawn":
@@ -47,7 +43,8 @@ def command(child, line: str) -> str:
 
 
 def conversation(child, ended_by: str) -> None:
-    """The session every face must hold up; ends with /quit or end of input (Ctrl-D)."""
+    """The session every face must hold up (tests/runs/test_chat_runs.py: CONVERSATION); ends with /quit or end
+    of input (Ctrl-D)."""
     child.expect_exact(PROMPT, timeout=400)  # loading
     assert "(temperature = 0.0)" in command(child, "/set temperature 0")
     out = ask(child, ["The kitchen is north of the hallway.", "The garden is west of the kitchen.",
@@ -99,27 +96,6 @@ def conversation(child, ended_by: str) -> None:
     assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
 
 
-def test_chat_p1(tmp_path):
-    with open(tmp_path / "chat.log", "w") as log:
-        conversation(spawn(["--chat", *BASE], log), "quit")
-
-
-def test_chat_p2_per_rank_launch(tmp_path):
-    """Rank 0 on the terminal, rank 1 a plain process (the seed's per-rank launch)."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    legacy = ["--world-size", "2", "--pipeline-group-size", "2", "--dist-url", url]
-    with open(tmp_path / "rank1.log", "wb") as log1:
-        rank1 = subprocess.Popen([sys.executable, str(RUNNER), "--chat", *BASE, *legacy, "--rank", "1"],
-                                 stdin=subprocess.DEVNULL, stdout=log1, stderr=log1, start_new_session=True,
-                                 env=_env({"DIST_INFER_LOG": "WARNING"}))
-    try:
-        with open(tmp_path / "chat.log", "w") as log:
-            conversation(spawn(["--chat", *BASE, *legacy, "--rank", "0"], log), "eof")
-        assert rank1.wait(120) == 0, (tmp_path / "rank1.log").read_text()[-3000:]
-    finally:
-        _stop(rank1)
-
-
 def test_chat_p2_torchrun(tmp_path):
     """Every rank under torchrun shares the terminal; rank 0 reads it. Lines typed right after an answer
     (pexpect sends them as soon as the prompt shows) are read, not lost."""
@@ -127,46 +103,3 @@ def test_chat_p2_torchrun(tmp_path):
                 "--master-port", str(free_port())]
     with open(tmp_path / "chat.log", "w") as log:
         conversation(spawn(["--chat", *BASE], log, launcher), "quit")
-
-
-def test_chat_client_of_serve(tmp_path):
-    server, url = _serve(tmp_path, ["--api-key", KEY])
-    try:
-        with open(tmp_path / "chat.log", "w") as log:
-            conversation(spawn(["--chat", "--url", url, "--api-key", KEY, *BASE], log), "quit")
-        with open(tmp_path / "chat2.log", "w") as log:  # the server's chat template, and a wrong key
-            child = spawn(["--chat", "--url", url, "--api-key", "wrong"], log)
-            child.expect(pexpect.EOF, timeout=120)
-            child.close()
-            assert child.exitstatus == 1 and "401" in child.before, child.before
-            child = spawn(["--chat", "--url", url, "--api-key", KEY, "--max-tokens", "3",
-                           "--temperature", "0"], log)
-            child.expect_exact(PROMPT, timeout=120)
-            command(child, "hello")
-            assert '"role": "user",\r\n    "content": "hello"' in command(child, "/context")
-            child.sendline("/quit")
-            child.expect(pexpect.EOF, timeout=60)
-    finally:
-        _stop(server)
-
-
-def _serve(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """A server of the default model on a port of its own; the process and its base URL."""
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", "0", "--num-threads", "1", *extra],
-                                stdout=f, stderr=f, start_new_session=True, env=_env({"DIST_INFER_LOG": "WARNING"}))
-    return proc, wait_served(proc, log, 300)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    time.sleep(0)

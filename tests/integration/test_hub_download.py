@@ -1,7 +1,7 @@
 """Hub ids against a local hub on 127.0.0.1 (tests/hub_helpers.HubServer, HF_ENDPOINT pointed at it), as
 only processes show it: the ranks of a node, two processes, share its cache (each file fetched once)
-and each asks only for its own shards; serve mode takes a hub id. The rest, in one process:
-tests/runs/test_hub_runs.py."""
+and each asks only for its own shards. The rest, in one process: tests/runs/test_hub_runs.py; serve mode
+on a hub id: tests/runs/test_serve_models_runs.py."""
 
 from __future__ import annotations
 
@@ -43,33 +43,3 @@ def test_ranks_of_a_node_share_its_cache_and_each_fetches_only_its_own_shards(hu
     lines = read_jsonl(tmp_path / "output_req.jsonl")
     assert [line["result"]["model"] for line in lines] == [f"{REPO}@{COMMIT}"] * 3 + ["sup"]
     assert results(tmp_path / "output_req.jsonl") == folder_results
-
-
-def test_serve_takes_a_hub_id(hub, folder_results, tmp_path):
-    """Serve mode: the id is the served name (/v1/models), a request naming it runs the base model, and
-    its answer is the folder run's."""
-    import json
-    import urllib.request
-
-    from tests.utils import wait_served
-
-    log = tmp_path / "server.log"
-    env = _env({"HF_ENDPOINT": hub.endpoint(), "HF_HUB_CACHE": str(tmp_path / "cache")})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--model-name", REPO, "--serve", "0",
-                                 "--lora", "sup=acme/sup-lora", "--serve-dir", str(tmp_path / "s"), "--budget", "256"],
-                                stdout=out, stderr=out, env=env, start_new_session=True)
-    try:
-        url = wait_served(proc, log, 300)
-        with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
-            assert [m["id"] for m in json.loads(r.read())["data"]] == [REPO, "sup"]
-        body = dict(PROMPTS[0], model=REPO)
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())
-        assert answer["model"] == REPO
-        assert answer["choices"][0]["text"] == folder_results[0]["result"]["choices"][0]["text"]
-        assert f"at commit {COMMIT}" in log.read_text()  # the served name is the id; the log says which commit
-    finally:
-        _kill_group(proc)

@@ -1,23 +1,22 @@
-"""The chat page at / in headless Chromium: it lists the model, sends a message and shows the answer as
-it streams, with and without an API key (skipped when chromium is not installed)."""
+"""The chat page at / in headless Chromium (a process: the browser; the server is the shared in-process
+"default" one, keyed): without its key the page says so and its sends fail; with it, it lists the model,
+sends a message and shows the answer as it streams, keeps the conversation, shows the exact prompt (skipped
+when chromium is not installed). The page's HTTP side alone: tests/runs/test_web_page_runs.py."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.browser import CHROMIUM, Browser
-from tests.utils import RUNNER, _env, free_port, wait_served
+from tests.utils import free_port
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install chromium to run the "
                                                          "chat page in a browser")
 pytest.importorskip("websocket", reason="websocket-client drives chromium (requirements-test.txt)")
 
-KEY = "page-test-key"
 PATH_QUESTION = ("The kitchen is north of the hallway.\\nThe garden is west of the kitchen.\\n"
                  "Question: How do you go from the hallway to the garden?")
 # the default model is a base model: its path questions as the shell's --user-msg-fmt would write them
@@ -28,21 +27,8 @@ SHOT = os.environ.get("CHAT_PAGE_SCREENSHOT")  # set: the screenshot for the doc
 
 
 @pytest.fixture
-def server(tmp_path, request):
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), "--serve", "0", "--num-threads", "1",
-                                 *request.param], stdout=f, stderr=f, start_new_session=True,
-                                env=_env({"DIST_INFER_LOG": "WARNING"}))
-    try:
-        yield wait_served(proc, log, 300) + "/"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server(servers):
+    return servers.get("default", 1)
 
 
 @pytest.fixture
@@ -55,10 +41,13 @@ def browser():
 def send(b: Browser, text: str) -> None:
     """Count the answer's updates (a streamed answer grows several times), then send ``text``."""
     b.js("""window.updates = 0;
-            new MutationObserver((records) => {
-              for (const m of records) if (m.target.classList && m.target.classList.contains('assistant')) window.updates += 1;
-            })
-              .observe(document.getElementById('log'), {subtree: true, characterData: true, childList: true});""")
+            if (!window.observed) {  // one observer for the page's life: each update counted once
+              window.observed = true;
+              new MutationObserver((records) => {
+                for (const m of records) if (m.target.classList && m.target.classList.contains('assistant')) window.updates += 1;
+              })
+                .observe(document.getElementById('log'), {subtree: true, characterData: true, childList: true});
+            }""")
     b.js(f"document.getElementById('input').value = '{text}'; document.getElementById('go').click(); true")
 
 
@@ -66,41 +55,9 @@ def answers(b: Browser) -> list[str]:
     return b.js("Array.from(document.querySelectorAll('.assistant[data-done]')).map(e => e.textContent)")
 
 
-@pytest.mark.parametrize("server", [[]], indirect=True)
-def test_page_streams_an_answer(server, browser):
-    browser.open(server)
-    assert browser.wait("document.getElementById('model').options.length") == 1
-    model = browser.js("document.getElementById('model').value")
-    assert model.startswith("tiny-llama-default")
-    browser.js("document.getElementById('temperature').value = '0'; document.getElementById('max_tokens').value = '40';"
-               " true")
-    send(browser, "Once upon a time")
-    browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
-    first = answers(browser)[0]
-    assert len(first.split()) >= 3, first
-    # the chunks arrived one by one: the answer was shown growing, not once at the end
-    assert browser.js("window.updates") >= 3, first
-    browser.js("document.getElementById('max_tokens').value = '6'; document.getElementById('stop').value = '\\\\n';"
-               " true")
-    browser.js("document.getElementById('reset').click(); true")
-    browser.js(PLAIN)
-    send(browser, PATH_QUESTION)
-    browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
-    assert answers(browser)[0] == " north west"
-    browser.js("document.getElementById('show').click(); true")
-    shown = browser.js("document.getElementById('prompt').textContent")
-    assert shown.startswith("POST /v1/completions, the exact prompt:\nPassage: The kitchen is north"), shown
-    assert shown.endswith("the garden?\nAnswer:"), shown
-    if SHOT:
-        browser.screenshot(SHOT)
-    png = Path(browser.profile) / "shot.png"
-    browser.screenshot(png)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize("server", [["--api-key", KEY]], indirect=True)
-def test_page_with_api_key(server, browser):
-    browser.open(server)  # the page itself needs no key; its API calls do
+def test_page_with_an_api_key_streams_answers(server, browser):
+    key = server.key()
+    browser.open(server.url("/"))  # the page itself needs no key; its API calls do
     browser.wait("document.body.innerText.includes('missing or wrong API key')")
     browser.js("document.getElementById('temperature').value = '0'; document.getElementById('max_tokens').value = '6';"
                " document.getElementById('stop').value = '\\\\n'; true")
@@ -108,9 +65,28 @@ def test_page_with_api_key(server, browser):
     send(browser, PATH_QUESTION)
     browser.wait("document.querySelectorAll('.error').length >= 2")  # refused without the key
     assert answers(browser) == []
-    browser.js(f"const k = document.getElementById('key'); k.value = '{KEY}';"
+    browser.js(f"const k = document.getElementById('key'); k.value = '{key}';"
                " k.dispatchEvent(new Event('change')); true")
     assert browser.wait("document.getElementById('model').options.length") == 1
+    assert browser.js("document.getElementById('model').value").startswith("tiny-llama-default")
     send(browser, PATH_QUESTION)
     browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
     assert answers(browser) == [" north west"]
+    browser.js("document.getElementById('show').click(); true")
+    shown = browser.js("document.getElementById('prompt').textContent")
+    assert shown.startswith("POST /v1/completions, the exact prompt:\nPassage: The kitchen is north"), shown
+    assert shown.endswith("the garden?\nAnswer:"), shown
+    # the model's chat template, a longer answer: shown growing as its chunks arrive, not once at the end
+    browser.js("document.getElementById('reset').click(); { const f = document.getElementById('format');"
+               " f.value = 'template'; f.dispatchEvent(new Event('change')); }"
+               " document.getElementById('max_tokens').value = '40'; document.getElementById('stop').value = ''; true")
+    send(browser, "Once upon a time")
+    browser.wait("document.querySelectorAll('.assistant[data-done]').length == 1")
+    first = answers(browser)[0]
+    assert len(first.split()) >= 3, first
+    assert browser.js("window.updates") >= 3, first
+    if SHOT:
+        browser.screenshot(SHOT)
+    png = Path(browser.profile) / "shot.png"
+    browser.screenshot(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,11 @@ own error; a stage's forward that raises on one request (``DIST_INFER_FAULT=forw
 stage's own fault point) at the first, middle and last stage of P = 1, 2 and 3, while it prefills and
 while it decodes, with the prefix cache and chunked prefill: the failed pass comes back round the ring,
 rank 0 computes its groups again one at a time, the culprit gets an error line and every other line
-equals a clean run's (pipeline.runtime.retry). A line that kills its process: tests/integration/test_reliability.py."""
+equals a clean run's (pipeline.runtime.retry); in serve mode (a server in this process, every rank a
+thread: tests/servers.py) each bad request is answered 400 and the server goes on, a Batch API batch
+with bad lines completes with an error file (one whose input is gone fails, across a restart), a batch
+line whose forward raises fails alone. A line that kills its process: tests/integration/test_reliability.py
+(file mode) and tests/integration/test_failure_isolation.py (a server)."""
 
 from __future__ import annotations
 
@@ -238,3 +242,96 @@ def test_a_forward_raising_with_the_prefix_cache_and_chunked_prefill(tmp_path):
     assert [i for i, x in enumerate(got) if "error" in x] == [5]
     assert all(x["result"]["choices"][0]["text"] is not None for i, x in enumerate(got) if i != 5)
     assert all(x["result"]["usage"]["completion_tokens"] >= 1 for i, x in enumerate(got) if i != 5)
+
+
+# -- serve mode: servers in this process (tests/servers.py) ------------------------------------------
+@pytest.fixture(scope="module")
+def server(mistral_model, tmp_path_factory):
+    """A server of its own in this process (tests/servers.py): one test stops and restarts it."""
+    from tests.servers import LocalServer
+
+    s = LocalServer(["--model-name", str(mistral_model), "--served-model-name", "tiny"],
+                    tmp_path_factory.mktemp("isolation"), name="isolation").start()
+    yield s
+    s.stop(check=False)
+
+
+def test_the_server_answers_each_bad_request_400_and_goes_on(server):
+    from tests.servers import httpx
+
+    headers = {"Authorization": f"Bearer {server.key()}"}
+    for body, param in BAD:
+        r = httpx.post(server.url("/v1/completions"), json=dict(body, max_tokens=2), headers=headers, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for messages in CHAT_BAD:
+        r = httpx.post(server.url("/v1/chat/completions"), json={"messages": messages, "max_tokens": 2},
+                       headers=headers, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(server.url("/v1/chat/completions"), headers=headers, timeout=120,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    assert server.running
+
+
+def test_a_batch_with_bad_lines_completes_with_an_error_file_and_a_restart_works(server):
+    from tests.serve_cases import wait_batch
+
+    key = server.key()
+    client = server.client(key)
+    lines, errors = mixed_lines(30, chat_only=True)
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h").id)
+    assert b.status == "completed" and b.request_counts.failed == len(errors) and b.request_counts.completed == 30
+    bad = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in bad) == sorted(lines[i]["custom_id"] for i in errors)
+    server.stop()
+    # while it is down, a batch is left in progress whose input file is gone
+    from tasks.batch_store import BatchStore
+
+    store, owner = BatchStore(server.serve_dir), server.owner(key)
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}
+    f2 = store.add_file(owner, (json.dumps(line) + "\n").encode(), "in2.jsonl", "batch")
+    b2 = store.create_batch(owner, {"input_file_id": f2["id"], "endpoint": "/v1/completions",
+                                    "completion_window": "24h"})
+    (server.serve_dir / "keys" / owner / "files" / f2["id"]).unlink()
+    client = server.start().client(key)  # the same --serve-dir: every batch keeps its state, the broken one fails
+    b2 = wait_batch(client, b2["id"])
+    assert b2.status == "failed" and "input file" in b2.errors.data[0].message
+    assert client.batches.retrieve(b.id).status == "completed"
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1).choices
+    server.restart()  # and again, with a failed batch in the folder
+    assert server.client(key).batches.retrieve(b2.id).status == "failed"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_batch_line_whose_forward_raises_fails_alone_and_the_server_goes_on(tmp_path, stages, monkeypatch):
+    """The server in this process (every rank a thread: tests/servers.py); the last stage's forward raises on one
+    batch line."""
+    from tasks.batch_store import BatchStore
+    from tests.serve_cases import wait_batch
+    from tests.servers import LocalServer
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"Line {i} is", "max_tokens": 3, "temperature": 0}} for i in range(10)]
+    store = BatchStore(tmp_path / "state")  # the batch waits in the folder; the server runs it at start
+    f = store.add_file("default", "".join(json.dumps(x) + "\n" for x in lines).encode(), "in.jsonl", "batch")
+    bid = store.create_batch("default", {"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                         "completion_window": "24h"})["id"]
+    s = LocalServer(["--model-name", str(DEFAULT_MODEL), "--served-model-name", "tiny"], tmp_path, stages, keys=0)
+    fault = {"DIST_INFER_FAULT": "forward-raise", "DIST_INFER_FAULT_LINE": "4",
+             "DIST_INFER_FAULT_RANK": str(stages - 1), "DIST_INFER_FAULT_PASS": "2"}
+    try:
+        with monkeypatch.context() as env:  # read when each stage is built
+            for k, v in fault.items():
+                env.setenv(k, v)
+            s.start()
+        client = s.client()
+        b = wait_batch(client, bid, timeout=600)
+        assert b.status == "completed" and b.request_counts.failed == 1 and b.request_counts.completed == 9
+        (bad,) = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+        assert bad["custom_id"] == "r4" and "forward raised" in bad["error"]["message"]
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
+        assert s.running
+    finally:
+        s.stop(check=False)

@@ -11,15 +11,17 @@ Request-level features (n, best_of, echo, stop strings, LoRA requests beside bas
 run's file, so they meet every run-level option value. Passes ahead have no flag: they run whenever a
 pipeline (P > 1) computes chunked prompts.
 
-File mode runs here, in one process (``--in-process``: P stages x D pipelines as threads, the same
-rank loops and messages as under torchrun); the runs over HTTP (``serve``) start a server:
-tests/integration/test_feature_matrix.py.
+Every run is in this process (``--in-process``: P stages x D pipelines as threads, the same rank loops
+and messages as under torchrun); a ``serve`` run's requests go over HTTP to a server of the run's
+options on a thread (tests/servers.py).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -91,8 +93,6 @@ def all_pairs(factors: dict[str, tuple], seed: int = 0, tries: int = 40) -> list
 
 
 RUNS = all_pairs(FACTORS)
-FILE_RUNS = [r for r in RUNS if not r["serve"]]
-SERVE_RUNS = [r for r in RUNS if r["serve"]]
 
 
 def test_the_runs_cover_every_pair_and_stay_small():
@@ -304,9 +304,12 @@ def test_refused_pairs_fail_before_loading_naming_both_flags(setup, refused, cap
         assert refusal(args(alone), alone["stages"] * alone["data"], capsys) is None, (k, v)
 
 
-@pytest.mark.parametrize("run", FILE_RUNS, ids=lambda r: ",".join(f"{k}={int(v)}" for k, v in r.items()))
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: ",".join(f"{k}={int(v)}" for k, v in r.items()))
 def test_pairwise_runs_give_their_references_answers_and_show_each_feature(setup, run, tmp_path):
     ref = reference(run, setup)
+    if run["serve"]:
+        check_run(serve_run(run, setup, tmp_path), run, ref, None)
+        return
     out = tmp_path / "out.jsonl"
     args = [*flags(run, setup), "--infer-data", setup["files"][run["lora"]], "--output-path", str(out)]
     p = run_local(args, run["stages"], data=run["data"])
@@ -321,3 +324,21 @@ def check_run(lines: list[dict], run: dict, ref: list[dict], summary: dict | Non
     else:
         assert_answers(lines, ref, tolerance(run))
     assert_effects(lines, run, summary)
+
+
+def serve_run(run: dict, setup: dict, tmp_path: Path) -> list[dict]:
+    """The requests one after the other over HTTP to a server of the run's options (in this process, every
+    rank a thread: tests/servers.py); result lines."""
+    from tests.servers import LocalServer
+
+    server = LocalServer(flags(run, setup), tmp_path / "server", stages=run["stages"], keys=0).start()
+    try:
+        return [{"request": r, "result": _post(server.url("/v1/completions"), r)} for r in requests(run["lora"])]
+    finally:
+        server.stop()
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())

@@ -220,3 +220,18 @@ def test_a_cache_allocated_ahead_is_the_one_its_pass_uses(make_llama):
     stage.prepare(Allocate(1, 2, 8))
     stage.step(PassHeader(1, 3, [3, 16], [], [], [], [], [Prefill(0, 0, 4)]), x)
     assert stage.caches[1].rows == 3 and stage.caches[1].cols == 16 and not stage.prepared
+
+
+def test_backend_and_device_per_dist_backend():
+    """--dist-backend: NCCL on GPUs by default, gloo on CPUs; gloo on GPUs keeps the rank's GPU (ranks may
+    then share one: two ranks of one GPU are refused under NCCL only); nccl without GPUs is refused."""
+    from comm.dist import choose_backend
+
+    cpu, gpu = torch.device("cpu"), lambda i: torch.device("cuda", i)
+    assert choose_backend("auto", 0, None, 1) == (cpu, "gloo")
+    assert choose_backend("gloo", 0, None, 1) == (cpu, "gloo")
+    assert choose_backend("auto", 2, None, 3) == (gpu(1), "nccl")
+    assert choose_backend("gloo", 1, None, 1) == (gpu(0), "gloo")  # two ranks, one GPU: allowed over gloo
+    assert choose_backend("nccl", 4, 2, 0) == (gpu(2), "nccl")  # --cuda-id wins
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        choose_backend("nccl", 0, None, 0)

@@ -14,6 +14,7 @@ launch per row and layer.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from typing import TYPE_CHECKING, Callable
 
@@ -58,7 +59,23 @@ def _flash_varlen(index: int) -> Callable | None:
     except ImportError:
         return None
     ok = torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
-    return varlen_attn if ok else None
+    return with_gqa(varlen_attn) if ok else None
+
+
+def with_gqa(varlen_attn: Callable) -> Callable:
+    """``varlen_attn`` taking ``enable_gqa``: itself where it does (torch 2.13), else (torch 2.11, whose
+    signature has no such flag) a call that repeats each K/V head for its query heads first, the
+    form every version accepts (a prefill's K/V copied once per layer)."""
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        return varlen_attn
+
+    def repeating(q, k, v, *args, enable_gqa: bool = False, **kwargs):
+        if enable_gqa and k.shape[1] != q.shape[1]:  # (n, kvh, d) -> (n, h, d), heads in groups
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        return varlen_attn(q, k, v, *args, **kwargs)
+
+    return repeating
 
 
 def packed_layout(seg: "Segment", device: torch.device, dtype: torch.dtype, head_dim: int, plain: bool):

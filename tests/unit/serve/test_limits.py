@@ -1,7 +1,7 @@
 """Serve mode's limits without a model: keys and their names, the Host/Origin/Content-Type/body
-checks (serve.guard), caps before tokenizing (serve.intake), admission by rows and bounded stream
-buffers (serve.source); the connection cap and timeouts: tests/unit/serve/test_protocol.py; the same
-limits on the real server: tests/integration/test_serve_load.py. Apps run on uvicorn threads on 127.0.0.1."""
+checks (serve.guard), caps before tokenizing (serve.tokenizing), admission by rows and bounded stream
+buffers (serve.http_channel); the connection cap and timeouts: tests/unit/serve/test_protocol.py; the same
+limits on the real server: tests/runs/test_serve_load_runs.py. Apps run on uvicorn threads on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def guarded_app(keys: dict | None = None, hosts: str | None = None, origins: str
 
 def client(app, host: str = "127.0.0.1:8000"):
     """An HTTP client of ``app`` served by uvicorn on 127.0.0.1, sending ``Host: host``."""
-    from serve.app import HttpThread
+    from serve.endpoints import HttpThread
 
     port = free_port()
     http = HttpThread(app, "127.0.0.1", port)
@@ -140,12 +140,12 @@ def test_host_and_origin_allow_lists():
 
 def test_server_app_answers_allowed_origins_with_cors(tmp_path):
     """The server's app (create_app): --allowed-origins get CORS headers and preflights; others 403."""
-    from serve.app import ServeState, create_app
+    from serve.endpoints import ServeState, create_app
     from serve.auth import Keys, make_access
-    from serve.batches import BatchStore
-    from serve.source import RequestSource
+    from pipeline.runtime.sources import Requests
+    from tasks.batch_store import BatchStore
 
-    state = ServeState(RequestSource(4, 16), BatchStore(tmp_path), "m", Keys({"sk": "a"}), 1000,
+    state = ServeState(Requests(4, 16), BatchStore(tmp_path), "m", Keys({"sk": "a"}), 1000,
                        access=make_access("127.0.0.1", None, "https://ui.example"), allowed_origins="https://ui.example")
     c = client(create_app(state))
     ui = {"Origin": "https://ui.example", "Authorization": "Bearer sk"}
@@ -197,8 +197,10 @@ def test_body_counted_as_read():
 
 # -- before tokenizing, admission, streams ----------------------------------------------------
 def test_caps_before_tokenizing():
-    from serve.intake import Caps, check_caps, max_token_bytes, rows_of
-    from tasks.requests import RequestError, parse_body
+    from pipeline.runtime.sources import rows_of
+    from serve.tokenizing import Caps, check_caps, max_token_bytes
+    from tasks.requests import parse_body
+    from tasks.protocol import RequestError
     from tests.utils import local_tokenizer
 
     tok = local_tokenizer()
@@ -226,20 +228,21 @@ def test_caps_before_tokenizing():
 
 
 def live_request(loop, rows: int = 1, stream: bool = False):
-    from serve.source import STREAM_BUFFER, Live
+    from pipeline.runtime.sources import Live
+    from serve.http_channel import HttpChannel
     from tasks.requests import parse_body
 
     req = parse_body({"prompt": "x", "max_tokens": 4, "stream": stream}, False)
-    return Live(req, loop, loop.create_future(), stream, asyncio.Queue(STREAM_BUFFER) if stream else None,
-                loop.create_future() if stream else None, rows=rows)
+    return Live(req, HttpChannel(loop, stream), stream, rows=rows)
 
 
 def test_admission_counts_rows_and_open_streams():
-    from serve.source import Busy, RequestSource
+    from pipeline.runtime.sources import Busy, Requests
+    from tasks.protocol import Answer
 
     loop = asyncio.new_event_loop()
     try:
-        source = RequestSource(max_pending=10, max_rows=8)
+        source = Requests(max_pending=10, max_rows=8)
         big = live_request(loop, rows=6)
         source.submit(big)
         with pytest.raises(Busy, match="--max-pending-rows"):
@@ -247,15 +250,15 @@ def test_admission_counts_rows_and_open_streams():
         stream = live_request(loop, rows=2, stream=True)
         source.submit(stream)
         assert (source.pending, source.rows) == (2, 8)
-        source.resolve(big, ("ok", {}))
-        source.resolve(stream, ("ok", {}))  # answered, but its client has not read it all yet
+        source.resolve(big, Answer(result={}))
+        source.resolve(stream, Answer(result={}))  # answered, but its client has not read it all yet
         assert (source.pending, source.rows) == (1, 2)
         source.release(stream)  # its response ended
         source.release(stream)
         assert (source.pending, source.rows) == (0, 0)
         lone = live_request(loop, rows=20)  # alone, a request may use more than the cap (check_caps refuses it first)
         source.submit(lone)
-        source.forget(lone)
+        source.release(lone)  # cancelled: no answer is owed
         assert source.pending == 0
     finally:
         loop.close()
@@ -263,19 +266,20 @@ def test_admission_counts_rows_and_open_streams():
 
 def test_unread_stream_buffer_is_bounded():
     """Deltas past the buffer are not kept; the final chunk still carries the whole text and logprobs."""
-    from serve.source import STREAM_BUFFER, RequestSource
+    from serve.http_channel import STREAM_BUFFER
     from serve.sse import ChunkMaker
 
     loop = asyncio.new_event_loop()
     try:
-        source, live = RequestSource(10, 100), live_request(loop, stream=True)
+        live = live_request(loop, stream=True)
+        channel = live.channel
         words = [f"w{i} " for i in range(STREAM_BUFFER * 3)]
         for w in words:
-            source.emit(live, 0, w, {"tokens": [w], "token_logprobs": [-1.0], "top_logprobs": None, "text_offset": [0]})
+            channel.delta(0, w, {"tokens": [w], "token_logprobs": [-1.0], "top_logprobs": None, "text_offset": [0]})
         loop.run_until_complete(asyncio.sleep(0))
-        assert live.events.qsize() == STREAM_BUFFER and live.overflow
+        assert channel.events.qsize() == STREAM_BUFFER and channel.overflow
         maker = ChunkMaker(False, "m", "cmpl-x", 0)
-        got = [maker.delta(*live.events.get_nowait()) for _ in range(STREAM_BUFFER)]
+        got = [maker.delta(*channel.events.get_nowait()) for _ in range(STREAM_BUFFER)]
         text = "".join(words)
         lp = {"tokens": words, "token_logprobs": [-1.0] * len(words), "top_logprobs": None,
               "text_offset": [0] * len(words)}

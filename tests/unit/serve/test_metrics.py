@@ -1,4 +1,4 @@
-"""serve.metrics and tasks.metrics without a server: names, labels, the busy ratio from per-stage figures."""
+"""serve.metrics and tasks.status_exporter without a server: names, labels, the busy ratio from per-stage figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.metrics import ServeMetrics
-from tasks.metrics import StatusCollector
+from tasks.status_exporter import StatusCollector
 from tasks.status import RunStatus
 
 

@@ -4,7 +4,8 @@ the parser's text, which changes between orjson releases."""
 import orjson
 import pytest
 
-from tasks.requests import RequestError, json_problem, parse_line
+from tasks.requests import json_problem, parse_line
+from tasks.protocol import RequestError
 
 
 def problem(data: bytes) -> str:
@@ -16,7 +17,7 @@ def problem(data: bytes) -> str:
 @pytest.mark.parametrize("data, want", [
     (b'{"prompt": "unterminated, max_tokens": 3', "unexpected ':' at column 38"),
     (b"not json at all", "unexpected 'n' at column 1"),
-    (b'{"a": 1,}', "unexpected ',' at column 8"),
+    (b'{"a": 1,}', "unexpected '}' at column 9"),
     (b'{"a" 1}', "unexpected '1' at column 6"),
     (b'{"a": "\x01"}', "unexpected '\\x01' at column 8"),
     (b'{"\xc3\xa9\xc3\xa9": x}', "unexpected 'x' at column 8"),  # columns count characters, not bytes
@@ -38,7 +39,7 @@ def test_json_problem_says_what_and_where(data, want):
 def test_a_bad_line_gets_the_runners_message():
     with pytest.raises(RequestError) as e:
         parse_line(b'{"prompt": "x", "max_tokens": 3,}\n', 4)
-    assert str(e.value) == "the line is not valid JSON: unexpected ',' at column 32"
+    assert str(e.value) == "the line is not valid JSON: unexpected '}' at column 33"
     assert e.value.param is None and e.value.raw == '{"prompt": "x", "max_tokens": 3,}'
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ from pipeline.scheduling.intake import chat_ids
 from pipeline.runtime.messages import Admission, PassHeader, decode, encode
 from pipeline.sampling.sampler import apply_penalties, logprob_info, sample
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
-from tasks.requests import GREEDY_BELOW, RequestError, as_json, parse_body, parse_params, parse_request
+from tasks.requests import GREEDY_BELOW, as_json, parse_body, parse_params, parse_request
+from tasks.protocol import RequestError
 from tests import fuzz_requests as gen
 from tests.structured_cases import ENDLESS
 from tests.utils import REPO, run_inprocess
@@ -240,28 +240,28 @@ def test_generated_constraints_give_valid_outputs_wherever_a_row_stops(tmp_path_
             assert c["finish_reason"] == "length" or valid(kind, value, c["text"]) or cut, (body, c["text"])
 
 
-# -- (d) a running server -----------------------------------------------------------------------
+# -- (d) a running server ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.integration.test_serve import Server
+    """The default model served as "tiny" in this process (every rank a thread: tests/servers.py)."""
+    from tests.servers import LocalServer
 
-    folder = tmp_path_factory.mktemp("fuzzserve")
-    s = Server(str(DEFAULT_MODEL), 1, folder / "state", folder / "server.log")
+    s = LocalServer(["--model-name", str(DEFAULT_MODEL), "--served-model-name", "tiny", "--max-pending", "40",
+                     "--max-request-bytes", "200000"], tmp_path_factory.mktemp("fuzzserve"), name="fuzz")
+    s.mark = s.log.mark()
     s.start()
     yield s
-    s.kill()
+    s.stop(check=False)
 
 
 @settings(SLOW, max_examples=40)
 @given(chat=st.booleans(), data=st.data())
 def test_a_server_answers_every_generated_request_with_a_result_or_an_error(server, chat, data):
-    from tests.integration.test_serve import httpx
-
-    from tests.integration.test_serve import KEY
+    from tests.servers import httpx
 
     body = data.draw(gen.bodies(chat=chat, cheap=True))
     r = httpx.post(server.url("/v1/chat/completions" if chat else "/v1/completions"),
-                   content=json.dumps(body).encode(), headers={"Authorization": f"Bearer {KEY}",
+                   content=json.dumps(body).encode(), headers={"Authorization": f"Bearer {server.keys[0]}",
                                                         "Content-Type": "application/json"}, timeout=120)
     assert r.status_code in (200, 400, 404), r.text  # 404: OpenAI's model_not_found
     answer = r.json()
@@ -272,12 +272,12 @@ def test_a_server_answers_every_generated_request_with_a_result_or_an_error(serv
                                                or answer["error"]["param"] in gen.FIELDS + ("stream",))
     else:
         assert answer["choices"]
-    assert server.proc.poll() is None
+    assert server.running
 
 
 def test_the_server_is_alive_after_the_generated_requests(server):
-    from tests.integration.test_serve import httpx
+    from tests.servers import httpx
 
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
-    assert server.proc.poll() is None
-    assert "Traceback" not in Path(server.log).read_text()
+    assert server.running
+    assert "Traceback" not in server.log.since(server.mark)

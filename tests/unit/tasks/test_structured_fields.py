@@ -3,7 +3,8 @@ and chat, in any line form; a malformed constraint is the line's own error."""
 
 import pytest
 
-from tasks.requests import RequestError, parse_params, parse_request
+from tasks.requests import parse_params, parse_request
+from tasks.protocol import RequestError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

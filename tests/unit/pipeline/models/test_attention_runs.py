@@ -356,3 +356,24 @@ def test_packed_prefill_equals_row_by_row(name, device, tmp_path, monkeypatch):
     tol = 3e-2 if gpu else 1e-5
     for i, p in enumerate(PROMPTS):
         torch.testing.assert_close(packed[i, : len(p)].float(), rows[i, : len(p)].float(), atol=tol, rtol=tol)
+
+
+def test_packed_kernel_without_enable_gqa_repeats_kv_heads():
+    """torch 2.11's ``varlen_attn`` has no ``enable_gqa`` (2.13's has): the packed call then gets each
+    K/V head repeated for its query heads and the same output as a kernel taking the flag."""
+    from pipeline.models.kernels.unpad import with_gqa
+
+    seen = []
+    flagged = _varlen_reference(seen)
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # torch 2.11's signature
+        return flagged(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    assert with_gqa(flagged) is flagged
+    torch.manual_seed(0)
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    cu = torch.tensor([0, 7, 11], dtype=torch.int32)
+    want = flagged(q, k, v, cu, cu, 7, 7, scale=0.3, window_size=(-1, 0), enable_gqa=True)
+    got = with_gqa(old)(q, k, v, cu, cu, 7, 7, scale=0.3, window_size=(-1, 0), enable_gqa=True)
+    torch.testing.assert_close(got, want)
+    assert seen[-1][5] is False  # the old kernel got equal heads, no flag

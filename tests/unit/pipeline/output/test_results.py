@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.output.results import (Candidate, Detokenizer, IncrementalText, chat_choice, completion_choice,
-                                     output_line, result_object, top_dict)
+                                     result_object, top_dict)
+from tasks.protocol import output_line
 from tests.utils import local_tokenizer
 
 TOK = local_tokenizer()

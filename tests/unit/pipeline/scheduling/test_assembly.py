@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from pipeline.cache.prefix import PrefixCache, block_digests
-from pipeline.scheduling.assembly import chunk_end, decode_layout
+from pipeline.scheduling.scheduler import chunk_end, decode_layout
 from pipeline.scheduling.batches import Group, Outcome, Pass, PromptPart
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig, ServePolicy
 

@@ -76,7 +76,7 @@ def test_cancel_and_shed_through_the_driver():
 
 
 def test_nothing_outside_scheduling_reaches_into_the_scheduler():
-    """Rank 0's loops, the server and the factory go through the driver: no ``.sched`` attribute is
+    """Rank 0's engine, the server and the factory go through the driver: no ``.sched`` attribute is
     read outside pipeline/scheduling."""
     root = Path(__file__).resolve().parents[4]
     bad, seen = [], set()
@@ -89,5 +89,5 @@ def test_nothing_outside_scheduling_reaches_into_the_scheduler():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Attribute) and node.attr == "sched":
                     bad.append(f"{rel}:{node.lineno}")
-    assert {"pipeline/runtime/first_rank.py", "serve/engine.py", "serve/run.py"} <= seen
+    assert {"pipeline/runtime/engine.py", "serve/server.py"} <= seen
     assert not bad, bad

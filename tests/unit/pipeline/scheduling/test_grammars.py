@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.sampling.grammar import Grammars
 from pipeline.scheduling.grammars import GrammarIntake
-from tasks.requests import RequestError
+from tasks.protocol import RequestError
 from tests.utils import local_tokenizer
 
 

@@ -1,0 +1,82 @@
+"""Rank 0: the suspects of an earlier crash, found by bisection while the rest of the file runs.
+
+When a process dies while computing a file, the lines it had in flight and not journaled are the
+*suspects* of the next run (tasks.inflight). Running each alone, one after the other with nothing else
+in flight, would find a poison line but crawl through the file. Instead the suspects are *probed* in
+halves: a half runs together, as one probe group, beside the rest of the file at full speed. A half that
+is answered is innocent; when a run dies while a probe group is in flight, the next run blames that
+group alone (tasks.inflight.replay) and probes its halves. So a poison line among k suspects is cornered
+in about log2(k) runs, and only a single line is run *alone*: it waits until the pipeline is empty, and
+nothing else enters while it runs. A line that dies alone is the *culprit*: the run after answers it
+with an error instead of running it again. A run stopped by a signal blames nobody.
+"""
+
+from __future__ import annotations
+
+
+class Isolation:
+    def __init__(self, suspects=(), culprits=()):
+        self.suspects, self.culprits = set(suspects), set(culprits)
+        order = sorted(self.suspects)
+        self.plan: list[list[int]] = [order] if len(order) == 1 else \
+            [order[: (len(order) + 1) // 2], order[(len(order) + 1) // 2 :]] if order else []
+        self.aside: dict[int, bytes] = {}  # suspect lines read, waiting for their probe
+        self.group = 0  # the probe group in flight (numbered from 1 in a run), 0: none
+        self.probes = 0  # groups started in this run
+        self.running: set[int] = set()  # its scheduler groups not answered yet
+        self.draining = False  # a lone suspect waits for the pipeline to empty: nothing more is read
+        self.alone = False  # a lone suspect runs: nothing else enters until it is answered
+
+    @property
+    def active(self) -> bool:
+        return bool(self.suspects or self.culprits)
+
+    @property
+    def waiting(self) -> bool:
+        """Suspect lines read and not probed yet (the file is not done)."""
+        return bool(self.aside)
+
+    def holds(self, index: int, line: bytes) -> bool:
+        """A suspect line is set aside for its probe (True); any other line runs as it comes."""
+        if index not in self.suspects:
+            return False
+        self.aside[index] = line
+        return True
+
+    def next_probe(self, exhausted: bool, empty: bool) -> tuple[list[tuple[int, bytes]], bool, int] | None:
+        """The next group to run, when its lines are read and none is in flight: (lines, alone, group
+        number); None for now. ``exhausted``: the file is read to its end; ``empty``: nothing in flight."""
+        if self.group or self.alone or not self.plan:
+            return None
+        lines = [i for i in self.plan[0] if i in self.aside]
+        if len(lines) < len(self.plan[0]) and not exhausted:
+            return None  # some of its lines are not read yet
+        alone = len(self.plan[0]) == 1
+        if alone and not empty:
+            self.draining = True  # it waits for the pipeline to empty
+            return None
+        self.plan.pop(0)
+        self.draining = False
+        if not lines:
+            return self.next_probe(exhausted, empty)
+        self.probes += 1
+        self.group = self.probes
+        return [(i, self.aside.pop(i)) for i in lines], alone, self.group
+
+    def started(self, gids: list[int], alone: bool) -> None:
+        """The probe's scheduler groups (none when its lines were answered at once: refused, culprits)."""
+        self.running = set(gids)
+        self.alone = alone and bool(gids)
+        if not gids:
+            self.group = 0
+
+    def finished(self, gids) -> bool:
+        """Groups were answered; True when the probe in flight is over (the next may start)."""
+        if not self.running:
+            return False
+        self.running.difference_update(gids)
+        if self.running:
+            return False
+        self.alone = False
+        self.group = 0
+        return True

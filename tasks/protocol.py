@@ -1,0 +1,83 @@
+"""OpenAI's error and answer objects, built here and nowhere else.
+
+- :class:`RequestError`: a request that cannot run, as OpenAI reports it (``{"message", "type",
+  "param"}``), with the HTTP status a server answers it with and the kind the run summary counts.
+- :class:`Answer`: what rank 0 hands a request's source: its result object, or its error, or that the
+  engine stopped. Each face formats it: a file or Batch API line (:func:`output_line`), an HTTP body or
+  SSE chunks, a Python object, a terminal's text.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+STATUS = {"invalid_request_error": 400, "not_found_error": 404, "rate_limit_error": 429, "server_error": 500}
+
+
+class RequestError(ValueError):
+    """A request that cannot run; becomes {"error": {"message", "type", "param"}}.
+
+    ``reason`` is the kind counted in the run summary (default: the param, else "line"), for errors
+    whose OpenAI param does not say what went wrong (a request larger than ``--budget``: "budget");
+    ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours).
+    """
+
+    def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 reason: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.message, self.param, self.kind = message, param, kind
+        self.reason = reason or param or "line"
+        self.status = status or STATUS.get(kind, 500)
+
+    def to_dict(self) -> dict:
+        return {"message": self.message, "type": self.kind, "param": self.param}
+
+    @classmethod
+    def from_dict(cls, error: dict, status: int | None = None) -> RequestError:
+        return cls(str(error.get("message", "failed")), error.get("param"), error.get("type") or "server_error",
+                   status=status)
+
+
+CANCELLED = RequestError("the request file (the batch) was cancelled before this request finished", None,
+                         "batch_cancelled", reason="cancelled")
+
+
+def server_error(message: str, status: int = 500) -> RequestError:
+    """A failure on our side (a computation that raised, a shutdown: 503), not the request's fault."""
+    return RequestError(message, None, "server_error", reason="computation", status=status)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's outcome for its source: ``result`` (OpenAI's completion or chat object), or
+    ``error``, or ``dead``: the engine stopped before answering (why)."""
+
+    result: dict | None = None
+    error: RequestError | None = None
+    dead: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+    @classmethod
+    def from_wire(cls, body: dict) -> Answer:
+        """An answer as the last rank sends it back: ``{"result": ...}`` or ``{"error": ...}``."""
+        if body.get("error") is not None:
+            return cls(error=RequestError.from_dict(body["error"]))
+        return cls(result=body["result"])
+
+
+def output_line(raw: object, custom_id: str | None, result: dict | None = None, error: dict | None = None) -> dict:
+    """The line written for one request: the seed's {"request", "result"|"error"} or a Batch API line."""
+    if custom_id is None:
+        return {"request": raw, "result": result} if error is None else {"request": raw, "error": error}
+    rid = "req_" + uuid.uuid4().hex[:24]
+    line = {"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id}
+    if error is None:
+        line.update(response={"status_code": 200, "request_id": rid, "body": result}, error=None)
+    else:
+        line.update(response={"status_code": 400, "request_id": rid, "body": {"error": error}},
+                    error={"code": error.get("type"), "message": error["message"]})
+    return line

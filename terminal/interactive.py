@@ -1,0 +1,50 @@
+"""Rank 0's side of ``--prompts`` / ``--prompts-file`` / ``--chat``, and ``--chat --url`` (no model here).
+
+The other ranks run their usual serve-mode loop (``pipeline.runtime.roles.serve_rank``): to them a
+prompt or a chat turn is one more live request, as for an HTTP client.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from terminal.chat_backends import BackendError, HttpBackend, LocalBackend
+from terminal.chat_shell import ChatShell
+from terminal.local_engine import LocalEngine
+from terminal.prompts import run_prompts
+
+log = logging.getLogger("serve")
+
+
+def interactive(opts) -> bool:
+    """Whether this run talks to the model from the terminal instead of reading request files."""
+    return bool(opts.prompts or opts.prompts_file or opts.chat)
+
+
+def run_interactive(rank, stopping=None) -> int:
+    """Rank 0: the engine on its thread, the terminal on this one; stops every rank at the end."""
+    opts, plan = rank.opts, rank.plan
+    engine = LocalEngine(rank, stopping)
+    code = 1
+    try:
+        if opts.chat:
+            backend = LocalBackend(engine, plan.model_name, [a.name for a in plan.adapters])
+            code = ChatShell(backend, opts).run()
+        else:
+            code = run_prompts(engine, opts)
+    finally:
+        engine.stop(timeout=60)
+    if engine.error is not None:
+        raise RuntimeError(engine.error)
+    return code
+
+
+def run_chat_client(opts) -> int:
+    """``--chat --url``: the shell on a running server; exit 1 when it cannot be reached."""
+    try:
+        backend = HttpBackend(opts.url, opts.api_key)
+    except BackendError as e:
+        print(f"dist_inference_runner.py: {e}", file=sys.stderr)
+        return 1
+    return ChatShell(backend, opts).run()

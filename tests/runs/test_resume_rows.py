@@ -1,0 +1,81 @@
+"""Rows resumed mid-generation (issue 55): a run stopped again and again (the stop an in-process caller
+gives the runner, SIGTERM's path) checkpoints its rows in flight, and the next run re-prefills each
+row's prompt with its tokens so far and samples on from there: the file ends as an uninterrupted run's
+(tokens equal but at near-ties, logprobs within float rounding: a resumed row's later tokens come after
+a prefill instead of decode steps), no stop is taken for a crash, and the status file says ``stopped``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from tasks.status import read_status
+from tests.utils import assert_consistent_results, read_jsonl, run_local, write_jsonl
+
+REQUESTS = [{"prompt": f"Once upon a time {i}", "max_tokens": 40 + (i % 4) * 15, "temperature": 0 if i % 2 else 0.9,
+             "seed": i, "logprobs": 2, **({"stop": ["zzz"]} if i % 3 == 0 else {})} for i in range(16)]
+
+
+def stopped_run(args: list[str], stages: int, journal, lines: int):
+    """A run whose engine is told to stop (as SIGTERM would) once ``journal`` holds ``lines`` more lines
+    than when it started."""
+    import dist_inference_runner
+
+    def count() -> int:
+        return journal.read_bytes().count(b"\n") if journal.exists() else 0
+
+    stop, done, start = threading.Event(), threading.Event(), count()
+
+    def watch():
+        while not done.is_set() and count() < start + lines:
+            time.sleep(0.005)
+        stop.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        argv = [*args, "--in-process", "--pipeline-group-size", str(stages)]
+        return dist_inference_runner.main(argv, signals=False, stopping=stop)
+    finally:
+        done.set()
+        watcher.join()
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_stopped_run_resumes_its_rows_where_they_stopped(tmp_path, stages, caplog):
+    src = write_jsonl(tmp_path / "r.jsonl", REQUESTS)
+    flags = ["--infer-data", src, "--no-progress", "--num-threads", "1", "--max-micro-batch-size", "4",
+             "--checkpoint-interval", "0"]
+    assert run_local([*flags, "--output-path", str(tmp_path / "clean.jsonl")], stages).returncode == 0
+    out = tmp_path / "cut.jsonl"
+    runs, resumed = 0, 0
+    caplog.set_level(logging.INFO)
+    while not out.exists():
+        caplog.clear()
+        code = stopped_run([*flags, "--output-path", str(out)], stages, tmp_path / "cut.jsonl.partial", 3)
+        runs += 1
+        assert runs < 30
+        assert "an earlier run ended" not in caplog.text  # a stop is never taken for a crash
+        resumed += caplog.text.count("rows where they stopped")
+        if not out.exists():
+            assert code == 143 and read_status(str(out) + ".status.json")["state"] == "stopped"
+    assert runs > 1 and resumed > 0, (runs, resumed)
+    assert_consistent_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out), tol=1e-3)
+    assert not (tmp_path / "cut.jsonl.partial.rows").exists()  # gone with the finished output
+
+
+def test_the_checkpoint_holds_the_rows_in_flight_and_only_those(tmp_path):
+    src = write_jsonl(tmp_path / "r.jsonl", REQUESTS[:4] + [{"prompt": "x", "max_tokens": 30, "n": 2},
+                                                              {"prompt": "y", "max_tokens": 30, "echo": True}])
+    out = tmp_path / "o.jsonl"
+    code = stopped_run(["--infer-data", src, "--output-path", str(out), "--no-progress", "--num-threads", "1",
+                        "--checkpoint-interval", "0"], 1, tmp_path / "o.jsonl.partial", 1)
+    assert code == 143
+    rows = json.loads((tmp_path / "o.jsonl.partial.rows").read_text())
+    assert set(rows) <= {"0", "1", "2", "3"}  # not the n = 2 or echo lines: those run again from the start
+    for r in rows.values():
+        assert len(r["ids"]) == len(r["logprobs"]) == len(r["top"]) and r["ids"]
