@@ -126,8 +126,8 @@ def test_gptq_at_p2_matches_its_dequantized_float_checkpoint(make_llama, tmp_pat
     assert ours[0]["result"]["model"] == "q:gptq-int4"
     summary = json.loads(Path(f"{tmp_path / 'q.jsonl'}.summary.json").read_text())
     assert [s["weights"] for s in summary["stage_precision"]] == ["gptq-int4", "gptq-int4"]
-    for flag in (["--quantize", "int8"], ["--batch-invariant"]):  # refused with a GPTQ checkpoint
-        with pytest.raises(UsageError, match="gptq-int4"):
+    for flag, why in ((["--quantize", "int8"], "quantized already"), (["--batch-invariant"], "packed weights")):
+        with pytest.raises(UsageError, match=why):  # refused with a GPTQ checkpoint, before loading
             run_inprocess(["--model-name", q, "--infer-data", data, "--output-path", str(tmp_path / "o.jsonl"), *flag])
 
 
