@@ -154,6 +154,8 @@ class RunStatus:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
         self.write()
+        if self in _ACTIVE:  # ended: a later run's failure in this process is not this run's
+            _ACTIVE.remove(self)
 
     # -- the file ------------------------------------------------------------------------------------
 
@@ -222,18 +224,19 @@ class RunStatus:
             self.write()
 
 
-_ACTIVE: list[RunStatus] = []  # the process's status file, for fail_active()
+_ACTIVE: list[RunStatus] = []  # the running status files of this process (--in-process: each writing rank's)
 
 
 def activate(status: RunStatus | None) -> None:
-    _ACTIVE.clear()
+    """``status`` runs until it finishes: fail_active reaches it meanwhile."""
     if status is not None:
         _ACTIVE.append(status)
 
 
 def fail_active(reason: str) -> None:
-    """The run is ending on an error or a signal: say so in the status file, if this rank writes one."""
-    for status in _ACTIVE:
+    """The run is ending on an error or a signal: say so in the status files still running in this
+    process (a finished one keeps its state)."""
+    for status in list(_ACTIVE):
         status.finish(f"failed: {reason}")
 
 

@@ -1,4 +1,4 @@
-"""A varied structured-outputs request file and its checker (tests/integration/test_structured.py,
+"""A varied structured-outputs request file and its checker (tests/runs/test_structured_runs.py,
 bench/structured.py): JSON schemas (nested objects, bounded arrays, enums, string patterns, number
 ranges, optional fields, anyOf), regexes, choices and a small grammar (Lark and GBNF)."""
 

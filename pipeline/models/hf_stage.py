@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,22 +97,39 @@ def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
                       getattr(config, "max_position_embeddings", None) or 2048)
 
 
+_META = threading.local()  # .on: this thread builds modules with their parameters on meta
+_META_LOCK = threading.Lock()
+_META_USERS: list = []  # the threads inside _parameters_on_meta, and the register_parameter it replaced
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Build modules with their parameters on the meta device but buffers real (on the CPU): buffers
-    such as an embedding scale are computed at construction and not saved in checkpoints."""
-    register = nn.Module.register_parameter
+    such as an embedding scale are computed at construction and not saved in checkpoints.
 
-    def on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
+    ``nn.Module.register_parameter`` is replaced while any thread is inside (stages of one process,
+    ``--in-process``, load side by side) and acts only on those threads: the others' modules, and what
+    runs after the last thread leaves, keep real parameters."""
+    with _META_LOCK:
+        if not _META_USERS:
+            _META_USERS.append(nn.Module.register_parameter)
+            nn.Module.register_parameter = _register_on_meta
+        _META_USERS.append(threading.get_ident())
+    _META.on = True
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        _META.on = False
+        with _META_LOCK:
+            _META_USERS.remove(threading.get_ident())
+            if len(_META_USERS) == 1:
+                nn.Module.register_parameter = _META_USERS.pop()
+
+
+def _register_on_meta(module, name, param):
+    if getattr(_META, "on", False) and param is not None and param.device.type != "meta":
+        param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    _META_USERS[0](module, name, param)
 
 
 class HFKVCache:

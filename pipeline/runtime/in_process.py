@@ -98,13 +98,18 @@ class LocalRanks:
 def run_in_process(opts, plan0, execute: Callable, make_plan: Callable) -> int:
     """Run every rank, rank 0 on this thread; ``execute(plan, opts, info) -> exit code`` is a rank's
     start-up and role. Returns the largest exit code of the pipelines' first ranks; raises the first
-    rank failure."""
+    rank failure. The caller's torch thread count is given back (each rank sets its share of the cores
+    for the process: a caller that goes on, a test, keeps its own)."""
+    import torch
+
+    threads = torch.get_num_threads()
     ranks = LocalRanks(opts, plan0, make_plan)
     ranks.start(execute)
     try:
         ranks.run(0, execute)
     finally:
         ranks.join()
+        torch.set_num_threads(threads)
     ranks.raise_failure()
     return max(ranks.codes[r] or 0 for r, info in enumerate(ranks.infos) if info.is_first)
 

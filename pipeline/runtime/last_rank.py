@@ -49,8 +49,8 @@ class LastRank:
         assert isinstance(msg, Stop), msg
         if self.file is not None:  # stopped with the file open: its rows in flight resume where they are
             self.file.checkpoint(self.head.checkpoint())
-            if self.file.inflight is not None:
-                self.file.inflight.stopped()  # a stop, not a crash: the next run suspects nobody
+            if self.file.inflight is not None:  # a stop, not a crash: the next run suspects nobody
+                self.file.inflight.close(complete=False)  # (closed: a process that goes on holds no record)
         if self.status is not None:  # (a signal's reason, written first, stays)
             self.status.finish("stopped" if self.file is not None else "finished")
         return None

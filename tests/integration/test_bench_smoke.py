@@ -1,18 +1,17 @@
-"""Smoke test of bench/throughput.py: a tiny model, HF + runner P=1, JSON written with every figure.
+"""Smoke tests of the benchmarks that start their systems as processes: bench/throughput.py (a tiny
+model, HF + runner P=1, JSON written with every figure) and bench/native_vs_generic.py.
 
-No timing is asserted (the machine may be busy); only that the benchmark runs end to end, writes
-the expected keys and computes greedy agreement.
+No timing is asserted (the machine may be busy); only that the benchmarks run end to end, write the
+expected keys and compute greedy agreement. Their pieces without a run: tests/unit/test_bench_throughput.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "throughput.py"
@@ -50,82 +49,6 @@ def test_tiny_benchmark_writes_figures_and_agreement(tmp_path):
     assert "--dtype bfloat16" in data["systems"]["runner1-bf16"]["command"]
     assert "runner P=1 / HF (gen tok/s)" in data["ratios"]
     assert "Targets:" in p.stdout and "Greedy agreement" in p.stdout
-
-
-def test_unknown_system_is_rejected():
-    p = subprocess.run([sys.executable, str(BENCH), "--systems", "hf,vllm"], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "vllm" in p.stderr
-
-
-@pytest.mark.parametrize(
-    "ids_text, max_tokens, stops, want",
-    [
-        ("abc", 16, [], ("abc", "length")),  # no stop: the whole text
-        ("abc", 16, ["c"], ("ab", "stop")),  # cut before the stop string
-        ("abcabc", 16, ["c", "b"], ("a", "stop")),  # earliest of several stops
-        ("abc", 1, ["c"], ("a", "length")),  # max_tokens first
-    ],
-)
-def test_finish_generation_matches_runner_semantics(ids_text, max_tokens, stops, want):
-    finish_generation = _bench_module().finish_generation
-
-    tok = _local_tokenizer()
-    ids = [tok.convert_tokens_to_ids(c) for c in ids_text]  # one token per character
-    got = finish_generation(tok, ids, max_tokens, stops, eos=tok.eos_token_id)
-    assert (got["text"], got["finish"]) == want
-    # EOS ends the sequence and counts as a computed token
-    got = finish_generation(tok, ids[:1] + [tok.eos_token_id] + ids[1:], 16, [], eos=tok.eos_token_id)
-    assert (got["text"], got["generated"], got["finish"]) == (ids_text[0], 2, "stop")
-
-
-def test_int8_fidelity_counts_top1_and_logprob_differences():
-    fidelity = _bench_module().fidelity
-    full = {"score": [{"logprobs": [-1.0, -2.0, -3.0], "top1": [5, 6, 7]}, {"logprobs": [-0.5], "top1": [9]}, None]}
-    quant = {"score": [{"logprobs": [-1.1, -2.0, -2.7], "top1": [5, 8, 7]}, {"logprobs": [-0.5], "top1": [9]},
-                       {"logprobs": [-1.0], "top1": [1]}]}  # the third has no float32 answer: not counted
-    f = fidelity(quant, full)
-    assert f["positions"] == 4 and f["top1_agreement"] == 0.75
-    assert abs(f["mean_abs_logprob_diff"] - 0.1) < 1e-9 and abs(f["max_abs_logprob_diff"] - 0.3) < 1e-9
-
-
-def test_hf_fake_quantization_is_the_runners_int8(make_llama):
-    """The plain reference (HF with fake-quantized weights) computes what the runner's dequantize kernel does."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.loading.stage_weights import build_stage
-    from pipeline.models.kernels.int8 import Int8Linear
-    from tests.utils import chain_logits
-
-    model_dir = make_llama(num_hidden_layers=2)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    _bench_module().fake_quantize_layers(hf)
-    stage = build_stage(model_dir, 0, 2, True, True, quantize="int8")[0]
-    for m in stage.modules():
-        if isinstance(m, Int8Linear):
-            m.kernel = "dequantize"
-    prompt = [1, 20, 30, 40, 50]
-    with torch.no_grad():
-        torch.testing.assert_close(chain_logits([stage], [prompt])[0], hf(torch.tensor([prompt])).logits[0],
-                                   atol=1e-4, rtol=1e-4)
-
-
-@functools.lru_cache(maxsize=1)
-def _bench_module():
-    """bench/throughput.py, imported by path (bench/ is a folder of scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.lru_cache(maxsize=1)
-def _local_tokenizer():
-    from pipeline.loading.default_model import build_tokenizer
-
-    return build_tokenizer()
 
 
 def test_native_vs_generic_bench_runs_and_agrees(tmp_path):

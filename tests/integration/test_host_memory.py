@@ -1,4 +1,6 @@
-"""CPU stages keep freed host memory for the next pass (pipeline/runtime/host_memory.py)."""
+"""A process's own memory, which only a fresh process shows: CPU stages keep freed host memory for the
+next pass (pipeline/runtime/host_memory.py), a CPU cache holds only the pages its rows write, and a
+process's peak RSS is its own, not its parent's. One test, a probe process for each."""
 
 import platform
 import subprocess
@@ -32,22 +34,6 @@ print(round(rss_mib() - before), round(held))
 """
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
-def test_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
-    def kept_after_free(mode: str) -> tuple[int, int]:
-        p = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
-                           env=_env(None))
-        assert p.returncode == 0, p.stderr[-2000:]
-        kept, held = map(int, p.stdout.split())
-        assert held >= 250  # the tensor was resident
-        return kept, held
-
-    assert kept_after_free("system")[0] < 50  # glibc's default: the tensor's mmap is unmapped when freed
-    kept, held = kept_after_free("keep")
-    assert kept >= held - 10  # kept in the heap: the next pass's tensors reuse mapped pages
-    assert kept_after_free("release")[0] < 50  # load-time holes handed back on request (malloc_trim)
-
-
 # A 256 MiB KV cache on the CPU: resident memory after allocating it, after one row writes 1 MiB of it,
 # and after it is freed, in MiB above the start; and what that row and an unwritten row read.
 CACHE_PROBE = """
@@ -71,8 +57,7 @@ print(round(allocated), round(used), round(rss_mib() - before), written, unwritt
 """
 
 
-@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/statm")
-def test_a_cpu_cache_holds_only_the_pages_its_rows_write():
+def check_a_cpu_cache_holds_only_the_pages_its_rows_write():
     """A micro-batch's cache is sized for its longest possible rows; on the CPU allocating it touches
     no memory (torch.zeros wrote every page up front), rows cost the pages they use, unwritten cells
     read zero, and the memory goes back to the system when the cache is freed."""
@@ -83,7 +68,7 @@ def test_a_cpu_cache_holds_only_the_pages_its_rows_write():
     assert int(allocated) < 8 and int(used) < 16 and int(after) < 8, p.stdout
 
 
-def test_a_process_peak_is_its_own_not_its_parents():
+def check_a_process_peak_is_its_own_not_its_parents():
     """The summaries' peak RSS (tasks.status.peak_rss_bytes) is the runner's own: Linux carries
     ``ru_maxrss`` across fork and exec, so a small process started by a parent holding 400 MiB (pytest,
     torchrun's agent) read 400 MiB as its peak; VmHWM starts afresh at exec."""
@@ -92,3 +77,26 @@ def test_a_process_peak_is_its_own_not_its_parents():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          env=_env(None))
     assert len(ballast) and int(out.stdout) < 200 * 2**20
+
+
+def check_freed_tensor_memory_stays_with_the_process_for_the_next_pass():
+    def kept_after_free(mode: str) -> tuple[int, int]:
+        p = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
+                           env=_env(None))
+        assert p.returncode == 0, p.stderr[-2000:]
+        kept, held = map(int, p.stdout.split())
+        assert held >= 250  # the tensor was resident
+        return kept, held
+
+    assert kept_after_free("system")[0] < 50  # glibc's default: the tensor's mmap is unmapped when freed
+    kept, held = kept_after_free("keep")
+    assert kept >= held - 10  # kept in the heap: the next pass's tensors reuse mapped pages
+    assert kept_after_free("release")[0] < 50  # load-time holes handed back on request (malloc_trim)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/statm")
+def test_a_process_keeps_and_counts_its_own_memory():
+    if platform.libc_ver()[0] == "glibc":  # glibc's malloc
+        check_freed_tensor_memory_stays_with_the_process_for_the_next_pass()
+    check_a_cpu_cache_holds_only_the_pages_its_rows_write()
+    check_a_process_peak_is_its_own_not_its_parents()

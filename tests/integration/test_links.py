@@ -1,23 +1,20 @@
 """Pipeline links (comm.p2p): every group carries traffic one way, messages go over CPU (gloo) groups,
 on CPU with their activations in the same transfer (on GPU payloads take NCCL groups of their own);
-the next message's receive is posted before the stage computes; a peer killed mid-run is reported
-within seconds, on the header channel; the last message (stop) arrives before anyone tears the
-groups down.
+the next message's receive is posted before the stage computes; the last message (stop) arrives
+before anyone tears the groups down; messages of every size and dtype arrive intact over gloo. A peer
+killed mid-run, reported within seconds on the header channel: tests/integration/test_reliability.py.
 
 Real runs: each rank goes through a small wrapper that records every point-to-point send and
 receive (group, backend, this rank, the peer) before the runner's own code runs.
 """
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from comm.dist import sharing_a_gpu
 from tests.utils import RUNNER, _env, _kill_group, free_port, read_jsonl
 
 RECORDER = '''
@@ -77,8 +74,9 @@ def finish(procs, timeout=240):
             _kill_group(p)
 
 
-@pytest.mark.parametrize("world,pipeline", [(3, 3), (4, 2)])
-def test_every_group_carries_traffic_one_way(model_dir, requests, tmp_path, world, pipeline):
+def test_every_group_carries_traffic_one_way(model_dir, requests, tmp_path):
+    """Two pipelines of three stages (a middle stage, a ring each, data parallelism) in one launch."""
+    world, pipeline = 6, 3
     out, log = tmp_path / "out.jsonl", tmp_path / "p2p"
     procs = launch(["--model-name", model_dir, "--infer-data", str(requests), "--output-path", str(out),
                     "--budget", "300"], world, pipeline, log)
@@ -107,26 +105,6 @@ def test_every_group_carries_traffic_one_way(model_dir, requests, tmp_path, worl
     sent = sum(r["op"] == "send" for r in records)
     got = sum(r["op"] == "recv" for r in records)
     assert got - sent == world // pipeline
-
-
-def test_a_peer_killed_mid_run_is_reported_within_seconds(model_dir, requests, tmp_path):
-    """The last rank dies mid-generation; rank 0, waiting for its reply on the header channel (gloo),
-    hears of it at once, with the message that names the rank."""
-    out = tmp_path / "out.jsonl"
-    procs = launch(["--model-name", model_dir, "--infer-data", str(requests), "--output-path", str(out),
-                    "--budget", "300"], 2, 2, env={"DIST_INFER_FAULT": "midgen", "DIST_INFER_FAULT_RANK": "1"})
-    procs[1].wait(timeout=240)  # killed by the fault point
-    t0 = time.monotonic()
-    results = finish(procs, timeout=60)
-    assert time.monotonic() - t0 < 30, "rank 0 should notice within seconds"
-    assert procs[1].returncode == -signal.SIGKILL
-    assert procs[0].returncode != 0
-    assert "lost contact with rank 1 on the header channel" in results[0][1], results[0][1][-2000:]
-
-
-def test_two_ranks_on_one_gpu_are_found():
-    assert sharing_a_gpu([("a", 0), ("a", 1), ("b", 0)], 0) == []
-    assert sharing_a_gpu([("a", 0), ("a", 1), ("a", 0)], 2) == [0, 2]
 
 
 MESSAGES = """

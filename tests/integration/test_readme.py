@@ -9,21 +9,25 @@ preceded by a marker comment (invisible when rendered):
 
 A command block without a marker fails the test, so a new command in the manual must be classified. The
 runnable blocks run in the order of ``PAGES`` (the README first, then the docs pages; within a page
-top to bottom), each in its own bash, in one copy of the repository's tracked files, so a block may
-use what an earlier block of its page or of an earlier page wrote; each must exit 0 and print every
-``expect`` text. The only changes to the commands:
-``/tmp/`` becomes a private folder and the fixed ports (29400, 29511; torchrun's default 29500
-through ``PET_MASTER_PORT``) become free ones, so concurrent test runs do not collide. Scheduler
-submissions are skipped (tests/integration/test_launch.py runs the scripts with stub srun/blaunch).
+top to bottom), in one copy of the repository's tracked files, so a block may use what an earlier
+block of its page or of an earlier page wrote; each must exit 0 and print every ``expect`` text.
+A block runs in its own bash, except that a block of simple command lines (no shell syntax) runs line
+by line, and its lines ``python dist_inference_runner.py ARGS`` run in this process: the runner's main
+with those arguments, in the copy's folder, with the copy's default model (tests.utils.run_local, its
+stdout, stderr and exit code as a process's), which saves a process start for each. The only changes
+to the commands: ``/tmp/`` becomes a private folder and the fixed ports (29400, 29511; torchrun's
+default 29500 through ``PET_MASTER_PORT``) become free ones, so concurrent test runs do not collide.
+Scheduler submissions are skipped (tests/integration/test_launch.py runs the scripts with stub
+srun/blaunch).
 
-The pages also link each other: the README links every docs page, every page says in one line what
-it is for and links back to the README, and every relative link and anchor resolves.
+The pages' links and markers, without running anything: tests/unit/test_docs_pages.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import REPO, free_port, read_jsonl
+from tests.utils import REPO, free_port, read_jsonl, run_local
 
 # Every page whose commands run, in the order they run. A new docs page must be added here (the test
 # below fails otherwise). Dependencies: docs/usage/scale.md's blocks build on one another (split ->
@@ -117,58 +121,6 @@ def page_blocks(root: Path = REPO) -> list[tuple[str, Block]]:
     return [(page, b) for page in PAGES for b in readme_blocks((root / page).read_text())]
 
 
-def test_every_page_is_listed():
-    pages = {"README.md"} | {p.relative_to(REPO).as_posix() for p in (REPO / "docs").rglob("*.md")}
-    assert len(set(PAGES)) == len(PAGES)
-    assert pages == set(PAGES), "add new docs pages to PAGES (in an order that keeps their commands' dependencies)"
-
-
-def test_every_command_block_is_marked():
-    blocks = [(page, b) for page, b in page_blocks() if is_command(b)]
-    unmarked = [f"{page}:{b.line}: {b.text[0]}" for page, b in blocks if b.action is None]
-    assert unmarked == [], "mark these with <!-- readme-test: run --> or <!-- readme-test: skip (why) -->"
-    assert sum(b.action == "run" for _, b in blocks) >= 10
-    assert any(b.action == "run" for page, b in blocks if page == "README.md")  # the quick start
-
-
-LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-
-
-def anchor(heading: str) -> str:
-    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    return {anchor(x.lstrip("#")) for x in path.read_text().splitlines() if re.match(r"#{1,6} ", x)}
-
-
-def test_pages_link_each_other():
-    readme_links = {(REPO / m).resolve() for m in
-                    (x.split("#")[0] for x in LINK.findall((REPO / "README.md").read_text())) if m}
-    broken = []
-    for page in PAGES:
-        path = REPO / page
-        lines = path.read_text().splitlines()
-        for target in LINK.findall(path.read_text()):
-            if re.match(r"[a-z]+:", target):
-                continue  # an external address
-            file, _, frag = target.partition("#")
-            dest = (path.parent / file).resolve() if file else path
-            if not dest.is_file() or (frag and dest.suffix == ".md" and frag not in anchors(dest)):
-                broken.append(f"{page}: {target}")
-        if page == "README.md":
-            continue
-        assert path.resolve() in readme_links, f"README.md does not link {page}"
-        assert lines[0].startswith("# ") and not lines[1].strip(), f"{page}: a title, then a blank line"
-        purpose = lines[2]
-        assert purpose.strip() and not lines[3].strip(), f"{page}: line 3 says in one line what the page is for"
-        back = [(path.parent / x.split("#")[0]).resolve() for x in LINK.findall(purpose)]
-        assert (REPO / "README.md").resolve() in back, f"{page}: its purpose line links back to the README"
-    assert broken == [], "links that do not resolve"
-
-
 def fresh_copy(dest: Path) -> Path:
     """The repository's tracked files (as they are in the work tree), nothing else: a fresh clone."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
@@ -180,8 +132,32 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
+RUNNER_LINE = "python dist_inference_runner.py"
+
+
+def steps(script: str) -> list[tuple[str, str]]:
+    """How a block runs: ``[("bash", script)]``, or, when every line is a simple command (no shell syntax:
+    pipes, redirections, variables, heredocs, loops, continuations), one step per line, ``("runner", line)``
+    for the runner's own command lines and ``("bash", line)`` for the others."""
+    lines = [x for x in script.splitlines() if x.strip()]
+
+    def simple(line: str) -> bool:
+        if "$" in line or "`" in line or line.rstrip().endswith("\\") or re.match(r"\s*(for|while|if)\b", line):
+            return False
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        return not any(tok and set(tok) <= set("();<>|&") for tok in lexer)
+
+    if not all(simple(x) for x in lines):
+        return [("bash", script)]
+    return [("runner" if x.startswith(RUNNER_LINE + " ") else "bash", x) for x in lines]
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")
-def test_commands_run_in_order(tmp_path):
+def test_commands_run_in_order(tmp_path, monkeypatch):
+    import pipeline.loading.default_model
+    import tasks.progress
+
     repo = fresh_copy(tmp_path / "clone")
     private = tmp_path / "tmp"
     private.mkdir()
@@ -189,6 +165,10 @@ def test_commands_run_in_order(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port()),
            "DIST_INFER_PROGRESS_SECONDS": "600"}
     env.pop("DIST_INFER_FAULT", None)
+    # the runner in this process as in the copy: its folder, its default model, the same progress interval
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(pipeline.loading.default_model, "SHIPPED_DIR", repo / "examples" / "tiny-llama-default")
+    monkeypatch.setattr(tasks.progress, "LOG_EVERY", 600.0)
     ran = []
     for page, block in page_blocks(repo):
         if block.action != "run":
@@ -196,12 +176,19 @@ def test_commands_run_in_order(tmp_path):
         lines = [block.text[block.only_line - 1]] if block.only_line else block.text
         script = "\n".join(lines).replace("/tmp/", f"{private}/")
         script = script.replace("127.0.0.1:29400", f"127.0.0.1:{free_port()}").replace("PORT=29511", f"PORT={free_port()}")
-        p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=repo, env=env, capture_output=True,
-                           text=True, timeout=300)
-        shown = f"{page}:{block.line}:\n{script}\n--- exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
-        assert p.returncode == 0, shown
+        said = ""
+        for how, command in steps(script):
+            if how == "runner":
+                p = run_local(shlex.split(command)[2:])
+            else:
+                p = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=repo, env=env, capture_output=True,
+                                   text=True, timeout=300)
+            said += p.stdout + p.stderr
+            shown = (f"{page}:{block.line} ({how}):\n{command}\n--- exit {p.returncode}\n{p.stdout[-2000:]}\n"
+                     f"{p.stderr[-4000:]}")
+            assert p.returncode == 0, shown
         for text in block.expect:
-            assert text in p.stdout + p.stderr, f"expected {text!r}\n{shown}"
+            assert text in said, f"expected {text!r}\n{page}:{block.line}:\n{script}\n{said[-4000:]}"
         ran.append((page, block.line))
     assert len(ran) >= 10
     # what the README and the docs pages say the commands leave behind

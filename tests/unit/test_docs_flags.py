@@ -2,7 +2,7 @@
 ``--help`` says: the same flags both ways, the same choices and the same defaults.
 
 Fast: the argparse parser is built in-process (``pipeline.config.options.build_parser``, which the entry
-script uses); one ``--help`` subprocess checks that the entry script lists exactly those flags. The
+script uses); tests/runs/test_cli_runs.py checks that the entry's ``--help`` lists exactly those flags. The
 runner commands written in the README and the docs pages use only flags that exist.
 """
 

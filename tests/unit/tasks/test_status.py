@@ -57,6 +57,23 @@ def test_failed_keeps_the_first_reason_and_stale_detection(tmp_path):
     assert describe(running, now=got["updated_at"] + 100).startswith("stale (running")
 
 
+def test_a_finished_status_is_not_failed_by_a_later_run_of_the_process(tmp_path):
+    """Runs in one process (--in-process, the Python API): a run that fails marks its own running status
+    files failed, not an earlier run's finished one (it used to rewrite it as failed)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    done, one, two = make(tmp_path / "a"), make(tmp_path / "b"), make(tmp_path / "c")
+    for s in (done, one, two):
+        s.start()
+        st.activate(s)
+    done.finish("finished")
+    st.fail_active("PeerLost: rank 1")  # both writers of a two-pipeline run in this process
+    assert read_status(done.path)["state"] == "finished"
+    assert read_status(one.path)["state"] == read_status(two.path)["state"] == "failed: PeerLost: rank 1"
+    assert st._ACTIVE == []
+
+
 @pytest.mark.parametrize("state, code", [("finished", 0), ("failed: x", 1), ("running", 3)])
 def test_reader_exit_codes(tmp_path, capsys, state, code):
     s = make(tmp_path)

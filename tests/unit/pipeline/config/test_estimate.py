@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.config.estimate import (FileCount, calibration_args, from_status, sample_lines, shared_blocks, work)
+from pipeline.config.estimate import RUNNER
+from pipeline.config.estimate import (FileCount, calibration_args, calibration_command, from_status, sample_lines,
+                                      shared_blocks, work)
 
 
 def test_shared_blocks_counts_leading_blocks_seen_before():
@@ -34,3 +36,12 @@ def test_from_status_scales_compute_by_work():
     est = from_status(last, counts)
     done, now = work(500, 100), work(1000, 100)  # half of max_tokens generated, assumed again
     assert abs(est["seconds"] - (10.0 + 20.0 * now / done)) < 1e-9
+
+
+def test_calibration_command_launches_the_run_as_the_run_would_be():
+    """A process per rank through torchrun; with --in-process (kept in the flags) the runner alone, whose
+    ranks are threads: torchrun would refuse --in-process."""
+    assert calibration_command(["--x"], 1, False)[1:] == [str(RUNNER), "--x"]
+    assert calibration_command(["--x", "--in-process"], 2, True)[1:] == [str(RUNNER), "--x", "--in-process"]
+    cmd = calibration_command(["--x"], 2, False)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "2"] and cmd[-2:] == [str(RUNNER), "--x"]

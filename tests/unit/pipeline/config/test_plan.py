@@ -115,3 +115,21 @@ def test_a_finished_output_of_another_run_is_refused_in_the_plan(llama_2l, make_
     assert not plan(llama_2l, "--infer-data", str(src), "--overwrite").nothing_to_do
     with pytest.raises(UsageError, match="batch_invariant: False there, True now"):
         plan(llama_2l, "--infer-data", str(src), "--batch-invariant")
+
+
+def test_two_inputs_of_one_name_under_one_output_folder_are_refused(llama_2l, tmp_path):
+    """`--output-path DIR` names each output after its input's file name: two inputs of one name would
+    overwrite (or resume) one another, so the plan refuses before anything loads."""
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "q.jsonl").write_text('{"prompt": "x"}\n')
+    env = {"RANK": "0", "WORLD_SIZE": "1"}
+    with pytest.raises(UsageError, match=r"a/q.jsonl and .*b/q.jsonl would both write"):
+        make_plan(parse_options(["--model-name", llama_2l, "--infer-data", str(tmp_path / "a" / "q.jsonl"),
+                                 str(tmp_path / "b" / "q.jsonl"), "--output-path", str(tmp_path / "out")]), env=env)
+    with pytest.raises(UsageError, match="would both write"):  # one file given twice
+        make_plan(parse_options(["--model-name", llama_2l, "--infer-data", str(tmp_path / "a" / "q.jsonl"),
+                                 str(tmp_path / "a" / "q.jsonl")]), env=env)
+    # beside each input (no --output-path) they do not collide
+    make_plan(parse_options(["--model-name", llama_2l, "--infer-data", str(tmp_path / "a" / "q.jsonl"),
+                             str(tmp_path / "b" / "q.jsonl")]), env=env)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from examples import check_default_model as check
 from pipeline.loading import default_model as dm
-from tests.utils import REPO, read_jsonl, run_single, run_torchrun
+from tests.utils import REPO, read_jsonl, run_local
 
 HELDOUT_SEED = 2024  # training draws rows with seed 1, tokenizer text with 0; the checker uses 12345
 N_PER_TASK = 60
@@ -147,7 +147,8 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[int, list[dict]]:
-    """Output lines of the runner on fresh held-out questions, at P = 1 and P = 2."""
+    """Output lines of the runner on fresh held-out questions, at P = 1 and P = 2 (in this process:
+    ``--in-process``)."""
     tmp = tmp_path_factory.mktemp("heldout")
     src = tmp / "heldout.jsonl"
     check.write_jsonl(src, check.heldout_requests(HELDOUT_SEED, N_PER_TASK, tokenizer))
@@ -158,7 +159,7 @@ def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[in
         # --num-threads 1: two threads per rank oversubscribe a loaded CI machine (measured: > 300 s)
         args = ["--infer-data", str(src), "--output-path", str(out), "--no-progress", "--batch-invariant",
                 "--num-threads", "1"]
-        proc = run_single(args) if p == 1 else run_torchrun(args, p)
+        proc = run_local(args, p)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[p] = read_jsonl(out)
     return runs

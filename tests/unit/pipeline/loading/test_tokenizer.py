@@ -9,7 +9,7 @@ import torch
 
 from dist_inference_runner import UsageError, resolve_dtype
 from pipeline.loading.tokenizer import load_tokenizer
-from tests.utils import REPO, read_jsonl, run_single, tiny_llama
+from tests.utils import REPO, read_jsonl, run_local, tiny_llama
 
 TEXT = "The cat sat on the mat.\nTwo  spaces, café ✓"
 
@@ -115,7 +115,7 @@ def float32_run(tmp_path_factory):
 
 
 def _run(model_dir, req, out, flags):
-    r = run_single(["--model-name", model_dir, "--infer-data", str(req), "--output-path", str(out), *flags])
+    r = run_local(["--model-name", model_dir, "--infer-data", str(req), "--output-path", str(out), *flags])
     assert r.returncode == 0, r.stderr
     return r, read_jsonl(out)
 

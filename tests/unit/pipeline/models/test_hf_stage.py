@@ -244,3 +244,34 @@ def test_mixed_params_file_same_on_both_backends(llama, tmp_path):
                               "--no-progress", "--backend", backend, "--budget", "600",
                               "--prefix-cache", "off"]) == 0  # the generic stage has none: same budget errors
     assert_consistent_results(read_jsonl(outs["native"]), read_jsonl(outs["transformers"]))
+
+
+def test_building_on_meta_in_two_threads_leaves_other_modules_real():
+    """Stages of one process (``--in-process``) build their HF models side by side: the replaced
+    ``register_parameter`` acts only inside the building threads and is put back once both are done
+    (it used to stay replaced when the threads interleaved: every later model came out on meta)."""
+    import threading
+
+    from torch import nn
+
+    from pipeline.models import hf_stage
+
+    original = nn.Module.register_parameter
+    inside, release, seen = threading.Barrier(3), threading.Event(), {}
+
+    def build(name):
+        with hf_stage._parameters_on_meta():
+            inside.wait()
+            release.wait()
+            seen[name] = nn.Linear(2, 2).weight.device.type
+
+    threads = [threading.Thread(target=build, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    inside.wait()  # both threads are inside: this one is not
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+    release.set()
+    for t in threads:
+        t.join()
+    assert seen == {"a": "meta", "b": "meta"}
+    assert nn.Module.register_parameter is original and nn.Linear(2, 2).weight.device.type == "cpu"

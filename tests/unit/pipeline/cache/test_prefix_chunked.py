@@ -1,4 +1,4 @@
-"""The prefix cache under chunked prefill, without processes: rank 0's driver and scheduler build the
+"""The prefix cache under chunked prefill, without a model: rank 0's driver and scheduler build the
 passes (a second pass ahead while a slot only computes prompts, as with several stages), and a
 stand-in stage applies them in order with the real :class:`~pipeline.cache.prefix.PrefixStore`, its "keys",
 "values" and final hidden states being the prompt's token ids. So every load must bring a prompt's
@@ -6,7 +6,6 @@ own tokens into its first columns, every saved block must hold its tokens, and e
 prefix with an earlier one must find all of its full blocks, whatever the chunk and block sizes
 (chunks not a multiple of blocks, chunks shorter than a block, a prefix ending mid-chunk)."""
 
-import json
 from collections import deque
 
 import orjson
@@ -17,8 +16,6 @@ from pipeline.scheduling.driver import Driver
 from pipeline.runtime.messages import PassHeader, Reply
 from pipeline.cache.prefix import PrefixCache, PrefixStore, block_digests
 from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
-from tests.unit.pipeline.cache.test_prefix import assert_same_answers, cached
-from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, write_jsonl
 
 
 class FakeCache:
@@ -32,7 +29,7 @@ class FakeCache:
     def tokens(self, row: int, n: int) -> list[int]:
         return self.k[0, row, 0, :n, 0].long().tolist()
 
-    def fork(self, lead: int, rows: list[int], cols: int) -> None:
+    def copy_lead(self, lead: int, rows: list[int], cols: int) -> None:  # a best_of fork of the cache
         self.k[:, rows, :, :cols] = self.k[:, lead : lead + 1, :, :cols]
         self.v[:, rows, :, :cols] = self.v[:, lead : lead + 1, :, :cols]
 
@@ -99,7 +96,7 @@ class Run:
         if hdr.prefill:
             self.pool.save_pass(hdr.slot, hdr.prefill, cache, out)
         for f in hdr.forks:
-            cache.fork(f.lead, f.rows, f.cols)
+            cache.copy_lead(f.lead, f.rows, f.cols)
 
     def reply(self, hdr: PassHeader) -> Reply:
         """The last rank's answer: a token for each row that produced one, finished rows."""
@@ -176,47 +173,4 @@ def test_a_chunk_completing_a_block_an_earlier_chunk_began_keeps_its_hidden_stat
     assert pool.tails == {}
 
 
-# -- end to end: default flags at P = 2 and 3 (chunks of 64 with passes ahead) -------------------
-
-@pytest.fixture(scope="module")
-def fewshot_run(make_llama, tmp_path_factory):
-    """A few-shot file (a 300-token prefix: 18.75 blocks of 16, ending mid-chunk) of greedy requests,
-    one echo scoring request and one best_of over the same prefix, and its answers with the prefix
-    cache off at P = 1 (no chunks)."""
-    model = make_llama(num_hidden_layers=3, max_position_embeddings=1024)
-    reqs = fewshot(300, 8, seed=0)
-    for r in reqs:
-        if r.get("max_tokens") and not r.get("best_of"):
-            r.update(max_tokens=4, logprobs=1)
-    path = write_jsonl(tmp_path_factory.mktemp("fewshot") / "fewshot.jsonl", reqs)
-    out = path + ".off"
-    assert run_inprocess(["--model-name", model, "--infer-data", path, "--output-path", out,
-                          "--prefix-cache", "off", "--no-progress"]) == 0
-    return model, path, reqs, read_jsonl(out)
-
-
-@pytest.mark.parametrize("stages, extra", [(2, []), (3, []), (3, ["--prefill-chunk", "40"])])
-def test_default_flags_at_p2_p3_share_a_fewshot_prefix(fewshot_run, tmp_path, stages, extra):
-    """Default flags (chunked prefill of 64 at P > 1, passes ahead; chunks of 40 end inside blocks):
-    every request sharing the prefix after the first reports its 288 block tokens cached, most prompt
-    tokens are cached, the summary counts the same, and the answers equal the cache-off ones and
-    HF's (greedy tokens, logprobs within 1e-4; the echo request's prompt logprobs too)."""
-    model, path, reqs, ref = fewshot_run
-    out = tmp_path / "out.jsonl"
-    p = run_torchrun(["--model-name", model, "--infer-data", path, "--output-path", str(out), *extra], stages)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = read_jsonl(out)
-    assert_same_answers(lines, ref)
-    hits = cached(lines)
-    sharing = [h for r, h in zip(reqs, hits) if len(r["prompt"]) > 300]
-    assert sharing[0] == 0 and all(h == 288 for h in sharing[1:]), hits
-    prompt_tokens = sum(x["result"]["usage"]["prompt_tokens"] for x in lines)
-    assert sum(hits) > 0.7 * prompt_tokens
-    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
-    assert summary["cached_prompt_tokens"] == sum(hits)
-    for r, x in zip(reqs, lines):
-        if r.get("logprobs") == 1 and r["max_tokens"]:  # greedy: HF's tokens and logprobs
-            tokens, lps = hf_greedy(model, r["prompt"], r["max_tokens"])
-            choice = x["result"]["choices"][0]
-            assert choice["text"] == local_tokenizer().decode(tokens, skip_special_tokens=True)
-            assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], lps, strict=True)) < 1e-4
+# end to end, default flags at P = 2 and 3 against cache off and HF: tests/runs/test_prefix_cache_runs.py

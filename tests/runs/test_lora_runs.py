@@ -1,13 +1,17 @@
-"""LoRA adapters (--lora): rows of one micro-batch with different adapters equal HF + peft with each: the runs that start processes (the rest: tests/unit/pipeline/models/test_lora.py; serve mode's: tests/runs/test_serve_models_runs.py)."""
+"""LoRA adapters (--lora) through the runner, in one process (``--in-process``): rows of base and adapter
+requests mixed at P = 2 with unequal stages and the prefix cache equal HF + peft with each adapter
+merged; unsupported adapters refused before loading. The stage math against peft:
+tests/unit/pipeline/models/test_lora.py."""
 
 from __future__ import annotations
 
 import pytest
-from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_single, run_torchrun, write_jsonl
-from tests.unit.pipeline.models.test_lora import _edit_config, llama, make_adapter  # noqa: F401 (fixtures and helpers)
+
+from tests.unit.pipeline.models.test_lora import _edit_config, llama, make_adapter  # noqa: F401 (a fixture)
+from tests.utils import hf_greedy, local_tokenizer, read_jsonl, run_local, write_jsonl
 
 
-def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
+def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):  # noqa: F811 (the fixture)
     from pipeline.loading.adapters import AdapterError, check_adapter, read_adapter
     from pipeline.loading.stage_weights import read_config
     from pipeline.models.families import spec_from_config
@@ -28,22 +32,18 @@ def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path):
     for path, message in cases:
         with pytest.raises(AdapterError, match=message):
             check_adapter(read_adapter("x", path), cfg, spec)
-    from pipeline.config.options import UsageError, parse_options
-    from pipeline.config.plan import make_plan
-
-    with pytest.raises(UsageError, match="--lora needs a native family"):
-        make_plan(parse_options(["--model-name", model, "--lora", f"a1={llama['a1']}", "--backend", "transformers"]),
-                  env={"RANK": "0", "WORLD_SIZE": "1"})
-    # through the runner: exit 2 with the message, before any process group or weights
-    res = run_single(["--model-name", model, "--lora", f"bad={cases[0][0]}", "--no-progress"], timeout=120)
+    # through the runner's command line: exit 2 with the message, before any weights
+    res = run_local(["--model-name", model, "--lora", f"a1={llama['a1']}", "--backend", "transformers"])
+    assert res.returncode == 2 and "--lora needs a native family" in res.stderr
+    res = run_local(["--model-name", model, "--lora", f"bad={cases[0][0]}", "--no-progress"])
     assert res.returncode == 2 and "DoRA" in res.stderr
-    res = run_single(["--model-name", model, "--lora", f"a1={llama['a1']}", "--batch-invariant"], timeout=120)
+    res = run_local(["--model-name", model, "--lora", f"a1={llama['a1']}", "--batch-invariant"])
     assert res.returncode == 2 and "--batch-invariant does not apply LoRA adapters" in res.stderr
-    res = run_single(["--model-name", model, "--lora", "a1"], timeout=120)
+    res = run_local(["--model-name", model, "--lora", "a1"])
     assert res.returncode == 2 and "expected NAME=PATH" in res.stderr
 
 
-def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):
+def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):  # noqa: F811 (the fixture)
     """P = 2 with unequal stages (1 + 2 layers) and the prefix cache on small blocks: a base and an
     adapter request with the same prompt must not share cached keys and values; two a1 requests do."""
     shared = "The quick brown fox jumps over the lazy dog and runs"
@@ -56,9 +56,9 @@ def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):
     src = write_jsonl(tmp_path / "r.jsonl", reqs)
     model_link = tmp_path / "llama"
     model_link.symlink_to(llama["model"])  # the base model's folder name: "llama"
-    res = run_torchrun(["--model-name", str(model_link), "--infer-data", src, "--lora", f"a1={llama['a1']}",
-                        "--lora", f"a2={llama['a2']}", "--layers-per-stage", "1,2", "--prefix-block-size", "4",
-                        "--no-progress"], nproc=2, timeout=300)
+    res = run_local(["--model-name", str(model_link), "--infer-data", src, "--lora", f"a1={llama['a1']}",
+                     "--lora", f"a2={llama['a2']}", "--layers-per-stage", "1,2", "--prefix-block-size", "4",
+                     "--no-progress"], 2)
     assert res.returncode == 0, res.stderr[-3000:]
     out = read_jsonl(tmp_path / "output_r.jsonl")
     assert "unknown model 'nope'" in out[3]["error"]["message"] and out[3]["error"]["param"] == "model"

@@ -10,20 +10,22 @@ logprobs, text cut at a stop string, the data groups in the summary.
 Request-level features (n, best_of, echo, stop strings, LoRA requests beside base ones) are in every
 run's file, so they meet every run-level option value. Passes ahead have no flag: they run whenever a
 pipeline (P > 1) computes chunked prompts.
+
+Every run is in this process (``--in-process``: P stages x D pipelines as threads, the same rank loops
+and messages as under torchrun); a ``serve`` run's requests go over HTTP to a server of the run's
+options on a thread (tests/servers.py).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.servers import LocalServer
-from tests.utils import (free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_torchrun, strip_volatile,
+from tests.utils import (free_port, hf_greedy, local_tokenizer, read_jsonl, run_inprocess, run_local, strip_volatile,
                          write_jsonl)
 
 FACTORS: dict[str, tuple] = {  # the first value of each is what a refusal check leaves the others at
@@ -306,17 +308,17 @@ def test_refused_pairs_fail_before_loading_naming_both_flags(setup, refused, cap
 def test_pairwise_runs_give_their_references_answers_and_show_each_feature(setup, run, tmp_path):
     ref = reference(run, setup)
     if run["serve"]:
-        lines, summary = serve_run(run, setup, tmp_path), None
-    else:
-        out = tmp_path / "out.jsonl"
-        args = [*flags(run, setup), "--infer-data", setup["files"][run["lora"]], "--output-path", str(out)]
-        nproc = run["stages"] * run["data"]
-        if nproc == 1:
-            assert run_inprocess(args) == 0
-        else:
-            p = run_torchrun(args, nproc, timeout=600)
-            assert p.returncode == 0, p.stderr[-3000:]
-        lines, summary = read_jsonl(out), json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+        check_run(serve_run(run, setup, tmp_path), run, ref, None)
+        return
+    out = tmp_path / "out.jsonl"
+    args = [*flags(run, setup), "--infer-data", setup["files"][run["lora"]], "--output-path", str(out)]
+    p = run_local(args, run["stages"], data=run["data"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    check_run(read_jsonl(out), run, ref, json.loads((tmp_path / "out.jsonl.summary.json").read_text()))
+
+
+def check_run(lines: list[dict], run: dict, ref: list[dict], summary: dict | None) -> None:
+    """A run's answers against its reference, and each of its features' effects."""
     if run["invariant"]:  # bit-identical whatever the layout
         assert [answers(x) for x in lines] == [answers(x) for x in ref]
     else:
@@ -327,6 +329,8 @@ def test_pairwise_runs_give_their_references_answers_and_show_each_feature(setup
 def serve_run(run: dict, setup: dict, tmp_path: Path) -> list[dict]:
     """The requests one after the other over HTTP to a server of the run's options (in this process, every
     rank a thread: tests/servers.py); result lines."""
+    from tests.servers import LocalServer
+
     server = LocalServer(flags(run, setup), tmp_path / "server", stages=run["stages"], keys=0).start()
     try:
         return [{"request": r, "result": _post(server.url("/v1/completions"), r)} for r in requests(run["lora"])]

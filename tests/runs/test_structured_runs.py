@@ -1,8 +1,9 @@
-"""Structured outputs end to end (file mode at P = 1, 2 and 3 with the default model): every
-constrained row that finished with "stop" parses and validates (jsonschema / re / the grammar), with
-greedy and seeded sampling, n/best_of, stop strings, logprobs and the prefix cache (a shared preamble);
-a schema that cannot compile and one that runs out of --grammar-timeout are error lines, the other
-lines are answered. The default model is close to random: valid outputs come from the masks alone."""
+"""Structured outputs end to end, in one process (``--in-process``; file mode at P = 1, 2 and 3 with the
+default model): every constrained row that finished with "stop" parses and validates (jsonschema / re
+/ the grammar), with greedy and seeded sampling, n/best_of, stop strings, logprobs and the prefix cache
+(a shared preamble); a schema that cannot compile and one that runs out of --grammar-timeout are
+error lines, the other lines are answered. The default model is close to random: valid outputs come
+from the masks alone. LoRA rows and base rows, constrained, in one file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from pipeline.config.cores import usable_cores
 from tests.structured_cases import LABEL, check, request_lines
 from tests.unit.pipeline.models.test_lora import make_adapter
-from tests.utils import read_jsonl, run_single, run_torchrun
+from tests.utils import read_jsonl, run_local
 
 PREAMBLE = "You are a careful assistant. You answer in exactly the format you are asked for, nothing else. "
 BAD = {"prompt": "x", "max_tokens": 8, "structured_outputs": {"json": {"type": "no-such-type"}}}
@@ -56,7 +57,7 @@ def test_constrained_outputs_are_valid(tmp_path, stages):
     threads = usable_cores() if stages == 1 else 1
     args = ["--infer-data", str(data), "--output-path", str(tmp_path / "out.jsonl"), "--no-progress",
             "--num-threads", str(threads), "--grammar-timeout", "1"]
-    p = run_single(args, timeout=600) if stages == 1 else run_torchrun(args, stages, timeout=900)
+    p = run_local(args, stages)
     assert p.returncode == 0, p.stderr[-3000:]
     out = read_jsonl(tmp_path / "out.jsonl")
     assert len(out) == len(cases)
@@ -100,8 +101,8 @@ def test_constrained_rows_with_lora_adapters(make_llama, tmp_path):
              for i, (body, kind) in enumerate(request_lines(free=1, max_tokens=48))]
     data = tmp_path / "lora.jsonl"
     data.write_text("".join(json.dumps(body) + "\n" for body, _ in cases))
-    p = run_single(["--model-name", model, "--lora", f"a1={adapter}", "--infer-data", str(data), "--output-path",
-                    str(tmp_path / "out.jsonl"), "--no-progress", "--num-threads", "1"], timeout=600)
+    p = run_local(["--model-name", model, "--lora", f"a1={adapter}", "--infer-data", str(data), "--output-path",
+                   str(tmp_path / "out.jsonl"), "--no-progress", "--num-threads", "1"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = read_jsonl(tmp_path / "out.jsonl")
     stopped = 0
