@@ -32,6 +32,8 @@ class Choice:
     top_logprobs: list[dict[str, float] | None] | None = None  # with logprobs=k: the k most likely per position
     text_offset: list[int] | None = None  # where each token starts in ``text``
     token_ids: list[int] | None = None  # ids of ``tokens`` (prompt ids first with echo)
+    reasoning_content: str | None = None  # a chat answer of a reasoning model: its thinking, apart from ``text``
+    starved: str | None = None  # why the thinking left no answer (finish_reason "length"; docs/usage/reasoning.md)
 
 
 @dataclass
@@ -57,6 +59,11 @@ class Result:
     @property
     def token_ids(self) -> list[int] | None:
         return self.choices[0].token_ids if self.choices else None
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """The first choice's reasoning (a chat answer of a reasoning model; None otherwise)."""
+        return self.choices[0].reasoning_content if self.choices else None
 
     @property
     def finish_reason(self) -> str | None:
@@ -119,10 +126,12 @@ def choice(c: dict) -> Choice:
             tokens = [t["token"] for t in content]
             lps = [t["logprob"] for t in content]
             tops = [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]
-        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"))
+        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"),
+                      (c.get("message") or {}).get("reasoning_content"), c.get("starved"))
     lp = lp or {}
     return Choice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), lp.get("tokens"),
-                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"))
+                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"),
+                  starved=c.get("starved"))
 
 
 def score_of(result: Result, start: int | None) -> Score:

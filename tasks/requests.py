@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from tasks.protocol import RequestError
+from tasks.reasoning_fields import template_kwargs, thinking_budget
 
 MAX_N = 128  # n and best_of
 MAX_LOGPROBS = 20
@@ -45,6 +46,9 @@ class Params:
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict | None = None  # structured outputs: {"kind": json|json_object|regex|choice|grammar, "value"}
     return_token_ids: bool = False  # each choice also carries the ids of its tokens (vLLM's field)
+    # reasoning models (tasks.reasoning_fields; the last rank's side: pipeline.output.reasoning)
+    thinking_budget: int | None = None  # thinking_token_budget, or reasoning_effort's share of max_tokens
+    starved_retry: bool = False  # the --retry-starved rerun of a request whose answer the thinking starved
 
     @classmethod
     def from_json(cls, d: dict) -> "Params":
@@ -64,6 +68,7 @@ class Request:
     custom_id: str | None = None  # Batch API lines
     stream: bool = False  # serve mode: stream: true
     model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.scheduling.driver)
+    template_kwargs: dict | None = None  # chat: chat_template_kwargs (and reasoning_effort) for the template
 
 
 def _is_int(x) -> bool:
@@ -215,6 +220,7 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         logit_bias=_logit_bias(body),
         structured=_structured(body),
         return_token_ids=bool(return_ids),
+        thinking_budget=thinking_budget(body, max_tokens),
     )
 
 
@@ -286,7 +292,7 @@ def parse_request(raw: object, index: int) -> Request:
             raise RequestError("Batch API line: 'body' must be an object", "body")
         if url == "/v1/chat/completions":
             return Request(index, raw, [_messages(body)], parse_params(body, chat=True), "chat", str(raw["custom_id"]),
-                           model=body.get("model"))
+                           model=body.get("model"), template_kwargs=template_kwargs(body))
         if url != "/v1/completions":
             raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
         return Request(index, raw, _prompts(body), parse_params(body), "completion", str(raw["custom_id"]),
@@ -299,7 +305,8 @@ def parse_body(body: object, chat: bool, index: int = 0) -> Request:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     if chat:
-        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat", model=body.get("model"))
+        return Request(index, body, [_messages(body)], parse_params(body, chat=True), "chat", model=body.get("model"),
+                       template_kwargs=template_kwargs(body))
     return Request(index, body, _prompts(body), parse_params(body), model=body.get("model"))
 
 

@@ -100,8 +100,10 @@ class RunOptions:
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
+    reasoning_parser: str = _opt("auto", "Reasoning models: how a row's thinking is told from its answer (chat results carry it in message.reasoning_content, usage counts its reasoning_tokens, thinking_token_budget and reasoning_effort bound it, structured outputs and stop strings apply to the answer). auto = qwen3 when the chat template writes <think> (Qwen3, QwQ, DeepSeek-R1 and its distills, the default model), else none; qwen3 = <think>...</think>, a row thinks when its prompt ends inside <think> (or a chat answer opens with it); deepseek_r1 = the same, every row starts inside the thinking; gpt_oss is refused (its channels are special tokens); none = raw text (see docs/usage/reasoning.md).", choices=("auto", "none", "qwen3", "deepseek_r1", "gpt_oss"))
+    retry_starved: bool = _opt(False, "Reasoning models: a request whose thinking used max_tokens and left an answer empty (finish_reason length, 'starved' in the choice) runs once more in the same job with the same seed, its thinking budget twice what it thought and max_tokens that much larger (within the context window and --budget); its line is the rerun's (see docs/usage/reasoning.md).")
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
-    strict: bool = _opt(False, "Exit non-zero when any request failed.")
+    strict: bool = _opt(False, "Exit non-zero when any request failed, or when a reasoning model's thinking left some answer empty (starved rows, after --retry-starved).")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
     status_file: str | None = _opt(None, "File mode: a JSON file replaced atomically every --status-interval seconds and at the end with the run's state (loading, running, finished, failed: reason), lines done per file, tokens, tokens/s, ETA, per-stage busy and memory (see docs/usage/monitoring.md). Default: <output>.status.json beside the (first) output; 'none' turns it off.", metavar="PATH")
@@ -277,6 +279,10 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.batch_invariant and opts.prefill_chunk not in ("auto", 0):
         problems.append("--prefill-chunk changes how a prompt is computed, which --batch-invariant keeps fixed: "
                         "drop --prefill-chunk (auto is off under --batch-invariant)")
+    if opts.reasoning_parser == "gpt_oss":
+        problems.append("--reasoning-parser gpt_oss: gpt-oss's harmony channels are not parsed (their markers are "
+                        "special tokens, which results leave out of the text); use --reasoning-parser none: results then "
+                        "carry the raw text of both channels (docs/usage/reasoning.md)")
     if opts.max_micro_batch_size < 1:
         problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
     if opts.num_micro_batches < 0:

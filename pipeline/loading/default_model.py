@@ -33,12 +33,17 @@ CORPUS_PATH = EXAMPLES_DIR / "corpus.txt"
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2: the trainer puts special tokens first
 # Plain-text role markers, so the template needs no extra special tokens:
 #   <s>system: ...\nuser: ...\nassistant:
+# With ``chat_template_kwargs: {"enable_thinking": true}`` the answer starts inside ``<think>\n`` (as
+# DeepSeek-R1's template starts it): the model (v5 on) writes a short trace, ``\n</think>\n\n``, then
+# the answer (docs/usage/reasoning.md). The markers are plain text (several BPE tokens each).
+THINK_START, THINK_END = "<think>", "</think>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{% endif %}{% endif %}"
 )
 
 
