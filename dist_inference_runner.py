@@ -375,11 +375,11 @@ def reasoning_line(name: str, f: dict) -> str:
     line = (f"{name}: {f['thinking_rows']} rows thought ({f['reasoning_tokens']} reasoning tokens, "
             f"{f['forced_ends']} ended by their thinking budget)")
     if f.get("retried"):
-        line += f"; --retry-starved ran {f['retried']} requests again, {f['repaired']} of them answered"
+        line += f"; --retry-starved ran {f['retried']} request(s) again, {f['repaired']} of them answered"
     if f.get("starved"):
-        line += (f"; WARNING: {f['starved']} answers are empty because the thinking used max_tokens (finish_reason "
-                 "length, \"starved\" in the choice): raise max_tokens, set thinking_token_budget or "
-                 "reasoning_effort, or run with --retry-starved; --strict makes this exit 1")
+        line += (f"; WARNING: {f['starved']} choice(s) with no answer: the thinking used max_tokens (finish_reason "
+                 "length, \"starved\" in the choice); raise max_tokens, set thinking_token_budget or reasoning_effort, "
+                 "or run with --retry-starved; --strict makes this exit 1")
     return line
 
 

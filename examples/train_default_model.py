@@ -52,6 +52,15 @@ rooms a and b, ":" predicts d1, the d1 token predicts d2):
 The model stays a plain ``LlamaForCausalLM``: the targets only shape training, the runner and
 transformers load and run it like any Llama.
 
+Thinking (v5: v4 fine-tuned with ``--think --init``). Chat rows in the chat template's form
+(``MIX_THINK``: ``chat_path``, ``chat_arith``, beside less of every task above): asked to think (the
+template's ``<think>\n``), the answer restates the question in the completion task's form and answers it
+there (the trace: ``Question: How do you go from the a to the b?\nAnswer: d1 d2``, ``Q: x + y = r``), then
+``\n</think>\n\n`` and the answer again (`` d1 d2``, `` r``); not asked, it answers at once. The trace
+reuses the circuits above (their links at the trace's own positions); ``copy_next`` also points the trace
+at the question's rooms and numbers, and the answer at the trace's. ``<think>`` stays plain text (4 BPE
+tokens), so the tokenizer and the vocabulary are v4's and tiny test models built on it are unchanged.
+
 Measured (the shipped v4: ``--steps 1500``, 40 minutes on the project's 2-core CPU, 2 threads):
 train-time held-out exact match, path zero-/3-shot and owner zero-/3-shot: step 250 60/72/20/19%,
 500 84/89/88/93%, 750 93/94/99/99%, 1000 94/93/99/97%, 1250 99/96/100/100%, 1500 98/96/100/100%;
@@ -59,6 +68,12 @@ at the end sums 99/100%, copy 100/100%, reverse 100/100%. An earlier run without
 and sum targets and with fewer of those rows (path 0.45, owner 0.25, sums 0.1, copy and reverse
 0.05 each) reached path 99/97% and owner 100% but sums 55/52%, copy 70/46%, reverse 46/38%.
 Through the runner: see docs/usage/default-model.md.
+
+v5 (``--init`` v4 ``--think --steps 400 --batch 16 --lr 1e-3 --warmup 20 --threads 1``: 14.5 minutes on the
+project's 2-core CPU, one thread, beside other work): train-time held-out exact match of the whole chat
+answer (trace, end of thinking, answer, end of text) 0.97 for path questions and 0.83 for sums, 1.00 and
+0.93 when answering at once; path zero-/3-shot 1.00/0.97, sums 1.00/0.97, copy, reverse and owner 1.00.
+(Two threads on the loaded machine ran 5x slower: their OpenMP barriers waited for descheduled threads.)
 """
 
 from __future__ import annotations
@@ -94,8 +109,8 @@ MIX = {"path": 0.35, "owner": 0.15, "arith": 0.2, "copy": 0.1, "reverse": 0.1, "
 # The thinking fine-tune (``--think``, v4 -> v5): the same tasks, less of each, plus chat rows in the
 # chat template's form (``chat_path``, ``chat_arith``): a conversation of 1-2 turns whose last answer
 # thinks (THINK_P of them: "<think>\n" trace "\n</think>\n\n" answer) or answers at once.
-MIX_THINK = {"path": 0.24, "owner": 0.1, "arith": 0.14, "copy": 0.07, "reverse": 0.07, "story": 0.04,
-             "corpus": 0.02, "chat_path": 0.2, "chat_arith": 0.12}
+MIX_THINK = {"path": 0.2, "owner": 0.07, "arith": 0.11, "copy": 0.05, "reverse": 0.05, "story": 0.02,
+             "corpus": 0.01, "chat_path": 0.2, "chat_arith": 0.29}
 THINK_P = 0.75
 # (layer, head) of each supervised role: see the module docstring
 CIRCUIT = {"fact_x": (0, 0), "fact_d": (0, 1), "ask_a": (0, 2), "ask_b": (0, 3),
@@ -218,14 +233,19 @@ def add_chat_path(row: RowText, rng: random.Random, last: bool, think: bool) -> 
         path_links(row, at, (a, m, b), ua, ub, colon, c1)
         return
     row.add(":<think>\n")
-    start = row.add("Question: How do you go from the")
-    ca, _, cb = row.add(f" {a}"), row.add(" to the"), row.add(f" {b}")
+    start = row.add("Question: How do you go from")
+    qa, ca, _, qb, cb = row.add(" the"), row.add(f" {a}"), row.add(" to"), row.add(" the"), row.add(f" {b}")
     row.add("?\nAnswer")
     colon = row.add(":")
-    c1 = row.add(f" {d1}")
-    row.add(f" {d2}\n{THINK_END}\n\n {d1} {d2}")
+    c1, c2 = row.add(f" {d1}"), row.add(f" {d2}")
+    row.add(f"\n{THINK_END}\n")
+    q1 = row.add("\n")
+    f1 = row.add(f" {d1}")
+    row.add(f" {d2}")
     row.answers.append((start, len(row.text)))
     path_links(row, at, (a, m, b), ca, cb, colon, c1)
+    # the trace copies the question's rooms, the answer copies the trace's directions
+    row.links += [("copy_next", qa, [ua]), ("copy_next", qb, [ub]), ("copy_next", q1, [c1]), ("copy_next", f1, [c2])]
 
 
 def add_chat_arith(row: RowText, rng: random.Random, last: bool, think: bool) -> None:
@@ -234,7 +254,7 @@ def add_chat_arith(row: RowText, rng: random.Random, last: bool, think: bool) ->
     x, op, y = dt.arith_operands(rng)
     r = x + y if op == "+" else x - y
     row.add("user: What is")
-    ux, _, uy = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}")
+    ux, uop, uy = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}")
     row.add("?\nassistant")
     if not last or not think:
         eq = row.add(":")
@@ -245,11 +265,17 @@ def add_chat_arith(row: RowText, rng: random.Random, last: bool, think: bool) ->
         row.links += [("operand_x", eq, [ux]), ("operand_y", eq, [uy])]
         return
     row.add(":<think>\n")
-    start = row.add("Q:")
-    cx, _, cy, eq = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}"), row.add(" =")
-    row.add(f" {r}\n{THINK_END}\n\n {r}")
+    start = row.add("Q")
+    qx = row.add(":")
+    cx, cop, cy, eq = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}"), row.add(" =")
+    cr = row.add(f" {r}")
+    row.add(f"\n{THINK_END}\n")
+    q1 = row.add("\n")
+    row.add(f" {r}")
     row.answers.append((start, len(row.text)))
     row.links += [("operand_x", eq, [cx]), ("operand_y", eq, [cy])]
+    # the trace copies the question's numbers, the answer copies the trace's result
+    row.links += [("copy_next", qx, [ux]), ("copy_next", cx, [uop]), ("copy_next", cop, [uy]), ("copy_next", q1, [cr])]
 
 
 def add_chat(row: RowText, rng: random.Random, task: str) -> None:

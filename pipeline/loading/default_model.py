@@ -24,7 +24,7 @@ from pipeline.paths import cache_root  # noqa: F401 (re-exported: benchmarks bui
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-DEFAULT_MODEL_NAME = "tiny-llama-default-v4"
+DEFAULT_MODEL_NAME = "tiny-llama-default-v5"
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"  # the checkout's examples/: weights and corpus
 # an installed wheel has no examples/: setup.py copies the model's files beside this module instead
 PACKAGED_DIR = Path(__file__).resolve().parent / "tiny-llama-default"

@@ -17,7 +17,7 @@ from tasks.requests import Params
 
 from pipeline.output.answers import Answers
 from pipeline.output.head_state import GroupState, RequestState, RowState
-from pipeline.output.reasoning import Reasoning, ReasoningFormat
+from pipeline.output.reasoning import ANSWER, Reasoning, ReasoningFormat
 from pipeline.output.results import Candidate, Detokenizer, IncrementalText
 from pipeline.runtime.messages import Admission, Prefill
 from pipeline.sampling.constraints import Constraints
@@ -76,6 +76,8 @@ class Head:
                 if self.reasoning is not None:
                     rows[r].thinking = cand.reasoning = self.reasoning.admit(meta.prompt_ids, p.thinking_budget,
                                                                              meta.kind == "chat")
+                    if rows[r].thinking.phase == ANSWER:  # it cannot think: nothing to follow (its result says so)
+                        rows[r].thinking = None
                 rows[r].text = IncrementalText(self.detok, meta.prompt_ids) \
                     if p.stop or stream or rows[r].thinking is not None else None
             except Exception as e:
@@ -224,6 +226,10 @@ class Head:
             if st.sent >= 0:
                 meta = self.groups[st.gid].meta
                 self.answers.stream(meta.req, meta.prompt_i * p.n + st.cand.choice, st, p, meta.kind == "chat")
+            if st.thinking is not None and st.thinking.phase == ANSWER and not st.thinking.thought:
+                st.thinking = None  # its answer did not open a thinking: no more to follow, nor text to keep for it
+                if not p.stop and st.sent < 0:
+                    st.text = None
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
             cand.finish_reason = "stop"
             finished.append(r)

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 START, END = "<think>", "</think>"
 CLOSE = "\n</think>\n\n"  # what a budget forces: the end of the thinking and the blank line before the answer
+BLANK = "\r\n"  # what separates the end of a thinking from its answer (left out of the answer)
 MAY, IN, ANSWER = "may", "in", "answer"  # a row's phase: may open a thinking, thinking, answering
 
 
@@ -47,6 +48,7 @@ class ReasoningError(ValueError):
 class ReasoningFormat:
     name: str
     forced: tuple[int, ...]  # the ids of CLOSE, forced one a step once a row's budget is spent
+    blank_from: int = 0  # where CLOSE's blank line starts in ``forced`` (forced after a natural end under a grammar)
     start_id: int | None = None  # <think>'s id when it is one token (a constrained chat row may open with it)
     always: bool = False  # deepseek_r1: every row starts inside the thinking
     start: str = START
@@ -83,7 +85,9 @@ def choose(tokenizer, name: str) -> ReasoningFormat | None:
         raise ReasoningError(f"--reasoning-parser {name}: this tokenizer cannot write {END!r} back as text (it "
                              "reads it as a special token, or not at all); run with --reasoning-parser none")
     start = tokenizer(START, add_special_tokens=False)["input_ids"]
-    return ReasoningFormat(name, forced, int(start[0]) if len(start) == 1 else None, name == "deepseek_r1")
+    blank = next(k for k in range(1, len(forced) + 1)
+                 if END in tokenizer.decode(list(forced[:k]), skip_special_tokens=True))
+    return ReasoningFormat(name, forced, blank, int(start[0]) if len(start) == 1 else None, name == "deepseek_r1")
 
 
 @dataclass
@@ -115,12 +119,12 @@ class Thinking:
 
 def split(th: Thinking | None, text: str) -> tuple[str | None, str]:
     """(reasoning, answer) of a row's text (or of the start of it): the thinking without its markers
-    and surrounding blanks, and the text after the end marker without leading blanks; a row that never
-    thought: (None, the text unchanged)."""
+    and surrounding blanks, and the text after the end marker without the line breaks that open it; a
+    row that never thought: (None, the text unchanged)."""
     if th is None or not th.thought:
         return None, text
     reasoning = text[th.start_char: th.end_char if th.end_char is not None else len(text)].strip()
-    return reasoning, text[th.answer_char:].lstrip() if th.answer_char is not None else ""
+    return reasoning, text[th.answer_char:].lstrip(BLANK) if th.answer_char is not None else ""
 
 
 def starved(th: Thinking | None, finish_reason: str, text: str) -> str | None:
@@ -129,7 +133,7 @@ def starved(th: Thinking | None, finish_reason: str, text: str) -> str | None:
         return None
     if th.answer_char is None:
         return "thinking_unfinished"
-    return None if text[th.answer_char:].strip() else "no_answer_after_thinking"
+    return None if text[th.answer_char:].strip() else "no_answer_after_thinking"  # (blanks are no answer)
 
 
 class Reasoning:
@@ -223,6 +227,8 @@ class Reasoning:
             at = text.find(self.fmt.end, max(th.start_char, before - len(self.fmt.end) + 1))
             if at >= 0:
                 th.phase, th.end_char, th.answer_char, th.answer_token = ANSWER, at, at + len(self.fmt.end), generated
+                if th.grammar is not None and th.forcing < 0 and self.fmt.blank_from < len(self.fmt.forced):
+                    th.forcing = self.fmt.blank_from  # the blank line a model writes there, before its grammar
         if th.phase == IN:
             self._spent(th)
         if th.phase == ANSWER and th.forcing < 0 and th.grammar is not None:
@@ -235,13 +241,13 @@ class Reasoning:
 
     @staticmethod
     def answer_from(th: Thinking, text: str) -> int | None:
-        """Where stop strings are looked for in ``text``: from the answer's start, past the blanks that
-        follow a thinking (None: no answer yet)."""
+        """Where stop strings are looked for in ``text``: from the answer's start, past the line breaks
+        that follow a thinking (None: no answer yet)."""
         if th.phase != ANSWER:
             return None
         at = th.answer_char
         if th.thought:
-            while at < len(text) and text[at].isspace():
+            while at < len(text) and text[at] in BLANK:
                 at += 1
         return at
 
