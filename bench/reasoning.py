@@ -1,18 +1,20 @@
 """Thinking requests with a small max_tokens on the default model: the share of empty (starved) answers
 and the tokens spent, without a budget, with budgets, and with --retry-starved, in one run of this script.
 
-    python bench/reasoning.py                          # 200 requests (path questions and sums), max_tokens 16
-    python bench/reasoning.py --requests 400 --max-tokens 12 --budget 6 --nproc 2
+    python bench/reasoning.py                          # 200 requests (path questions and sums), max_tokens 20
+    python bench/reasoning.py --requests 400 --max-tokens 24 --budget 8 --nproc 2
 
 Every request is a chat completion that asks the default model to think (``chat_template_kwargs:
-{"enable_thinking": true}``): held-out path questions (a thinking of about 19 tokens: the question
-again, then its answer) and sums (about 9), greedy. Each configuration runs the same file in this
+{"enable_thinking": true}``): held-out path questions (a thinking of about 24 tokens with its end: the
+question again, then its answer; about 28 with the answer) and sums (about 13 and 17), greedy. The
+default model's end of thinking is 8 tokens (``\n</think>\n\n`` in its BPE), so a budget B leaves the
+answer max_tokens - B - 8. Each configuration runs the same file in this
 process (``--in-process``, P = ``--nproc``) and is read from its output and summary:
 
 - ``roomy``: max_tokens 64, no budget: what the thinking needs (the accuracy a row gets when nothing starves);
 - ``no budget``: max_tokens ``--max-tokens``: rows whose thinking is longer come back empty (starved);
 - ``budget B``: ``thinking_token_budget`` B: the thinking is cut at B tokens, the answer follows;
-- ``effort medium``: ``reasoning_effort: medium`` (half of max_tokens);
+- ``effort low`` / ``effort medium``: ``reasoning_effort`` (a quarter / half of max_tokens);
 - ``--retry-starved``: no budget, the starved rows run once more (twice the thinking, that much more max_tokens);
 - ``budget B + --retry-starved``.
 
@@ -97,8 +99,8 @@ def run(tmp: Path, name: str, lines: list[tuple[dict, str]], body: dict, flags: 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--budget", type=int, default=8, help="thinking_token_budget of the budget configurations")
+    ap.add_argument("--max-tokens", type=int, default=20)
+    ap.add_argument("--budget", type=int, default=6, help="thinking_token_budget of the budget configurations")
     ap.add_argument("--nproc", type=int, default=1, help="pipeline stages (threads of this process)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = [("roomy", {"max_tokens": 64}, []),
                ("no budget", {"max_tokens": m}, []),
                (f"budget {b}", {"max_tokens": m, "thinking_token_budget": b}, []),
+               ("effort low", {"max_tokens": m, "reasoning_effort": "low"}, []),
                ("effort medium", {"max_tokens": m, "reasoning_effort": "medium"}, []),
                ("--retry-starved", {"max_tokens": m}, ["--retry-starved"]),
                (f"budget {b} + --retry-starved", {"max_tokens": m, "thinking_token_budget": b}, ["--retry-starved"])]

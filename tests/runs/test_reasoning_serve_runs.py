@@ -7,6 +7,8 @@ again: its text went out)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
@@ -75,3 +77,21 @@ def test_without_thinking_nothing_changes(client):
     assert r.choices[0].message.reasoning_content is None and r.usage.completion_tokens_details.reasoning_tokens == 0
     c = client.completions.create(model=NAME, prompt="Q: 12 + 7 =", max_tokens=3, temperature=0)
     assert c.choices[0].text.startswith(" 19")
+
+
+def test_grammar_after_a_thinking_that_ends_by_itself(client):
+    """The default model ends its own thinking; a choice, and a JSON schema (response_format, streamed too),
+    apply to the answer after it, the reasoning free."""
+    r = client.chat.completions.create(model=NAME, messages=PATH, max_tokens=40, temperature=0,
+                                       extra_body={**THINK, "structured_outputs": {"choice": [" north west", " south east"]}})
+    msg = r.choices[0].message
+    assert msg.content == " north west" and msg.reasoning_content.endswith("Answer: north west")
+    schema = {"type": "object", "properties": {"way": {"type": "string", "enum": ["north west", "south east"]}},
+              "required": ["way"], "additionalProperties": False}
+    kw = dict(model=NAME, messages=PATH, max_tokens=60, temperature=0, extra_body=THINK,
+              response_format={"type": "json_schema", "json_schema": {"name": "way", "schema": schema}})
+    whole = client.chat.completions.create(**kw)
+    assert json.loads(whole.choices[0].message.content)["way"] in ("north west", "south east")
+    assert whole.choices[0].message.reasoning_content.startswith("Question: How do you go from the hallway")
+    reasoning, content, _, _ = streamed(client, **kw)
+    assert (reasoning, content) == (whole.choices[0].message.reasoning_content, whole.choices[0].message.content)
