@@ -89,16 +89,18 @@ class Answers:
         if chat:
             reasoning, choice["message"]["content"] = split(cand.reasoning, text)
             choice["message"]["reasoning_content"] = reasoning
-        why = starved(cand.reasoning, cand.finish_reason, text)
+        why = starved(cand.reasoning, cand.finish_reason, text, cand.generated)
         if why is not None:
             choice["starved"] = why
 
     def _reasoning_figures(self, result: dict, req: RequestState) -> None:
         """Usage's reasoning_tokens (every candidate's thinking, as completion_tokens counts every
-        candidate), this file's counts, and on a --retry-starved rerun what it ran with."""
+        candidate) where a row thought or could have (a budget), this file's counts, and on a
+        --retry-starved rerun what it ran with."""
         cands = [c for cs in req.choices.values() for c in cs]
-        result["usage"]["completion_tokens_details"] = {
-            "reasoning_tokens": sum(c.reasoning.tokens(len(c.ids)) for c in cands if c.reasoning is not None)}
+        if req.params.thinking_budget is not None or any(c.reasoning is not None and c.reasoning.thought for c in cands):
+            result["usage"]["completion_tokens_details"] = {  # (absent where nothing thought, as before)
+                "reasoning_tokens": sum(c.reasoning.tokens(len(c.ids)) for c in cands if c.reasoning is not None)}
         reasons = [c.get("starved") for c in result["choices"]]
         p = req.params
         if p.starved_retry:
@@ -114,7 +116,7 @@ class Answers:
             return False
         chosen = [cand for _, _, cand in self._chosen(req)]
         texts = ["".join(c.pieces) if c.pieces is not None else "" for c in chosen]
-        reasons = [starved(c.reasoning, c.finish_reason, t[:c.stop_at] if c.stop_at is not None else t)
+        reasons = [starved(c.reasoning, c.finish_reason, t[:c.stop_at] if c.stop_at is not None else t, c.generated)
                    for c, t in zip(chosen, texts)]
         if not any(reasons):
             return False

@@ -13,7 +13,7 @@ Formats (``--reasoning-parser``; ``auto`` reads the chat template):
   ``<think>`` (Qwen3's hybrid template); a completion row thinks only when its prompt ends inside the
   thinking. An empty thinking in the prompt (``<think>\\n\\n</think>``, Qwen3 with enable_thinking
   false) is no thinking.
-- ``deepseek_r1``: as qwen3, but every row starts inside the thinking (DeepSeek-R1's first
+- ``deepseek_r1``: as qwen3, but every chat row starts inside the thinking (DeepSeek-R1's first
   templates left ``<think>`` to the model, which sometimes did not write it).
 - ``gpt_oss`` (harmony channels) is refused (:func:`choose`): its channels are special tokens, which the
   results' text leaves out.
@@ -50,7 +50,7 @@ class ReasoningFormat:
     forced: tuple[int, ...]  # the ids of CLOSE, forced one a step once a row's budget is spent
     blank_from: int = 0  # where CLOSE's blank line starts in ``forced`` (forced after a natural end under a grammar)
     start_id: int | None = None  # <think>'s id when it is one token (a constrained chat row may open with it)
-    always: bool = False  # deepseek_r1: every row starts inside the thinking
+    always: bool = False  # deepseek_r1: every chat row starts inside the thinking
     start: str = START
     end: str = END
 
@@ -127,9 +127,10 @@ def split(th: Thinking | None, text: str) -> tuple[str | None, str]:
     return reasoning, text[th.answer_char:].lstrip(BLANK) if th.answer_char is not None else ""
 
 
-def starved(th: Thinking | None, finish_reason: str, text: str) -> str | None:
-    """Why a row that ended by length has no answer after its thinking (None: it is not starved)."""
-    if th is None or not th.thought or finish_reason != "length":
+def starved(th: Thinking | None, finish_reason: str, text: str, generated: int = 1) -> str | None:
+    """Why a row that ended by length has no answer after its thinking (None: it is not starved; nor is
+    a row that generated nothing, ``max_tokens`` 0: a prompt scored)."""
+    if th is None or not th.thought or finish_reason != "length" or not generated:
         return None
     if th.answer_char is None:
         return "thinking_unfinished"
@@ -154,10 +155,11 @@ class Reasoning:
 
     # -- a row's way through ----------------------------------------------------------------
     def admit(self, prompt_ids: list[int], budget: int | None, chat: bool) -> Thinking:
-        """A new row: inside the thinking when its prompt ends inside one (or deepseek_r1), else a chat
-        row may open one; its budget spent at once when it is 0."""
+        """A new row: inside the thinking when its prompt ends inside one (or, with deepseek_r1, a chat
+        row whose prompt did not close one), else a chat row may open one; its budget spent at once when
+        it is 0."""
         opens = self._opens(prompt_ids)
-        th = Thinking(IN if opens or (self.fmt.always and opens is not None) else
+        th = Thinking(IN if opens or (self.fmt.always and chat and opens is not None) else
                       MAY if chat and opens is False else ANSWER, budget)
         if th.phase == ANSWER:
             th.answer_char, th.answer_token = 0, 0

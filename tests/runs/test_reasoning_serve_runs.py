@@ -74,7 +74,7 @@ def test_starved_stream_is_flagged_not_rerun(client):
 def test_without_thinking_nothing_changes(client):
     """No enable_thinking: the default model's template does not open a thinking; the answer is all content."""
     r = client.chat.completions.create(model=NAME, messages=SUM, max_tokens=6, temperature=0)
-    assert r.choices[0].message.reasoning_content is None and r.usage.completion_tokens_details.reasoning_tokens == 0
+    assert r.choices[0].message.reasoning_content is None and r.usage.completion_tokens_details is None
     c = client.completions.create(model=NAME, prompt="Q: 12 + 7 =", max_tokens=3, temperature=0)
     assert c.choices[0].text.startswith(" 19")
 

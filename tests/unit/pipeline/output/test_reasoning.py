@@ -68,7 +68,8 @@ def test_where_a_row_starts():
     assert q.admit(prompt(QWEN, enable_thinking=False), None, True).phase == ANSWER  # an empty thinking: closed
     assert q.admit(QWEN("go <think>\n")["input_ids"], None, False).phase == IN
     r1 = Reasoning(choose(QWEN, "deepseek_r1"), Detokenizer(QWEN))
-    assert r1.admit(prompt(QWEN), None, False).phase == IN
+    assert r1.admit(prompt(QWEN), None, True).phase == IN
+    assert r1.admit(QWEN("Q: why?")["input_ids"], None, False).phase == ANSWER  # a completion: only inside <think>
     assert r1.admit(prompt(QWEN, enable_thinking=False), None, True).phase == ANSWER
     local = reasoning(LOCAL)
     assert local.admit(prompt(LOCAL, enable_thinking=True), None, True).phase == IN
@@ -181,8 +182,17 @@ def test_starved_reasons_and_the_rerun():
     th = Thinking(IN, None, spent=7)
     assert starved(th, "length", "thinking...") == "thinking_unfinished"
     assert starved(Thinking(ANSWER, None, answer_char=0, answer_token=0), "length", "") is None  # never thought
+    assert starved(th, "length", "", generated=0) is None  # max_tokens 0: a prompt scored, nothing to answer
     cands = [Candidate(0, reasoning=th), Candidate(1, reasoning=Thinking(IN, None, spent=3))]
     budget, max_tokens, room = r.retry(cands, 10, None)
     assert budget == 14 and room == 10 + len(r.fmt.forced) and max_tokens == budget + room
     assert r.retry(cands, 10, 20)[0] == 20  # never below its own budget
     assert r.retry([Candidate(0, reasoning=Thinking(IN, 0, spent=0))], 2, 0)[0] == 1
+
+
+def test_gpt_oss_is_refused_before_loading():
+    from pipeline.config.options import parse_options
+
+    with pytest.raises(SystemExit):
+        parse_options(["--reasoning-parser", "gpt_oss"])
+    assert parse_options(["--reasoning-parser", "deepseek_r1", "--retry-starved"]).retry_starved
