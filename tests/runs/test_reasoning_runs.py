@@ -4,8 +4,8 @@ Qwen3's lets the model open one. A random model never closes its thinking, so ev
 its budget, forced (a model that ends its own: the default model, tests/runs/test_default_thinking_runs.py).
 
 File mode: reasoning apart from the answer, the thinking within its budget and the answer after it, usage's
-reasoning_tokens, stop strings and a grammar that apply to the answer alone, with n, best_of, logprobs, LoRA
-and the prefix cache; starved rows flagged, counted and failing --strict, then run again by --retry-starved
+reasoning_tokens, stop strings and a grammar that apply to the answer alone, with n, best_of, logprobs, LoRA,
+the prefix cache (on and off) and chunked prefill; starved rows flagged, counted and failing --strict, then run again by --retry-starved
 (the same seed: the first try's tokens are the rerun's first tokens). The Python API: the same, and a live
 request run again. Streaming over HTTP: tests/runs/test_reasoning_serve_runs.py."""
 
@@ -86,8 +86,8 @@ def first(setup):
 
 @pytest.fixture(scope="module")
 def retried(setup):
-    """--retry-starved at P = 2, and at P = 1 with the prefix cache off."""
-    return {2: _run(setup, "retry-p2", 2, "--retry-starved"),
+    """--retry-starved at P = 2 with prompts chunked (8 tokens a pass), and at P = 1 with the prefix cache off."""
+    return {2: _run(setup, "retry-p2", 2, "--retry-starved", "--prefill-chunk", "8"),
             1: _run(setup, "retry-p1", 1, "--retry-starved", "--prefix-cache", "off")}
 
 
