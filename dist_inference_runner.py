@@ -342,7 +342,13 @@ def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
         print_latency(reports[0], workload)
         for path in (dummy, reports[0].output, reports[0].output + ".summary.json"):
             Path(path).unlink(missing_ok=True)
-    return files.last_output, 1 if (opts.strict and sum(r.errors for r in reports)) else 0
+    failed = sum(r.errors for r in reports) + sum(starved_rows(r) for r in reports)
+    return files.last_output, 1 if (opts.strict and failed) else 0
+
+
+def starved_rows(report) -> int:
+    """Choices a file's reasoning model left without an answer (its summary's reasoning.starved)."""
+    return (report.summary.reasoning.get("starved", 0) if report.summary is not None else 0)
 
 
 def summarize(reports) -> None:
@@ -366,6 +372,22 @@ def summarize(reports) -> None:
         print(f"{r.input}: {r.requests} requests, {r.requests - r.errors} answered, {r.errors} errors ({kinds}); "
               f"{r.prompt_tokens} prompt + {r.generated_tokens} generated tokens in {r.seconds:.1f}s "
               f"({rate:.1f} tok/s) -> {r.output}{part}{precision}{ttft}", file=sys.stderr)
+        thinking = r.summary.reasoning
+        if thinking:
+            print(reasoning_line(r.input, thinking), file=sys.stderr)
+
+
+def reasoning_line(name: str, f: dict) -> str:
+    """A file's reasoning figures in one line; starved answers said loudly, with what to do."""
+    line = (f"{name}: {f['thinking_rows']} rows thought ({f['reasoning_tokens']} reasoning tokens, "
+            f"{f['forced_ends']} ended by their thinking budget)")
+    if f.get("retried"):
+        line += f"; --retry-starved ran {f['retried']} request(s) again, {f['repaired']} of them answered"
+    if f.get("starved"):
+        line += (f"; WARNING: {f['starved']} choice(s) with no answer: the thinking used max_tokens (finish_reason "
+                 "length, \"starved\" in the choice); raise max_tokens, set thinking_token_budget or reasoning_effort, "
+                 "or run with --retry-starved; --strict makes this exit 1")
+    return line
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ Writes a request file of fresh questions (``examples/default_tasks.py`` with a s
 never used), runs ``dist_inference_runner.py`` on it (plain ``python`` for P = 1, ``torchrun`` on
 loopback for P > 1), and scores the output file: greedy exact match per task, and for the
 multiple-choice task the lm-eval way (one request per context + candidate, token-id prompt,
-``echo: true, max_tokens: 0, logprobs: 1``; the candidate with the highest summed logprob wins).
+``echo: true, max_tokens: 0, logprobs: 1``; the candidate with the highest summed logprob wins), and
+the thinking chat tasks (path questions and sums asked with ``enable_thinking``: the answer after the
+thinking must be the expected one).
 Every request line carries ``task`` and ``expected`` (or ``doc`` and ``gold``) in its ``metadata`` (OpenAI's
-field for a request's own bookkeeping), which the runner leaves alone and echoes back, so the output file
-can be scored on its own.
+field for a request's own bookkeeping; a thinking chat's Batch API line: in its ``custom_id``), which the
+runner leaves alone and echoes back, so the output file can be scored on its own.
 """
 
 from __future__ import annotations
@@ -65,8 +67,29 @@ def choice_requests(seed: int, n: int, tokenizer) -> list[dict]:
     return out
 
 
+def think_requests(seed: int, n: int) -> list[dict]:
+    """Chat requests that ask the model to think (``enable_thinking``): path questions and sums as a user
+    would write them; the answer (``message.content``, the thinking apart) must be the expected one.
+    Batch API lines, whose output echoes only ``custom_id``: it carries the task and the answer."""
+    rng = random.Random(seed)
+    out = []
+    for task in ("path", "arith"):
+        for _ in range(n):
+            if task == "path":
+                facts, a, _, b, d1, d2 = dt.path_facts(rng)
+                lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
+                q, want = f"Passage: {lines}Question: How do you go from the {a} to the {b}?", f"{d1} {d2}"
+            else:
+                x, op, y = dt.arith_operands(rng)
+                q, want = f"What is {x} {op} {y}?", str(x + y if op == "+" else x - y)
+            out.append({"custom_id": f"{task}/think={want}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
+                                 "chat_template_kwargs": {"enable_thinking": True}}})
+    return out
+
+
 def heldout_requests(seed: int, n: int, tokenizer) -> list[dict]:
-    return generated_requests(seed, n) + choice_requests(seed + 1, n, tokenizer)
+    return generated_requests(seed, n) + choice_requests(seed + 1, n, tokenizer) + think_requests(seed + 2, n)
 
 
 def score(lines: list[dict]) -> dict[str, tuple[int, int]]:
@@ -74,6 +97,14 @@ def score(lines: list[dict]) -> dict[str, tuple[int, int]]:
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     docs: dict[int, list[tuple[float, bool]]] = defaultdict(list)
     for line in lines:
+        if "custom_id" in line:  # a thinking chat request: its task and answer in custom_id
+            task, want = line["custom_id"].split("=", 1)
+            if line.get("error"):
+                raise RuntimeError(f"request failed: {line['error']}")
+            h = hits[task]
+            h[0] += line["response"]["body"]["choices"][0]["message"]["content"].strip() == want
+            h[1] += 1
+            continue
         req = line["request"]["metadata"]  # the request's own bookkeeping, echoed back (OpenAI's metadata field)
         if "result" not in line:
             raise RuntimeError(f"request failed: {line.get('error')}")
@@ -95,7 +126,8 @@ def score(lines: list[dict]) -> dict[str, tuple[int, int]]:
 
 def greedy_texts(lines: list[dict]) -> list[str]:
     """Every generated text, in input order (to compare P = 1 with P = 2)."""
-    return [x["result"]["choices"][0]["text"] for x in lines if "doc" not in x["request"]["metadata"]]
+    return [x["response"]["body"]["choices"][0]["message"]["content"] if "custom_id" in x else
+            x["result"]["choices"][0]["text"] for x in lines if "custom_id" in x or "doc" not in x["request"]["metadata"]]
 
 
 def run_runner(requests_path: Path, out_path: Path, pipeline: int, timeout: float = 600) -> None:

@@ -52,6 +52,15 @@ rooms a and b, ":" predicts d1, the d1 token predicts d2):
 The model stays a plain ``LlamaForCausalLM``: the targets only shape training, the runner and
 transformers load and run it like any Llama.
 
+Thinking (v5: v4 fine-tuned with ``--think --init``). Chat rows in the chat template's form
+(``MIX_THINK``: ``chat_path``, ``chat_arith``, beside less of every task above): asked to think (the
+template's ``<think>\n``), the answer restates the question in the completion task's form and answers it
+there (the trace: ``Question: How do you go from the a to the b?\nAnswer: d1 d2``, ``Q: x + y = r``), then
+``\n</think>\n\n`` and the answer again (`` d1 d2``, `` r``); not asked, it answers at once. The trace
+reuses the circuits above (their links at the trace's own positions); ``copy_next`` also points the trace
+at the question's rooms and numbers, and the answer at the trace's. ``<think>`` stays plain text (4 BPE
+tokens), so the tokenizer and the vocabulary are v4's and tiny test models built on it are unchanged.
+
 Measured (the shipped v4: ``--steps 1500``, 40 minutes on the project's 2-core CPU, 2 threads):
 train-time held-out exact match, path zero-/3-shot and owner zero-/3-shot: step 250 60/72/20/19%,
 500 84/89/88/93%, 750 93/94/99/99%, 1000 94/93/99/97%, 1250 99/96/100/100%, 1500 98/96/100/100%;
@@ -59,6 +68,12 @@ at the end sums 99/100%, copy 100/100%, reverse 100/100%. An earlier run without
 and sum targets and with fewer of those rows (path 0.45, owner 0.25, sums 0.1, copy and reverse
 0.05 each) reached path 99/97% and owner 100% but sums 55/52%, copy 70/46%, reverse 46/38%.
 Through the runner: see docs/usage/default-model.md.
+
+v5 (``--init`` v4 ``--think --steps 400 --batch 16 --lr 1e-3 --warmup 20 --threads 1``: 14.5 minutes on the
+project's 2-core CPU, one thread, beside other work): train-time held-out exact match of the whole chat
+answer (trace, end of thinking, answer, end of text) 0.97 for path questions and 0.83 for sums, 1.00 and
+0.93 when answering at once; path zero-/3-shot 1.00/0.97, sums 1.00/0.97, copy, reverse and owner 1.00.
+(Two threads on the loaded machine ran 5x slower: their OpenMP barriers waited for descheduled threads.)
 """
 
 from __future__ import annotations
@@ -77,7 +92,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import default_tasks as dt  # noqa: E402
 from pipeline.loading.default_model import (  # noqa: E402
-    BOS, CORPUS_PATH, EOS, PAD, SHIPPED_DIR, make_tokenizer)
+    BOS, CORPUS_PATH, EOS, PAD, SHIPPED_DIR, THINK_END, make_tokenizer)
 
 SEED = 0
 VOCAB_SIZE = 1024
@@ -91,6 +106,12 @@ P_MORE = 0.6  # after each block a row goes on with another with this probabilit
 # Share of rows per task; path questions are the headline demo and the hardest, so they get the most.
 MIX = {"path": 0.35, "owner": 0.15, "arith": 0.2, "copy": 0.1, "reverse": 0.1, "story": 0.07,
        "corpus": 0.03}
+# The thinking fine-tune (``--think``, v4 -> v5): the same tasks, less of each, plus chat rows in the
+# chat template's form (``chat_path``, ``chat_arith``): a conversation of 1-2 turns whose last answer
+# thinks (THINK_P of them: "<think>\n" trace "\n</think>\n\n" answer) or answers at once.
+MIX_THINK = {"path": 0.2, "owner": 0.07, "arith": 0.11, "copy": 0.05, "reverse": 0.05, "story": 0.02,
+             "corpus": 0.01, "chat_path": 0.2, "chat_arith": 0.29}
+THINK_P = 0.75
 # (layer, head) of each supervised role: see the module docstring
 CIRCUIT = {"fact_x": (0, 0), "fact_d": (0, 1), "ask_a": (0, 2), "ask_b": (0, 3),
            "b_as_y": (1, 0), "b_as_x": (1, 1), "a_as_y": (1, 2), "a_as_x": (1, 3),
@@ -163,6 +184,14 @@ def add_path(row: RowText, rng: random.Random) -> None:
     c1 = row.add(f" {d1}")
     row.add(f" {d2}{dt.SEPARATOR['path']}")
     row.answers.append((c1, len(row.text)))
+    path_links(row, at, (a, m, b), ca, cb, colon, c1)
+
+
+def path_links(row: RowText, at: list, rooms: tuple[str, str, str], ca: int, cb: int, colon: int,
+               c1: int) -> None:
+    """The path circuit's links: ``at`` the facts' (x, y, char of x, of d, of y); ``ca``, ``cb`` the
+    question's rooms; ``colon`` the position that says d1, ``c1`` the d1 token (which says d2)."""
+    a, m, b = rooms
     for x, y, cx, cd, cy in at:
         row.links += [("fact_x", cy, [cx]), ("fact_d", cy, [cd])]
     for q in (colon, c1):
@@ -175,6 +204,87 @@ def add_path(row: RowText, rng: random.Random) -> None:
                   ("a_as_y", c1, ys(lambda x, y: y == a)), ("a_as_x", c1, ys(lambda x, y: x == a)),
                   ("first", colon, ys(lambda x, y: (x, y) == (m, a))),
                   ("second", c1, ys(lambda x, y: (x, y) == (b, m)))]
+
+
+def add_chat_path(row: RowText, rng: random.Random, last: bool, think: bool) -> None:
+    """One turn of a chat about a path question, as the chat template renders it: ``user: Passage:
+    ... Question: How do you go from the a to the b?\nassistant:`` then, thinking, ``<think>\n``
+    (the template's) + the question again with its ``Answer: d1 d2`` (the trace: the completion
+    task's own form, so its circuit answers it) + ``\n</think>\n\n d1 d2``; else `` d1 d2`` at once
+    (the circuit reads ":" of "assistant:" as it reads "Answer:"). An earlier turn is history:
+    ``assistant: d1 d2\n``. Only the last turn's answer is weighed as one."""
+    facts, a, m, b, d1, d2 = dt.path_facts(rng)
+    row.add("user: Passage:")
+    at = []
+    for i, (x, d, y) in enumerate(facts):
+        row.add(" The" if i == 0 else "The")
+        cx, _, cd, _, cy = row.add(f" {x}"), row.add(" is"), row.add(f" {d}"), row.add(" of the"), row.add(f" {y}")
+        row.add(".\n")
+        at.append((x, y, cx, cd, cy))
+    row.add("Question: How do you go from the")
+    ua, _, ub = row.add(f" {a}"), row.add(" to the"), row.add(f" {b}")
+    row.add("?\nassistant")
+    if not last or not think:
+        colon = row.add(":")
+        c1 = row.add(f" {d1}")
+        row.add(f" {d2}\n" if not last else f" {d2}")
+        if last:
+            row.answers.append((c1, len(row.text)))
+        path_links(row, at, (a, m, b), ua, ub, colon, c1)
+        return
+    row.add(":<think>\n")
+    start = row.add("Question: How do you go from")
+    qa, ca, _, qb, cb = row.add(" the"), row.add(f" {a}"), row.add(" to"), row.add(" the"), row.add(f" {b}")
+    row.add("?\nAnswer")
+    colon = row.add(":")
+    c1, c2 = row.add(f" {d1}"), row.add(f" {d2}")
+    row.add(f"\n{THINK_END}\n")
+    q1 = row.add("\n")
+    f1 = row.add(f" {d1}")
+    row.add(f" {d2}")
+    row.answers.append((start, len(row.text)))
+    path_links(row, at, (a, m, b), ca, cb, colon, c1)
+    # the trace copies the question's rooms, the answer copies the trace's directions
+    row.links += [("copy_next", qa, [ua]), ("copy_next", qb, [ub]), ("copy_next", q1, [c1]), ("copy_next", f1, [c2])]
+
+
+def add_chat_arith(row: RowText, rng: random.Random, last: bool, think: bool) -> None:
+    """One turn of a chat about a sum: ``user: What is x + y?\nassistant:`` then, thinking,
+    ``<think>\nQ: x + y = r\n</think>\n\n r`` (the trace in the completion task's form), else `` r``."""
+    x, op, y = dt.arith_operands(rng)
+    r = x + y if op == "+" else x - y
+    row.add("user: What is")
+    ux, uop, uy = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}")
+    row.add("?\nassistant")
+    if not last or not think:
+        eq = row.add(":")
+        start = row.add(f" {r}")
+        row.add("\n" if not last else "")
+        if last:
+            row.answers.append((start, len(row.text)))
+        row.links += [("operand_x", eq, [ux]), ("operand_y", eq, [uy])]
+        return
+    row.add(":<think>\n")
+    start = row.add("Q")
+    qx = row.add(":")
+    cx, cop, cy, eq = row.add(f" {x}"), row.add(f" {op}"), row.add(f" {y}"), row.add(" =")
+    cr = row.add(f" {r}")
+    row.add(f"\n{THINK_END}\n")
+    q1 = row.add("\n")
+    row.add(f" {r}")
+    row.answers.append((start, len(row.text)))
+    row.links += [("operand_x", eq, [cx]), ("operand_y", eq, [cy])]
+    # the trace copies the question's numbers, the answer copies the trace's result
+    row.links += [("copy_next", qx, [ux]), ("copy_next", cx, [uop]), ("copy_next", cop, [uy]), ("copy_next", q1, [cr])]
+
+
+def add_chat(row: RowText, rng: random.Random, task: str) -> None:
+    """A conversation of 1-2 turns of ``task`` (chat_path, chat_arith); the last one thinks with
+    probability THINK_P."""
+    turns = 1 if rng.random() < 0.6 else 2
+    think = rng.random() < THINK_P
+    for t in range(turns):
+        (add_chat_path if task == "chat_path" else add_chat_arith)(row, rng, t == turns - 1, think)
 
 
 def add_owner(row: RowText, rng: random.Random) -> None:
@@ -252,8 +362,9 @@ class Rows:
     """Endless training rows from one seeded RNG: (token ids, weight of predicting each next token,
     attention links as token positions)."""
 
-    def __init__(self, tokenizer, seed: int) -> None:
+    def __init__(self, tokenizer, seed: int, mix: dict[str, float] | None = None) -> None:
         self.tok, self.rng = tokenizer, random.Random(seed)
+        self.mix = mix or MIX
         self.corpus = CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
         self.step = 0
 
@@ -269,11 +380,13 @@ class Rows:
         """``ids[0]`` is ``<s>``; ``weights[i]`` weighs predicting ``ids[i + 1]``. Blocks are added
         while the text stays under ~4 characters a token of ``max_tokens``; the row is tokenized
         whole, as the runner tokenizes a prompt."""
-        task = self.rng.choices(list(MIX), list(MIX.values()))[0]
+        task = self.rng.choices(list(self.mix), list(self.mix.values()))[0]
         if task in ("story", "corpus"):
             return self.story_row(task, max_tokens)
         row = RowText()
-        while True:
+        if task.startswith("chat_"):
+            add_chat(row, self.rng, task)
+        while not task.startswith("chat_"):
             before = (row.text, list(row.links), list(row.answers))
             add_block(row, self.rng, task)
             if len(row.text) > 4 * max_tokens and before[0]:
@@ -290,6 +403,8 @@ class Rows:
             for i, (ts, te) in enumerate(spans):
                 if s <= ts and te <= e:
                     weights[i] = 1.0  # predicting enc token i = ids[i + 1]
+        if task.startswith("chat_"):  # a chat answer ends: the end of the text weighs as the answer
+            weights[-1] = 1.0
         links = [(role, token_at[q], [token_at[k] for k in ks]) for role, q, ks in row.links if ks]
         return ids, weights, links
 
@@ -366,6 +481,30 @@ def accuracies(model, tokenizer, n: int = 100, tasks=dt.TASKS) -> dict[str, floa
             for task in tasks for shots in (0, 3)}
 
 
+@torch.no_grad()
+def chat_match(model, tokenizer, task: str, n: int, seed: int, think: bool) -> float:
+    """Greedy exact match of ``n`` one-turn chats of ``task`` (chat_path, chat_arith), the whole
+    answer (trace, end of thinking, answer, end of text) by teacher forcing."""
+    rng = random.Random(seed)
+    model.eval()
+    hits = 0
+    for _ in range(n):
+        row = RowText()
+        (add_chat_path if task == "chat_path" else add_chat_arith)(row, rng, True, think)
+        cut = row.answers[-1][0] if not think else row.text.index("<think>\n") + len("<think>\n")
+        p = tokenizer(row.text[:cut])["input_ids"]
+        a = tokenizer(row.text[cut:], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        logits = model(input_ids=torch.tensor([p + a])).logits[0, len(p) - 1: -1]
+        hits += bool((logits.argmax(-1) == torch.tensor(a)).all())
+    model.train()
+    return hits / n
+
+
+def chat_accuracies(model, tokenizer, n: int = 100) -> dict[str, float]:
+    return {f"{task}/{'think' if think else 'direct'}": chat_match(model, tokenizer, task, n, 1, think)
+            for task in ("chat_path", "chat_arith") for think in (True, False)}
+
+
 def report(acc: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
 
@@ -411,6 +550,8 @@ def train(model, rows: Rows, steps: int, batch: int, peak_lr: float, attn_weight
                   file=sys.stderr, flush=True)
         if eval_every and step % eval_every == eval_every - 1:
             acc = accuracies(model, rows.tok, 100, ("path", "owner"))
+            if "chat_path" in rows.mix:
+                acc.update(chat_accuracies(model, rows.tok, 50))
             print(f"  held-out at step {step + 1}: {report(acc)}", file=sys.stderr, flush=True)
             if save is not None:
                 save()
@@ -438,6 +579,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="held-out path/owner accuracy (and a save) every N steps")
     ap.add_argument("--stop-after", type=int, default=0, help="stop after N steps (0: --steps)")
     ap.add_argument("--eval-n", type=int, default=100, help="held-out questions per task and shot count")
+    ap.add_argument("--think", action="store_true",
+                    help="the thinking fine-tune's mix (MIX_THINK: chat rows that think), with --init")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -468,14 +611,16 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(out)
         model.save_pretrained(out, safe_serialization=True)
 
-    rows = Rows(tokenizer, SEED + 1)
+    rows = Rows(tokenizer, SEED + 1 + (100 if args.think else 0), MIX_THINK if args.think else MIX)
     done = train(model, rows, args.steps, args.batch, args.lr, args.attn_weight, args.log_every,
                  args.eval_every, save, args.warmup, args.stop_after)
     print(f"trained {done} steps in {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
     model.eval()
     if args.eval_n:
-        print("held-out greedy exact match: " + report(accuracies(model, tokenizer, args.eval_n)),
-              file=sys.stderr)
+        acc = accuracies(model, tokenizer, args.eval_n)
+        if args.think:
+            acc.update(chat_accuracies(model, tokenizer, args.eval_n))
+        print("held-out greedy exact match: " + report(acc), file=sys.stderr)
     save()
     print(f"saved to {args.out} ({(time.perf_counter() - t0) / 60:.1f} min in all)", file=sys.stderr)
 

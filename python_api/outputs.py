@@ -50,6 +50,8 @@ class Choice:
     top_token_logprobs: list[list | None] | None = field(default=None, repr=False)
     logprobs_asked: int | None = field(default=None, repr=False)  # the request's logprobs (None: not asked)
     stop_reason: int | str | None = None  # vLLM's field; not reported here (None)
+    reasoning_content: str | None = None  # a chat answer of a reasoning model: its thinking, apart from ``text``
+    starved: str | None = None  # why the thinking left no answer (finish_reason "length"; docs/usage/reasoning.md)
 
     @property
     def logprobs(self) -> list[dict[int, Logprob]] | None:
@@ -125,6 +127,11 @@ class Result:
     @property
     def token_ids(self) -> list[int] | None:
         return self.choices[0].token_ids if self.choices else None
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """The first choice's reasoning (a chat answer of a reasoning model; None otherwise)."""
+        return self.choices[0].reasoning_content if self.choices else None
 
     @property
     def finish_reason(self) -> str | None:
@@ -216,11 +223,12 @@ def choice(c: dict, asked: int | None = None) -> Choice:
             lps = [t["logprob"] for t in content]
             tops = [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]
         return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"),
-                      c.get("top_token_logprobs"), asked)
+                      c.get("top_token_logprobs"), asked, reasoning_content=(c.get("message") or {}).get("reasoning_content"),
+                      starved=c.get("starved"))
     lp = lp or {}
     return Choice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), lp.get("tokens"),
                   lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"),
-                  c.get("top_token_logprobs"), asked)
+                  c.get("top_token_logprobs"), asked, starved=c.get("starved"))
 
 
 def score_of(result: Result, start: int | None) -> Score:

@@ -62,6 +62,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
     model: str | None = None  # a LoRA adapter's name (--lora NAME=PATH); None: the base model
+    # reasoning models (docs/usage/reasoning.md): the thinking's token budget, or OpenAI's effort (a share of
+    # max_tokens); chat only: variables for the chat template, e.g. {"enable_thinking": True}
+    thinking_token_budget: int | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
     # vLLM's fields without an implementation here: refused unless left at their default
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool | None = None
@@ -89,6 +94,8 @@ class SamplingParams:
             out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
         if chat:
             out.pop("echo", None)  # a chat completion never echoes its prompt
+        else:
+            out.pop("chat_template_kwargs", None)  # a completion has no template
         if chat and "logprobs" in out:
             top = out.pop("logprobs")
             out["logprobs"] = True

@@ -18,7 +18,7 @@ STREAM_BUFFER = 512  # text deltas a stream holds for a client that does not rea
 
 class HttpChannel(Channel):
     """One HTTP request's way back: ``future`` -> its :class:`~tasks.protocol.Answer`; a stream's text
-    deltas ``(choice, text, logprobs)`` in ``events``, and ``queued`` set once it is accepted (until
+    deltas ``(choice, text, logprobs, reasoning)`` in ``events``, and ``queued`` set once it is accepted (until
     then an error is still a plain HTTP error, not an event). A stream keeps counting against admission
     until its response ends (the handler releases it)."""
 
@@ -37,9 +37,9 @@ class HttpChannel(Channel):
         if self.queued is not None:
             self.loop.call_soon_threadsafe(_set_result, self.queued, True)
 
-    def delta(self, choice: int, text: str, logprobs: dict | None) -> None:
-        if self.events is not None and text:
-            self.loop.call_soon_threadsafe(self._put, (choice, text, logprobs))
+    def delta(self, choice: int, text: str, logprobs: dict | None, reasoning: str = "") -> None:
+        if self.events is not None and (text or reasoning):
+            self.loop.call_soon_threadsafe(self._put, (choice, text, logprobs, reasoning))
 
     def _put(self, item: tuple) -> None:
         """A delta into the stream's bounded buffer. Once it is full (the client does not read), the

@@ -4,7 +4,8 @@ Text arrives as per-token deltas while a request runs (``Live.events``), each wi
 its tokens when the request asked for them; when it finishes, the final result is known and each
 choice gets what is left of its text (so the chunks of a choice always join to exactly the
 non-streamed text: held-back text near a stop string, a trailing partial character), the logprobs
-of the tokens not sent yet, and its finish_reason. The logprobs of a choice's chunks join to the
+of the tokens not sent yet, and its finish_reason. A thinking chat row's reasoning goes in
+``delta.reasoning_content``, apart from its answer in ``delta.content`` (as vLLM streams it). The logprobs of a choice's chunks join to the
 non-streamed logprobs. The stream ends with an optional usage chunk
 (``stream_options.include_usage``) and ``data: [DONE]``.
 """
@@ -27,6 +28,7 @@ class ChunkMaker:
     def __init__(self, chat: bool, model: str, rid: str, created: int):
         self.chat, self.model, self.rid, self.created = chat, model, rid, created
         self.sent: dict[int, str] = {}  # choice index -> text sent so far
+        self.reasoning_sent: dict[int, str] = {}  # choice index -> reasoning sent so far (a thinking chat row)
         self.lp_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
         self.started: set[int] = set()
 
@@ -39,23 +41,29 @@ class ChunkMaker:
             obj["usage"] = usage
         return event(obj)
 
-    def _choice(self, index: int, text: str, finish=None, logprobs=None) -> dict:
+    def _choice(self, index: int, text: str, finish=None, logprobs=None, reasoning: str = "") -> dict:
         if not self.chat:
             return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
-        delta = {"content": text}
+        delta = {}
         if index not in self.started:
             self.started.add(index)
-            delta = {"role": "assistant", "content": text}
+            delta["role"] = "assistant"
+        if reasoning:  # a thinking model's reasoning apart from its answer, as vLLM streams it
+            delta["reasoning_content"] = reasoning
+        if text or not reasoning:
+            delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, index: int, text: str, logprobs: dict | None = None) -> bytes:
-        """Text produced while the request runs; ``logprobs`` (completion format) of its tokens."""
+    def delta(self, index: int, text: str, logprobs: dict | None = None, reasoning: str = "") -> bytes:
+        """Text produced while the request runs; ``logprobs`` (completion format) of its tokens;
+        ``reasoning``: a thinking chat row's reasoning, apart from its answer."""
         self.sent[index] = self.sent.get(index, "") + text
+        self.reasoning_sent[index] = self.reasoning_sent.get(index, "") + reasoning
         if logprobs is not None:
             self.lp_sent[index] = self.lp_sent.get(index, 0) + len(logprobs["tokens"])
             if self.chat:
                 logprobs = chat_logprobs(logprobs)
-        return self._chunk([self._choice(index, text, logprobs=logprobs)])
+        return self._chunk([self._choice(index, text, logprobs=logprobs, reasoning=reasoning)])
 
     def final(self, result: dict, include_usage: bool) -> list[bytes]:
         """The rest of every choice, with the logprobs of its tokens not sent yet and its finish_reason;
@@ -66,8 +74,13 @@ class ChunkMaker:
             text = c["message"]["content"] if self.chat else c["text"]
             sent = self.sent.get(i, "")
             rest = text[len(sent):] if text.startswith(sent) else ""  # deltas are a prefix by construction
-            out.append(self._chunk([self._choice(i, rest, c["finish_reason"], _rest(c.get("logprobs"),
-                                                                                    self.lp_sent.get(i, 0)))]))
+            reasoning = (c["message"].get("reasoning_content") or "") if self.chat else ""
+            rsent = self.reasoning_sent.get(i, "")
+            rrest = reasoning[len(rsent):] if reasoning.startswith(rsent) else ""
+            choice = self._choice(i, rest, c["finish_reason"], _rest(c.get("logprobs"), self.lp_sent.get(i, 0)), rrest)
+            if "starved" in c:  # why the thinking left no answer (pipeline.output.reasoning)
+                choice["starved"] = c["starved"]
+            out.append(self._chunk([choice]))
         if include_usage:
             out.append(self._chunk([], usage=result["usage"]))
         out.append(DONE)

@@ -112,7 +112,7 @@ def _tokenize(body: dict, state):
         opened = opened and not cont
 
         def encode(tok):
-            ids = chat_ids(tok, messages, opened, cont)
+            ids = chat_ids(tok, messages, None, opened, cont)
             if special:  # vLLM's: the rendered text encoded with the tokenizer's special tokens (BOS) on top
                 ids = tok(tok.decode(ids), add_special_tokens=True)["input_ids"]
             return ids

@@ -29,9 +29,10 @@ SAMPLING = frozenset({
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "return_token_ids", "model", "stream", "stream_options",
+    "thinking_token_budget", "reasoning_effort",  # reasoning models (tasks.reasoning_fields)
 })
 COMPLETION = SAMPLING | {"prompt", "echo", "logprobs"}
-CHAT = SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT = SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 
 # accepted whatever their value: they change nothing in the answer here
 NO_EFFECT = frozenset({
@@ -49,7 +50,7 @@ NO_EFFECT = frozenset({
 _NONE = (None,)
 DEFAULT_ONLY: dict[str, tuple] = {
     "suffix": (None, ""),
-    "audio": _NONE, "modalities": (None, ["text"]), "reasoning_effort": _NONE, "verbosity": _NONE,
+    "audio": _NONE, "modalities": (None, ["text"]), "verbosity": _NONE,
     "web_search_options": _NONE,
     # vLLM
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),

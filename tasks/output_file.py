@@ -87,6 +87,10 @@ class FileSummary:
     # --lenient-fields: how many requests carried each field that was ignored (unknown, or not implemented
     # with the value given: tasks.fields); without it such requests are errors, counted as field:NAME
     ignored_fields: dict[str, int] = field(default_factory=dict)
+    # reasoning models (only when some row thought): thinking_rows, reasoning_tokens, forced_ends (thinkings
+    # ended by their budget), starved (choices written whose thinking left the answer empty), retried (requests
+    # run again by --retry-starved), repaired (of those, the reruns that answered)
+    reasoning: dict = field(default_factory=dict)
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -100,6 +104,7 @@ class OutputFile:
         self.data_rank, self.data_size = data_rank, data_size
         self.errors = 0  # error lines written
         self.structured: dict = {}  # structured outputs' figures (the last rank sets them before close)
+        self.reasoning: dict = {}  # a reasoning model's figures (likewise)
         self.kinds: dict[str, int] = {}  # error lines the last rank wrote, by kind (rank 0 counts the others)
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -197,7 +202,7 @@ class OutputFile:
             kv_cells_peak, gpu_peak_mb or [], precision or [], self.structured,
             round(self.started, 3) if self.started is not None else None,
             round(self.first_at - self.t0, 3) if self.first_at is not None else None, memory or [],
-            dict(stats.ignored_fields))
+            dict(stats.ignored_fields), self.reasoning)
         if complete:
             record = dict(dataclasses.asdict(summary), run=self.writer.fingerprint)
             # the record exists before the output does: a finished output always says who wrote it
@@ -235,8 +240,18 @@ def merge_summaries(output, shares: int) -> None:
               "prefix_hit_rate": round(total["cached_prompt_tokens"] / total["prompt_tokens"], 4)
               if total["prompt_tokens"] else 0.0,
               "kv_cells_peak": max(part["kv_cells_peak"] for part in parts),
+              "reasoning": added(part.get("reasoning") or {} for part in parts),
               "data_groups": parts, "run": run}
     write_atomic(record_path(output), json.dumps(merged, indent=1))
+
+
+def added(counts) -> dict:
+    """Several dicts of counts summed key by key."""
+    total: dict = {}
+    for c in counts:
+        for key, n in c.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def precision_note(stage_precision: list[dict]) -> str:

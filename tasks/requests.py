@@ -16,6 +16,7 @@ import orjson
 
 from tasks.fields import check_batch_line, check_fields, check_role
 from tasks.protocol import RequestError
+from tasks.reasoning_fields import template_kwargs, thinking_budget
 
 MAX_N = 128  # n and best_of
 MAX_LOGPROBS = 20
@@ -53,6 +54,9 @@ class Params:
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict | None = None  # structured outputs: {"kind": json|json_object|regex|choice|grammar, "value"}
     return_token_ids: bool = False  # each choice also carries the ids of its tokens (vLLM's field)
+    # reasoning models (tasks.reasoning_fields; the last rank's side: pipeline.output.reasoning)
+    thinking_budget: int | None = None  # thinking_token_budget, or reasoning_effort's share of max_tokens
+    starved_retry: bool = False  # the --retry-starved rerun of a request whose answer the thinking starved
 
     @property
     def counts_tokens(self) -> bool:
@@ -78,6 +82,7 @@ class Request:
     stream: bool = False  # serve mode: stream: true
     model: object = None  # the request's "model" (a LoRA adapter's name selects it; see pipeline.scheduling.driver)
     ignored: list[str] = field(default_factory=list)  # --lenient-fields: the fields left aside (tasks.fields)
+    template_kwargs: dict | None = None  # chat: chat_template_kwargs (and reasoning_effort) for the template
 
 
 def _is_int(x) -> bool:
@@ -256,6 +261,7 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         logit_bias=_logit_bias(body),
         structured=_structured(body),
         return_token_ids=return_ids,
+        thinking_budget=thinking_budget(body, max_tokens),
     )
 
 
@@ -360,7 +366,8 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
         prompts = [_messages(body)] if chat else _prompts(body)
         ignored = check_batch_line(raw, lenient) + check_fields(body, chat, lenient)
         return Request(index, raw, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
-                       str(raw["custom_id"]), model=body.get("model"), ignored=ignored)
+                       str(raw["custom_id"]), model=body.get("model"), ignored=ignored,
+                       template_kwargs=template_kwargs(body) if chat else None)
     return parse_body(raw, False, index, lenient)
 
 
@@ -371,7 +378,8 @@ def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False) 
     prompts = [_messages(body)] if chat else _prompts(body)
     ignored = check_fields(body, chat, lenient)
     return Request(index, body, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
-                   model=body.get("model"), ignored=ignored)
+                   model=body.get("model"), ignored=ignored,
+                   template_kwargs=template_kwargs(body) if chat else None)
 
 
 def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:

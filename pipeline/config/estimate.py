@@ -68,7 +68,7 @@ def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 
             c.lines += 1
             try:
                 req = parse_line(line, index, lenient)
-                ids = [chat_ids(tok, p) if req.kind == "chat" else
+                ids = [chat_ids(tok, p, req.template_kwargs) if req.kind == "chat" else
                        (list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p))
                        for p in req.prompts]
             except (RequestError, Exception):  # noqa: BLE001 - the run answers it with an error object

@@ -104,9 +104,11 @@ class RunOptions:
     json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).")
     lenient_fields: bool = _opt(False, "Ignore request fields this runner does not know or does not implement with the value given (vLLM's behaviour), logging and counting them (the summary's ignored_fields), instead of answering the request with an error naming the field.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
+    reasoning_parser: str = _opt("auto", "Reasoning models: how a row's thinking is told from its answer (chat results carry it in message.reasoning_content, usage counts its reasoning_tokens, thinking_token_budget and reasoning_effort bound it, structured outputs and stop strings apply to the answer). auto = qwen3 when the chat template writes <think> (Qwen3, QwQ, DeepSeek-R1 and its distills, the default model), else none; qwen3 = <think>...</think>, a row thinks when its prompt ends inside <think> (or a chat answer opens with it); deepseek_r1 = the same, every chat row starts inside the thinking; gpt_oss is refused (its channels are special tokens); none = raw text (see docs/usage/reasoning.md).", choices=("auto", "none", "qwen3", "deepseek_r1", "gpt_oss"))
+    retry_starved: bool = _opt(False, "Reasoning models: a request whose thinking used max_tokens and left an answer empty (finish_reason length, 'starved' in the choice) runs once more in the same job with the same seed, its thinking budget twice what it thought and max_tokens that much larger (within the context window and --budget); its line is the rerun's (see docs/usage/reasoning.md).")
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
     checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal): a run started again after a crash resumes them mid-generation instead of from their first token; a stop (SIGTERM, SIGINT) checkpoints them at once. 0: only at a stop.", type=float)
-    strict: bool = _opt(False, "Exit non-zero when any request failed.")
+    strict: bool = _opt(False, "Exit non-zero when any request failed, or when a reasoning model's thinking left some answer empty (starved rows, after --retry-starved).")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
     status_file: str | None = _opt(None, "File mode: a JSON file replaced atomically every --status-interval seconds and at the end with the run's state (loading, running, finished, failed: reason), lines done per file, tokens, tokens/s, ETA, per-stage busy and memory (see docs/usage/monitoring.md). Default: <output>.status.json beside the (first) output; 'none' turns it off.", metavar="PATH")
@@ -302,6 +304,10 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.batch_invariant and opts.prefill_chunk not in ("auto", 0):
         problems.append("--prefill-chunk changes how a prompt is computed, which --batch-invariant keeps fixed: "
                         "drop --prefill-chunk (auto is off under --batch-invariant)")
+    if opts.reasoning_parser == "gpt_oss":
+        problems.append("--reasoning-parser gpt_oss: gpt-oss's harmony channels are not parsed (their markers are "
+                        "special tokens, which results leave out of the text); use --reasoning-parser none: results then "
+                        "carry the raw text of both channels (docs/usage/reasoning.md)")
     if opts.max_micro_batch_size < 1:
         problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
     if opts.num_micro_batches < 0:

@@ -138,6 +138,10 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         fingerprint["checkpoint_format"] = fmt.name
     if opts.kv_cache_dtype != "auto":
         fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
+    if opts.reasoning_parser != "auto":  # how results are split and budgets applied (absent: auto, as before)
+        fingerprint["reasoning_parser"] = opts.reasoning_parser
+    if opts.retry_starved:  # a starved row's line is its rerun's
+        fingerprint["retry_starved"] = True
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)

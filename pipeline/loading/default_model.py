@@ -24,7 +24,7 @@ from pipeline.paths import cache_root  # noqa: F401 (re-exported: benchmarks bui
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-DEFAULT_MODEL_NAME = "tiny-llama-default-v4"
+DEFAULT_MODEL_NAME = "tiny-llama-default-v5"
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"  # the checkout's examples/: weights and corpus
 # an installed wheel has no examples/: setup.py copies the model's files beside this module instead
 PACKAGED_DIR = Path(__file__).resolve().parent / "tiny-llama-default"
@@ -33,12 +33,17 @@ CORPUS_PATH = EXAMPLES_DIR / "corpus.txt"
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2: the trainer puts special tokens first
 # Plain-text role markers, so the template needs no extra special tokens:
 #   <s>system: ...\nuser: ...\nassistant:
+# With ``chat_template_kwargs: {"enable_thinking": true}`` the answer starts inside ``<think>\n`` (as
+# DeepSeek-R1's template starts it): the model (v5 on) writes a short trace, ``\n</think>\n\n``, then
+# the answer (docs/usage/reasoning.md). The markers are plain text (several BPE tokens each).
+THINK_START, THINK_END = "<think>", "</think>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{% endif %}{% endif %}"
 )
 
 

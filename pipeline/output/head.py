@@ -17,6 +17,7 @@ from tasks.requests import Params
 
 from pipeline.output.answers import Answers
 from pipeline.output.head_state import GroupState, RequestState, RowState
+from pipeline.output.reasoning import ANSWER, Reasoning, ReasoningFormat
 from pipeline.output.results import Candidate, Detokenizer, IncrementalText
 from pipeline.runtime.messages import Admission, Prefill
 from pipeline.sampling.constraints import Constraints
@@ -28,11 +29,14 @@ from pipeline.sampling.step import draw, head_logits
 
 class Head:
     def __init__(self, model, tokenizer, eos_ids: set[int], model_name: str, run_seed: int,
-                 grammars: Grammars | None = None, masks_on_thread: bool = True):
+                 grammars: Grammars | None = None, masks_on_thread: bool = True,
+                 reasoning: ReasoningFormat | None = None, retry_starved: bool = False):
         self.model, self.detok = model, Detokenizer(tokenizer)
         self.scorer = PromptScorer(model)  # echo: the prompt's own logprobs
         self.eos_ids, self.model_name, self.run_seed = eos_ids, model_name, run_seed
-        self.answers = Answers(self.detok, model_name)  # finished requests formatted, streamed text
+        # reasoning models: rows' thinking, budgets, starved rows (pipeline.output.reasoning)
+        self.reasoning = Reasoning(reasoning, self.detok) if reasoning is not None else None
+        self.answers = Answers(self.detok, model_name, self.reasoning, retry_starved)  # results, streamed text
         self.constraints = Constraints(grammars, eos_ids, masks_on_thread)  # structured outputs' masks
         self.slots: dict[int, dict[int, RowState]] = {}  # slot -> row -> state
         self.groups: dict[int, GroupState] = {}
@@ -45,13 +49,15 @@ class Head:
         """A new file: its counters from zero."""
         self.generated_tokens, self.answers.format_seconds = 0, 0.0
         self.constraints.start_file()
+        if self.reasoning is not None:
+            self.reasoning.start_file()
 
     def admit(self, slot: int, meta: Admission, slot_rows: int) -> None:
         p = meta.params
         key = (meta.live, meta.req)
         if key not in self.requests:
             self.requests[key] = RequestState(meta.raw, meta.kind, meta.custom_id, p, meta.n_prompts,
-                                              started=time.perf_counter(), model=meta.model)
+                                              started=time.perf_counter(), model=meta.model, stream=meta.stream)
         req = self.requests[key]
         if meta.raw is not None:  # only the first prompt's admission carries the request, in any order
             req.raw = meta.raw
@@ -71,12 +77,20 @@ class Head:
             rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
             prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]
             try:
-                rows[r].text = IncrementalText(self.detok, prompt) if p.stop or stream else None
+                if self.reasoning is not None:
+                    rows[r].thinking = cand.reasoning = self.reasoning.admit(prompt, p.thinking_budget,
+                                                                             meta.kind == "chat")
+                    if rows[r].thinking.phase == ANSWER:  # it cannot think: nothing to follow (its result says so)
+                        rows[r].thinking = None
+                rows[r].text = IncrementalText(self.detok, prompt) \
+                    if p.stop or stream or rows[r].thinking is not None else None
             except Exception as e:
                 self._failed(req, "reading its prompt", e)
             if p.structured is not None:
                 try:
                     rows[r].matcher = self.constraints.matcher(p.structured)
+                    if rows[r].thinking is not None:  # a thinking row's grammar applies to its answer
+                        rows[r].matcher = self.reasoning.hold(rows[r].thinking, rows[r].matcher, meta.kind == "chat")
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
             if meta.resumed:
@@ -108,14 +122,16 @@ class Head:
             self.constraints.ahead([st.matcher])
 
     def checkpoint(self) -> dict[int, dict]:
-        """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo):
+        """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo, not
+        thinking):
         line -> its generated tokens, their logprobs and top logprobs."""
         out = {}
         for rows in self.slots.values():
             for st in rows.values():
                 g = self.groups[st.gid]
                 p, c = g.params, st.cand
-                if g.meta.live or g.meta.n_prompts != 1 or p.best_of != 1 or p.echo or not c.ids:
+                if g.meta.live or g.meta.n_prompts != 1 or p.best_of != 1 or p.echo or not c.ids \
+                        or st.thinking is not None:  # a thinking's phases are not replayed: it starts again
                     continue
                 out[g.meta.req] = {"ids": list(c.ids), "logprobs": list(c.logprobs),
                                    "top": [[list(x) for x in t] for t in c.top] if c.top is not None else None}
@@ -208,6 +224,8 @@ class Head:
         groups = [self.groups[states[r].gid] for r in rows]
         ps = [g.params for g in groups]
         allowed = self.constraints.mask([states[r].matcher for r in rows], logits.shape[-1], logits.device)
+        if self.reasoning is not None:  # the forced end of a thinking whose budget is spent
+            allowed = self.reasoning.mask([states[r].thinking for r in rows], allowed, logits.shape[-1], logits.device)
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                   for r, p in zip(rows, ps)], allowed, [len(states[r].cand.ids) for r in rows],
@@ -233,6 +251,8 @@ class Head:
             cand.finish_reason = "stop"
             finished.append(r)
             return
+        if st.thinking is not None:
+            self.reasoning.before(st, tok)
         if st.matcher is not None and not st.matcher.consume_token(tok):  # the mask allowed it: never expected
             raise GrammarError(f"it refused token {tok} ({(st.matcher.get_error() or '?').splitlines()[0][:200]})")
         cand.ids.append(tok)
@@ -244,15 +264,23 @@ class Head:
         if st.text is not None:
             before = len(st.text.text)
             st.text.add(tok)
-            # as vLLM: a stop string ends the text only once min_tokens tokens are out
-            hit = _find_stop(st.text.text, p.stop, before) if len(cand.ids) > p.min_tokens else None
+            floor = 0  # as vLLM: a stop string ends the text only once min_tokens tokens are out
+            if st.thinking is not None:  # the thinking's phase; stop strings apply to the answer alone
+                self.reasoning.after(st, before, len(cand.ids))
+                floor = self.reasoning.answer_from(st.thinking, st.text.text)
+            hit = _find_stop(st.text.text, p.stop, before, floor) \
+                if floor is not None and p.stop and len(cand.ids) > p.min_tokens else None
             if hit is not None:
                 cand.finish_reason, cand.stop_at = "stop", hit
                 finished.append(r)
                 return
             if st.sent >= 0:
                 meta = self.groups[st.gid].meta
-                self.answers.stream(meta.req, meta.prompt_i * p.n + st.cand.choice, st, p)
+                self.answers.stream(meta.req, meta.prompt_i * p.n + st.cand.choice, st, p, meta.kind == "chat")
+            if st.thinking is not None and st.thinking.phase == ANSWER and not st.thinking.thought:
+                st.thinking = None  # its answer did not open a thinking: no more to follow, nor text to keep for it
+                if not p.stop and st.sent < 0:
+                    st.text = None
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete and can take nothing more
             cand.finish_reason = "stop"
             finished.append(r)
@@ -272,6 +300,8 @@ class Head:
     def _finish_row(self, slot: int, row: int) -> None:
         st = self.slots[slot].pop(row)
         self.constraints.forget(st.matcher)
+        if st.thinking is not None:
+            self.constraints.forget(st.thinking.grammar)
         g = self.groups[st.gid]
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
@@ -302,6 +332,8 @@ class Head:
         for r in rows:
             st = self.slots[slot].pop(r)
             self.constraints.forget(st.matcher)
+            if st.thinking is not None:
+                self.constraints.forget(st.thinking.grammar)
             g = self.groups[st.gid]
             g.done += 1
             if g.done == len(g.rows):
@@ -343,11 +375,12 @@ class Head:
         return rows
 
 
-def _find_stop(text: str, stops: list[str], since: int) -> int | None:
-    """Earliest index of any stop string that ends after ``since`` (so spans across tokens count)."""
+def _find_stop(text: str, stops: list[str], since: int, floor: int = 0) -> int | None:
+    """Earliest index of any stop string that ends after ``since`` (so spans across tokens count) and
+    starts at ``floor`` or later (a thinking row: its answer's start)."""
     best = None
     for s in stops:
-        i = text.find(s, max(0, since - len(s) + 1))
+        i = text.find(s, max(floor, since - len(s) + 1))
         if i >= 0 and (best is None or i < best):
             best = i
     return best

@@ -24,6 +24,9 @@ class RowState:
     sent_chars: int = 0  # streaming: the characters of those tokens
     counts: dict[int, int] = field(default_factory=dict)  # generated token counts (penalties: Params.counts_tokens)
     matcher: object = None  # structured outputs: this row's llguidance matcher (pipeline.sampling.grammar)
+    thinking: object = None  # a reasoning run: the row's pipeline.output.reasoning.Thinking
+    sent_reasoning: int = 0  # streaming a chat row that thinks: characters of its reasoning sent
+    sent_content: int = 0  # and of its answer
 
 
 @dataclass
@@ -65,6 +68,7 @@ class RequestState:
     batch_size: int = 0
     notes: list[str] = field(default_factory=list)
     model: str | None = None  # a LoRA adapter's name: the result's "model" (else the base model's)
+    stream: bool = False  # a live request streamed as it runs (never run again: its text went out)
     error: dict | None = None  # a row of it failed: the request is answered with this error
 
     def failed(self, doing: str, e: Exception) -> None:

@@ -91,6 +91,7 @@ class Candidate:
     stop_at: int | None = None  # character index in the generated text where a stop string began
     generated: int = 0  # tokens computed (EOS included), for usage
     pieces: list[str] | None = None  # per-token text from IncrementalText (None: compute here)
+    reasoning: object = None  # a reasoning run: its thinking (pipeline.output.reasoning.Thinking)
 
     @property
     def mean_logprob(self) -> float:

@@ -33,6 +33,7 @@ import torch
 
 from comm.faults import DRIVE
 from tasks.protocol import Answer, server_error
+from tasks.requests import parse_request
 from tasks.shards import index_of
 
 from pipeline.runtime.last_rank import LastRank
@@ -365,13 +366,15 @@ class Engine:
         self.ready.add(msg.slot)
         if self.driver.on_reply(msg):  # a slot emptied, or work waits: the idle ones may take it
             self._new_work()
-        for index, choice, text, logprobs in msg.deltas:
+        for index, choice, text, logprobs, reasoning in msg.deltas:
             live = self.live.get(index)
             if live is not None:
                 if live.first_at is None and self.metrics is not None:
                     live.first_at = time.monotonic()
                     self.metrics.first_token(live.started)
-                live.channel.delta(choice, text, logprobs)
+                live.channel.delta(choice, text, logprobs, reasoning)
+        for item in msg.retry:
+            self._rerun(*item)
         for index, body in msg.answers:
             live = self.live.pop(index, None)
             if live is not None:
@@ -383,6 +386,26 @@ class Engine:
             self.job.done += msg.written
         if self.metrics is not None:
             self._measure(msg)
+
+    def _rerun(self, live: bool, index: int, raw, budget: int, max_tokens: int, room: int) -> None:
+        """--retry-starved: a request whose thinking starved its answer runs once more, with a larger
+        thinking budget and max_tokens (pipeline.output.answers); its line (or answer) is the rerun's."""
+        item = self.live.get(index) if live else None
+        if live and item is None:  # its client left meanwhile
+            return
+        try:
+            req = item.req if live else parse_request(raw, index)
+            gids = self.driver.rerun(req, budget, max_tokens, room, live)
+        except Exception as e:  # noqa: BLE001 - it cannot run again: answered with the error, the run goes on
+            if live:
+                self.live.pop(index, None)
+                self.requests.resolve(item, Answer(error=as_request_error(e)))
+            else:
+                self.driver.error_line(index, raw, as_request_error(e))
+            return
+        if live:
+            item.gids = gids
+        self._new_work()
 
     def _measure(self, msg: Reply) -> None:
         """/metrics: the stages' figures a pass brought back; the scheduler's load at most twice a second."""

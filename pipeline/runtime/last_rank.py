@@ -166,10 +166,12 @@ class LastRank:
                                  hdr.stats, f.writer.written)
         live, deltas = self.head.answers.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     live, written, deltas, stats=hdr.stats)
+                     live, written, deltas, stats=hdr.stats, retry=self.head.answers.take_retries())
 
     def _close(self, msg: CloseFile) -> Closed:
         self.file.structured = self.head.constraints.figures()
+        if self.head.reasoning is not None:
+            self.file.reasoning = self.head.reasoning.figures()
         stats = FileStats(msg.requests, msg.error_kinds, msg.encode_seconds, msg.padding_waste, msg.ignored_fields)
         complete, summary = self.file.close(msg.total, stats, msg.busy, self.head.generated_tokens,
                                             self.head.answers.format_seconds, self.info.pipeline_size,

@@ -51,6 +51,7 @@ from pipeline.scheduling.driver import ModelNames
 from pipeline.config.cores import usable_cores
 from pipeline.config.openmp import wait_note
 from pipeline.sampling.grammar import Grammars, masks_on_thread
+from pipeline.output.reasoning import ReasoningError, choose as choose_reasoning
 from pipeline.scheduling.grammars import GrammarIntake
 from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
@@ -244,8 +245,12 @@ def last_rank(rank: Rank, tokenizer=None, grammars=None) -> LastRank:
     tokenizer = tokenizer or load_tokenizer(plan.model_dir, opts.trust_remote_code)
     name = (opts.served_model_name or plan.served_name if opts.serve else None) or plan.model_name
     grammars = grammars or Grammars(tokenizer, plan.spec.vocab_size, opts.json_string_max_length)
+    try:
+        reasoning = choose_reasoning(tokenizer, opts.reasoning_parser)
+    except ReasoningError as e:
+        raise UsageError(str(e)) from None
     head = Head(rank.stage.model, tokenizer, eos_ids(plan.model_dir, tokenizer), name, opts.seed, grammars,
-                masks_on_thread(info.device, info.local_world_size, usable_cores()))
+                masks_on_thread(info.device, info.local_world_size, usable_cores()), reasoning, opts.retry_starved)
     last = LastRank(rank.stage, info, head, plan.fingerprint, opts.overwrite, show_progress=not opts.no_progress)
     last.status, last.checkpoint_interval = rank.status, opts.checkpoint_interval
     return last

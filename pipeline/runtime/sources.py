@@ -195,8 +195,8 @@ class Channel:
     def answer(self, answer: Answer) -> None:
         raise NotImplementedError
 
-    def delta(self, choice: int, text: str, logprobs: dict | None) -> None:
-        """Text of a streaming request as it is generated."""
+    def delta(self, choice: int, text: str, logprobs: dict | None, reasoning: str = "") -> None:
+        """Text of a streaming request as it is generated (``reasoning``: a thinking chat row's reasoning, apart)."""
 
     def accepted(self) -> None:
         """The request is queued (a stream may start)."""
@@ -212,7 +212,7 @@ class QueueChannel(Channel):
     def answer(self, answer: Answer) -> None:
         self.events.put(("done", answer))
 
-    def delta(self, choice: int, text: str, logprobs: dict | None) -> None:
+    def delta(self, choice: int, text: str, logprobs: dict | None, reasoning: str = "") -> None:
         if self.stream and text:
             self.events.put(("delta", (choice, text)))
 

@@ -10,6 +10,7 @@ in their input position. Rank 0's loops talk to the driver only; it alone talks 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -183,7 +184,7 @@ class Driver:
     def _encode(self, req: Request, prompt, tok=None) -> list[int]:
         tok = tok or self.tok
         if req.kind == "chat":
-            ids = chat_ids(tok, prompt)
+            ids = chat_ids(tok, prompt, req.template_kwargs)
             param = "messages"
         elif isinstance(prompt, str):
             try:
@@ -270,6 +271,23 @@ class Driver:
             if self.prefix is not None:
                 self.prefix.queued(g.digests)
         return groups
+
+    def rerun(self, req: Request, budget: int, max_tokens: int, room: int, live: bool = False) -> list[int]:
+        """--retry-starved: ``req`` (whose thinking starved its answer) queued once more with thinking
+        budget ``budget`` and ``max_tokens``, shrunk to what the context window and --budget allow (the
+        thinking budget first: the answer keeps ``room`` tokens, never fewer than the first try's
+        max_tokens in all); the same seed and index, so it draws the same random stream. Returns its gids."""
+        p = req.params
+        ids = [self._tokenize(req, prompt) for prompt in req.prompts]
+        longest = max(len(x) for x in ids)
+        fits = min(self.max_positions - longest, self.sched.budget // max(p.best_of, 1) - self.sched.spare - longest)
+        max_tokens = max(p.max_tokens, min(max_tokens, fits))
+        req.params = dataclasses.replace(p, max_tokens=max_tokens, thinking_budget=min(budget, max(0, max_tokens - room)),
+                                         starved_retry=True)
+        groups = self._groups(req, live=live, ids=ids)
+        for g in groups:
+            self.sched.submit(g)
+        return [g.gid for g in groups]
 
     def unqueue(self, g: Group) -> Admission | None:
         """Forget a queued group that will not run (serve mode: its client left, or shutdown)."""

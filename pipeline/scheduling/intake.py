@@ -21,17 +21,19 @@ def few(indices: set[int]) -> str:
     return ", ".join(map(str, s[:8])) + (f" and {len(s) - 8} more" if len(s) > 8 else "")
 
 
-def chat_ids(tok, messages: list[dict], add_generation_prompt: bool = True,
+def chat_ids(tok, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False) -> list[int]:
     """The prompt ids of a chat request: the model's chat template applied to ``messages`` (with the
-    assistant's turn opened, or, ``continue_final_message``, the last message left open to continue).
+    request's ``chat_template_kwargs``, e.g. ``enable_thinking``, as template variables; the assistant's
+    turn opened, or, ``continue_final_message``, the last message left open to continue).
     A template that refuses them (``raise_exception``: system messages, turn order, content parts)
     or fails on them becomes the request's error."""
     if not getattr(tok, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; send /v1/completions requests", "messages")
     try:
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                      **({"continue_final_message": True} if continue_final_message else {}))
+                                      **({"continue_final_message": True} if continue_final_message else {}),
+                                      **(kwargs or {}))
     except Exception as e:
         raise RequestError(f"the model's chat template cannot render these messages: {template_reason(e)}",
                            "messages", reason="chat_template") from e

@@ -60,6 +60,7 @@ PAGES = (
     "docs/usage/monitoring.md",
     "docs/usage/gpus.md",
     "docs/usage/structured-outputs.md",
+    "docs/usage/reasoning.md",  # examples/output_reasoning.jsonl
     "docs/design/architecture.md",
     "docs/design/scheduler.md",
     "docs/design/prefix-cache.md",

@@ -49,7 +49,7 @@ def test_default_output_path_and_default_model(tmp_path):
     p = run_local(["--infer-data", str(src)])
     assert p.returncode == 0, p.stderr[-3000:]
     out = read_jsonl(tmp_path / "output_two.jsonl")
-    assert [x["result"]["model"] for x in out] == ["tiny-llama-default-v4"] * 2
+    assert [x["result"]["model"] for x in out] == ["tiny-llama-default-v5"] * 2
     assert out[1]["result"]["usage"]["completion_tokens"] == 2
 
 

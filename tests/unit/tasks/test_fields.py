@@ -83,7 +83,7 @@ def test_fields_that_change_nothing_are_accepted_whatever_their_value():
     ("suffix", None, "tail"), ("skip_special_tokens", True, False), ("include_stop_str_in_output", False, True),
     ("prompt_logprobs", None, 1), ("bad_words", [], ["x"]), ("allowed_token_ids", None, [1]),
     ("add_special_tokens", True, False), ("use_beam_search", False, True), ("length_penalty", 1.0, 2.0),
-    ("reasoning_effort", None, "low"), ("chat_template", None, "{{ x }}"), ("tools", [], [{"type": "function"}]),
+    ("chat_template_kwargs", None, {"enable_thinking": True}), ("chat_template", None, "{{ x }}"), ("tools", [], [{"type": "function"}]),
     ("tool_choice", "none", "auto"), ("truncate_prompt_tokens", None, 5),
 ])
 def test_known_fields_without_an_implementation_are_taken_only_at_their_default(field, default, other):
@@ -138,3 +138,13 @@ def test_the_shared_request_files_are_taken_as_they_are():
         for i, line in enumerate((DATA / name).read_bytes().splitlines()):
             if line.strip():
                 assert parse_line(line, i).ignored == []
+
+
+def test_reasoning_fields_are_read():
+    """thinking_token_budget and reasoning_effort on both endpoints, chat_template_kwargs on chat (a
+    completion has no template: there it is taken only empty)."""
+    assert check_fields({"prompt": "x", "thinking_token_budget": 8, "reasoning_effort": "low"}, False) == []
+    assert check_fields({"messages": [], "reasoning_effort": "high",
+                         "chat_template_kwargs": {"enable_thinking": True}}, True) == []
+    with pytest.raises(RequestError, match="chat_template_kwargs"):
+        check_fields({"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}}, False)

@@ -18,11 +18,14 @@ from tests.utils import REPO, read_jsonl, run_local
 
 HELDOUT_SEED = 2024  # training draws rows with seed 1, tokenizer text with 0; the checker uses 12345
 N_PER_TASK = 60
-# 90% for every task (issue 17 asks it of the path and multiple-choice tasks); what the shipped
-# model (v4) measures through the runner with --batch-invariant at P = 1 and 2 (seed 2024, 60
-# questions per task): path 95% / 95%, every other task 100%.
+# 90% for every task (issue 17 asks it of the path and multiple-choice tasks) but the thinking chats
+# (issue 59: path questions and sums asked to think, the answer after the thinking); what the shipped
+# model (v5) measures through the runner at P = 1 and 2 (seed 2024, 60 questions per task): path 98% / 93%,
+# sums 100%, reverse 98%, the rest 100%; thinking path questions 93%, thinking sums 63% (its trace copies the
+# question's numbers, which it gets wrong the most)
 FLOORS = {"path/0-shot": 0.9, "path/few-shot": 0.9, "owner/choice": 0.9, "owner": 0.9,
-          "arith/0-shot": 0.9, "arith/few-shot": 0.9, "copy": 0.9, "reverse": 0.9}
+          "arith/0-shot": 0.9, "arith/few-shot": 0.9, "copy": 0.9, "reverse": 0.9,
+          "path/think": 0.85, "arith/think": 0.55}
 TEXTS = [
     "Hello, world! The café on Elm Street is naïve about 日本 and 東京 🙂.",
     "  leading spaces, trailing spaces  \n\ttabs and\r\nnewlines\n",
@@ -115,10 +118,10 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
     on the token the circuit reads (a wrong offset would train the heads to look elsewhere)."""
     from examples import train_default_model as tdm
 
-    rows = tdm.Rows(tokenizer, seed=3)
+    rows, chats = tdm.Rows(tokenizer, seed=3), tdm.Rows(tokenizer, seed=4, mix=tdm.MIX_THINK)  # v5's fine-tune too
     seen = set()
-    for _ in range(60):
-        ids, weights, links = rows.row(tdm.ROW_TOKENS)
+    for k in range(120):
+        ids, weights, links = (rows if k % 2 else chats).row(tdm.ROW_TOKENS)
         text = tokenizer.decode(ids[1:-1])
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer(text, add_special_tokens=False)["input_ids"] == ids[1:-1]
@@ -139,8 +142,8 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
                 assert targets == [q - 1]
             if role == "reverse_from":  # the current word's place; the word before it comes next
                 assert word[targets[0]] == word[q] and word[targets[0] - 1] == word[q + 1]
-            if role in ("operand_x", "operand_y"):
-                assert word[q] == "=" and targets == [q - (3 if role == "operand_x" else 1)]
+            if role in ("operand_x", "operand_y"):  # at "=", or at "assistant:" of a chat answered at once
+                assert word[targets[0]].isdigit() and (word[q] == ":" or targets == [q - (3 if role == "operand_x" else 1)])
         assert set(weights) <= {1.0, tdm.CTX_WEIGHT, tdm.STORY_WEIGHT}  # answers weigh 1, prompts less
     assert seen == set(tdm.CIRCUIT), set(tdm.CIRCUIT) - seen
 
