@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import dist_inference_runner  # noqa: F401 (importing it sets OMP_WAIT_POLICY once per process: before any snapshot)
 import tasks.inflight
 import tasks.status
 

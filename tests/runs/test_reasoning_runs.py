@@ -1,7 +1,7 @@
 """Reasoning models through the runner, every stage a thread of this process (P = 1 and 2), on tiny random
 thinking models (tests/reasoning_models.py): DeepSeek-R1's template starts every answer inside ``<think>``,
 Qwen3's lets the model open one. A random model never closes its thinking, so every thinking here ends at
-its budget, forced (a model that ends its own: the default model, tests/runs/test_default_thinking_runs.py).
+its budget, forced (a model that ends its own: the default model, tests/runs/test_default_model_runs.py).
 
 File mode: reasoning apart from the answer, the thinking within its budget and the answer after it, usage's
 reasoning_tokens, stop strings and a grammar that apply to the answer alone, with n, best_of, logprobs, LoRA,

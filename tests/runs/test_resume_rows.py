@@ -82,3 +82,35 @@ def test_the_checkpoint_holds_the_rows_in_flight_and_only_those(tmp_path):
     assert set(rows) <= {"0", "1", "2", "3"}  # not the n = 2 or echo lines: those run again from the start
     for r in rows.values():
         assert len(r["ids"]) == len(r["logprobs"]) == len(r["top"]) and r["ids"]
+
+
+def test_thinking_rows_start_again_after_a_stop(tmp_path):
+    """A reasoning model's rows are not checkpointed mid-generation (the thinking's phases, its budget and
+    the grammar held back for the answer are not replayed): after a stop they run again from their first
+    token, and the file ends as an uninterrupted run's, the rows that do not think resumed as usual."""
+    from tests.reasoning_models import tiny_thinking_model
+
+    model = tiny_thinking_model(tmp_path / "deepseek", "deepseek", seed=1)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": f"Question {i}"}], "temperature": 0,
+                       "max_tokens": 24, "thinking_token_budget": 6, "logprobs": True}} for i in range(6)]
+    lines += [{"prompt": f"Plain {i}", "max_tokens": 30, "temperature": 0} for i in range(4)]
+    src = write_jsonl(tmp_path / "r.jsonl", lines)
+    flags = ["--model-name", model, "--infer-data", src, "--no-progress", "--num-threads", "1",
+             "--max-micro-batch-size", "4", "--checkpoint-interval", "0"]
+    assert run_local([*flags, "--output-path", str(tmp_path / "clean.jsonl")], 1).returncode == 0
+    out, runs = tmp_path / "cut.jsonl", 0
+    while not out.exists():
+        code = stopped_run([*flags, "--output-path", str(out)], 1, tmp_path / "cut.jsonl.partial", 2)
+        runs += 1
+        assert runs < 20
+        rows = tmp_path / "cut.jsonl.partial.rows"
+        if not out.exists():
+            assert code == 143
+            if rows.exists():  # only the completions, lines 6-9
+                assert all(int(k) >= 6 for k in json.loads(rows.read_text())), rows.read_text()
+    assert runs > 1
+    clean, cut = read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out)
+    for a, b in zip(clean[:6], cut[:6], strict=True):  # thinking rows: run whole again, bit for bit
+        assert a["response"]["body"]["choices"] == b["response"]["body"]["choices"]
+    assert_consistent_results(clean[6:], cut[6:], tol=1e-3)
