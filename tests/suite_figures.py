@@ -1,7 +1,8 @@
 """The suite's own figures in docs/testing.md: how many tests each tier holds, and the last full run's
-time on which machine. A pytest plugin (tests/conftest.py loads it): at the end of a full run that
-passed (``python -m pytest tests``, no ``-k``/``-m``, no test deselected), it rewrites the block between
-the markers below; ``tests/unit/test_docs_pages.py`` checks the counts against the collection of a full run.
+time on which machine. A pytest plugin (tests/conftest.py loads it): at the end of a full run
+(``python -m pytest tests``, no ``-k``/``-m``, no test deselected) it rewrites the block between the
+markers below: the counts from the collection, and the time when the run passed (a failed run keeps the
+last passing run's time).
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ def cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def block(c: dict[str, int], seconds: float) -> str:
+def counts_text(c: dict[str, int]) -> str:
+    return (f"{c['tests']} tests: {c['fast']} in one process (the fast tier), {c['processes']} that start "
+            "processes (the `multiprocess` marker).")
+
+
+def time_text(seconds: float) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return (f"{BEGIN}\n{c['tests']} tests: {c['fast']} in one process (the fast tier), {c['processes']} that start "
-            f"processes (the `multiprocess` marker). The last full run that passed: {seconds / 60:.1f} minutes on "
-            f"{time.strftime('%Y-%m-%d')}, {cpu()}, {os.cpu_count()} cores (load {load:.1f} at its end).\n{END}")
+    return (f"The last full run that passed: {seconds / 60:.1f} minutes on {time.strftime('%Y-%m-%d')}, {cpu()}, "
+            f"{os.cpu_count()} cores (load {load:.1f} at its end).")
 
 
 def read() -> dict[str, int] | None:
@@ -65,10 +70,14 @@ def pytest_collection_finish(session) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     c = getattr(session.config, "suite_counts", None)
-    if c is None or exitstatus != 0 or session.testsfailed or not DOC.exists():
+    if c is None or not DOC.exists():
         return
     text = DOC.read_text()
     if BEGIN not in text or END not in text:
         return
     head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + block(c, time.monotonic() - _STARTED[0]) + rest.split(END, 1)[1])
+    old, tail = rest.split(END, 1)
+    passed = exitstatus == 0 and not session.testsfailed
+    kept = re.search(r"The last full run that passed: [^\n]*", old)
+    when = time_text(time.monotonic() - _STARTED[0]) if passed else (kept[0] if kept else "No full run has passed yet.")
+    DOC.write_text(f"{head}{BEGIN}\n{counts_text(c)} {when}\n{END}{tail}")
