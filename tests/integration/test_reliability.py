@@ -26,7 +26,8 @@ import pytest
 from tasks.inflight import replay
 from tasks.status import is_stale, read_status
 from tests.unit.pipeline.cache.test_prefix import assert_same_answers, model_dir, reference, workload  # noqa: F401
-from tests.utils import (REPO, RUNNER, _close, _env, _kill_group, assert_identical_results, free_port, read_jsonl,
+from tests.utils import (REPO, RUNNER, _close, _env, _kill_group, assert_consistent_results, assert_identical_results,
+                         free_port, read_jsonl,
                          run_local, run_single, run_torchrun, strip_volatile, write_jsonl)
 
 DEFAULT_MODEL = str(REPO / "examples" / "tiny-llama-default")
@@ -271,6 +272,55 @@ the rows resumed mid-generation)."""
     assert len(got) == len(ref)
     for i, (x, y) in enumerate(zip(got, ref, strict=True)):
         _close(strip_volatile(x), strip_volatile(y), 1e-4, f"line {i}")
+
+
+def test_sigterm_checkpoints_rows_in_flight_under_python_and_torchrun(llama_3l, tmp_path):
+    """SIGTERM to a plain ``python dist_inference_runner.py`` run (P = 1: its signals are blocked in
+    every thread but the one that takes them) and then to torchrun (P = 2: it passes the signal to its
+    ranks), each mid-generation: the process exits 143 within seconds with no traceback, the status
+    file says stopped, the finished lines are journaled and the rows in flight checkpointed
+    (``.partial.rows``); the rerun resumes them and ends as an uninterrupted run's file."""
+    data = write_jsonl(tmp_path / "long.jsonl", [{"prompt": f"Once upon a time {i}", "max_tokens": 120,
+                                                  "temperature": 0 if i % 2 else 0.8, "seed": i} for i in range(48)])
+    out = tmp_path / "out.jsonl"
+    journal, rows = Path(f"{out}.partial"), Path(f"{out}.partial.rows")
+    common = ["--model-name", llama_3l, "--infer-data", data, "--no-progress", "--max-micro-batch-size", "4",
+              "--checkpoint-interval", "0"]
+    flags = [*common, "--output-path", str(out)]
+    launches = {"python": [sys.executable, str(RUNNER), *flags, "--num-threads", "1"],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(free_port()), str(RUNNER), *flags,
+                             "--num-threads", "1"]}
+    journaled = 0
+    for name, cmd in launches.items():
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as log_f:
+            proc = subprocess.Popen(cmd, env=_env({"OMP_NUM_THREADS": "1"}), stdout=log_f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            wait_for(lambda: proc.poll() is not None or (journal.exists() and journal.stat().st_size > journaled),
+                     180, log.read_text()[-3000:])
+            assert proc.poll() is None, log.read_text()[-3000:]
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+            assert time.monotonic() - t0 < 25
+        finally:
+            _kill_group(proc)
+        text = log.read_text()
+        assert "SIGTERM received" in text, text[-3000:]
+        if name == "python":  # torchrun reports a signalled agent in its own way
+            assert code == 128 + signal.SIGTERM and "Traceback" not in text, (code, text[-3000:])
+        assert not out.exists() and read_status(f"{out}.status.json")["state"] == "stopped", text[-3000:]
+        assert rows.exists() and json.loads(rows.read_text()), f"{name}: no rows checkpointed"
+        journaled = journal.stat().st_size
+    p = run_local(flags, 2)
+    assert p.returncode == 0 and "rows where they stopped" in p.stderr, p.stderr[-3000:]
+    clean = tmp_path / "clean.jsonl"
+    p = run_local([*common, "--output-path", str(clean)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(read_jsonl(out)) == 48
+    assert_consistent_results(read_jsonl(clean), read_jsonl(out), tol=1e-3)
 
 
 # -- torchrun's view of a refusal --------------------------------------------------------------------
