@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
         except UsageError as e:
             return usage_error(e, quiet=rank != 0)
     if signals:
-        watch_signals(rank)
+        watch_signals(rank, opts.serve is not None)
         watch_launcher()
 
     try:
@@ -218,7 +218,13 @@ def stopped_code() -> int:
     return 128 + RECEIVED[0] if RECEIVED else 0
 
 
-def watch_signals(rank: int) -> None:
+def _backstop(sig: int) -> None:
+    """A rank still alive :data:`BACKSTOP_S` seconds after the signal: its status file says so, then it exits."""
+    fail_active(f"{signal.Signals(sig).name} received; not stopped within {BACKSTOP_S:g} s")
+    _hard_exit(128 + sig)
+
+
+def watch_signals(rank: int, serving: bool = False) -> None:
     """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive: one
     path for every launch style and face.
 
@@ -242,11 +248,11 @@ def watch_signals(rank: int) -> None:
             # counts as a crash, not a stop: tasks.inflight)
             time.sleep(STOP_GRACE)
         stop_all()  # the lines in flight did not end this run (tasks.inflight)
-        fail_active(f"{name} received")
-        log.warning("rank %d: %s received, finishing the rows in flight and stopping; finished results are "
-                    "journaled, rerun the same command to resume", rank, name)
-        STOP.set()
-        backstop = threading.Timer(BACKSTOP_S, _hard_exit, (128 + sig,))
+        log.warning("rank %d: %s received, %s", rank, name, "finishing in-flight requests and stopping" if serving
+                    else "finishing the rows in flight and stopping; finished results are journaled, rerun the "
+                    "same command to resume")
+        STOP.set()  # the status file says stopped once the last rank has the Stop (a crash meanwhile: failed)
+        backstop = threading.Timer(BACKSTOP_S, _backstop, (sig,))
         backstop.daemon = True
         backstop.start()
 

@@ -214,16 +214,23 @@ def batches(items: list, size: int = BATCH):
 # workers: one process per system (invoked as  throughput.py --worker hf|ct2 ...)
 # ------------------------------------------------------------------------------------------------
 def fake_quantize_layers(model) -> None:
-    """HF with int8 weights, computed in float: each decoder-layer linear's weight replaced by what its
-    int8 per-output-channel quantization stands for (the runner's own quantizer, pipeline.models.kernels.int8)."""
+    """HF with int8 weights and activations, computed in float: each decoder-layer linear's weight
+    replaced by what its int8 per-output-channel quantization stands for, and its input by what its
+    per-token int8 quantization stands for (the runner's own quantizers, pipeline.models.kernels.int8)."""
     import torch
 
-    from pipeline.models.kernels.int8 import fake_quantize
+    from pipeline.models.kernels.int8 import eager_quantize_tokens, fake_quantize
+
+    def tokens(_mod, args):
+        x = args[0]
+        q, scale = eager_quantize_tokens(x.reshape(-1, x.shape[-1]))
+        return (q.float().mul_(scale).to(x.dtype).reshape(x.shape), *args[1:])
 
     with torch.no_grad():
         for mod in model.model.layers.modules():
             if isinstance(mod, torch.nn.Linear):
                 mod.weight.copy_(fake_quantize(mod.weight))
+                mod.register_forward_pre_hook(tokens)
 
 
 def worker_hf(model_dir: Path, wdir: Path, threads: int, precision: str = "") -> dict:

@@ -1,5 +1,6 @@
 """Smoke tests of the benchmarks that start their systems as processes: bench/throughput.py (a tiny
-model, HF + runner P=1, JSON written with every figure) and bench/native_vs_generic.py.
+model, HF + runner P=1, JSON written with every figure) and bench/native_vs_generic.py; bench/contention.py's
+busy loop ends with the benchmark that started it.
 
 No timing is asserted (the machine may be busy); only that the benchmarks run end to end, write the
 expected keys and compute greedy agreement. Their pieces without a run: tests/unit/test_bench_throughput.py.
@@ -10,8 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from bench.contention import BUSY_LOOP
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "throughput.py"
@@ -62,3 +65,22 @@ def test_native_vs_generic_bench_runs_and_agrees(tmp_path):
     assert set(row["ratios"]) == {"gen_tok_s", "score_tok_s", "peak_rss_mb"} and all(v > 0 for v in row["ratios"].values())
     assert row["agreement"]["greedy_equal"] == 2 and row["agreement"]["max_logprob_diff"] < 1e-4
     assert "generic/native" in p.stdout
+
+
+def test_the_busy_loop_ends_with_the_benchmark():
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {BUSY_LOOP!r}, '0'])\n"
+            "print(p.pid, flush=True)\ntime.sleep(0.5)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

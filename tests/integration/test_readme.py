@@ -147,7 +147,10 @@ def steps(script: str) -> list[tuple[str, str]]:
             return False
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
-        return not any(tok and set(tok) <= set("();<>|&") for tok in lexer)
+        try:
+            return not any(tok and set(tok) <= set("();<>|&") for tok in lexer)
+        except ValueError:  # a quote that closes on a later line (python -c '...' over several lines)
+            return False
 
     if not all(simple(x) for x in lines):
         return [("bash", script)]

@@ -1,13 +1,10 @@
 """bench/contention.py and bench/llamacpp.py without processes: the workloads' flags and summaries, the
-interleaved measurement and its ratio (runs faked), the neighbours' exit with their parent, the bytes a
-decode step reads."""
+interleaved measurement and its ratio (runs faked), the bytes a decode step reads (the busy loop's exit
+with its parent, which only processes show: tests/integration/test_bench_smoke.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import bench.contention as contention
@@ -39,25 +36,6 @@ def test_configurations_interleave_and_the_default_is_compared_with_the_best(tmp
     assert r["best"] == "--num-threads 1" and abs(r["default_over_best"] - 1.2) < 1e-9
     assert r["default_threads"] == 1 and r["other_load_cores"] == 0.25
     assert "1.20x" in contention.report([r], "none")
-
-
-def test_the_busy_loop_ends_with_the_benchmark():
-    code = ("import subprocess, sys, time\n"
-            f"p = subprocess.Popen([sys.executable, '-c', {contention.BUSY_LOOP!r}, '0'])\n"
-            "print(p.pid, flush=True)\ntime.sleep(0.5)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pid = int(out.stdout.split()[0])
-    deadline = time.time() + 10
-    while time.time() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
-        time.sleep(0.1)
-    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 def test_decode_bytes_per_token(tmp_path):

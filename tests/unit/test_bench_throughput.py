@@ -51,7 +51,7 @@ def test_int8_fidelity_counts_top1_and_logprob_differences():
 
 
 def test_hf_fake_quantization_is_the_runners_int8(make_llama):
-    """The plain reference (HF with fake-quantized weights) computes what the runner's dequantize kernel does."""
+    """The plain reference (HF with fake-quantized weights and per-token activations) computes what the runner's dequantize kernel does."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -54,10 +54,10 @@ class Run:
         inflight: deque[PassHeader] = deque()
         for _ in range(10_000):
             self.driver.fill()
-            for sid in self.driver.slot_ids:  # as pipeline.runtime.first_rank.FirstRank._run_file does
+            for sid in self.driver.slot_ids:  # as pipeline.runtime.engine.Engine._launch does
                 while True:
-                    busy = self.driver.busy(sid)
-                    if (built := self.driver.next_pass(sid, ahead=True)) is None:
+                    busy = any(h.slot == sid for h in inflight)
+                    if (built := self.driver.next_pass(sid, busy)) is None:
                         break
                     hdr = built[0]
                     self.ahead += busy
