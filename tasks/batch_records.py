@@ -25,7 +25,8 @@ class StoreLimits:
     min_free_bytes: int = 256 << 20
 
 
-MAX_CRASHES = 3  # runs of one batch in a row that ended the server without journaling a line: it fails
+MAX_CRASHES = 3  # runs of one batch in a row that ended the server without journaling a line or narrowing
+# the suspects (tasks.inflight.crashed_runs): it fails
 
 
 @dataclass

@@ -139,11 +139,14 @@ def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[s
 
 
 def crashed_runs(path: Path, written: int) -> int:
-    """How many of the last runs recorded in ``path`` crashed in a row without journaling a line
-    (``written``: the lines journaled now)."""
+    """How many of the last runs recorded in ``path`` crashed in a row without journaling a line and
+    without narrowing the suspects (``written``: the lines journaled now). A run that crashed with a
+    probe group or a lone suspect in flight moved the isolation on: the suspects halve, or the culprit
+    is known and answered by the next run, so cornering a line among k takes about log2(k) such runs
+    and they are not counted."""
     if not path.exists():
         return 0
-    opens, stopped = [], []
+    opens, ended = [], []  # per run: where it started; stopped, or narrowed the suspects
     for line in path.read_bytes().split(b"\n"):
         try:
             rec = orjson.loads(line)
@@ -151,13 +154,13 @@ def crashed_runs(path: Path, written: int) -> int:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("open"), int):
             opens.append(rec["open"])
-            stopped.append(False)
-        elif isinstance(rec, dict) and rec.get("stopped") and stopped:
-            stopped[-1] = True
+            ended.append(False)
+        elif isinstance(rec, dict) and ended and (rec.get("stopped") or rec.get("alone") or rec.get("probe")):
+            ended[-1] = True
     n = 0
     for k in range(len(opens) - 1, -1, -1):
         after = opens[k + 1] if k + 1 < len(opens) else written
-        if stopped[k] or after > opens[k]:
+        if ended[k] or after > opens[k]:
             break
         n += 1
     return n

@@ -9,15 +9,9 @@ import math
 import os
 import time
 
-import pytest
-
 from tests.runs.test_failure_isolation_runs import mistral_model  # noqa: F401 (a fixture)
 
 
-@pytest.mark.xfail(strict=True, reason="since 224bd9a (crash isolation by bisection) the Batch API's store fails a "
-                   "batch after MAX_CRASHES = 3 deaths in a row without a journaled line (tasks/batch_records.py), "
-                   "while cornering the line among those in flight takes up to 1 + log2(k) deaths: the batch ends "
-                   "'failed' before the line dies alone")
 def test_a_batch_line_that_kills_the_server_is_answered_after_it_died_alone(mistral_model, tmp_path):
     """Each restart on the same --serve-dir resumes the batch; the lines in flight when the server died
     are probed in halves (pipeline/scheduling/isolation.py) until the line that ends the server dies
