@@ -15,7 +15,7 @@ import pytest
 from tests.serve_cases import (CHAT_LINE, as_lines, batch_bodies, batch_lines, jsonl_bytes, wait_batch,
                                wait_completed)
 from tests.servers import LocalServer
-from tests.utils import assert_consistent_results
+from tests.utils import assert_consistent_results, read_jsonl, run_local
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
@@ -125,6 +125,36 @@ def test_batch_resumes_after_a_restart(own_server):
     errs = batch_bodies(client.files.content(done.error_file_id).text)
     assert sorted([*out, *errs]) == sorted(x["custom_id"] for x in lines) and set(errs) == {"bad"}
     assert done.request_counts.completed == len(lines) - 1
+
+
+def test_a_batch_stopped_mid_generation_resumes_its_rows(own_server, make_llama, tmp_path):
+    """Stopped (as by SIGTERM) while its rows generate, a batch's rows in flight are checkpointed, and the
+    next start on the same --serve-dir resumes them where they stopped: each line as an uninterrupted
+    file-mode run answers it (tokens; logprobs within float rounding: docs/usage/recovery.md)."""
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"Once upon a time {i}", "max_tokens": 60, "temperature": 0 if i % 2 else 0.8,
+                       "seed": i, "logprobs": 1}} for i in range(16)]
+    key = own_server.key()
+    client = own_server.start().client(key)
+    f = client.files.create(file=("long.jsonl", jsonl_bytes(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert wait_completed(client, batch.id, 2) < len(lines)
+    mark = own_server.log.mark()
+    own_server.restart()
+    client = own_server.client(key)
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == len(lines), done
+    assert "rows where they stopped" in own_server.log.since(mark), own_server.log.since(mark)
+    got = batch_bodies(client.files.content(done.output_file_id).text)
+    src = tmp_path / "long.jsonl"
+    src.write_bytes(jsonl_bytes(lines))
+    p = run_local([*own_server.args, "--infer-data", str(src), "--output-path", str(tmp_path / "ref.jsonl"),
+                   "--no-progress"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = {x["custom_id"]: x for x in read_jsonl(tmp_path / "ref.jsonl")}
+    assert_consistent_results([{"request": x["body"], "result": ref[x["custom_id"]]["response"]["body"]} for x in lines],
+                              [{"request": x["body"], "result": got[x["custom_id"]]["response"]["body"]} for x in lines],
+                              tol=1e-3)
 
 
 def test_restart_with_another_seed_delivers_the_answered_lines(own_server):
