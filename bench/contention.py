@@ -48,6 +48,8 @@ RUNNER = REPO / "dist_inference_runner.py"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_model  # noqa: E402
+
 SITUATIONS = ("quiet", "busy-loop", "second-runner")
 WORKLOADS = ("quickstart", "throughput")
 QUICKSTART_COPIES = 5
@@ -61,13 +63,6 @@ def machine_busy_seconds() -> float:
     """CPU seconds all processes of the machine have used since boot (/proc/stat, idle and iowait excluded)."""
     f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def workload_args(name: str, work: Path, profile: str = "full") -> list[str]:
@@ -190,7 +185,7 @@ def label(threads: int | None) -> str:
 
 
 def report(results: list[dict], env_note: str) -> str:
-    lines = [f"CPU: {cpu_name()}, {cores()} usable cores; {env_note}",
+    lines = [f"CPU: {cpu_model()}, {cores()} usable cores; {env_note}",
              "situation      workload    " + "  ".join(f"{k:>16}" for k in results[0]["median_s"])
              + "  default/best  default's threads  others' load (cores)"]
     for r in results:
@@ -227,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results, f"extra env: {' '.join(args.env) or 'none'}")
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "env": args.env, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "env": args.env, "results": results}, indent=1))
     return 0
 
 

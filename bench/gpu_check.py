@@ -166,9 +166,9 @@ def device_info(ck: Check) -> dict:
     import torch
 
     if not ck.cuda:
-        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "cpu"
-        return {"kind": "cpu", "name": name, "cores": os.cpu_count()}
+        from bench.machine import cpu_model
+
+        return {"kind": "cpu", "name": cpu_model(), "cores": os.cpu_count()}
     p = torch.cuda.get_device_properties(ck.device)
     info = {"kind": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
             "multiprocessors": p.multi_processor_count, "count": torch.cuda.device_count()}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_name  # noqa: E402
 from bench.memory_per_stage import build_model  # noqa: E402
 from tests.quant_checkpoints import gptq  # noqa: E402
 
@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: run(models[kind], flags, args.stages, requests, work) for name, (kind, flags) in SYSTEMS.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; Llama hidden {args.hidden}, {args.layers} layers, vocab 32000; "
+    print(f"CPU: {cpu_name()}; Llama hidden {args.hidden}, {args.layers} layers, vocab 32000; "
           f"P = {args.stages}, 1 thread per rank; {len(PROMPTS)} greedy requests x {args.max_tokens} tokens")
     base = results["bf16"]
     print(f"{'system':16} {'tok/s':>8} {'x bf16':>7}  peak RSS per stage MB (x bf16)   kernels")
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = "; ".join("+".join(sorted(set(s.get("kernels", {}).values()))) or s["weights"] for s in r["precision"])
         print(f"{name:16} {r['tokens_per_s']:8.1f} {ratio:7.2f}  {mem:30}  {kernels}")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu, "args": vars(args) | {"json": str(args.json)}, "results": results},
+        args.json.write_text(json.dumps({"cpu": cpu_name(), "args": vars(args) | {"json": str(args.json)}, "results": results},
                                         indent=1))
     return 0
 

@@ -8,10 +8,11 @@ last passing run's time).
 from __future__ import annotations
 
 import os
-import platform
 import re
 import time
 from pathlib import Path
+
+from bench.machine import cpu_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
 BEGIN = "<!-- suite-figures: written by tests/suite_figures.py at the end of a full run that passed -->"
@@ -33,16 +34,6 @@ def counts(items) -> dict[str, int]:
     return {"tests": len(items), "fast": len(items) - process, "processes": process}
 
 
-def cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def counts_text(c: dict[str, int]) -> str:
     return (f"{c['tests']} tests: {c['fast']} in one process (the fast tier), {c['processes']} that start "
             "processes (the `multiprocess` marker).")
@@ -50,7 +41,7 @@ def counts_text(c: dict[str, int]) -> str:
 
 def time_text(seconds: float) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return (f"The last full run that passed: {seconds / 60:.1f} minutes on {time.strftime('%Y-%m-%d')}, {cpu()}, "
+    return (f"The last full run that passed: {seconds / 60:.1f} minutes on {time.strftime('%Y-%m-%d')}, {cpu_model()}, "
             f"{os.cpu_count()} cores (load {load:.1f} at its end).")
 
 
