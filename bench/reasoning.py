@@ -48,13 +48,7 @@ def requests(n: int, seed: int = SEED) -> list[tuple[dict, str]]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        if i % 2 == 0:
-            facts, a, _, b, d1, d2 = dt.path_facts(rng)
-            lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
-            q, want = f"Passage: {lines}Question: How do you go from the {a} to the {b}?", f"{d1} {d2}"
-        else:
-            x, op, y = dt.arith_operands(rng)
-            q, want = f"What is {x} {op} {y}?", str(x + y if op == "+" else x - y)
+        q, want = dt.chat_question("path" if i % 2 == 0 else "arith", rng)
         body = {"messages": [{"role": "user", "content": q}], "temperature": 0,
                 "chat_template_kwargs": {"enable_thinking": True}}
         out.append(({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}, want))

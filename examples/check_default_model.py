@@ -75,13 +75,7 @@ def think_requests(seed: int, n: int) -> list[dict]:
     out = []
     for task in ("path", "arith"):
         for _ in range(n):
-            if task == "path":
-                facts, a, _, b, d1, d2 = dt.path_facts(rng)
-                lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
-                q, want = f"Passage: {lines}Question: How do you go from the {a} to the {b}?", f"{d1} {d2}"
-            else:
-                x, op, y = dt.arith_operands(rng)
-                q, want = f"What is {x} {op} {y}?", str(x + y if op == "+" else x - y)
+            q, want = dt.chat_question(task, rng)
             out.append({"custom_id": f"{task}/think={want}", "method": "POST", "url": "/v1/chat/completions",
                         "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
                                  "chat_template_kwargs": {"enable_thinking": True}}})

@@ -101,6 +101,17 @@ def arith_block(rng: random.Random) -> Block:
     return Block(f"Q: {x} {op} {y} =", f" {x + y if op == '+' else x - y}")
 
 
+def chat_question(task: str, rng: random.Random) -> tuple[str, str]:
+    """A path question (``task`` "path") or a sum ("arith") as a user would ask it in a chat, and the
+    expected answer: what the default model thinks about when asked to (its thinking tasks)."""
+    if task == "path":
+        facts, a, _, b, d1, d2 = path_facts(rng)
+        lines = "".join(f"The {x} is {d} of the {y}.\n" for x, d, y in facts)
+        return f"Passage: {lines}Question: How do you go from the {a} to the {b}?", f"{d1} {d2}"
+    x, op, y = arith_operands(rng)
+    return f"What is {x} {op} {y}?", str(x + y if op == "+" else x - y)
+
+
 def list_items(rng: random.Random) -> list[str]:
     """The 2-5 distinct words of a copy or reverse block."""
     return rng.sample(WORDS, rng.randint(2, 5))
