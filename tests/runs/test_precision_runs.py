@@ -16,6 +16,7 @@ import torch
 
 from pipeline.config.options import UsageError
 from pipeline.models.kernels.packed import why_not
+from pipeline.models.kernels.int8 import KERNELS
 from tests import quant_checkpoints as qk
 from tests.unit.pipeline.loading.test_tokenizer import float32_run  # noqa: F401 (a fixture)
 from tests.unit.pipeline.models.kernels.test_int8 import LOGIT_TOL, peaked  # noqa: F401 (a fixture)
@@ -76,7 +77,7 @@ def test_int8_runs_at_p1_and_p2_agree_with_float32(peaked, tmp_path):  # noqa: F
         lines, summary = out[name]
         precision = summary["stage_precision"]
         assert [s["weights"] for s in precision] == ["float32" if name == "kv8-p1" else "int8"] * runs[name][1]
-        assert all(set(s.get("kernels", {}).values()) <= {"int8", "onednn", "dequantize"} for s in precision)
+        assert all(set(s.get("kernels", {}).values()) <= set(KERNELS) for s in precision)
         assert [s.get("kv_cache") for s in precision] == ["int8" if "kv8" in name else None] * runs[name][1]
         for a, b in zip(lines, base, strict=True):
             ra, rb = a["result"], b["result"]
