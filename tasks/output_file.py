@@ -146,23 +146,46 @@ class OutputFile:
         return self.writer.journal.with_name(self.writer.journal.name + ".rows")
 
     def checkpoint(self, rows: dict[int, dict]) -> None:
-        """Record the rows in flight (input index -> their generated tokens, logprobs, top logprobs),
-        replacing the last record; a full disk loses the checkpoint, not the run."""
+        """Record the rows in flight (input index -> their generated tokens, logprobs, top logprobs) and
+        the lines answered but not journaled yet (they wait for an earlier line: the journal is written in
+        input order), replacing the last record; a full disk loses the checkpoint, not the run."""
+        record = {str(i): r for i, r in rows.items()}
+        record["answered"] = {str(i): line.decode() for i, line in self.writer.pending.items()}
         try:
             with atomic_path(self.rows_path, fsync=False) as tmp:
-                tmp.write_bytes(orjson.dumps({str(i): r for i, r in rows.items()}))
+                tmp.write_bytes(orjson.dumps(record))
         except OSError as e:
             log.warning("%s: the rows in flight were not checkpointed: %s", self.rows_path, e)
 
-    def resumed_rows(self) -> dict[int, dict]:
-        """The rows of the last checkpoint whose lines are not journaled yet (nothing when none was kept)."""
+    def _checkpointed(self) -> dict:
         try:
-            rows = orjson.loads(self.rows_path.read_bytes())
+            record = orjson.loads(self.rows_path.read_bytes())
         except (OSError, orjson.JSONDecodeError):
             return {}
+        return record if isinstance(record, dict) else {}
+
+    def _pending(self, i: str) -> bool:
+        """``i`` (a record's key) is one of this share's lines not journaled yet."""
         w = self.writer
-        return {int(i): r for i, r in rows.items() if i.isdigit() and isinstance(r, dict)
-                and share_of(int(i), w.shares) == w.share and position_of(int(i), w.shares) >= w.written}
+        return i.isdigit() and share_of(int(i), w.shares) == w.share and position_of(int(i), w.shares) >= w.written
+
+    def restore_answered(self) -> list[int]:
+        """The lines the last checkpoint holds answered but not journaled: back in the writer (written
+        once the lines before them are), counted as resumed; returns their indices, which this run does
+        not compute again."""
+        answered = self._checkpointed().get("answered")
+        if not isinstance(answered, dict):
+            return []
+        kept = [int(i) for i, line in answered.items() if self._pending(i) and isinstance(line, str)
+                and line.endswith("\n")]
+        for i in kept:
+            self.writer.pending[i] = answered[str(i)].encode()
+        self.resumed_lines += len(kept)
+        return sorted(kept)
+
+    def resumed_rows(self) -> dict[int, dict]:
+        """The rows of the last checkpoint whose lines are not journaled yet (nothing when none was kept)."""
+        return {int(i): r for i, r in self._checkpointed().items() if self._pending(i) and isinstance(r, dict)}
 
     @property
     def answered(self) -> int:

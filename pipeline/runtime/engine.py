@@ -61,6 +61,7 @@ class FileRun:
     expiring: bool = False  # its source's window passed: no more lines, it ends "expired"
     error: str | None = None  # it cannot go on: closed with what it has and failed
     skip: int = 0  # lines journaled before this run
+    kept: int = 0  # lines an earlier run answered that its checkpoint kept (not read again)
     done: int = 0  # results written in this run
     reported: tuple[int, int] | None = None  # (done, errors) its source was last told
     started: float = field(default_factory=time.perf_counter)
@@ -228,7 +229,7 @@ class Engine:
             d.fill()
         except Exception as e:  # noqa: BLE001 - its input failed: close with what it has, mark it failed
             log.error("%s: %s: %s", j.job.input, type(e).__name__, e)
-            j.error = f"the file stopped after {j.skip + d.requests_read} lines: {type(e).__name__}"
+            j.error = f"the file stopped after {j.skip + j.kept + d.requests_read} lines: {type(e).__name__}"
             j.cancelled, d.lines = True, None
             d.isolation.aside.clear()
         if d.queued != queued:
@@ -254,20 +255,25 @@ class Engine:
                         j.job.output)
             self.files.skipped(j.job)
         else:
-            j.opened, j.skip, j.started = True, msg.skip, time.perf_counter()
-            # ``skip`` counts this share's finished lines; read from its next one on (tasks/shards.py)
-            self.driver.start(read_lines(j.job.input, skip=index_of(self.data_rank, msg.skip, self.data_size)),
-                              msg.suspects, msg.culprits, msg.resume)
-            if msg.skip or msg.resume:
-                log.info("%s: resuming after %d finished requests%s", j.job.input, msg.skip,
+            j.opened, j.skip, j.kept, j.started = True, msg.skip, len(msg.answered), time.perf_counter()
+            # ``skip`` counts this share's journaled lines; read from its next one on (tasks/shards.py),
+            # leaving out the lines a checkpoint kept answered
+            lines = read_lines(j.job.input, skip=index_of(self.data_rank, msg.skip, self.data_size))
+            if msg.answered:
+                answered = set(msg.answered)
+                lines = (item for item in lines if item[0] not in answered)
+            self.driver.start(lines, msg.suspects, msg.culprits, msg.resume)
+            if msg.skip or msg.resume or msg.answered:
+                log.info("%s: resuming after %d finished requests%s%s", j.job.input, msg.skip + len(msg.answered),
+                         f" ({len(msg.answered)} kept by the last checkpoint)" if msg.answered else "",
                          f", {len(msg.resume)} rows where they stopped" if msg.resume else "")
-            self.files.opened(j.job, msg.skip)
+            self.files.opened(j.job, msg.skip + len(msg.answered))
 
     def _close(self, j: FileRun) -> None:
         d = self.driver
         release = d.take_released()
         self.stage.release(release)
-        total = j.skip + d.requests_read if (j.cancelled or j.expiring) else j.job.total
+        total = j.skip + j.kept + d.requests_read if (j.cancelled or j.expiring) else j.job.total
         msg = CloseFile(total, d.requests_read, d.error_kinds, d.encode_seconds, d.padding_ratio, release,
                         d.take_errors(), ignored_fields=dict(d.ignored_fields))
         self.stage.add_figures(msg)  # every later stage appends its own on the way down

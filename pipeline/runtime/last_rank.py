@@ -79,9 +79,12 @@ class LastRank:
                     self.status.open_file(msg.input, msg.output, share_size(self.info.data_rank, msg.total,
                                                                             self.info.data_size), skip)
             self.head.resume = self.file.resumed_rows() if skip is not None else {}
+            answered = self.file.restore_answered() if skip is not None else []
             self._checkpointed = time.monotonic()
-            return Opened(skip, suspects=self.file.suspects, culprits=self.file.culprits,
-                          resume=[[i, r["ids"]] for i, r in sorted(self.head.resume.items())])
+            kept = set(answered)  # answered before the crash: no longer suspects
+            return Opened(skip, suspects=[i for i in self.file.suspects if i not in kept],
+                          culprits=[i for i in self.file.culprits if i not in kept],
+                          resume=[[i, r["ids"]] for i, r in sorted(self.head.resume.items())], answered=answered)
         except Exception as e:  # e.g. a journal of other settings: rank 0 reports it and stops
             self.file = None
             return Opened(None, error=str(e))

@@ -190,6 +190,7 @@ class Opened:
     suspects: list[int] = field(default_factory=list)  # lines in flight when an earlier run crashed: run alone
     culprits: list[int] = field(default_factory=list)  # lines alone in flight when a run crashed: error lines
     resume: list[list] = field(default_factory=list)  # [line, its generated ids] of rows checkpointed mid-generation
+    answered: list[int] = field(default_factory=list)  # lines an earlier run answered, kept by its checkpoint
 
 
 @dataclass

@@ -60,6 +60,9 @@ class Server:
     """Serve mode in this process (every rank a thread), stopped by its own event."""
 
     def __init__(self, stages: int, tmp):
+        from tests.servers import _enter_process
+
+        _enter_process()  # the serving process's umask and log levels, undone by the last server's close
         self.port, self.stop = free_port(), threading.Event()
         argv = [*FLAGS, "--serve", f"127.0.0.1:{self.port}", "--serve-dir", str(tmp / "state"),
                 "--in-process", "--pipeline-group-size", str(stages)]
@@ -81,8 +84,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def close(self) -> None:
+        from tests.servers import _leave_process
+
         self.stop.set()
         self.thread.join(60)
+        _leave_process()
         assert not self.thread.is_alive()
 
 
