@@ -337,9 +337,9 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
 
 
 def report(rows: list[dict], args, model_dir: Path) -> str:
-    from bench.contention import cpu_name
+    from bench.machine import cpu_model
 
-    lines = [f"{cpu_name()}, {args.threads} threads each; model {args.model} ({model_dir.name}); llama.cpp from "
+    lines = [f"{cpu_model()}, {args.threads} threads each; model {args.model} ({model_dir.name}); llama.cpp from "
              f"llama-cpp-python {LLAMA_CPP_PYTHON} {args.llama_args}; {args.repeats} x (runner, llama.cpp, llama.cpp, "
              "runner)",
              f"{'precision':<9} {'workload':<10} {'runner tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>7} "
@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     work = cache() / "work"
     work.mkdir(parents=True, exist_ok=True)
     rows = compare(args, binary, model_dir, work)
-    print(report(rows, args, model_dir))
-    if args.json:
+    if args.json:  # first: the figures are kept whatever the report does
         Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+    print(report(rows, args, model_dir))
     return 0
 
 

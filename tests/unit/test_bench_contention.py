@@ -47,3 +47,14 @@ def test_decode_bytes_per_token(tmp_path):
     assert llamacpp.weight_bytes_per_token(tmp_path, "bf16", "llama.cpp") == 2 * (2 * layer + 100 * 64)
     assert llamacpp.weight_bytes_per_token(tmp_path, "int8", "runner") == 2 * layer + 4 * 100 * 64  # float32 head
     assert llamacpp.weight_bytes_per_token(tmp_path, "int8", "llama.cpp") == int((2 * layer + 100 * 64) * 34 / 32)
+
+
+def test_the_llamacpp_report_prints_every_row(tmp_path):
+    args = llamacpp.argparse.Namespace(threads=2, model="1b", llama_args="", repeats=1)
+    rows = [{"precision": "f32", "workload": "batch 32", "tok_s": {"runner": 36.0, "llama.cpp": 21.0}, "ratio": 1.71,
+             "peak_rss_mb": {"runner": 5191, "llama.cpp": 4423}},
+            {"precision": "int8", "workload": "single", "tok_s": {"runner": 22.1, "llama.cpp": 31.1}, "ratio": 0.71,
+             "peak_rss_mb": {"runner": 1916, "llama.cpp": 1148}, "bandwidth_share": {"runner": 0.5, "llama.cpp": 0.6},
+             "bandwidth_gb_s": 20.0}]
+    text = llamacpp.report(rows, args, tmp_path)
+    assert "1.71x" in text and "0.71x" in text and "0.50, 0.60 of 20.0 GB/s" in text
