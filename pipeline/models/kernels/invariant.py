@@ -26,7 +26,7 @@ every such dependence, at a measured cost (bench/determinism.py):
 - Rotary tables come from :class:`RopeTable` in both modes (fixed-shape blocks of positions).
 
 On GPUs the same structure applies (cuBLAS picks its algorithm, split-K included, from the
-shape, so fixed tiles fix it); the per-query attention loop is the costly part there.
+shape, so fixed tiles fix it); the per-row attention loop is the costly part there.
 """
 
 from __future__ import annotations
