@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tasks.status import read_status
-from tests.utils import assert_consistent_results, assert_identical_results, read_jsonl, run_local, write_jsonl
+from tests.utils import assert_consistent_results, read_jsonl, run_local, write_jsonl
 
 REQUESTS = [{"prompt": f"Once upon a time {i}", "max_tokens": 40 + (i % 4) * 15, "temperature": 0 if i % 2 else 0.9,
              "seed": i, "logprobs": 2, **({"stop": ["zzz"]} if i % 3 == 0 else {}),
@@ -59,7 +59,7 @@ def test_a_stopped_run_resumes_its_rows_where_they_stopped(tmp_path, stages, cap
     caplog.set_level(logging.INFO)
     while not out.exists():
         caplog.clear()
-        code = stopped_run([*flags, "--output-path", str(out)], stages, tmp_path / "cut.jsonl.partial", 1)
+        code = stopped_run([*flags, "--output-path", str(out)], stages, tmp_path / "cut.jsonl.partial", 3)
         runs += 1
         assert runs < 30
         assert "an earlier run ended" not in caplog.text  # a stop is never taken for a crash
@@ -70,24 +70,6 @@ def test_a_stopped_run_resumes_its_rows_where_they_stopped(tmp_path, stages, cap
     assert runs > 1 and resumed > 0 and kept > 0, (runs, resumed, kept)
     assert_consistent_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out), tol=1e-3)
     assert not (tmp_path / "cut.jsonl.partial.rows").exists()  # gone with the finished output
-
-
-@pytest.mark.parametrize("stages", [1, 2])
-def test_under_batch_invariant_a_resumed_file_is_bit_identical(tmp_path, stages):
-    """--batch-invariant: a query's attention is computed alone with the keys a decode step reads, so a
-    row's tokens so far computed again as its prompt give the bits the decode steps gave: the file stopped
-    again and again ends byte for byte as the uninterrupted run's (ids and timing aside), logprobs too."""
-    src = write_jsonl(tmp_path / "r.jsonl", REQUESTS)
-    flags = ["--infer-data", src, "--no-progress", "--num-threads", "1", "--max-micro-batch-size", "4",
-             "--checkpoint-interval", "0", "--batch-invariant"]
-    assert run_local([*flags, "--output-path", str(tmp_path / "clean.jsonl")], stages).returncode == 0
-    out, runs = tmp_path / "cut.jsonl", 0
-    while not out.exists():
-        stopped_run([*flags, "--output-path", str(out)], stages, tmp_path / "cut.jsonl.partial", 3)
-        runs += 1
-        assert runs < 30
-    assert runs > 1
-    assert_identical_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out))
 
 
 def test_the_checkpoint_holds_the_rows_in_flight_and_only_those(tmp_path):

@@ -20,9 +20,9 @@ every such dependence, at a measured cost (bench/determinism.py):
   each on one thread, cut at row boundaries (:func:`fixed_elementwise`): ATen splits a large
   element-wise op among threads at arbitrary offsets and handles each piece's tail with scalar
   code, whose last bit can differ from the vector code.
-- **Attention runs one query at a time** (:func:`attend_rows`) with exactly the keys that query
-  sees, so the blocking over keys depends on the position alone: not on the longest row of the
-  micro-batch, nor on whether a prefill, a chunk or a decode step computes it.
+- **Attention runs one row at a time** (:func:`attend_rows`) with exactly that row's query and key
+  lengths, so the kernel's blocking over keys depends on the row alone, not on the longest row
+  of the micro-batch.
 - Rotary tables come from :class:`RopeTable` in both modes (fixed-shape blocks of positions).
 
 On GPUs the same structure applies (cuBLAS picks its algorithm, split-K included, from the
@@ -104,24 +104,24 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     ``lens[i]`` queries sit at positions ``starts[i]..``; its padded queries get zeros. ``window``:
     a query sees only the last ``window`` positions (itself included). Returns (b, h, t, d).
 
-    Every query is computed alone, with exactly the keys a decode step at its position reads, by the
-    same plain matmuls (:func:`_plain_attention` of one query): a position's output is then the same
-    whether a prompt's prefill, a later chunk of it or a decode step computed it, so chunk boundaries
-    change nothing and a row resumed mid-generation (its tokens so far computed again as its prompt)
-    goes on bit for bit. Plain matmuls rather than SDPA: SDPA's CPU kernel splits a single query's
-    keys among threads, and its masked path differs with the thread count too (measured,
-    tests/unit/pipeline/models/kernels/test_invariant.py). The cost is a call per query of a prompt.
+    A fresh prompt without ALiBi, soft-capping or a window shorter than it goes through SDPA's
+    causal kernel (it splits work by query blocks, whatever the threads); everything else (one
+    query, a mask or a bias) through plain matmuls: SDPA's CPU kernel splits a single query's keys
+    among threads, and its masked path differs with the thread count too (measured,
+    tests/unit/pipeline/models/kernels/test_invariant.py).
     """
     b, h, t, d = q.shape
     scale = d**-0.5 if scale is None else scale
     out = q.new_zeros(b, h, t, d)
     for i in range(b):
+        n, k, v = lens[i], keys[i], values[i]
         first = key_starts[i] if key_starts else 0
-        for j in range(lens[i]):
-            pos = starts[i] + j
-            lo = max(first, pos - window + 1) if window else first
-            k, v = keys[i][0, :, lo - first : pos - first + 1], values[i][0, :, lo - first : pos - first + 1]
-            out[i, :, j] = _plain_attention(q[i, :, j : j + 1], k, v, pos, slopes, scale, softcap, window, lo)[:, 0]
+        if slopes is None and not softcap and starts[i] == 0 and n > 1 and (not window or n <= window):
+            out[i : i + 1, :, :n] = F.scaled_dot_product_attention(q[i : i + 1, :, :n], k, v, is_causal=True,
+                                                                    scale=scale, enable_gqa=gqa)
+        else:
+            out[i, :, :n] = _plain_attention(q[i, :, :n], k[0], v[0], starts[i], slopes, scale, softcap, window,
+                                             first)
     return out
 
 
@@ -129,7 +129,6 @@ def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
                      scale: float, softcap: float = 0.0, window: int = 0, first: int = 0) -> torch.Tensor:
     """q (h, n, d) at positions start..start+n-1; k/v (kvh, L, d) at positions first..first+L-1
     -> (h, n, d), causal (+ sliding window, ALiBi, soft-capping)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one layout whichever tensor they are views of
     h, n, d = q.shape
     kvh, big_l, _ = k.shape
     g = h // kvh
