@@ -35,6 +35,9 @@ class Segment:
     host_start: list[int] | None = None
     lens: list[int] | None = None
     adapters: list[int] | None = None  # LoRA adapter of each row (0: the base model); None: all base
+    # per row of a fresh prefill: its last tokens generated before a stop (``Prefill.replay``), which
+    # batch-invariant attention computes one query at a time as decode steps; None: none anywhere
+    replay: list[int] | None = None
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
         """(rows, starts, real new tokens) per row as Python lists."""

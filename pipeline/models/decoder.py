@@ -159,7 +159,9 @@ class Attention(nn.Module):
         """Batch-invariant attention: each row with exactly its own keys (a sliding layer: its window)."""
         rows, starts, lens = seg.host()
         w = self.window
+        replay = seg.replay if seg.replay and seg.fresh and ctx.cache is not None else [0] * len(rows)
         if seg.fresh or ctx.cache is None:  # keys are this segment's own: row i's first lens[i]
+            lens = [n - r for n, r in zip(lens, replay)]  # (a resumed row's generated tokens: below)
             firsts = [0] * len(rows)
             keys = [k[i : i + 1, :, : lens[i]] for i in range(len(rows))]
             values = [v[i : i + 1, :, : lens[i]] for i in range(len(rows))]
@@ -168,8 +170,17 @@ class Attention(nn.Module):
             kvs = [ctx.cache.read(layer, slice(r, r + 1), slice(f, s0 + n), q.dtype)
                    for r, f, s0, n in zip(rows, firsts, starts, lens)]
             keys, values = [k for k, _ in kvs], [v for _, v in kvs]
-        return attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
-                           scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
+        out = attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
+                          scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
+        for i in (i for i, r in enumerate(replay) if r):  # a row resumed mid-generation: its generated tokens
+            for pos in range(lens[i], lens[i] + replay[i]):  # each as the decode step that computed it
+                f = max(0, pos - w + 1) if w else 0
+                kk, vv = ctx.cache.read(layer, slice(rows[i], rows[i] + 1), slice(f, pos + 1), q.dtype)
+                out[i : i + 1, :, pos : pos + 1] = attend_rows(
+                    q[i : i + 1, :, pos : pos + 1], [kk], [vv], [pos], [1], ctx.slopes,
+                    self.spec.num_heads != self.spec.num_kv_heads, scale=self.scale,
+                    softcap=self.spec.attn_softcap, window=w, key_starts=[f])
+        return out
 
 
 def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:

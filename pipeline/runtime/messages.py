@@ -76,6 +76,9 @@ class Prefill:
     ends: bool = False  # the row ends with this pass (max_tokens 0, one row): its keys/values are never read
     partial: bool = False  # chunked prefill: more of the prompt follows in the slot's next pass (no sampling yet)
     resumed: bool = False  # continues a chunked prompt: ``cached`` counts its own earlier chunks, not pool hits
+    # its last ``replay`` tokens were generated before a stop (a row resumed mid-generation): batch-invariant
+    # stages compute their queries one at a time with the keys a decode step reads, as the decode steps did
+    replay: int = 0
 
 
 @dataclass

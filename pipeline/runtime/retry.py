@@ -131,7 +131,7 @@ def units(hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None, f
         if p.gid in culprits or p.row in finished:
             continue
         if p.gid in admitted and not p.resumed:  # from its first token: pool blocks may be missing somewhere
-            item = Prefill(p.gid, p.row, p.len, 0, ends=p.ends, partial=p.partial)
+            item = Prefill(p.gid, p.row, p.len, 0, ends=p.ends, partial=p.partial, replay=p.replay)
             ids = torch.tensor([admitted[p.gid].prompt_ids[: p.len]], dtype=torch.long)
         else:  # a chunk after the first: its earlier ones are in the cache
             item = Prefill(p.gid, p.row, p.len, p.cached, list(p.load), ends=p.ends, partial=p.partial,

@@ -310,7 +310,8 @@ def prefill_segment(hdr: PassHeader, device: torch.device) -> Segment:
     index = to_device([rows, starts], device, torch.long)
     return Segment(index[0], index[1], t,
                    t if fresh else max(starts) + t, fresh=fresh, prefill=True, host_rows=rows, host_start=starts,
-                   lens=lens, adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None)
+                   lens=lens, adapters=[hdr.adapters[r] for r in rows] if hdr.adapters else None,
+                   replay=[p.replay for p in hdr.prefill] if any(p.replay for p in hdr.prefill) else None)
 
 
 def pack(outs: list[torch.Tensor]) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ from pipeline.scheduling.intake import as_request_error, chat_ids, few, raw_valu
 from pipeline.scheduling.isolation import Isolation
 from pipeline.runtime.messages import Admission, ErrorLine, Fork, PassHeader, Prefill, Reply
 from pipeline.cache.prefix import block_digests
-from pipeline.scheduling.scheduler import Group, Pass, Scheduler
+from pipeline.scheduling.scheduler import Group, Pass, PromptPart, Scheduler
 
 
 log = logging.getLogger(__name__)
@@ -334,6 +334,11 @@ class Driver:
         ps = self.sched.next_pass(sid, ahead=busy)
         return None if ps is None else self.build(ps)
 
+    def _replay(self, p: PromptPart) -> int:
+        """Tokens at the end of a whole prompt computed in one piece that its row generated before a stop."""
+        meta = self.metas.get(p.gid)
+        return meta.resumed if meta is not None and not p.cached and not p.partial else 0
+
     def build(self, ps: Pass) -> tuple[PassHeader, torch.Tensor | None, torch.Tensor | None]:
         """Header + input ids for a pass: decode ids (rows, 1) and right-padded prefill ids (b, t)."""
         feed = self.last_token.setdefault(ps.slot, {})
@@ -347,7 +352,7 @@ class Driver:
         if ps.prompts:
             prompts = [self.prompts[p.gid] for p in ps.prompts]
             hdr.prefill = [Prefill(p.gid, p.row, p.end, p.cached, list(p.load), [list(s) for s in p.save], p.ends,
-                                   p.partial, p.resumed) for p in ps.prompts]
+                                   p.partial, p.resumed, self._replay(p)) for p in ps.prompts]
             prefill_ids = torch.zeros(len(prompts), hdr.prefill_len, dtype=torch.long)
             for i, (item, ids) in enumerate(zip(hdr.prefill, prompts)):
                 prefill_ids[i, : item.len - item.cached] = torch.tensor(ids[item.cached : item.len])

@@ -2,7 +2,8 @@
 gives the runner, SIGTERM's path) checkpoints its rows in flight, and the next run re-prefills each
 row's prompt with its tokens so far and samples on from there: the file ends as an uninterrupted run's
 (tokens equal but at near-ties, logprobs within float rounding: a resumed row's later tokens come after
-a prefill instead of decode steps), no stop is taken for a crash, and the status file says ``stopped``."""
+a prefill instead of decode steps; under --batch-invariant byte for byte), no stop is taken for a crash,
+and the status file says ``stopped``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from tasks.status import read_status
-from tests.utils import assert_consistent_results, read_jsonl, run_local, write_jsonl
+from tests.utils import assert_consistent_results, assert_identical_results, read_jsonl, run_local, write_jsonl
 
 REQUESTS = [{"prompt": f"Once upon a time {i}", "max_tokens": 40 + (i % 4) * 15, "temperature": 0 if i % 2 else 0.9,
              "seed": i, "logprobs": 2, **({"stop": ["zzz"]} if i % 3 == 0 else {}),
@@ -70,6 +71,25 @@ def test_a_stopped_run_resumes_its_rows_where_they_stopped(tmp_path, stages, cap
     assert runs > 1 and resumed > 0 and kept > 0, (runs, resumed, kept)
     assert_consistent_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out), tol=1e-3)
     assert not (tmp_path / "cut.jsonl.partial.rows").exists()  # gone with the finished output
+
+
+@pytest.mark.parametrize("stages, extra", [(2, []), (1, ["--kv-cache-dtype", "int8"])], ids=["P2", "P1-int8-cache"])
+def test_under_batch_invariant_a_resumed_file_is_bit_identical(tmp_path, stages, extra):
+    """--batch-invariant: the tokens a row generated before the stop are computed again, in its prefill, one
+    query at a time with the keys a decode step reads (from the cache, as the decode step read them), so the
+    file stopped again and again ends byte for byte as the uninterrupted run's (ids and timing aside),
+    logprobs too. Fails if the resumed tokens go through the prompt's attention (last bits differ)."""
+    src = write_jsonl(tmp_path / "r.jsonl", REQUESTS)
+    flags = ["--infer-data", src, "--no-progress", "--num-threads", "1", "--max-micro-batch-size", "4",
+             "--checkpoint-interval", "0", "--batch-invariant", *extra]
+    assert run_local([*flags, "--output-path", str(tmp_path / "clean.jsonl")], stages).returncode == 0
+    out, runs = tmp_path / "cut.jsonl", 0
+    while not out.exists():
+        stopped_run([*flags, "--output-path", str(out)], stages, tmp_path / "cut.jsonl.partial", 3)
+        runs += 1
+        assert runs < 30
+    assert runs > 1
+    assert_identical_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out))
 
 
 def test_the_checkpoint_holds_the_rows_in_flight_and_only_those(tmp_path):

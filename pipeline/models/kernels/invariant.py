@@ -22,7 +22,9 @@ every such dependence, at a measured cost (bench/determinism.py):
   code, whose last bit can differ from the vector code.
 - **Attention runs one row at a time** (:func:`attend_rows`) with exactly that row's query and key
   lengths, so the kernel's blocking over keys depends on the row alone, not on the longest row
-  of the micro-batch.
+  of the micro-batch. A row resumed mid-generation (its tokens so far prefilled again after a stop)
+  computes those tokens' queries one at a time with the keys a decode step reads
+  (``Attention._attend_rows``, ``Segment.replay``), so it goes on with the decode steps' bits.
 - Rotary tables come from :class:`RopeTable` in both modes (fixed-shape blocks of positions).
 
 On GPUs the same structure applies (cuBLAS picks its algorithm, split-K included, from the

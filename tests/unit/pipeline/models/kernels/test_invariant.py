@@ -118,3 +118,50 @@ def test_stage_chain_is_batch_invariant_and_matches_hf(make, tmp_path, threads):
                     ref = hf_logits(model_dir, TARGET)[-1]
                     torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=1e-4)
                 assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True)), (stages, th, order)
+
+
+def _gemma2(tmp_path):  # soft-capping, a sliding window of 4 on alternate layers
+    from tests.utils import random_hf_model
+    return random_hf_model(tmp_path, "gemma2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=96, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                           attn_logit_softcapping=0.05, final_logit_softcapping=0.5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("make", [_llama, _bloom, _gemma2], ids=["llama-gqa", "bloom-alibi", "gemma2-window-softcap"])
+def test_a_resumed_prefill_gives_the_decode_steps_bits(make, tmp_path, threads):
+    """A row stopped after k decode steps and resumed as prompt + its k tokens (``Segment.replay``): the
+    prefill's last logits equal the k-th decode step's bit for bit, and so does the next decode step; the
+    row sits beside another prompt in another cache row. (Without the replay the prompt's attention
+    computes those positions, and the last bits differ.)"""
+    torch.set_num_threads(2)
+    chain = stage_chain(make(tmp_path), stage_ranges(3, 2), batch_invariant=True)
+    other, steps = OTHERS[1], 6
+
+    def run(prompts, replay, decode):
+        b, t = len(prompts), max(map(len, prompts))
+        ids = torch.zeros(b, t, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p)
+        caches = [st.new_cache(b, t + decode + 1) for st in chain]
+        lens = [len(p) for p in prompts]
+        x = ids
+        seg = Segment(torch.arange(b), torch.zeros(b, dtype=torch.long), t, t, all_rows=True, fresh=True,
+                      prefill=True, lens=lens, replay=replay)
+        for st, c in zip(chain, caches, strict=True):
+            x = st(x, seg, c)
+        logits, out, cur = chain[-1].head(x[torch.arange(b), torch.tensor(lens) - 1]), [], list(lens)
+        out.append(logits[1])
+        for _ in range(decode):
+            seg = Segment(torch.arange(b), torch.tensor(cur), 1, max(cur) + 1, all_rows=True, lens=[1] * b)
+            x = logits.argmax(-1)[:, None]
+            for st, c in zip(chain, caches, strict=True):
+                x = st(x, seg, c)
+            logits, cur = chain[-1].head(x[:, -1]), [c + 1 for c in cur]
+            out.append(logits[1])
+        return out
+
+    first = run([other, TARGET], None, steps)
+    tokens = [int(lg.argmax()) for lg in first[:steps - 1]]
+    again = run([other, TARGET + tokens], [0, len(tokens)], 1)
+    assert torch.equal(again[0], first[steps - 1]) and torch.equal(again[1], first[steps])
