@@ -18,7 +18,8 @@ hooks) adds, like nginx's ``client_header_timeout``, ``client_body_timeout`` and
   socket's buffer) for ``send_timeout`` seconds closes the connection; the handler sees the
   disconnect and frees the request's rows.
 
-One sweep a second checks every connection's clock (no timer per read).
+One sweep a second (a quarter of the shortest timeout when that is shorter) checks every connection's
+clock (no timer per read).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("serve")
 
 FD_RESERVE = 64  # open files kept for everything but client sockets (model files, state, ranks' links)
-SWEEP_S = 1.0
+SWEEP_S = 1.0  # seconds between sweeps, at most
 REJECTED_HEAD_S = 2.0  # a connection over the cap gets this long to send the head its 503 answers
 
 
@@ -113,7 +114,7 @@ class GuardedH11(H11Protocol):
         if self.transport.is_closing():
             return
         if self._write_paused_since is not None and now - self._write_paused_since > self.limits.send_timeout:
-            log.info("a client left its output unread for %d s: closing its connection", self.limits.send_timeout)
+            log.info("a client left its output unread for %g s: closing its connection", self.limits.send_timeout)
             self.transport.abort()
             return
         if self._waiting_since is not None:
@@ -146,13 +147,14 @@ def _start_sweep(proto: GuardedH11) -> None:
     if getattr(state, "_sweeping", False):
         return
     state._sweeping = True
-    loop = proto.loop
+    loop, limits = proto.loop, proto.limits
+    every = min(SWEEP_S, limits.header_timeout / 4, limits.body_timeout / 4, limits.send_timeout / 4)
 
     def sweep() -> None:
         now = time.monotonic()
         for c in list(state.connections):
             if isinstance(c, GuardedH11):
                 c.check(now)
-        loop.call_later(SWEEP_S, sweep)
+        loop.call_later(every, sweep)
 
-    loop.call_later(SWEEP_S, sweep)
+    loop.call_later(every, sweep)

@@ -298,10 +298,10 @@ CONFIGS = {
     # the embedded default model with tight limits: bodies, uploads, headers, unread streams; the chat client,
     # the web page's HTTP side; at P = 2: structured outputs (a grammar compiled within 10 s)
     "default": (_default_model,
-                ["--max-request-bytes", "65536", "--max-upload-bytes", "1000000", "--header-timeout", "3",
-                 "--body-timeout", "3", "--send-timeout", "4", "--grammar-timeout", "10"]),
+                ["--max-request-bytes", "65536", "--max-upload-bytes", "1000000", "--header-timeout", "1.5",
+                 "--body-timeout", "1.5", "--send-timeout", "2", "--grammar-timeout", "10"]),
     # the default model with the default request limits: huge prompts, tokenizing off the pipeline, load
-    "default-wide": (_default_model, ["--header-timeout", "3", "--send-timeout", "4", "--body-timeout", "3"]),
+    "default-wide": (_default_model, ["--header-timeout", "1.5", "--send-timeout", "2", "--body-timeout", "1.5"]),
 }
 
 

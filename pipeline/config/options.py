@@ -149,10 +149,10 @@ class RunOptions:
     max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.")
     max_prompts_per_request: int = _opt(2048, "Serve mode: most prompts in one completions request (more: 400).")
     max_connections: int = _opt(0, "Serve mode: open HTTP connections at most; beyond it the oldest connection still waiting for a request head is closed, or the new one gets 503. 0 = the open-file limit minus 64.")
-    header_timeout: int = _opt(10, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.")
-    body_timeout: int = _opt(30, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.")
+    header_timeout: float = _opt(10.0, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.", type=float)
+    body_timeout: float = _opt(30.0, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.", type=float)
     keep_alive_timeout: int = _opt(5, "Serve mode: seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
-    send_timeout: int = _opt(60, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.")
+    send_timeout: float = _opt(60.0, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.", type=float)
     allowed_hosts: str | None = _opt(None, "Serve mode: comma-separated Host header names accepted besides localhost, IP addresses and the --serve host (and this machine's names when bound beyond loopback); * accepts any (others: 403, against DNS rebinding).")
     allowed_origins: str | None = _opt(None, "Serve mode: comma-separated browser origins (scheme://host[:port]) allowed to call the API, with CORS headers; * allows any. A request with another Origin gets 403 (same-origin pages on an accepted host are allowed).")
     # serve mode: the Batch API's storage (per API key) and the state folder

@@ -5,6 +5,7 @@ closed after the header timeout, a stalled body gets 408, output left unread clo
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -23,7 +24,8 @@ except ImportError:
 
 @pytest.fixture
 def small_server():
-    """uvicorn with serve.connection_limits's limits in a thread: 4 connections, 2 s head, 2 s body, 2 s send."""
+    """uvicorn with serve.connection_limits's limits in a thread: 4 connections, 1 s head, 1 s body, 1 s send
+    (swept every 0.25 s)."""
     from serve.endpoints import HttpThread
     from serve.connection_limits import Limits
 
@@ -49,7 +51,7 @@ def small_server():
         return JSONResponse({"bytes": len(await request.body())})
 
     port = free_port()
-    http = HttpThread(app, "127.0.0.1", port, Limits(max_connections=4, header_timeout=2, body_timeout=2, send_timeout=2))
+    http = HttpThread(app, "127.0.0.1", port, Limits(max_connections=4, header_timeout=1, body_timeout=1, send_timeout=1))
     http.start()
     yield port, gate
     gate.set()
@@ -83,7 +85,7 @@ def test_idle_and_half_sent_connections_make_room(small_server):
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     assert sum(closed_within(s, 0.3) is not None for s in idle) >= 9  # 12 + 1 over a cap of 4
     slow = socket.create_connection(("127.0.0.1", port))
-    for byte in b"GET /health HTTP/1.1\r\n":  # a byte every 0.3 s never completes within 2 s
+    for byte in b"GET /health HTTP/1.1\r\n":  # a byte every 0.3 s never completes within 1 s
         slow.sendall(bytes([byte]))
         if closed_within(slow, 0.3) is not None:
             break
@@ -121,8 +123,23 @@ def test_unread_output_times_out(small_server):
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
-    s.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    time.sleep(6)  # 2 s send timeout + a sweep, with room for a loaded machine
+    closing = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "left its output unread" in record.getMessage():
+                closing.set()
+
+    seen, logger = Seen(), logging.getLogger("serve")
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
+        s.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert closing.wait(30), "output left unread for 30 s was never timed out (send timeout 1 s)"
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
     s.settimeout(5)
     got = 0
     try:

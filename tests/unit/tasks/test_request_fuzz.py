@@ -141,8 +141,8 @@ def test_a_template_that_renders_nothing_is_the_requests_error(tokenizer):
 
 
 # -- (b) the sampler ---------------------------------------------------------------------------
-@settings(FAST, max_examples=200)
-@given(body=gen.bodies(), rows=st.integers(1, 4), vocab=st.sampled_from([2, 7, 64, 1024]),
+@settings(FAST, max_examples=200)  # (most bodies() are refused by parse_params: valid ones drawn beside them)
+@given(body=gen.bodies() | gen.valid_bodies(), rows=st.integers(1, 4), vocab=st.sampled_from([2, 7, 64, 1024]),
        scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4, 1e30]), seed=st.integers(0, 2**32 - 1))
 def test_the_sampler_takes_every_valid_setting_without_nan(body, rows, vocab, scale, seed):
     try:

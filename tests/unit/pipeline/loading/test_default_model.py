@@ -18,6 +18,7 @@ from tests.utils import REPO, read_jsonl, run_local
 
 HELDOUT_SEED = 2024  # training draws rows with seed 1, tokenizer text with 0; the checker uses 12345
 N_PER_TASK = 60
+HELDOUT_P2_EVERY = 3  # the P = 2 run takes every third held-out question (its answers must equal P = 1's)
 # 90% for every task (issue 17 asks it of the path and multiple-choice tasks) but the thinking chats
 # (issue 59: path questions and sums asked to think, the answer after the thinking); what the shipped
 # model (v5) measures through the runner at P = 1 and 2 (seed 2024, 60 questions per task): path 98% / 93%,
@@ -150,14 +151,14 @@ def test_training_rows_point_the_circuit_at_the_right_tokens(tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def heldout_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[int, list[dict]]:
-    """Output lines of the runner on fresh held-out questions, at P = 1 and P = 2 (in this process:
-    ``--in-process``)."""
+    """Output lines of the runner on fresh held-out questions, at P = 1, and at P = 2 on every third
+    question (``HELDOUT_P2_EVERY``: the same tasks, a third of the time; in this process: ``--in-process``)."""
     tmp = tmp_path_factory.mktemp("heldout")
-    src = tmp / "heldout.jsonl"
-    check.write_jsonl(src, check.heldout_requests(HELDOUT_SEED, N_PER_TASK, tokenizer))
+    requests = check.heldout_requests(HELDOUT_SEED, N_PER_TASK, tokenizer)
     runs = {}
     for p in (1, 2):
-        out = tmp / f"out_p{p}.jsonl"
+        src, out = tmp / f"heldout_p{p}.jsonl", tmp / f"out_p{p}.jsonl"
+        check.write_jsonl(src, requests if p == 1 else requests[::HELDOUT_P2_EVERY])
         # --batch-invariant: P = 1 and P = 2 must then give the same answers on every machine
         # --num-threads 1: two threads per rank oversubscribe a loaded CI machine (measured: > 300 s)
         args = ["--infer-data", str(src), "--output-path", str(out), "--no-progress", "--batch-invariant",
