@@ -214,7 +214,9 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     decode passes bound by weight reads) and one process would fit this node's memory: on a quiet node
     P = 1 reads each weight once per step for all rows on the same cores, where P stages re-read theirs
     per micro-batch; on a busy one, single-threaded stages lose less to other work (a 1B bf16 model,
-    32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5)."""
+    32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5).
+    Stages that must share a quiet node do best taking turns with every core (one micro-batch, all threads:
+    0.91x P = 1 there, against 0.82x for the default), which the note names."""
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
@@ -224,8 +226,9 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each): one process fits this node's memory "
             f"(needs {gib(one.total)} of {gib(available_ram())} available). On a node to itself --nproc-per-node 1 is "
             f"as fast or faster: it reads each weight once per decode step for all rows, where the {pipeline} stages "
-            "read theirs once per micro-batch on a share of the cores each; on a node shared with other work, stages "
-            "of one thread each hold up better (docs/usage/scale.md)")
+            "read theirs once per micro-batch on a share of the cores each (where the stages must share it, "
+            f"--num-micro-batches 1 --num-threads {threads * pipeline} lets them take turns with every core); on a node "
+            "shared with other work, stages of one thread each hold up better (docs/usage/scale.md)")
 
 
 def _layer_parts(opts: RunOptions, config: dict, spec, dtype) -> tuple[list[int], list[int], int, int]:
