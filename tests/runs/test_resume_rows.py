@@ -73,7 +73,8 @@ def test_a_stopped_run_resumes_its_rows_where_they_stopped(tmp_path, stages, cap
     assert not (tmp_path / "cut.jsonl.partial.rows").exists()  # gone with the finished output
 
 
-@pytest.mark.parametrize("stages, extra", [(2, []), (1, ["--kv-cache-dtype", "int8"])], ids=["P2", "P1-int8-cache"])
+@pytest.mark.parametrize("stages, extra", [(2, []), (1, ["--dtype", "bfloat16", "--kv-cache-dtype", "int8"])],
+                         ids=["P2", "P1-bf16-int8-cache"])
 def test_under_batch_invariant_a_resumed_file_is_bit_identical(tmp_path, stages, extra):
     """--batch-invariant: the tokens a row generated before the stop are computed again, in its prefill, one
     query at a time with the keys a decode step reads (from the cache, as the decode step read them), so the
