@@ -15,7 +15,7 @@ import pytest
 from tests.serve_cases import (CHAT_LINE, as_lines, batch_bodies, batch_lines, jsonl_bytes, wait_batch,
                                wait_completed)
 from tests.servers import LocalServer
-from tests.utils import assert_consistent_results, read_jsonl, run_local
+from tests.utils import assert_consistent_results, assert_identical_results, read_jsonl, run_local
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
@@ -127,10 +127,14 @@ def test_batch_resumes_after_a_restart(own_server):
     assert done.request_counts.completed == len(lines) - 1
 
 
-def test_a_batch_stopped_mid_generation_resumes_its_rows(own_server, make_llama, tmp_path):
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_a_batch_stopped_mid_generation_resumes_its_rows(own_server, make_llama, tmp_path, invariant):
     """Stopped (as by SIGTERM) while its rows generate, a batch's rows in flight are checkpointed, and the
     next start on the same --serve-dir resumes them where they stopped: each line as an uninterrupted
-    file-mode run answers it (tokens; logprobs within float rounding: docs/usage/recovery.md)."""
+    file-mode run answers it (tokens; logprobs within float rounding: docs/usage/recovery.md); under
+    --batch-invariant byte for byte, logprobs too."""
+    if invariant:
+        own_server.args = [*own_server.args, "--batch-invariant"]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Once upon a time {i}", "max_tokens": 60, "temperature": 0 if i % 2 else 0.8,
                        "seed": i, "logprobs": 1}} for i in range(16)]
@@ -152,9 +156,12 @@ def test_a_batch_stopped_mid_generation_resumes_its_rows(own_server, make_llama,
                    "--no-progress"], 2)
     assert p.returncode == 0, p.stderr[-3000:]
     ref = {x["custom_id"]: x for x in read_jsonl(tmp_path / "ref.jsonl")}
-    assert_consistent_results([{"request": x["body"], "result": ref[x["custom_id"]]["response"]["body"]} for x in lines],
-                              [{"request": x["body"], "result": got[x["custom_id"]]["response"]["body"]} for x in lines],
-                              tol=1e-3)
+    want = [{"request": x["body"], "result": ref[x["custom_id"]]["response"]["body"]} for x in lines]
+    have = [{"request": x["body"], "result": got[x["custom_id"]]["response"]["body"]} for x in lines]
+    if invariant:
+        assert_identical_results(want, have)
+    else:
+        assert_consistent_results(want, have, tol=1e-3)
 
 
 def test_restart_with_another_seed_delivers_the_answered_lines(own_server):
