@@ -20,7 +20,9 @@ class SchedulerConfig:
     the longest part, at least one prompt's); ``scoring_tokens``: the same for a pass of scoring
     prompts alone (default ``prefill_tokens``); ``chunk``: prompt tokens a pass computes of a
     chunkable prompt (0: whole prompts); ``stages``: pipeline stages (P); ``serve``: requests arrive
-    over HTTP (the serve policy, :mod:`pipeline.scheduling.policy`), else they come from files."""
+    over HTTP (the serve policy, :mod:`pipeline.scheduling.policy`), else they come from files;
+    ``turns``: the stages' threads add up to more than the node's cores (``RunPlan.turns``), so a
+    slot's decode rows are never split over passes for every stage (they would only contend)."""
 
     budget: int
     num_slots: int
@@ -31,6 +33,7 @@ class SchedulerConfig:
     chunk: int = 0
     stages: int = 1
     serve: bool = False
+    turns: bool = False  # the stages share this node's cores and take turns with all of them: no tail split
 
     @property
     def look_ahead(self) -> int:

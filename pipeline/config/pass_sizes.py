@@ -26,7 +26,7 @@ def scheduler_config(plan, opts, pipeline_size: int, gpu: bool, budget: int, arr
                            prefill_tokens=pass_prefill_tokens(pipeline_size, gpu),
                            scoring_tokens=pass_scoring_tokens(pipeline_size, gpu),
                            chunk=prefill_chunk(plan, opts, pipeline_size, gpu), stages=pipeline_size,
-                           serve=bool(opts.serve) or arriving)
+                           serve=bool(opts.serve) or arriving, turns=plan.turns)
 
 
 def prefix_block(plan, opts) -> int:

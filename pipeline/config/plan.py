@@ -61,6 +61,9 @@ class RunPlan:
     adapters: list = field(default_factory=list)  # LoRA adapters (pipeline.loading.adapters.Adapter), index 1, 2, ...
     layout_note: str | None = None  # the --stage-memory plan, printed before loading
     source: ModelSource | None = None  # where the weights are: the folder, or a hub snapshot fetching on demand
+    # CPU stages of several threads each that add up to more than this node's cores: they take turns with
+    # the cores (--num-micro-batches 1 --num-threads <cores>), and passes that would run side by side contend
+    turns: bool = False
 
     @property
     def nothing_to_do(self) -> bool:
@@ -149,12 +152,14 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                                                   layer_weights(config) if device.type == "cpu" else None)
     stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
     slots = opts.num_micro_batches or default_micro_batches(pipeline, device, max(stage_weights))
+    cores = cpu_count or usable_cores()
+    turns = device.type == "cpu" and pipeline > 1 and threads > 1 and threads * local_world > cores
     warnings = []
-    note = _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world), dtype, device,
-                                  stage_weights, threads)
+    note = None if turns else _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world),
+                                                     dtype, device, stage_weights, threads, cores)
     if note:
         warnings.append(note)
-    if slots < pipeline:
+    if slots < pipeline and not turns:  # (stages taking turns with every core want one micro-batch)
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
     name = source.name if opts.model_name else _default_model_name()
@@ -174,7 +179,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                         f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
     inputs = all_inputs if rank % pipeline == 0 else []
     return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
-                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source)
+                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source, turns)
 
 
 # a stage holding more weight bytes than this reads them for longer than the ring's host work takes
@@ -209,14 +214,15 @@ def _stage_weight_bytes(opts: RunOptions, config: dict, spec, ranges: list[tuple
 
 def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]],
                            where: tuple[int, int, int], dtype, device, stage_weights: list[int],
-                           threads: int) -> str | None:
+                           threads: int, cores: int) -> str | None:
     """A note when every stage of a CPU pipeline shares this node's cores, the stages are big (their
     decode passes bound by weight reads) and one process would fit this node's memory: on a quiet node
     P = 1 reads each weight once per step for all rows on the same cores, where P stages re-read theirs
     per micro-batch; on a busy one, single-threaded stages lose less to other work (a 1B bf16 model,
     32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5).
-    Stages that must share a quiet node do best taking turns with every core (one micro-batch, all threads:
-    0.91x P = 1 there, against 0.82x for the default), which the note names."""
+    Stages that must share a quiet node do best taking turns with every core (one micro-batch, all threads,
+    no tail split: ``RunPlan.turns``; 1.00x P = 1 there, against 0.82x for the default), which the note
+    names; stages that take turns already get no note."""
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
@@ -227,7 +233,7 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
             f"(needs {gib(one.total)} of {gib(available_ram())} available). On a node to itself --nproc-per-node 1 is "
             f"as fast or faster: it reads each weight once per decode step for all rows, where the {pipeline} stages "
             "read theirs once per micro-batch on a share of the cores each (where the stages must share it, "
-            f"--num-micro-batches 1 --num-threads {threads * pipeline} lets them take turns with every core); on a node "
+            f"--num-micro-batches 1 --num-threads {cores} lets them take turns with every core); on a node "
             "shared with other work, stages of one thread each hold up better (docs/usage/scale.md)")
 
 

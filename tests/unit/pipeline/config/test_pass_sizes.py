@@ -15,7 +15,7 @@ def decoder_plan(slots: int = 3):
     """A plan whose model is a native decoder (no longrope): what the sizes read of it."""
     spec = object.__new__(DecoderSpec)  # only its type and rope are read
     object.__setattr__(spec, "rope", None)
-    return SimpleNamespace(spec=spec, slots=slots)
+    return SimpleNamespace(spec=spec, slots=slots, turns=False)
 
 
 def test_pass_sizes_by_pipeline_and_device():
@@ -42,3 +42,5 @@ def test_scheduler_config_from_options():
     assert (c.budget, c.num_slots, c.max_rows, c.prefill_tokens, c.scoring_tokens, c.chunk, c.stages, c.serve) == (
         5000, 3, 16, 2048, 256, AUTO_PREFILL_CHUNK["cpu"], 2, False)
     assert scheduler_config(p, parse_options(["--serve", "8000"]), 1, False, 5000).serve
+    assert not c.turns and scheduler_config(SimpleNamespace(**{**vars(p), "turns": True}), parse_options([]), 2, False,
+                                            5000).turns

@@ -73,8 +73,27 @@ def test_a_pipeline_on_one_node_hears_when_one_process_would_do(llama_2l, monkey
 
 def test_too_few_micro_batches_is_a_warning(llama_2l):
     p = plan(llama_2l, "--num-micro-batches", "1", world=2)
-    assert p.slots == 1 and "fewer than the 2 stages" in p.warnings[0]
+    assert p.slots == 1 and "fewer than the 2 stages" in p.warnings[0] and not p.turns
     assert plan(llama_2l, world=2).warnings == []
+
+
+def test_stages_with_more_threads_than_their_share_take_turns(llama_2l, monkeypatch):
+    """Two stages of 2 threads on a 2-core node take turns with the cores (RunPlan.turns: no tail split,
+    no warning about their one micro-batch, no note suggesting it); stages of one thread, or several
+    threads within their share, or on a GPU-less pipeline of one stage, do not. The note before loading
+    names the flags for the node's cores."""
+    from pipeline.config import plan as plan_mod
+
+    p = plan(llama_2l, "--num-micro-batches", "1", "--num-threads", "2", world=2, cpus=2)
+    assert p.turns and p.warnings == []
+    assert not plan(llama_2l, "--num-threads", "1", world=2, cpus=2).turns
+    assert not plan(llama_2l, "--num-threads", "2", world=2, cpus=4).turns
+    assert not plan(llama_2l, "--num-threads", "2", cpus=1).turns  # P = 1
+    monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
+    (note,) = [w for w in plan(llama_2l, world=2, cpus=2).warnings if "--nproc-per-node 1" in w]
+    assert "--num-micro-batches 1 --num-threads 2" in note
+    assert not any("--nproc-per-node 1" in w for w in plan(llama_2l, "--num-micro-batches", "1", "--num-threads", "2",
+                                                             world=2, cpus=2).warnings)
 
 
 @pytest.mark.parametrize("flags, world, message", [

@@ -321,7 +321,7 @@ def test_the_end_of_a_file_splits_decode_rows_over_passes_for_every_stage():
     """Nothing queued and fewer micro-batches holding rows than stages: a slot's decode rows split
     over passes in flight together (half each with one slot at P = 2), each row in one of them; the
     rows keep decoding from the right columns until they finish. Not while requests are queued, not
-    with one stage, not in serve mode."""
+    with one stage, not in serve mode, not when the stages take turns with the node's cores."""
     s = Scheduler(SchedulerConfig(budget=10_000, num_slots=3, max_rows=8, stages=2))
     s.submit(Group(0, prompt_len=10, max_tokens=4, width=5))  # best_of 5: five rows in one micro-batch
     first = s.next_pass(0)
@@ -343,7 +343,8 @@ def test_the_end_of_a_file_splits_decode_rows_over_passes_for_every_stage():
     e = s.next_pass(0)
     assert e.decode_rows == a.decode_rows[:2] and all(e.column(r) == 12 for r in e.decode_rows)  # 3 live / 2
     for other in (Scheduler(SchedulerConfig(budget=10_000, num_slots=3, max_rows=8, stages=1)),
-                  Scheduler(SchedulerConfig(budget=10_000, num_slots=3, max_rows=8, stages=2), policy=ServePolicy())):
+                  Scheduler(SchedulerConfig(budget=10_000, num_slots=3, max_rows=8, stages=2), policy=ServePolicy()),
+                  Scheduler(SchedulerConfig(budget=10_000, num_slots=1, max_rows=8, stages=2, turns=True))):
         other.submit(Group(0, prompt_len=10, max_tokens=4, width=2))
         ps = other.next_pass(0)
         other.on_reply(0, [r for rows in ps.rows_of.values() for r in rows], [])
