@@ -14,6 +14,7 @@ lines an earlier run had already written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -157,7 +158,9 @@ class OutputFile:
         except OSError as e:
             log.warning("%s: the rows in flight were not checkpointed: %s", self.rows_path, e)
 
+    @functools.cached_property
     def _checkpointed(self) -> dict:
+        """The last checkpoint as this run found it (read once: the rows and the answered lines come from it)."""
         try:
             record = orjson.loads(self.rows_path.read_bytes())
         except (OSError, orjson.JSONDecodeError):
@@ -173,7 +176,7 @@ class OutputFile:
         """The lines the last checkpoint holds answered but not journaled: back in the writer (written
         once the lines before them are), counted as resumed; returns their indices, which this run does
         not compute again."""
-        answered = self._checkpointed().get("answered")
+        answered = self._checkpointed.get("answered")
         if not isinstance(answered, dict):
             return []
         kept = [int(i) for i, line in answered.items() if self._pending(i) and isinstance(line, str)
@@ -185,7 +188,7 @@ class OutputFile:
 
     def resumed_rows(self) -> dict[int, dict]:
         """The rows of the last checkpoint whose lines are not journaled yet (nothing when none was kept)."""
-        return {int(i): r for i, r in self._checkpointed().items() if self._pending(i) and isinstance(r, dict)}
+        return {int(i): r for i, r in self._checkpointed.items() if self._pending(i) and isinstance(r, dict)}
 
     @property
     def answered(self) -> int:

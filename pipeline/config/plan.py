@@ -148,11 +148,11 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if adapters:  # results depend on the adapters: a journal resumes only with the same ones
         fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
-    threads = opts.num_threads or default_threads(cpu_count or usable_cores(), local_world,
+    cores = cpu_count or usable_cores()
+    threads = opts.num_threads or default_threads(cores, local_world,
                                                   layer_weights(config) if device.type == "cpu" else None)
     stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
     slots = opts.num_micro_batches or default_micro_batches(pipeline, device, max(stage_weights))
-    cores = cpu_count or usable_cores()
     turns = device.type == "cpu" and pipeline > 1 and threads > 1 and threads * local_world > cores
     warnings = []
     note = None if turns else _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world),

@@ -170,16 +170,15 @@ class Attention(nn.Module):
             kvs = [ctx.cache.read(layer, slice(r, r + 1), slice(f, s0 + n), q.dtype)
                    for r, f, s0, n in zip(rows, firsts, starts, lens)]
             keys, values = [k for k, _ in kvs], [v for _, v in kvs]
-        out = attend_rows(q, keys, values, starts, lens, ctx.slopes, self.spec.num_heads != self.spec.num_kv_heads,
-                          scale=self.scale, softcap=self.spec.attn_softcap, window=w, key_starts=firsts)
+        shared = dict(slopes=ctx.slopes, gqa=self.spec.num_heads != self.spec.num_kv_heads, scale=self.scale,
+                      softcap=self.spec.attn_softcap, window=w)
+        out = attend_rows(q, keys, values, starts, lens, key_starts=firsts, **shared)
         for i in (i for i, r in enumerate(replay) if r):  # a row resumed mid-generation: its generated tokens
             for pos in range(lens[i], lens[i] + replay[i]):  # each as the decode step that computed it
                 f = max(0, pos - w + 1) if w else 0
                 kk, vv = ctx.cache.read(layer, slice(rows[i], rows[i] + 1), slice(f, pos + 1), q.dtype)
-                out[i : i + 1, :, pos : pos + 1] = attend_rows(
-                    q[i : i + 1, :, pos : pos + 1], [kk], [vv], [pos], [1], ctx.slopes,
-                    self.spec.num_heads != self.spec.num_kv_heads, scale=self.scale,
-                    softcap=self.spec.attn_softcap, window=w, key_starts=[f])
+                out[i : i + 1, :, pos : pos + 1] = attend_rows(q[i : i + 1, :, pos : pos + 1], [kk], [vv], [pos], [1],
+                                                               key_starts=[f], **shared)
         return out
 
 
