@@ -606,6 +606,69 @@ int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, in
 #undef RB
 #undef OB
 
+/* ---- the head's logits from bfloat16 weights (pipeline.models.kernels.logits) ----
+ * out (rows, vocab) float32 = x (rows, h) . w (vocab, h), both bfloat16 (h % 32 == 0), with the
+ * AVX512-BF16 dot product: the products of bfloat16 pairs are exact in float32 and accumulate in float32
+ * (16 lanes, then one fixed reduction), so no logit is rounded to bfloat16 and the weight is read as it
+ * is stored: no float32 copy of the table. Each logit is one thread's sum in one order whatever the rows
+ * beside it or the threads: a row's logits do not depend on its micro-batch. A tile is R rows of x
+ * against 4 vocabulary rows (4R accumulators); threads split the vocabulary. */
+#ifdef __AVX512BF16__
+#define HEAD_VT 32 /* vocabulary rows a thread takes at a time: 256 KB of a 4096-wide table, in L2 */
+static inline __attribute__((always_inline)) void head_tile(const uint16_t *x, int R, int64_t h, const uint16_t *w,
+                                                            int V, int64_t vocab, int64_t v0, float *out) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < h; e += 32) {
+        __m512bh wv[4];
+        for (int v = 0; v < 4; v++)
+            if (v < V) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * h + e);
+        for (int r = 0; r < 4; r++) {
+            if (r >= R) break;
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * h + e);
+            for (int v = 0; v < 4; v++)
+                if (v < V) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) out[r * vocab + v0 + v] = _mm512_reduce_add_ps(acc[r][v]);
+}
+
+/* the tile for a constant R and V, so that the accumulators stay in registers */
+#define HEAD_TILE(R, V) head_tile(x + r0 * h, R, h, w + v * h, V, vocab, v, out + r0 * vocab)
+
+void head_logits_bf16(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
+    int64_t tiles = (vocab + HEAD_VT - 1) / HEAD_VT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t end = (t + 1) * HEAD_VT < vocab ? (t + 1) * HEAD_VT : vocab;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            int64_t R = rows - r0 < 4 ? rows - r0 : 4;
+            int64_t v = t * HEAD_VT;
+            for (; v + 4 <= end; v += 4) {
+                if (R == 4) HEAD_TILE(4, 4);
+                else if (R == 3) HEAD_TILE(3, 4);
+                else if (R == 2) HEAD_TILE(2, 4);
+                else HEAD_TILE(1, 4);
+            }
+            for (; v < end; v++) {
+                if (R == 4) HEAD_TILE(4, 1);
+                else if (R == 3) HEAD_TILE(3, 1);
+                else if (R == 2) HEAD_TILE(2, 1);
+                else HEAD_TILE(1, 1);
+            }
+        }
+    }
+}
+#undef HEAD_TILE
+#undef HEAD_VT
+#else
+void head_logits_bf16(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
+    (void)x, (void)rows, (void)h, (void)w, (void)vocab, (void)out;
+}
+#endif
+
 /* 1 when this build computes bfloat16 decode scores with the AVX512-BF16 dot product */
 int has_bf16_dot(void) {
 #ifdef __AVX512BF16__

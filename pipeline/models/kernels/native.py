@@ -125,6 +125,8 @@ def library() -> ctypes.CDLL | None:
     lib.int8_products_vnni.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
     lib.int8_products_vnni.restype = None
     lib.has_vnni.restype = ctypes.c_int
+    lib.head_logits_bf16.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
+    lib.head_logits_bf16.restype = None
     lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
     return lib
 
@@ -237,6 +239,27 @@ def kv_store_i8(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, cols: 
     n, kvh, d = x.shape
     library().kv_store_i8(x.data_ptr(), n, kvh, d, x.stride(0), x.stride(1), _DTYPES[x.dtype], cache.data_ptr(),
                           cache.shape[2], rows.data_ptr(), cols.data_ptr())
+
+
+def head_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`head_logits_bf16` computes ``x @ weight.T``: both bfloat16 on the CPU, a hidden size
+    that is a multiple of 32, and a build with the AVX512-BF16 dot product and OpenMP (the product
+    it replaces runs on every thread)."""
+    lib = library()
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0
+            and weight.stride(-1) == 1 and weight.is_contiguous() and lib is not None and bool(lib.has_bf16_dot())
+            and bool(lib.has_openmp()))
+
+
+def head_logits_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, h) bfloat16 x (vocab, h) bfloat16 -> (rows, vocab) float32 logits, the products summed in
+    float32 and never rounded to bfloat16, the weight read as it is stored. A row's logits do not depend
+    on the other rows or the threads. Needs :func:`head_usable`."""
+    x = x.contiguous()
+    rows, h = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    library().head_logits_bf16(x.data_ptr(), rows, h, weight.data_ptr(), weight.shape[0], out.data_ptr())
+    return out
 
 
 @functools.cache

@@ -24,3 +24,32 @@ def test_blocks_give_the_float32_product_and_reuse_one_buffer(monkeypatch, dtype
     again = logits.float32_linear(h[:1, :1], weight, None, linear)  # one row, no bias
     assert logits._block_buffer(24, weight.device).data_ptr() == buf.data_ptr()
     torch.testing.assert_close(again, F.linear(h[:1, :1].float(), weight.float()), atol=1e-5, rtol=1e-5)
+
+
+def _native_head_or_skip(x, weight):
+    from pipeline.models.kernels import native
+
+    if not native.head_usable(x, weight):
+        pytest.skip("no native bfloat16 head here (needs a C compiler with OpenMP and a CPU with AVX512-BF16)")
+    return native
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_the_native_bf16_head_gives_the_float32_product_whatever_the_rows_beside_and_the_threads(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1003, 96, generator=gen).bfloat16()  # vocabulary: not a multiple of a tile
+    bias = torch.randn(1003, generator=gen).bfloat16()
+    h = torch.randn(rows, 96, generator=gen).bfloat16()
+    native = _native_head_or_skip(h, weight)
+    got = logits.float32_linear(h, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 1003)
+    want = (h.double() @ weight.double().t() + bias.double()).float()  # exact products, float32 rounding only
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    alone = torch.cat([native.head_logits_bf16(h[i : i + 1], weight) for i in range(rows)])
+    assert torch.equal(alone, native.head_logits_bf16(h, weight))  # a row's logits: not its micro-batch's
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.head_logits_bf16(h, weight), alone)
+    finally:
+        torch.set_num_threads(threads)
