@@ -1,7 +1,8 @@
 """CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
 when they cannot be: the element-wise loops around the int8 product, the exact int8 products of the
-``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), and decode attention over
-per-row lengths (float32, and bfloat16 with AVX512-BF16; threads from the OpenMP runtime PyTorch
+``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), decode attention over
+per-row lengths (float32, and bfloat16 with AVX512-BF16) and a bfloat16 head's float32 logits
+(AVX512-BF16; threads from the OpenMP runtime PyTorch
 has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
 the process keeps one pool).
 
