@@ -13,9 +13,12 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from tasks.status import read_status
-from tests.utils import assert_consistent_results, assert_identical_results, read_jsonl, run_local, write_jsonl
+from tests.unit.pipeline.models.kernels.test_invariant_files import requests as generated_requests
+from tests.utils import (assert_consistent_results, assert_identical_results, read_jsonl, run_local, tiny_llama,
+                         write_jsonl)
 
 REQUESTS = [{"prompt": f"Once upon a time {i}", "max_tokens": 40 + (i % 4) * 15, "temperature": 0 if i % 2 else 0.9,
              "seed": i, "logprobs": 2, **({"stop": ["zzz"]} if i % 3 == 0 else {}),
@@ -91,6 +94,58 @@ def test_under_batch_invariant_a_resumed_file_is_bit_identical(tmp_path, stages,
         assert runs < 30
     assert runs > 1
     assert_identical_results(read_jsonl(tmp_path / "clean.jsonl"), read_jsonl(out))
+
+
+def run_to_the_end(flags: list[str], out, stages: int, lines: int) -> int:
+    """Runs stopped every ``lines`` journaled lines until ``out`` is written; returns how many it took."""
+    runs = 0
+    while not out.exists():
+        stopped_run([*flags, "--output-path", str(out)], stages, out.with_name(out.name + ".partial"), lines)
+        runs += 1
+        assert runs < 40
+    return runs
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(reqs=generated_requests())
+def test_generated_files_stopped_mid_run_end_bit_identical_under_batch_invariant(tmp_path_factory, caplog, reqs):
+    """Request files drawn by Hypothesis (prompt lengths, temperatures, top_p, top_k, logprobs, seeds, n, echo,
+    penalties), stopped after every journaled line and resumed, end byte for byte as the uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("generated")
+    # a first line answered at once stops the first run with a plain row beside it in flight (resumed for sure),
+    # the drawn rows long enough to be cut mid-way by the later stops
+    reqs = [{"prompt": "Hi", "max_tokens": 1}, {"prompt": "Once upon a time", "max_tokens": 30}] + [
+        r | {"max_tokens": 24 + 8 * r["max_tokens"]} if r["max_tokens"] else r for r in reqs]
+    src = write_jsonl(tmp / "r.jsonl", reqs)
+    flags = ["--infer-data", src, "--no-progress", "--num-threads", "1", "--max-micro-batch-size", "3",
+             "--checkpoint-interval", "0", "--batch-invariant"]
+    assert run_local([*flags, "--output-path", str(tmp / "clean.jsonl")], 1).returncode == 0
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    assert run_to_the_end(flags, tmp / "cut.jsonl", 1, 1) > 1 and "rows where they stopped" in caplog.text
+    clean = read_jsonl(tmp / "clean.jsonl")
+    assert all("result" in line for line in clean), [line.get("error") for line in clean]
+    assert_identical_results(clean, read_jsonl(tmp / "cut.jsonl"))
+
+
+def test_rows_of_lora_adapters_resume_under_their_adapter(tmp_path, caplog):
+    """Half the rows name a LoRA adapter: a resumed row's prefill (prompt and tokens so far) runs under its
+    adapter, so the file stopped again and again ends as the uninterrupted run's (P = 2)."""
+    from tests.unit.pipeline.models.test_lora import make_adapter
+
+    model = tiny_llama(tmp_path / "m")
+    adapter = make_adapter(model, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=3)
+    src = write_jsonl(tmp_path / "r.jsonl", [r | {"model": "ad"} if i % 2 else r for i, r in enumerate(REQUESTS)])
+    flags = ["--model-name", model, "--lora", f"ad={adapter}", "--infer-data", src, "--no-progress",
+             "--num-threads", "1", "--max-micro-batch-size", "4", "--checkpoint-interval", "0"]
+    assert run_local([*flags, "--output-path", str(tmp_path / "clean.jsonl")], 2).returncode == 0
+    caplog.set_level(logging.INFO)
+    assert run_to_the_end(flags, tmp_path / "cut.jsonl", 2, 2) > 1 and "rows where they stopped" in caplog.text
+    clean = read_jsonl(tmp_path / "clean.jsonl")
+    assert [line["result"]["model"] for line in clean] == ["ad" if i % 2 else clean[0]["result"]["model"]
+                                                           for i in range(len(REQUESTS))]
+    assert_consistent_results(clean, read_jsonl(tmp_path / "cut.jsonl"), tol=1e-3)
 
 
 def test_the_checkpoint_holds_the_rows_in_flight_and_only_those(tmp_path):
