@@ -382,7 +382,10 @@ class StageModel(nn.Module):
             h = self.final_norm._norm(h)  # already inside a tile when tiling
         if self.proj_out is not None:
             h = self.proj_out(h)
-        logits = float32_linear(h, self.lm_head.weight, self.lm_head.bias,  # accumulated and kept in float32
-                                fixed_linear if self.row_tile else F.linear)
+        if getattr(self.lm_head, "prepacked", False):  # a float32 head in oneDNN's layout (kernels.packed)
+            logits = self.lm_head(h.float())
+        else:
+            logits = float32_linear(h, self.lm_head.weight, self.lm_head.bias,  # accumulated and kept in float32
+                                    fixed_linear if self.row_tile else F.linear)
         cap = self.spec.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits

@@ -62,7 +62,7 @@ def test_which_stages_keep_the_plain_product():
 
 
 @needs_onednn
-def test_packed_stage_only_swaps_the_layer_projections(llama_2l):
+def test_packed_stage_swaps_the_layer_projections_and_a_head_of_its_own(llama_2l):
     plain = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
     stage = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
     n, reason = pack_stage(stage, torch.device("cpu"), torch.float32)
@@ -70,11 +70,33 @@ def test_packed_stage_only_swaps_the_layer_projections(llama_2l):
     for layer in stage.layers:
         for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
             assert isinstance(lin, PackedLinear)
-    assert isinstance(stage, StageModel) and type(stage.lm_head) is nn.Linear
+    assert isinstance(stage, StageModel) and isinstance(stage.lm_head, PackedLinear)  # untied: its own table
+    assert type(stage.embed) is nn.Embedding
     names = {n for n, _ in stage.named_parameters()}  # the projections' weights are packed copies now
-    assert not any(n.endswith(("qkv.weight", "o.weight", "up.weight", "down.weight")) for n in names)
+    assert not any(n.endswith(("qkv.weight", "o.weight", "up.weight", "down.weight", "lm_head.weight")) for n in names)
     assert pack_stage(plain, torch.device("cpu"), torch.float32, batch_invariant=True) == (
         0, "--batch-invariant keeps one kernel") and plain.cpu_linear == "plain"
+    assert type(plain.lm_head) is nn.Linear
+
+
+@needs_onednn
+def test_a_tied_head_stays_the_embedding_table_and_int8_packs_only_its_float32_head(make_llama):
+    """A stage holding both ends of a tied model keeps one table (the embedding reads its rows); a tied model's
+    last stage holds a copy of its own, which packs. Under --quantize int8 the layers keep their int8 kernels
+    and the float32 head packs; bfloat16 heads keep their own loop (kernels.logits)."""
+    tied = make_llama(num_hidden_layers=2, tie_word_embeddings=True)
+    whole = stage_chain(tied, [(0, 2)], cpu_linear="plain")[0]
+    pack_stage(whole, torch.device("cpu"), torch.float32)
+    assert type(whole.lm_head) is nn.Linear and whole.lm_head.weight is whole.embed.weight
+    last = stage_chain(tied, [(0, 1), (1, 2)], cpu_linear="plain")[1]
+    pack_stage(last, torch.device("cpu"), torch.float32)
+    assert isinstance(last.lm_head, PackedLinear)
+    q = stage_chain(tied, [(0, 1), (1, 2)], cpu_linear="plain")[1]
+    assert pack_stage(q, torch.device("cpu"), torch.float32, quantize="int8") == (
+        0, "--quantize int8 has its own kernels") and isinstance(q.lm_head, PackedLinear)
+    half = stage_chain(tied, [(0, 1), (1, 2)], dtype=torch.bfloat16, cpu_linear="plain")[1]
+    pack_stage(half, torch.device("cpu"), torch.bfloat16)
+    assert type(half.lm_head) is nn.Linear
 
 
 @needs_onednn
