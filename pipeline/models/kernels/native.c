@@ -618,17 +618,14 @@ int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, in
 static inline __attribute__((always_inline)) void head_tile(const uint16_t *x, int R, int64_t h, const uint16_t *w,
                                                             int V, int64_t vocab, int64_t v0, float *out) {
     __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t e = 0; e < h; e += 32) {
         __m512bh wv[4];
-        for (int v = 0; v < 4; v++)
-            if (v < V) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * h + e);
-        for (int r = 0; r < 4; r++) {
-            if (r >= R) break;
+        for (int v = 0; v < V; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * h + e);
+        for (int r = 0; r < R; r++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * h + e);
-            for (int v = 0; v < 4; v++)
-                if (v < V) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+            for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
         }
     }
     for (int r = 0; r < R; r++)

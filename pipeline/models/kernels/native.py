@@ -248,7 +248,7 @@ def head_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     it replaces runs on every thread)."""
     lib = library()
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0
-            and weight.stride(-1) == 1 and weight.is_contiguous() and lib is not None and bool(lib.has_bf16_dot())
+            and weight.is_contiguous() and lib is not None and bool(lib.has_bf16_dot())
             and bool(lib.has_openmp()))
 
 

@@ -11,7 +11,7 @@ activations over 2048 inputs: a different summation order).
 
 The decoder layers' projections (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``) are packed,
 once, after the stage is loaded; the packed copy replaces the weight (no second copy in memory). So is
-a float32 head with a table of its own (:func:`pack_head`), under ``--quantize int8`` too, whose
+a float32 head with a table of its own (:func:`own_float32_head`), under ``--quantize int8`` too, whose
 layers keep their int8 kernels. Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
 an AMX Xeon, two threads, 768x2048, bf16 packed is bit-identical to bf16 ``F.linear`` and 2.3x /
 1.85x / 1.6x / 1.35x faster at 1 / 8 / 32 / 256 rows, about even at 1024; float16 gains nothing
@@ -114,21 +114,17 @@ def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     reason = "--cpu-linear plain" if kernel == "plain" else why_not(device, dtype, batch_invariant, quantize)
     if device.type == "cpu":
         model.cpu_linear = "plain" if reason else "onednn"
-    if kernel == "onednn" and why_not(device, torch.float32, batch_invariant, "none") is None:
-        pack_head(model)
+    if kernel == "onednn" and own_float32_head(model) \
+            and why_not(device, torch.float32, batch_invariant, "none") is None:  # oneDNN works here, in float32
+        model.lm_head = PackedLinear(model.lm_head)
     return (0, reason) if reason else (pack_linears(model, release), None)
 
 
-@torch.no_grad()
-def pack_head(model: StageModel) -> bool:
-    """A float32 head of its own (not the embedding's table: the embedding reads its rows) multiplied
-    against oneDNN's packed copy, which replaces it: float32 stages and ``--quantize int8``'s float32 head.
-    MKL's product reads a 128k x 4096 float32 table at 24 GB/s for one row and 5-8 GB/s for 8-32 rows
-    (2 threads, the AVX-512 EPYC), oneDNN's packed one at ~39 GB/s and 20 GB/s. Returns whether it packed."""
+def own_float32_head(model: StageModel) -> bool:
+    """Whether ``model`` holds a float32 head of its own (not the embedding's table: the embedding reads
+    its rows), which :func:`pack_stage` packs like the projections: float32 stages and ``--quantize
+    int8``'s float32 head. MKL's product reads a 128k x 4096 float32 table at 24 GB/s for one row and 5-8
+    GB/s for 8-32 rows (2 threads, the AVX-512 EPYC), oneDNN's packed one at ~39 GB/s and 20 GB/s."""
     head, embed = model.lm_head, model.embed
-    if type(head) is not nn.Linear or head.weight.dtype != torch.float32 or model.row_tile:
-        return False
-    if embed is not None and embed.weight.data_ptr() == head.weight.data_ptr():
-        return False
-    model.lm_head = PackedLinear(head)
-    return True
+    return (type(head) is nn.Linear and head.weight.dtype == torch.float32
+            and (embed is None or embed.weight.data_ptr() != head.weight.data_ptr()))
