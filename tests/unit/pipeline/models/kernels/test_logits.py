@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 from pipeline.models.kernels import logits
 from pipeline.models.kernels.invariant import fixed_linear
@@ -53,3 +54,17 @@ def test_the_native_bf16_head_gives_the_float32_product_whatever_the_rows_beside
         assert torch.equal(native.head_logits_bf16(h, weight), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(rows=st.integers(0, 11), vocab=st.integers(1, 300), hidden=st.sampled_from([32, 64, 96, 160]),
+       seed=st.integers(0, 2**16))
+def test_the_native_bf16_head_on_drawn_shapes(rows, vocab, hidden, seed):
+    """Any rows (none included), any vocabulary (tiles cut anywhere), hidden sizes the loop takes."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=gen) * 3).bfloat16()
+    h = torch.randn(rows, hidden, generator=gen).bfloat16()
+    native = _native_head_or_skip(h, weight)
+    got = native.head_logits_bf16(h, weight)
+    assert got.shape == (rows, vocab) and got.dtype == torch.float32
+    torch.testing.assert_close(got, (h.double() @ weight.double().t()).float(), atol=1e-4, rtol=1e-5)
