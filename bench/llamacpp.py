@@ -4,6 +4,7 @@ peak memory, batch work and single-stream decode.
     python bench/llamacpp.py                                  # 1B shapes: f32, bf16, int8/Q8_0; batch 32 + single
     python bench/llamacpp.py --batch 32,256 --repeats 2
     python bench/llamacpp.py --model 8b --precisions bf16,int8 --batch 32
+    python bench/llamacpp.py --model 8b --precisions bf16,int8 --batch '' --isa avx2   # single stream, AVX2 only
 
 What it does, once per machine (cached under ``$DIST_INFER_CACHE/llamacpp``, never in the repository):
 
@@ -92,9 +93,18 @@ def source_dir() -> Path | str:
     return src if (src / "CMakeLists.txt").is_file() else f"{sdist} has no vendor/llama.cpp"
 
 
-def server_binary(jobs: int) -> Path | str:
-    """llama-server (and llama-quantize), built once with cmake, or why not."""
-    build_dir = cache() / f"build-{LLAMA_CPP_PYTHON}"
+# --isa avx2: both engines held to AVX2 and FMA on a CPU that has more. The runner through the variables
+# PyTorch, oneDNN and MKL read (its C loops follow PyTorch's, pipeline.models.kernels.native._march);
+# llama.cpp built for that level instead of -DGGML_NATIVE=ON.
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+ISA_CMAKE = {"native": ["-DGGML_NATIVE=ON"],
+             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
+
+
+def server_binary(jobs: int, isa: str = "native") -> Path | str:
+    """llama-server (and llama-quantize), built once with cmake for ``isa``, or why not."""
+    build_dir = cache() / f"build-{LLAMA_CPP_PYTHON}{'' if isa == 'native' else '-' + isa}"
     binary = build_dir / "bin" / "llama-server"
     if binary.is_file():
         return binary
@@ -104,7 +114,7 @@ def server_binary(jobs: int) -> Path | str:
     src = source_dir()
     if isinstance(src, str):
         return src
-    configure = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", *ISA_CMAKE[isa],
                  "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                  "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF"]
     for cmd in (configure, ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)]):
@@ -160,7 +170,7 @@ def gguf(model_dir: Path, outtype: str) -> Path:
 # the engines
 # ------------------------------------------------------------------------------------------------
 def run_runner(model_dir: Path, flags: list[str], requests: list[list[int]], gen: int, threads: int,
-               work: Path) -> dict:
+               work: Path, isa: str = "native") -> dict:
     """The runner at P = 1 on the requests: generated tokens, its per-file seconds, peak RSS (loading
     included) and its memory account."""
     from bench.throughput import run_measured
@@ -171,7 +181,7 @@ def run_runner(model_dir: Path, flags: list[str], requests: list[list[int]], gen
     cmd = [sys.executable, str(REPO / "dist_inference_runner.py"), "--model-name", str(model_dir), "--infer-data",
            str(data), "--output-path", str(out), "--overwrite", "--no-progress", "--num-threads", str(threads),
            *flags]
-    env = dict(os.environ, PYTHONPATH=str(REPO), DIST_INFER_LOG="WARNING")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DIST_INFER_LOG="WARNING", **ISA_ENV.get(isa, {}))
     m = run_measured(cmd, env, work / "runner.log", timeout=7200)
     if m["rc"] != 0:
         raise RuntimeError(f"runner failed: {(work / 'runner.log').read_text()[-2000:]}")
@@ -311,7 +321,7 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
             for _ in range(args.repeats):
                 for engine in ("runner", "llama.cpp", "llama.cpp", "runner"):
                     if engine == "runner":
-                        r = run_runner(model_dir, flags, requests, args.gen, args.threads, work)
+                        r = run_runner(model_dir, flags, requests, args.gen, args.threads, work, args.isa)
                         memory = r["stage_memory_mb"]
                     else:
                         server = LlamaServer(binary, model_file, args.threads, slots, args.prompt + args.gen + 8, work,
@@ -339,7 +349,8 @@ def compare(args, binary: Path, model_dir: Path, work: Path) -> list[dict]:
 def report(rows: list[dict], args, model_dir: Path) -> str:
     from bench.machine import cpu_model
 
-    lines = [f"{cpu_model()}, {args.threads} threads each; model {args.model} ({model_dir.name}); llama.cpp from "
+    held = "" if args.isa == "native" else f" held to {args.isa.upper()} (--isa)"
+    lines = [f"{cpu_model()}{held}, {args.threads} threads each; model {args.model} ({model_dir.name}); llama.cpp from "
              f"llama-cpp-python {LLAMA_CPP_PYTHON} {args.llama_args}; {args.repeats} x (runner, llama.cpp, llama.cpp, "
              "runner)",
              f"{'precision':<9} {'workload':<10} {'runner tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>7} "
@@ -368,13 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="(runner, llama.cpp, llama.cpp, runner) quartets")
     ap.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0' (its threads sleep "
                     "instead of spinning while they wait: what the runner's do, OMP_WAIT_POLICY=PASSIVE)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="native: every instruction the CPU "
+                    "has; avx2: both engines held to AVX2 and FMA (an AVX2-only node's paths, measured on a CPU with "
+                    "more; the memory bandwidth stays this machine's)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.batch = [int(n) for n in args.batch.split(",") if n]
     if any(p not in PRECISIONS for p in args.precisions) or args.repeats < 1 or any(n < 1 for n in args.batch):
         ap.error(f"--precisions from {', '.join(PRECISIONS)}; --repeats and --batch sizes at least 1")
-    binary = server_binary(args.threads)
+    binary = server_binary(args.threads, args.isa)
     if isinstance(binary, str):
         print(f"bench/llamacpp.py: skipped, llama.cpp's server is not available: {binary}")
         return 0

@@ -102,4 +102,4 @@ def test_the_breakdown_of_each_stage_adds_up_to_its_peak_rss(tmp_path):
     # the head's float32 block buffer (8192 vocabulary rows x 128 x 4 bytes) where the head casts its bf16 table a
     # block at a time; none where the native bf16 loop reads the table as it is stored (AVX512-BF16)
     bf16 = torch.empty(1, 128, dtype=torch.bfloat16)
-    assert last["buffers"] == 0 if native.head_usable(bf16, bf16) else last["buffers"] >= 4.0
+    assert last["buffers"] == 0 if native.bf16_usable(bf16, bf16) else last["buffers"] >= 4.0

@@ -606,7 +606,8 @@ int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, in
 #undef RB
 #undef OB
 
-/* ---- the head's logits from bfloat16 weights (pipeline.models.kernels.logits) ----
+/* ---- products of bfloat16 in float32: the head's logits (pipeline.models.kernels.logits) and, on CPUs
+ * without bf16 instructions, the layers' projections (pipeline.models.kernels.packed) ----
  * out (rows, vocab) float32 = x (rows, h) . w (vocab, h), both bfloat16 (h % 32 == 0), with the
  * AVX512-BF16 dot product: the products of bfloat16 pairs are exact in float32 and accumulate in float32
  * (16 lanes, then one fixed reduction), so no logit is rounded to bfloat16 and the weight is read as it
@@ -614,8 +615,8 @@ int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, in
  * beside it or the threads: a row's logits do not depend on its micro-batch. A tile is R rows of x
  * against 4 vocabulary rows (4R accumulators); threads split the vocabulary. */
 #ifdef __AVX512BF16__
-#define HEAD_VT 32 /* vocabulary rows a thread takes at a time: 256 KB of a 4096-wide table, in L2 */
-static inline __attribute__((always_inline)) void head_tile(const uint16_t *x, int R, int64_t h, const uint16_t *w,
+#define BF16_VT 32 /* vocabulary rows a thread takes at a time: 256 KB of a 4096-wide table, in L2 */
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, int R, int64_t h, const uint16_t *w,
                                                             int V, int64_t vocab, int64_t v0, float *out) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
@@ -633,38 +634,121 @@ static inline __attribute__((always_inline)) void head_tile(const uint16_t *x, i
 }
 
 /* the tile for a constant R and V, so that the accumulators stay in registers */
-#define HEAD_TILE(R, V) head_tile(x + r0 * h, R, h, w + v * h, V, vocab, v, out + r0 * vocab)
+#define BF16_TILE(R, V) bf16_tile(x + r0 * h, R, h, w + v * h, V, vocab, v, out + r0 * vocab)
 
-void head_logits_bf16(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
-    int64_t tiles = (vocab + HEAD_VT - 1) / HEAD_VT;
+void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
+    int64_t tiles = (vocab + BF16_VT - 1) / BF16_VT;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        int64_t end = (t + 1) * HEAD_VT < vocab ? (t + 1) * HEAD_VT : vocab;
+        int64_t end = (t + 1) * BF16_VT < vocab ? (t + 1) * BF16_VT : vocab;
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             int64_t R = rows - r0 < 4 ? rows - r0 : 4;
-            int64_t v = t * HEAD_VT;
+            int64_t v = t * BF16_VT;
             for (; v + 4 <= end; v += 4) {
-                if (R == 4) HEAD_TILE(4, 4);
-                else if (R == 3) HEAD_TILE(3, 4);
-                else if (R == 2) HEAD_TILE(2, 4);
-                else HEAD_TILE(1, 4);
+                if (R == 4) BF16_TILE(4, 4);
+                else if (R == 3) BF16_TILE(3, 4);
+                else if (R == 2) BF16_TILE(2, 4);
+                else BF16_TILE(1, 4);
             }
             for (; v < end; v++) {
-                if (R == 4) HEAD_TILE(4, 1);
-                else if (R == 3) HEAD_TILE(3, 1);
-                else if (R == 2) HEAD_TILE(2, 1);
-                else HEAD_TILE(1, 1);
+                if (R == 4) BF16_TILE(4, 1);
+                else if (R == 3) BF16_TILE(3, 1);
+                else if (R == 2) BF16_TILE(2, 1);
+                else BF16_TILE(1, 1);
             }
         }
     }
 }
-#undef HEAD_TILE
-#undef HEAD_VT
+#undef BF16_TILE
+#undef BF16_VT
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same product with AVX2: x converted once to float32, each 8 weights widened to float32 (a bfloat16
+ * is the high half of its float32) and multiplied by FMA, exact products summed in float32 (8 lanes, one
+ * fixed reduction). Tiles of 3-4 rows against 2 vocabulary rows, 2 against 4, 1 against 8: at most 8
+ * accumulators (the chains that keep the FMA units busy) and 8 weight vectors in the 16 registers, the x values FMA memory operands. A logit's sum
+ * runs in the same order in every tile, so it does not depend on the rows beside it either. */
+#define BF16_VT 32
+static inline __attribute__((always_inline)) __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __attribute__((always_inline)) float sum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void bf16_tile(const float *x, int R, int64_t h, const uint16_t *w,
+                                                            int V, int64_t vocab, int64_t v0, float *out) {
+    __m256 acc[4][8];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < h; e += 8) {
+        __m256 wv[8];
+        for (int v = 0; v < V; v++) wv[v] = bf16x8(w + v * h + e);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * h + e);
+            for (int v = 0; v < V; v++) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) out[r * vocab + v0 + v] = sum8(acc[r][v]);
+}
+
+#define BF16_TILE(R, V) bf16_tile(xf + r0 * h, R, h, w + v * h, V, vocab, v, out + r0 * vocab)
+
+void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
+    float *xf = malloc((size_t)(rows * h) * sizeof(float) + 1);
+    if (!xf) {
+        for (int64_t i = 0; i < rows * vocab; i++) out[i] = NAN; /* no memory for x's copy: visibly wrong */
+        return;
+    }
+    for (int64_t i = 0; i < rows * h; i++) xf[i] = bf16_to_f32(x[i]);
+    int64_t tiles = (vocab + BF16_VT - 1) / BF16_VT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t end = (t + 1) * BF16_VT < vocab ? (t + 1) * BF16_VT : vocab;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            int64_t R = rows - r0 < 4 ? rows - r0 : 4;
+            int64_t v = t * BF16_VT;
+            if (R > 2)
+                for (; v + 2 <= end; v += 2) {
+                    if (R == 4) BF16_TILE(4, 2);
+                    else BF16_TILE(3, 2);
+                }
+            else if (R == 2)
+                for (; v + 4 <= end; v += 4) BF16_TILE(2, 4);
+            else
+                for (; v + 8 <= end; v += 8) BF16_TILE(1, 8);
+            for (; v < end; v++) {
+                if (R == 4) BF16_TILE(4, 1);
+                else if (R == 3) BF16_TILE(3, 1);
+                else if (R == 2) BF16_TILE(2, 1);
+                else BF16_TILE(1, 1);
+            }
+        }
+    }
+    free(xf);
+}
+#undef BF16_TILE
+#undef BF16_VT
 #else
-void head_logits_bf16(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
+void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
     (void)x, (void)rows, (void)h, (void)w, (void)vocab, (void)out;
 }
 #endif
+
+/* which loop bf16_products runs: 2 the AVX512-BF16 dot product, 1 AVX2 with FMA, 0 none */
+int bf16_path(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* 1 when this build computes bfloat16 decode scores with the AVX512-BF16 dot product */
 int has_bf16_dot(void) {

@@ -1,8 +1,9 @@
 """CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
 when they cannot be: the element-wise loops around the int8 product, the exact int8 products of the
 ``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), decode attention over
-per-row lengths (float32, and bfloat16 with AVX512-BF16) and a bfloat16 head's float32 logits
-(AVX512-BF16; threads from the OpenMP runtime PyTorch
+per-row lengths (float32, and bfloat16 with AVX512-BF16) and bfloat16 products in float32 (a bfloat16
+head's logits; the projections of bfloat16 stages on CPUs without bf16 instructions) with AVX512-BF16,
+else AVX2 and FMA (threads from the OpenMP runtime PyTorch
 has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
 the process keeps one pool).
 
@@ -15,7 +16,8 @@ eager results, which ``tests/unit/pipeline/models/kernels/test_int8.py`` asserts
 its fused kernel is as fast, but each compiled call costs ~17 us of guards and wrappers, more
 than it saves at these sizes.
 
-The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``, or
+the level PyTorch's kernels are held to, :func:`_march`)
 into :func:`cache_dir` under a name from a hash of the source, the flags
 and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
 kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
@@ -44,8 +46,20 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-FLAGS = ("-O3", "-march=native", *(("-mprefer-vector-width=512",) if _X86 else ()), "-ffp-contract=off", "-fopenmp",
-         "-std=c11", "-fPIC", "-shared")  # 512-bit vectors: gcc's AVX-512 default is 256
+
+
+def _march() -> str:
+    """``-march=native``, unless PyTorch's own kernels are held to less than this x86 CPU has
+    (``ATEN_CPU_CAPABILITY=avx2`` or ``default``): then the same level (x86-64-v3: AVX2 and FMA; v2),
+    so that one variable runs the whole process as on such a CPU (what tests and benchmarks of the
+    AVX2 paths use on an AVX-512 machine)."""
+    level = {"AVX2": "x86-64-v3", "DEFAULT": "x86-64-v2"}.get(torch.backends.cpu.get_cpu_capability())
+    return f"-march={level}" if _X86 and level else "-march=native"
+
+
+def flags(march: str) -> tuple[str, ...]:
+    return ("-O3", march, *(("-mtune=native", "-mprefer-vector-width=512") if _X86 else ()), "-ffp-contract=off",
+            "-fopenmp", "-std=c11", "-fPIC", "-shared")  # 512-bit vectors: gcc's AVX-512 default is 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -86,18 +100,19 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (disabled, no compiler, or the build failed: logged once)."""
+def library(march: str | None = None) -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, no compiler, or the build failed: logged once). ``march``:
+    the ``-march=`` flag (default :func:`_march`; the tests build the AVX2 loops on an AVX-512 CPU)."""
     if os.environ.get("DIST_RUNNER_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         log.info("no C compiler found: int8's quantization and CPU decode attention run in PyTorch operators (slower)")
         return None
-    lib = None
-    for flags in (FLAGS, tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)):  # then without OpenMP
+    lib, with_openmp = None, flags(march or _march())
+    for fl in (with_openmp, tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in with_openmp)):  # then without
         try:
-            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            lib = ctypes.CDLL(str(_build(compiler, fl)))
             break
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -126,9 +141,9 @@ def library() -> ctypes.CDLL | None:
     lib.int8_products_vnni.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
     lib.int8_products_vnni.restype = None
     lib.has_vnni.restype = ctypes.c_int
-    lib.head_logits_bf16.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
-    lib.head_logits_bf16.restype = None
-    lib.has_bf16_dot.restype = lib.has_openmp.restype = ctypes.c_int
+    lib.bf16_products.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
+    lib.bf16_products.restype = None
+    lib.has_bf16_dot.restype = lib.has_openmp.restype = lib.bf16_path.restype = ctypes.c_int
     return lib
 
 
@@ -242,24 +257,24 @@ def kv_store_i8(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, cols: 
                           cache.shape[2], rows.data_ptr(), cols.data_ptr())
 
 
-def head_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`head_logits_bf16` computes ``x @ weight.T``: both bfloat16 on the CPU, a hidden size
-    that is a multiple of 32, and a build with the AVX512-BF16 dot product and OpenMP (the product
-    it replaces runs on every thread)."""
+def bf16_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`bf16_products` computes ``x @ weight.T``: both bfloat16 on the CPU, a hidden size
+    that is a multiple of 32, and a build with a loop for it (the AVX512-BF16 dot product, else AVX2
+    with FMA) and OpenMP (the product it replaces runs on every thread)."""
     lib = library()
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0
-            and weight.is_contiguous() and lib is not None and bool(lib.has_bf16_dot())
+            and weight.is_contiguous() and lib is not None and bool(lib.bf16_path())
             and bool(lib.has_openmp()))
 
 
-def head_logits_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, h) bfloat16 x (vocab, h) bfloat16 -> (rows, vocab) float32 logits, the products summed in
-    float32 and never rounded to bfloat16, the weight read as it is stored. A row's logits do not depend
-    on the other rows or the threads. Needs :func:`head_usable`."""
+def bf16_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, h) bfloat16 x (n, h) bfloat16 -> (rows, n) float32 (a head's logits, a projection's outputs
+    before rounding), the products summed in float32, the weight read as it is stored. A row's outputs do
+    not depend on the other rows or the threads. Needs :func:`bf16_usable`."""
     x = x.contiguous()
     rows, h = x.shape
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    library().head_logits_bf16(x.data_ptr(), rows, h, weight.data_ptr(), weight.shape[0], out.data_ptr())
+    library().bf16_products(x.data_ptr(), rows, h, weight.data_ptr(), weight.shape[0], out.data_ptr())
     return out
 
 

@@ -15,8 +15,8 @@ a float32 head with a table of its own (:func:`own_float32_head`), under ``--qua
 layers keep their int8 kernels. Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
 an AMX Xeon, two threads, 768x2048, bf16 packed is bit-identical to bf16 ``F.linear`` and 2.3x /
 1.85x / 1.6x / 1.35x faster at 1 / 8 / 32 / 256 rows, about even at 1024; float16 gains nothing
-there (0.8-1.15x) and keeps ``F.linear``, as does bfloat16 on CPUs without bf16 instructions (oneDNN
-would emulate it). The GPU keeps cuBLAS, int8 weights have their own kernels, and
+there (0.8-1.15x) and keeps ``F.linear``. On CPUs without bf16 instructions (where oneDNN would emulate
+them) bfloat16 projections take :class:`NativeBf16Linear`, the project's AVX2 loop. The GPU keeps cuBLAS, int8 weights have their own kernels, and
 ``--batch-invariant`` keeps the plain product (its guarantee is about one kernel's reduction order). If the op is missing from the torch build
 (no oneDNN) or fails on a probe, the stage keeps ``F.linear`` and says so.
 """
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from pipeline.models.decoder import projections
 from pipeline.models.decoder import StageModel
+from pipeline.models.kernels import native
 
 DECODE_ROWS_HINT = 32  # oneDNN picks its blocking for this many rows; measured: any of 4..256 does as well
 
@@ -52,18 +53,52 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, onednn"
 
 
+class NativeBf16Linear(nn.Module):
+    """``nn.Linear`` in bfloat16 on a CPU without bf16 instructions: the project's C loop
+    (:func:`.native.bf16_products`, AVX2 and FMA) on the weight as it is (no copy), the products summed
+    in float32 and the bias added before the one rounding to bfloat16, as ``F.linear`` rounds. There,
+    PyTorch's bf16 product converts per multiply and collapses beyond one row (measured, 14336 x 4096 at
+    2 threads with AVX2: 64 ms at 32 rows against this loop's 29)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias
+
+    prepacked = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = native.bf16_products(flat, self.weight)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, native bf16"
+
+
+def kernel_for(dtype: torch.dtype) -> str:
+    """Which faster product a CPU stage in ``dtype`` takes: "native" (:class:`NativeBf16Linear`) for
+    bfloat16 on a CPU without bf16 instructions, else "onednn" (:class:`PackedLinear`)."""
+    return "native" if dtype == torch.bfloat16 and not native_bf16() else "onednn"
+
+
 def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, quantize: str) -> str | None:
-    """Why this stage keeps ``F.linear`` under ``--cpu-linear onednn``, or None when it packs."""
+    """Why this stage keeps ``F.linear`` under ``--cpu-linear onednn``, or None when it takes the faster
+    product (:func:`kernel_for`)."""
     if device.type != "cpu":
         return "not a CPU stage (cuBLAS on the GPU)"
-    if dtype == torch.bfloat16 and not native_bf16():
-        return "compute dtype bfloat16 on a CPU without avx512_bf16 or AMX (packing bf16 pays only with them)"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"compute dtype {str(dtype).removeprefix('torch.')} (packing is for float32 and bfloat16)"
     if quantize != "none":
         return f"--quantize {quantize} has its own kernels"
     if batch_invariant:
         return "--batch-invariant keeps one kernel"
+    if kernel_for(dtype) == "native":
+        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
+        return None if native.bf16_usable(probe, probe) else (
+            "compute dtype bfloat16 on a CPU without avx512_bf16 or AMX, and no C loop for it (AVX2 and a C compiler)")
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN"
     try:
@@ -79,23 +114,26 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (avx512_bf16 or AMX tiles) for oneDNN to use."""
+    """Whether this CPU has bf16 instructions (avx512_bf16 or AMX tiles) for oneDNN to use, and
+    PyTorch's kernels are not held below AVX-512 (``ATEN_CPU_CAPABILITY``, :func:`.native._march`)."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
+        return False
     cpu = getattr(torch, "cpu", None)
     checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(check() for check in checks if check is not None)
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, release: Callable[[], object] | None = None) -> int:
-    """Replace the projections of every Attention and MLP in the loaded ``model`` by
-    :class:`PackedLinear`; returns how many. ``release``: called after each (the caller's way to hand
-    the plain weight's freed memory back before the next packed copy is made)."""
+def pack_linears(model: nn.Module, release: Callable[[], object] | None = None, kind: type = PackedLinear) -> int:
+    """Replace the projections of every Attention and MLP in the loaded ``model`` by ``kind``
+    (:class:`PackedLinear` or :class:`NativeBf16Linear`); returns how many. ``release``: called after each
+    (the caller's way to hand the plain weight's freed memory back before the next packed copy is made)."""
 
     count = 0
     for module, name in projections(model):
         lin = getattr(module, name)
-        if type(lin) is nn.Linear:
-            setattr(module, name, PackedLinear(lin))
+        if type(lin) is nn.Linear and (kind is PackedLinear or native.bf16_usable(lin.weight[:1], lin.weight)):
+            setattr(module, name, kind(lin))
             del lin
             count += 1
             if release is not None:
@@ -107,17 +145,19 @@ def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
                quantize: str = "none", kernel: str = "onednn",
                release: Callable[[], object] | None = None) -> tuple[int, str | None]:
     """``--cpu-linear KERNEL`` on a loaded stage: (projections packed, None), or (0, why not).
-    Sets ``model.cpu_linear`` ("onednn" or "plain") on a CPU stage, for the run summary."""
+    Sets ``model.cpu_linear`` ("onednn", "native" or "plain") on a CPU stage, for the run summary."""
 
     if not isinstance(model, StageModel):
         return 0, "the generic transformers stage runs transformers' own layers"
     reason = "--cpu-linear plain" if kernel == "plain" else why_not(device, dtype, batch_invariant, quantize)
     if device.type == "cpu":
-        model.cpu_linear = "plain" if reason else "onednn"
+        model.cpu_linear = "plain" if reason else kernel_for(dtype)
     if kernel == "onednn" and own_float32_head(model) \
             and why_not(device, torch.float32, batch_invariant, "none") is None:  # oneDNN works here, in float32
         model.lm_head = PackedLinear(model.lm_head)
-    return (0, reason) if reason else (pack_linears(model, release), None)
+    if reason:
+        return 0, reason
+    return pack_linears(model, release, NativeBf16Linear if kernel_for(dtype) == "native" else PackedLinear), None
 
 
 def own_float32_head(model: StageModel) -> bool:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.decoder import StageModel
-from pipeline.models.kernels.packed import PackedLinear, native_bf16, pack_stage, why_not
+from pipeline.models.kernels.packed import NativeBf16Linear, PackedLinear, native_bf16, pack_stage, why_not
 from tests.utils import (
     DATA,
     assert_consistent_results,
@@ -147,3 +147,56 @@ def test_packing_hands_each_freed_weight_back_before_the_next(llama_2l):
     calls = []
     n, reason = pack_stage(stage, torch.device("cpu"), torch.float32, release=lambda: calls.append(1))
     assert reason is None and n == 4 * 2 and len(calls) == n
+
+
+@pytest.mark.parametrize("shape,bias", [((64, 96), False), ((96, 64), True), ((32, 7), True)])
+def test_the_avx2_bf16_linear_is_the_float32_product_rounded_once(avx2_loops, shape, bias):
+    """Without bf16 instructions a bfloat16 projection runs the C loop on its own weight (no copy): the
+    float32 sum of the exact products, the bias added, then one rounding to bfloat16."""
+    gen = torch.Generator().manual_seed(shape[0])
+    lin = nn.Linear(*shape, bias=bias).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    native = NativeBf16Linear(lin)
+    assert native.weight.data_ptr() == lin.weight.data_ptr()
+    for x in (torch.randn(1, shape[0], generator=gen), torch.randn(3, 5, shape[0], generator=gen),
+              torch.randn(shape[0], 9, generator=gen).t(), torch.randn(0, shape[0])):
+        x = x.bfloat16()
+        with torch.inference_mode():
+            y = native(x)
+        want = (x.double() @ lin.weight.double().t() + (0 if lin.bias is None else lin.bias.double())).float()
+        assert y.dtype == torch.bfloat16 and y.shape == (*x.shape[:-1], shape[1])
+        torch.testing.assert_close(y.float(), want, atol=1e-5, rtol=2 ** -8)  # one bf16 rounding at most
+
+
+def test_a_bfloat16_stage_without_bf16_instructions_takes_the_avx2_loop(avx2_loops, llama_2l, tmp_path):
+    """The stage's projections (their widths a multiple of 32) become NativeBf16Linear over the loaded
+    weights; logits agree with the plain bf16 stage within bf16's rounding, at P = 1 and 2; a whole run
+    says "native" in its summary and agrees with --cpu-linear plain."""
+    cpu = torch.device("cpu")
+    assert why_not(cpu, torch.bfloat16, False, "none") is None
+    prompts = [[1, 5, 9, 33, 2, 8], [1, *range(40, 80)]]
+    for ranges in ([(0, 2)], [(0, 1), (1, 2)]):
+        plain = stage_chain(llama_2l, ranges, dtype=torch.bfloat16, cpu_linear="plain")
+        fast = stage_chain(llama_2l, ranges, dtype=torch.bfloat16)
+        assert all(st.cpu_linear == "native" and isinstance(st.layers[0].mlp.up, NativeBf16Linear) for st in fast)
+        for ours, ref in zip(chain_logits(fast, prompts), chain_logits(plain, prompts), strict=True):
+            torch.testing.assert_close(ours, ref, atol=2e-2, rtol=2e-2)
+    data, out = str(DATA / "mixed_params.jsonl"), {}
+    for kernel in ("plain", "onednn"):
+        path = tmp_path / f"{kernel}.jsonl"
+        assert run_inprocess(["--model-name", llama_2l, "--infer-data", data, "--output-path", str(path),
+                              "--no-progress", "--num-threads", "1", "--dtype", "bfloat16", "--cpu-linear", kernel]) == 0
+        summary = json.loads(Path(f"{path}.summary.json").read_text())
+        assert [s.get("linear") for s in summary["stage_precision"]] == ["native" if kernel == "onednn" else "plain"]
+        out[kernel] = read_jsonl(path)
+    echoed = 0
+    for a, b in zip(out["plain"], out["onednn"], strict=True):  # bf16 runs: the same rows, scores within its rounding
+        assert a["request"] == b["request"] and ("result" in a) == ("result" in b)
+        if "result" in a and a["request"].get("echo") and a["request"].get("logprobs") is not None:
+            pa, pb = (r["result"]["choices"][0]["logprobs"]["token_logprobs"] for r in (a, b))
+            n = a["result"]["usage"]["prompt_tokens"]
+            assert pa[0] is None and pb[0] is None
+            torch.testing.assert_close(torch.tensor(pa[1:n]), torch.tensor(pb[1:n]), atol=0.1, rtol=0.05)
+            echoed += 1
+    assert echoed
