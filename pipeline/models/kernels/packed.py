@@ -1,4 +1,5 @@
-"""oneDNN-prepacked weights for a CPU stage's linear layers (``--cpu-linear onednn``).
+"""oneDNN-prepacked weights for a CPU stage's linear layers (``--cpu-linear onednn``); bfloat16 ones on CPUs
+without bf16 instructions through ``native.py``'s AVX2 loop.
 
 On the CPU, ``F.linear`` runs MKL's sgemm, which re-reads the (out, in) weight in its row-major
 layout on every call. oneDNN can reorder a weight once into the blocked layout its kernels stream
