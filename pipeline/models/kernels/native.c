@@ -663,10 +663,12 @@ void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w
 #undef BF16_VT
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The same product with AVX2: x converted once to float32, each 8 weights widened to float32 (a bfloat16
- * is the high half of its float32) and multiplied by FMA, exact products summed in float32 (8 lanes, one
- * fixed reduction). Tiles of 3-4 rows against 2 vocabulary rows, 2 against 4, 1 against 8: at most 8
- * accumulators (the chains that keep the FMA units busy) and 8 weight vectors in the 16 registers, the x values FMA memory operands. A logit's sum
- * runs in the same order in every tile, so it does not depend on the rows beside it either. */
+ * is the high half of its float32) and multiplied by FMA, exact products summed in float32: two sums of 8
+ * lanes a logit (the even and the odd blocks of 8), added and reduced in one fixed order at the end. Tiles
+ * of 1 row against 4 vocabulary rows, 2 against 2, 3-4 against 1: at most 8 accumulators (the chains
+ * that keep the FMA units busy) and 8 weight vectors in the 16 registers, the x values FMA memory
+ * operands, at most 4 weight rows streamed at once. A logit's sum runs in the same order in every tile,
+ * so it does not depend on the rows beside it either. */
 #define BF16_VT 32
 static inline __attribute__((always_inline)) __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -681,19 +683,20 @@ static inline __attribute__((always_inline)) float sum8(__m256 a) {
 
 static inline __attribute__((always_inline)) void bf16_tile(const float *x, int R, int64_t h, const uint16_t *w,
                                                             int V, int64_t vocab, int64_t v0, float *out) {
-    __m256 acc[4][8];
+    __m256 acc[4][4][2];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < h; e += 8) {
-        __m256 wv[8];
-        for (int v = 0; v < V; v++) wv[v] = bf16x8(w + v * h + e);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + r * h + e);
-            for (int v = 0; v < V; v++) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-        }
+        for (int v = 0; v < V; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < h; e += 16) {
+        __m256 wv[4][2];
+        for (int v = 0; v < V; v++) wv[v][0] = bf16x8(w + v * h + e), wv[v][1] = bf16x8(w + v * h + e + 8);
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) {
+                acc[r][v][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * h + e), wv[v][0], acc[r][v][0]);
+                acc[r][v][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * h + e + 8), wv[v][1], acc[r][v][1]);
+            }
     }
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) out[r * vocab + v0 + v] = sum8(acc[r][v]);
+        for (int v = 0; v < V; v++) out[r * vocab + v0 + v] = sum8(_mm256_add_ps(acc[r][v][0], acc[r][v][1]));
 }
 
 #define BF16_TILE(R, V) bf16_tile(xf + r0 * h, R, h, w + v * h, V, vocab, v, out + r0 * vocab)
@@ -712,15 +715,10 @@ void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             int64_t R = rows - r0 < 4 ? rows - r0 : 4;
             int64_t v = t * BF16_VT;
-            if (R > 2)
-                for (; v + 2 <= end; v += 2) {
-                    if (R == 4) BF16_TILE(4, 2);
-                    else BF16_TILE(3, 2);
-                }
-            else if (R == 2)
-                for (; v + 4 <= end; v += 4) BF16_TILE(2, 4);
-            else
-                for (; v + 8 <= end; v += 8) BF16_TILE(1, 8);
+            if (R == 2)
+                for (; v + 2 <= end; v += 2) BF16_TILE(2, 2);
+            else if (R == 1)
+                for (; v + 4 <= end; v += 4) BF16_TILE(1, 4);
             for (; v < end; v++) {
                 if (R == 4) BF16_TILE(4, 1);
                 else if (R == 3) BF16_TILE(3, 1);
