@@ -59,8 +59,7 @@ def work(prompt_tokens: int, new_tokens: float) -> float:
     return PROMPT_WEIGHT * prompt_tokens + new_tokens
 
 
-def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 16,
-               lenient: bool = False) -> FileCount:
+def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = False) -> FileCount:
     """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated)."""
     c = FileCount(path)
     with open(path, "rb") as f:
