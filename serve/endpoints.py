@@ -285,7 +285,6 @@ class HttpThread:
 
         extra = {}
         if limits is not None:
-
             # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
             # by the protocol, which closes idle connections first)
             extra = {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}

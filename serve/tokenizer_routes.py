@@ -36,7 +36,6 @@ ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # behind the API key, 
 
 def add_tokenizer_routes(app: FastAPI, state) -> None:
     """The three routes on ``app``; ``state``: serve.endpoints.ServeState (its tokenizing threads, names, window)."""
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await _answer(state, request, _tokenize)

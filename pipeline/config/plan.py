@@ -35,8 +35,7 @@ from pipeline.config.fit import fit_problem, local_stages, stage_needs, suggesti
 from pipeline.config.sizing import available_ram, memory_layout, model_parts, planned_budget
 from pipeline.loading.adapters import layer_bytes
 from pipeline.loading.stage_weights import SafetensorsFile
-from pipeline.loading.default_model import default_model_dir
-from pipeline.loading.default_model import DEFAULT_MODEL_NAME
+from pipeline.loading.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         rank, world, _, local_world, pipeline, data = resolve_layout(
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         source = resolve_model(opts.model_name, opts.revision, opts.cache_dir) if opts.model_name else \
-            ModelSource(Path(_default_model_dir()))
+            ModelSource(Path(default_model_dir()))
         model_dir = str(source.folder)
         config = read_config(model_dir)
         spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
@@ -162,7 +161,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if slots < pipeline and not turns:  # (stages taking turns with every core want one micro-batch)
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
-    name = source.name if opts.model_name else _default_model_name()
+    name = source.name if opts.model_name else DEFAULT_MODEL_NAME
     precision = [opts.quantize] if opts.quantize != "none" else []
     if fmt is not None:  # a pre-quantized checkpoint: its format (gptq-int4, awq-int4, ct-fp8, ...)
         precision.insert(0, fmt.name)
@@ -292,7 +291,6 @@ def adapter_record(folder: Path) -> str:
 def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,
                  adapters: list) -> tuple[list[tuple[int, int]], str | None]:
     """Layers of each stage: even, --num-layers, --layers-per-stage or --stage-memory."""
-
     if opts.stage_memory is None:
         sizes = parse_layers_per_stage(opts.layers_per_stage) if opts.layers_per_stage else None
         return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
@@ -300,7 +298,6 @@ def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_worl
     depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
     per_layer = None
     if adapters:
-
         per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
     sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
                                 per_layer)
@@ -354,16 +351,6 @@ def stored_dtype(model_dir: str) -> str | None:
     f.close()
     names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     return next((names[e["dtype"]] for e in f.entries.values() if e["dtype"] in names), None)
-
-
-def _default_model_dir() -> str:
-
-    return default_model_dir()
-
-
-def _default_model_name() -> str:
-
-    return DEFAULT_MODEL_NAME
 
 
 def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:

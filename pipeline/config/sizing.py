@@ -64,7 +64,6 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
     """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
-
         fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
         with torch.device("meta"):
             embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}

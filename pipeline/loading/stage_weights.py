@@ -239,7 +239,6 @@ def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, r
 
 def _packed_getter(store: TensorStore, device):
     """``get(name, layer, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
-
     def get(name: str, part: int, optional: bool = False):
         if optional and not store.has(name, part):
             return None
@@ -262,7 +261,6 @@ def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.
 def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
                     model_type: str | None):
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
-
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
     store, up = TensorStore(model_dir), Uploader(device)

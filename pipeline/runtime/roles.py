@@ -61,7 +61,6 @@ log = logging.getLogger("runner")
 
 def load_stage(plan, opts, info):
     """This rank's layers in the run's dtype, as a :class:`pipeline.runtime.stage.Stage`."""
-
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
     first, last = plan.layers
     ledger = MemoryLedger()  # the process's RSS before anything of the stage is loaded
@@ -91,7 +90,6 @@ def load_stage(plan, opts, info):
                  ", ".join(a.name for a in plan.adapters), len(read), model.adapters.nbytes() / 2**20)
     trace = None
     if opts.profiling:
-
         trace = Trace(info.rank)
     stage = Stage(model, info.device, trace, prefix_block(plan, opts))
     stage.index = info.stage
@@ -106,7 +104,6 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
     """The int8 kernel of each shape, from the machine's kernel table (timed on this stage's shapes, a
     decode micro-batch and a prefill chunk, where the table has none); logged and in the run summary
     (``model.quantized``). Every int8 kernel gives the same results: the choice is speed only."""
-
     t0 = time.perf_counter()
     table = KernelTable(opts.kernel_table)
     chosen = choose_kernels(model, dtype, (1, opts.max_micro_batch_size, 256), table, release_freed_memory)
@@ -148,7 +145,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
     """A CPU stage with ``--cpu-linear onednn``: the layers' projections multiply against oneDNN's
     prepacked weights (:mod:`pipeline.models.kernels.packed`); ``model.cpu_linear`` says which kernel runs
     (the run summary's ``stage_precision``)."""
-
     t0 = time.perf_counter()
     n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear,
                            release_freed_memory)
@@ -160,7 +156,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
 
 def run_budget(opts, info, stage, plan=None) -> int:
     """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
-
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
         budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
