@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.runtime.sources import Busy, Live, Requests, Unavailable, rows_of
 from tasks.protocol import Answer, RequestError
-from tasks.requests import parse_body
+from tasks.requests import bool_field, parse_body
 
 from serve.auth import Access, Keys, origin_list
 from tasks.batch_store import BatchStore, StoreError
@@ -227,11 +227,7 @@ def _closed(state: ServeState, live: Live) -> None:
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be true or false", "stream")
+    stream = bool_field(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise RequestError("'stream_options' must be an object", "stream_options")

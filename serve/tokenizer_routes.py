@@ -22,6 +22,7 @@ from pipeline.scheduling.intake import chat_ids
 from tasks.batch_store import StoreError
 from tasks.fields import check_role
 from tasks.protocol import RequestError
+from tasks.requests import bool_field
 
 from serve.responses import error, ok, read_json
 
@@ -71,15 +72,6 @@ async def _answer(state, request: Request, handler):
         return error(e.status, e.message, e.kind, e.param)
 
 
-def _flag(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"'{key}' must be true or false", key)
-    return value
-
-
 def _known(body: dict, fields: set[str], defaults: dict | None = None) -> None:
     """An unknown field, or a known one away from its default, is the request's error naming it."""
     defaults = defaults or {}
@@ -94,8 +86,8 @@ def _tokenize(body: dict, state):
     chat = "messages" in body
     if chat == ("prompt" in body):
         raise RequestError("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
-    strs = _flag(body, "return_token_strs", False)
-    special = _flag(body, "add_special_tokens", not chat)
+    strs = bool_field(body, "return_token_strs")
+    special = bool_field(body, "add_special_tokens", not chat)
     if chat:
         _known(body, TOKENIZE_CHAT_FIELDS, TOKENIZE_CHAT_DEFAULTS)
         messages = body["messages"]
@@ -103,8 +95,8 @@ def _tokenize(body: dict, state):
             raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
         for m in messages:
             check_role(m)
-        opened = _flag(body, "add_generation_prompt", True)
-        cont = _flag(body, "continue_final_message", False)
+        opened = bool_field(body, "add_generation_prompt", True)
+        cont = bool_field(body, "continue_final_message")
         if opened and cont and "add_generation_prompt" in body:
             raise RequestError("give 'continue_final_message' or 'add_generation_prompt', not both",
                                "continue_final_message")
