@@ -35,18 +35,13 @@ class UsageError(ValueError):
     """A problem with how the runner was invoked; reported without a traceback (exit code 2)."""
 
 
-def budget_value(text: str) -> int | str:
-    """--budget: a number of tokens, or auto."""
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of KV-cache tokens or auto, got {text!r}")
-
-
-def chunk_value(text: str) -> int | str:
-    """--prefill-chunk: a number of tokens (0: off), or auto."""
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of prompt tokens (0: off) or auto, got {text!r}")
+def number_or_auto(what: str):
+    """The argparse type of --budget and --prefill-chunk: a number of ``what``, or auto."""
+    def value(text: str) -> int | str:
+        if text == "auto" or text.isdigit():
+            return text if text == "auto" else int(text)
+        raise argparse.ArgumentTypeError(f"expected a number of {what} or auto, got {text!r}")
+    return value
 
 
 def _opt(default, help: str, **argparse_kwargs):
@@ -65,13 +60,13 @@ class RunOptions:
     output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
-    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=budget_value)
+    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=number_or_auto("KV-cache tokens"))
     max_micro_batch_size: int = _opt(64, "Most sequences (rows) in one micro-batch.")
     num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling), P there too when a stage holds 512 MiB of weights or more (its decode passes are bound by reading them, once per micro-batch).")
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
     prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
-    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=chunk_value)
+    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=number_or_auto("prompt tokens (0: off)"))
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
