@@ -21,20 +21,16 @@ from tasks.writer import input_id, journal_path, output_problem
 
 from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
 from pipeline.loading.quantized import checkpoint_format
-from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
+from pipeline.loading.stage_weights import CheckpointError, SafetensorsFile, check_weights_present, read_config
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.capabilities import refusals
-from pipeline.config.options import RunOptions, UsageError
+from pipeline.config.options import RunOptions, UsageError, parse_lora_flag
 from pipeline.config.cores import default_threads, layer_weights, usable_cores
-from pipeline.config.partition import gib, stage_ranges
-from pipeline.loading.adapters import check_adapter, read_adapter
-from pipeline.config.options import parse_lora_flag
-from pipeline.config.partition import parse_layers_per_stage
+from pipeline.config.partition import gib, parse_layers_per_stage, stage_ranges
+from pipeline.loading.adapters import check_adapter, layer_bytes, read_adapter
 from pipeline.config.fit import fit_problem, local_stages, stage_needs, suggestions
 from pipeline.config.sizing import available_ram, memory_layout, model_parts, planned_budget
-from pipeline.loading.adapters import layer_bytes
-from pipeline.loading.stage_weights import SafetensorsFile
 from pipeline.loading.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 

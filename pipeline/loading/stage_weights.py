@@ -43,7 +43,7 @@ from tasks.files import atomic_path
 from pipeline.models.families import DecoderSpec, Source, cat0, family_for, parameter_sources, spec_from_config
 from pipeline.models.backends import choose_backend
 from pipeline.models.decoder import StageModel
-from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
+from pipeline.models.hf_stage import HFStageModel, UnsupportedModel, hf_config
 from pipeline.models.kernels.int8 import quantize_linears
 from pipeline.models.kernels.invariant import ROW_TILE
 from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
@@ -58,7 +58,6 @@ from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
 from pipeline.loading.quantized import checkpoint_format, load_projections, quantize_projections
 from pipeline.loading.parallel_read import ParallelReader
 from pipeline.loading.upload import Uploader
-from pipeline.models.hf_stage import hf_config
 
 log = logging.getLogger(__name__)
 
