@@ -322,7 +322,6 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
             sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
             return [[n] for n in dict.fromkeys(n for s in sources for n in s.names)]
     else:  # the generic stage: HF names straight from transformers' modules
-
         config = hf_config(cfg, model_type)
         num_layers = config.num_hidden_layers
 
