@@ -110,7 +110,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, device, plan.model_dir)
     most = max(b - a for a, b in plan.ranges)
-    cell = 2 * most * _kv_width(plan.config, plan.spec) * torch.empty((), dtype=dtype).element_size()
+    cell = 2 * most * _kv_width(plan.config, plan.spec) * dtype.itemsize
     if opts.budget != "auto":
         budget, how = int(opts.budget), "--budget"
     elif device.type == "cpu":

@@ -243,19 +243,15 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
                  dtype: torch.dtype, device: torch.device, adapters: list) -> None:
     """UsageError (exit 2, before loading) when the stages on this node cannot fit its memory."""
     rank, local_world, pipeline = where
-    per_layer = None
-    if adapters:
-        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    per_layer = layer_bytes(adapters, config, spec, dtype.itemsize, opts.model_type) if adapters else None
     weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
                                            planned_budget(opts.budget, device), per_layer, opts.quantize == "int8",
                                            opts.kv_cache_dtype == "int8")
     tied = getattr(spec, "tie_embeddings", False)  # a stage with both ends shares the table (both backends)
-    shared = spec.vocab_size * spec.word_dim * torch.empty((), dtype=dtype).element_size() if tied else 0
+    shared = spec.vocab_size * spec.word_dim * dtype.itemsize if tied else 0
     needs = stage_needs(weights, kv, first, last, ranges, shared)
     here = local_stages(rank, local_world, pipeline)
-    free = None
-    if device.type == "cuda":
-        free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
+    free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())] if device.type == "cuda" else None
     problem = fit_problem(needs, here, available_ram(), device, free)
     if problem:
         fixes = suggestions(sum(weights) + first + last, sum(kv), pipeline, dtype, available_ram(), local_world)
@@ -292,9 +288,7 @@ def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_worl
         return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
 
     depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
-    per_layer = None
-    if adapters:
-        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    per_layer = layer_bytes(adapters, config, spec, dtype.itemsize, opts.model_type) if adapters else None
     sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
                                 per_layer)
     return stage_ranges(spec.num_layers, pipeline, None, opts.max_layers, sizes), note
