@@ -24,7 +24,7 @@ from tasks.fields import check_role
 from tasks.protocol import RequestError
 from tasks.requests import bool_field
 
-from serve.responses import error, ok, read_json
+from serve.responses import error, model_not_found, ok, read_json
 
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
@@ -59,10 +59,8 @@ async def _answer(state, request: Request, handler):
         return error(e.status, e.message)
     if not isinstance(body, dict):
         return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-    if body.get("model") not in (None, state.model, *state.adapters):
-        served = ", ".join(repr(m) for m in (state.model, *state.adapters))
-        return error(404, f"the model {body['model']!r} does not exist; this server serves {served}", param="model",
-                     code="model_not_found")
+    if body.get("model") not in (None, *state.served):
+        return model_not_found(body["model"], state.served)
     if state.tokenizing is None:
         return error(503, "no tokenizer on this server", "server_error")
     try:
