@@ -221,7 +221,9 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
-    one = stage_needs(*_layer_parts(opts, config, spec, dtype), [(ranges[0][0], ranges[-1][1])])[0]
+    parts = model_parts(config, spec, opts.model_type, opts.backend, dtype, planned_budget(opts.budget, device), None,
+                        opts.quantize == "int8", opts.kv_cache_dtype == "int8")
+    one = stage_needs(*parts, [(ranges[0][0], ranges[-1][1])])[0]
     if one.total > available_ram():
         return None
     return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each): one process fits this node's memory "
@@ -230,13 +232,6 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
             "read theirs once per micro-batch on a share of the cores each (where the stages must share it, "
             f"--num-micro-batches 1 --num-threads {cores} lets them take turns with every core); on a node "
             "shared with other work, stages of one thread each hold up better (docs/usage/scale.md)")
-
-
-def _layer_parts(opts: RunOptions, config: dict, spec, dtype) -> tuple[list[int], list[int], int, int]:
-    weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
-                                           planned_budget(opts.budget, torch.device("cpu")), None,
-                                           opts.quantize == "int8", opts.kv_cache_dtype == "int8")
-    return weights, kv, first, last
 
 
 def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], where: tuple[int, int, int],
