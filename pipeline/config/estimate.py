@@ -26,6 +26,7 @@ import orjson
 
 import torch
 
+from comm.dist import free_port
 from tasks.requests import parse_line
 from tasks.protocol import RequestError
 from tasks.status import read_status
@@ -187,14 +188,6 @@ def from_status(s: dict, counts: list[FileCount]) -> dict:
     now = work(sum(c.prompt_tokens for c in counts), ratio * sum(c.max_new_tokens for c in counts))
     compute = compute * now / max(done, 1e-9)
     return {"seconds": loading + compute, "how": "scaled from the last run's status file, same model and P"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sample_lines(n: int) -> list[int]:
