@@ -26,7 +26,6 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # the project's packages, wherever the runner is started from
@@ -44,7 +43,7 @@ from python_api import (LLM, Choice, CompletionOutput, EngineDead, GuidedDecodin
                         StructuredOutputsParams)  # the Python API (vLLM's names too)
 from pipeline.config.estimate import dry_run  # noqa: E402
 from pipeline.config.options import UsageError, parse_options, quiet_exit_grace  # noqa: E402
-from pipeline.config.plan import make_plan, output_for, resolve_dtype as resolve  # noqa: E402
+from pipeline.config.plan import make_plan, output_for, resolve_dtype  # noqa: E402,F401 (resolve_dtype: re-exported)
 from pipeline.runtime.in_process import in_process_options, plan_env, rank_of_thread, run_in_process  # noqa: E402
 from pipeline.runtime.monitor import stop_metrics  # noqa: E402
 from pipeline.runtime.roles import make_engine, serve_rank, start_rank  # noqa: E402
@@ -56,16 +55,7 @@ from tasks.inflight import recording, stop_all  # noqa: E402
 from tasks.output_file import precision_note  # noqa: E402
 from tasks.status import fail_active  # noqa: E402
 
-if TYPE_CHECKING:
-    import torch
-
 log = logging.getLogger("runner")
-
-
-def resolve_dtype(name: str, cfg: dict, device, model_dir: str | None = None) -> "torch.dtype":
-    """The run's dtype (pipeline.config.plan.resolve_dtype, kept here for callers of the runner module)."""
-
-    return resolve(name, cfg, device, model_dir)
 
 
 class _RankPrefix(logging.Filter):
@@ -101,7 +91,6 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
     caller (tests), who may stop the run with ``stopping``; otherwise SIGTERM and SIGINT are masked
     before anything (torch's import included) can start a thread.
     """
-
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
@@ -122,13 +111,9 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
     if rank == 0:
-        for warning in plan.warnings:
-            log.warning("%s", warning)
-        if plan.layout_note:
-            log.info("%s", plan.layout_note)
+        log_plan(plan)
     if plan.nothing_to_do:  # every output is complete and this run's: start nothing, load nothing
         if rank == 0:
-
             for path in plan.all_inputs:
                 output = output_for(path, opts.output_path, len(plan.all_inputs) > 1)
                 print(f"{path}: skipped, output already complete at {output} (--overwrite recomputes)",
@@ -139,7 +124,6 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
     except UsageError as e:
         return usage_error(e)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank, then exit without hanging
-
         if isinstance(e, (PeerLost, RunError)):
             log.error("rank %d stops: %s", rank, e)
         elif type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
@@ -183,7 +167,6 @@ def launch_rank(argv: list[str]) -> int:
 def usage_error(e: UsageError, quiet: bool = False) -> int:
     """Exit code 2; the message on stderr and, under torchrun, in the agent's error file."""
     if quiet:
-
         quiet_exit_grace()
         return 2
     message = f"dist_inference_runner.py: error: {e}"
@@ -262,7 +245,6 @@ def watch_signals(rank: int, serving: bool = False) -> None:
 def watch_launcher() -> None:
     """A rank started by torchrun or launch/legacy_per_rank.sh exits (SIGTERM's way) when that launcher
     is gone, even after ``kill -9`` of it (comm.lifeline)."""
-
     expected = launcher_pid(os.environ, START_PPID)
     if expected is not None:
         watch(expected)
@@ -272,11 +254,15 @@ def run(opts) -> int:
     """Plan (every flag checked, nothing loaded), then execute on this rank, or with ``--in-process`` every
     rank (in-process use, tests: errors are raised, signals left to the caller)."""
     launch, opts, plan = plan_run(opts)
+    log_plan(plan)
+    return 0 if plan.nothing_to_do else start(launch, opts, plan)
+
+
+def log_plan(plan) -> None:
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.layout_note:
         log.info("%s", plan.layout_note)
-    return 0 if plan.nothing_to_do else start(launch, opts, plan)
 
 
 def plan_run(opts):
@@ -358,7 +344,6 @@ def starved_rows(report) -> int:
 
 
 def summarize(reports) -> None:
-
     for r in reports:
         if r.skipped:
             print(f"{r.input}: skipped, output already complete at {r.output}", file=sys.stderr)

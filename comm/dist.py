@@ -201,6 +201,13 @@ def sharing_a_gpu(placements: list[tuple[str, int]], rank: int) -> list[int]:
     return shared if len(shared) > 1 else []
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback now (a rendezvous for ranks started from here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def shutdown(info: DistInfo | None = None, clean: bool = True) -> None:
     """After a clean run: wait for this device's work, meet every rank on the CPU group (so nobody
     tears down a link a neighbour is still reading the last message from), then destroy the groups.

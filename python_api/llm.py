@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from comm.dist import shutdown
+from comm.dist import free_port, shutdown
 from python_api.flags import from_vllm, parse, to_argv
 from python_api.params import SamplingParams, fields_of, params_for
-from python_api.outputs import RequestFailed, Result, Score, error_result, from_answer, score_of
-from python_api.workers import Workers, free_port
+from python_api.outputs import RequestFailed, Result, Score, from_answer, score_of
+from python_api.workers import Workers
 from pipeline.config.options import UsageError
 from pipeline.config.plan import make_plan, output_for
 from pipeline.loading.tokenizer import load_tokenizer
@@ -313,7 +313,7 @@ class LLM:
         try:
             req = _request(i, item, params, chat, self.opts.lenient_fields)
         except RequestError as e:
-            return error_result(i, getattr(e, "raw", item), e.to_dict())
+            return Result(i, getattr(e, "raw", item), error=e.to_dict())
         if req.ignored:
             log.warning("request %d: fields ignored (lenient_fields): %s", i, ", ".join(req.ignored))
         channel = FutureChannel()

@@ -206,10 +206,6 @@ def _logprobs_asked(request: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def error_result(index: int, request: object, error: dict) -> Result:
-    return Result(index, request, error=error)
-
-
 def choice(c: dict, asked: int | None = None) -> Choice:
     """A Choice from a completion choice or a chat choice (its logprobs in the chat format); ``asked``: the
     request's logprobs (vLLM's ``Choice.logprobs`` is None when it asked for none)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,6 @@ def runner_path() -> str:
     if spec is not None and spec.origin:
         return spec.origin
     return str(Path(__file__).resolve().parents[2] / "dist_inference_runner.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Workers:

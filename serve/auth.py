@@ -51,7 +51,6 @@ class Keys:
 def load_keys(api_key: str | None, api_key_file: str | None, env: dict | None = None) -> Keys:
     """The keys of the flags (checked before loading: pipeline.config.options) or the environment; warns about
     ``--api-key`` (every local user sees it in ``ps``) and a key file other users can read."""
-
     env = os.environ if env is None else env
     if api_key_file:
         mode = os.stat(api_key_file).st_mode

@@ -26,7 +26,6 @@ def owner_of(request: Request) -> str:
 
 
 def add_batch_routes(app: FastAPI, state) -> None:
-
     store = state.store
 
     @app.exception_handler(StoreError)

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.runtime.sources import Busy, Live, Requests, Unavailable, rows_of
 from tasks.protocol import Answer, RequestError
-from tasks.requests import parse_body
+from tasks.requests import bool_field, parse_body
 
 from serve.auth import Access, Keys, origin_list
 from tasks.batch_store import BatchStore, StoreError
@@ -32,7 +32,7 @@ from serve.http_channel import HttpChannel
 from serve.sse import DONE, ChunkMaker, event
 from serve.batch_routes import add_batch_routes
 from serve.connection_limits import protocol_class
-from serve.responses import error, ok, read_json
+from serve.responses import error, model_not_found, ok, read_json
 from serve.tokenizer_routes import add_tokenizer_routes
 from serve.web_page import add_page_route
 
@@ -59,6 +59,11 @@ class ServeState:
     lenient_fields: bool = False  # --lenient-fields: unknown or unsupported request fields ignored and logged
     max_model_len: int = 0  # the model's context window (/tokenize reports it)
     vocab_size: int = 0  # the model's embedding rows (/detokenize's ids are checked against it; 0: not known)
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """The names a request's "model" may take: the base model's, then each adapter's."""
+        return (self.model, *self.adapters)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -94,13 +99,12 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return ok({"object": "list", "data": [_model(state, m) for m in (state.model, *state.adapters)]})
+        return ok({"object": "list", "data": [_model(state, m) for m in state.served]})
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name not in (state.model, *state.adapters):
-            return error(404, f"the model {name!r} does not exist; this server serves {_served(state)}",
-                         param="model", code="model_not_found")
+        if name not in state.served:
+            return model_not_found(name, state.served)
         return ok(_model(state, name))
 
     @app.post("/v1/completions")
@@ -125,18 +129,13 @@ def _model(state: ServeState, name: str) -> dict:
     return out
 
 
-def _served(state: ServeState) -> str:
-    return ", ".join(repr(m) for m in (state.model, *state.adapters))
-
-
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
     try:
         body = await read_json(request, state.max_request_bytes)
     except StoreError as e:
         return error(e.status, e.message)
-    if isinstance(body, dict) and body.get("model") not in (None, state.model, *state.adapters):
-        return error(404, f"the model {body['model']!r} does not exist; this server serves {_served(state)}",
-                     param="model", code="model_not_found")
+    if isinstance(body, dict) and body.get("model") not in (None, *state.served):
+        return model_not_found(body["model"], state.served)
     try:
         req = parse_body(body, chat, lenient=state.lenient_fields)
         if req.ignored:  # as vLLM logs them
@@ -227,11 +226,7 @@ def _closed(state: ServeState, live: Live) -> None:
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be true or false", "stream")
+    stream = bool_field(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise RequestError("'stream_options' must be an object", "stream_options")
@@ -285,7 +280,6 @@ class HttpThread:
 
         extra = {}
         if limits is not None:
-
             # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
             # by the protocol, which closes idle connections first)
             extra = {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}

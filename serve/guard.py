@@ -111,6 +111,5 @@ def _media_refusal(path: str, headers: dict) -> tuple[int, str, str] | None:
 
 
 async def _answer(status: int, message: str, code: str, scope, receive, send) -> None:
-
     headers = {"Connection": "close"} if status == 413 else None  # the rest of the body is not read
     await error(status, message, code=code, headers=headers)(scope, receive, send)

@@ -16,6 +16,12 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
 
 
+def model_not_found(name: object, served: tuple[str, ...]) -> Response:
+    """404 for a "model" this server does not serve (``served``: the base model's name, its adapters')."""
+    return error(404, f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                 param="model", code="model_not_found")
+
+
 def ok(obj: dict) -> Response:
     return Response(orjson.dumps(obj), 200, media_type="application/json")
 

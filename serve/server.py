@@ -69,6 +69,5 @@ def run_server(rank, stopping) -> None:
 
 def store_limits(opts):
     """The Batch API's per-key quotas and lifetimes from the flags."""
-
     return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
                        int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)

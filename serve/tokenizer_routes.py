@@ -22,8 +22,9 @@ from pipeline.scheduling.intake import chat_ids
 from tasks.batch_store import StoreError
 from tasks.fields import check_role
 from tasks.protocol import RequestError
+from tasks.requests import bool_field
 
-from serve.responses import error, ok, read_json
+from serve.responses import error, model_not_found, ok, read_json
 
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
@@ -36,7 +37,6 @@ ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # behind the API key, 
 
 def add_tokenizer_routes(app: FastAPI, state) -> None:
     """The three routes on ``app``; ``state``: serve.endpoints.ServeState (its tokenizing threads, names, window)."""
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await _answer(state, request, _tokenize)
@@ -59,10 +59,8 @@ async def _answer(state, request: Request, handler):
         return error(e.status, e.message)
     if not isinstance(body, dict):
         return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-    if body.get("model") not in (None, state.model, *state.adapters):
-        served = ", ".join(repr(m) for m in (state.model, *state.adapters))
-        return error(404, f"the model {body['model']!r} does not exist; this server serves {served}", param="model",
-                     code="model_not_found")
+    if body.get("model") not in (None, *state.served):
+        return model_not_found(body["model"], state.served)
     if state.tokenizing is None:
         return error(503, "no tokenizer on this server", "server_error")
     try:
@@ -70,15 +68,6 @@ async def _answer(state, request: Request, handler):
         return ok(await state.tokenizing.call(work))
     except RequestError as e:
         return error(e.status, e.message, e.kind, e.param)
-
-
-def _flag(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"'{key}' must be true or false", key)
-    return value
 
 
 def _known(body: dict, fields: set[str], defaults: dict | None = None) -> None:
@@ -95,8 +84,8 @@ def _tokenize(body: dict, state):
     chat = "messages" in body
     if chat == ("prompt" in body):
         raise RequestError("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
-    strs = _flag(body, "return_token_strs", False)
-    special = _flag(body, "add_special_tokens", not chat)
+    strs = bool_field(body, "return_token_strs")
+    special = bool_field(body, "add_special_tokens", not chat)
     if chat:
         _known(body, TOKENIZE_CHAT_FIELDS, TOKENIZE_CHAT_DEFAULTS)
         messages = body["messages"]
@@ -104,8 +93,8 @@ def _tokenize(body: dict, state):
             raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
         for m in messages:
             check_role(m)
-        opened = _flag(body, "add_generation_prompt", True)
-        cont = _flag(body, "continue_final_message", False)
+        opened = bool_field(body, "add_generation_prompt", True)
+        cont = bool_field(body, "continue_final_message")
         if opened and cont and "add_generation_prompt" in body:
             raise RequestError("give 'continue_final_message' or 'add_generation_prompt', not both",
                                "continue_final_message")

@@ -46,6 +46,17 @@ log = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+def _batch_object(bid: str, owner: str, now: int, **fields) -> dict:
+    """A batch object in OpenAI's field order: ``fields`` set, every other time and id unset."""
+    return {"id": bid, "object": "batch", "endpoint": None, "errors": None, "input_file_id": None,
+            "completion_window": "24h", "status": "validating", "output_file_id": None, "error_file_id": None,
+            "created_at": now, "in_progress_at": None, "expires_at": now + 86400, "finalizing_at": None,
+            "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None, "_owner": owner} | fields
+
+
 class BatchStore:
     def __init__(self, root: str | Path, limits: StoreLimits | None = None):
         self.root = make_private_dir(Path(root))
@@ -103,11 +114,7 @@ class BatchStore:
 
     def _damaged_batch(self, path: Path, owner: str) -> dict:
         now = int(path.stat().st_mtime)
-        obj = {"id": path.stem, "object": "batch", "endpoint": None, "errors": None, "input_file_id": None,
-               "completion_window": "24h", "status": "failed", "output_file_id": None, "error_file_id": None,
-               "created_at": now, "in_progress_at": None, "expires_at": now + 86400, "finalizing_at": None,
-               "completed_at": None, "failed_at": now, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None, "_owner": owner}
+        obj = _batch_object(path.stem, owner, now, status="failed", failed_at=now)
         self._end(obj, "failed", "the server could not read this batch's record after a restart (it was damaged); "
                                  "the requests answered before are in the output file")
         return obj
@@ -221,12 +228,9 @@ class BatchStore:
         except CheckError as e:
             raise StoreError(e.message, 400, e.param, code=e.code) from None
         now = int(time.time())
-        obj = {"id": "batch_" + uuid.uuid4().hex[:24], "object": "batch", "endpoint": endpoint, "errors": None,
-               "input_file_id": fid, "completion_window": "24h", "status": "validating", "output_file_id": None,
-               "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + window,
-               "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
-               "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata, "_owner": owner}
+        obj = _batch_object("batch_" + uuid.uuid4().hex[:24], owner, now, endpoint=endpoint, input_file_id=fid,
+                            expires_at=now + window, request_counts={"total": total, "completed": 0, "failed": 0},
+                            metadata=metadata)
         with self.lock:
             self._save(obj)
             self.batches[obj["id"]] = obj

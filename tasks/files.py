@@ -58,6 +58,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = 
             tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
 
 
+def count_lines(path: str | os.PathLike) -> int:
+    """Non-blank lines of a request file (what rank 0 counts as its requests)."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def input_fingerprint(path: str | os.PathLike) -> str:
     """Size and a BLAKE2b hash of the whole file: a journal or output is only taken for this input's
     (an edit anywhere in the file is another input). About 0.5 s per 100 MB on one core, once per

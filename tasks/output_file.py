@@ -130,7 +130,6 @@ class OutputFile:
                 self.rows_path.unlink(missing_ok=True)
             self.suspects, self.culprits = self.inflight.open(skip)
         if skip is not None and show_progress:
-
             share_total = share_size(self.data_rank, total, self.data_size)
             self.progress = Progress(str(self.writer.output), share_total, skip)
         return skip

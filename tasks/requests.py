@@ -164,11 +164,14 @@ def _stops(body: dict) -> list[str]:
     return [x for x in s if x]
 
 
-def _bool(body: dict, key: str) -> bool:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
+def bool_field(body: dict, key: str, default: bool = False) -> bool:
+    """A true/false field (absent or null: ``default``); anything else is the request's error naming it."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
         raise RequestError(f"'{key}' must be true or false", key)
-    return bool(v)
+    return value
 
 
 def _stop_token_ids(body: dict) -> list[int]:
@@ -226,12 +229,8 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         echo = False
     else:
         logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, what=" (the documented cap)")
-        echo = body.get("echo", False)
-        if echo is None:
-            echo = False
-        if not isinstance(echo, bool):
-            raise RequestError("'echo' must be true or false", "echo")
-    return_ids = _bool(body, "return_token_ids")
+        echo = bool_field(body, "echo")
+    return_ids = bool_field(body, "return_token_ids")
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"'seed' must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}", "seed")
@@ -256,7 +255,7 @@ def parse_params(body: dict, chat: bool = False) -> Params:
         repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
         min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=min_tokens,
-        ignore_eos=_bool(body, "ignore_eos"),
+        ignore_eos=bool_field(body, "ignore_eos"),
         stop_token_ids=_stop_token_ids(body),
         logit_bias=_logit_bias(body),
         structured=_structured(body),

@@ -27,12 +27,6 @@ RATE_WINDOW_S = 60.0  # "tokens/s over the last minute"
 STALE_BEATS = 3  # a reader calls the file stale after this many missed heartbeats
 
 
-def count_lines(path: str | os.PathLike) -> int:
-    """Non-blank lines of a request file (what rank 0 counts as its requests)."""
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 def peak_rss_bytes() -> int:
     """The most resident memory this process has held since it started: Linux's VmHWM
     (/proc/self/status), which starts afresh when the process image does (exec). Not ``ru_maxrss``

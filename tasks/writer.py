@@ -260,7 +260,7 @@ class OrderedWriter:
             os.replace(self.journal, self.output)
             self.meta.unlink(missing_ok=True)
         else:
-            mark_share_done(self.journal)
+            self.journal.with_name(self.journal.name + ".done").touch()
 
 
 def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
@@ -282,10 +282,6 @@ def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> No
     for j in journals:
         j.unlink(missing_ok=True)
         j.with_name(j.name + ".json").unlink(missing_ok=True)
-
-
-def mark_share_done(journal: Path) -> None:
-    journal.with_name(journal.name + ".done").touch()
 
 
 def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,

@@ -199,10 +199,6 @@ class PrefixCache:
         grow, self.grow_to = self.grow_to, None
         return grow
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
 
 class PrefixStore:
     """One stage's pool: keys/values (layers, kv_heads, blocks x block, head_dim), block ``i`` at

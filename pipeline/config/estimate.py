@@ -26,6 +26,7 @@ import orjson
 
 import torch
 
+from comm.dist import free_port
 from tasks.requests import parse_line
 from tasks.protocol import RequestError
 from tasks.status import read_status
@@ -59,8 +60,7 @@ def work(prompt_tokens: int, new_tokens: float) -> float:
     return PROMPT_WEIGHT * prompt_tokens + new_tokens
 
 
-def count_file(path: str, tok, block: int, seen: set[bytes], default_max: int = 16,
-               lenient: bool = False) -> FileCount:
+def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = False) -> FileCount:
     """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated)."""
     c = FileCount(path)
     with open(path, "rb") as f:
@@ -111,7 +111,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, device, plan.model_dir)
     most = max(b - a for a, b in plan.ranges)
-    cell = 2 * most * _kv_width(plan.config, plan.spec) * torch.empty((), dtype=dtype).element_size()
+    cell = 2 * most * _kv_width(plan.config, plan.spec) * dtype.itemsize
     if opts.budget != "auto":
         budget, how = int(opts.budget), "--budget"
     elif device.type == "cpu":
@@ -188,14 +188,6 @@ def from_status(s: dict, counts: list[FileCount]) -> dict:
     now = work(sum(c.prompt_tokens for c in counts), ratio * sum(c.max_new_tokens for c in counts))
     compute = compute * now / max(done, 1e-9)
     return {"seconds": loading + compute, "how": "scaled from the last run's status file, same model and P"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sample_lines(n: int) -> list[int]:

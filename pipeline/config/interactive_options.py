@@ -53,14 +53,10 @@ def interactive_problems(opts) -> list[str]:
 def sampling_problems(opts) -> list[str]:
     """The sampling defaults in the ranges requests take (tasks.requests.parse_params)."""
     problems = []
-    if opts.max_tokens < 1:
-        problems.append(f"--max-tokens must be at least 1, got {opts.max_tokens}")
     if not 0.0 <= opts.temperature <= 2.0:
         problems.append(f"--temperature must be in [0, 2], got {opts.temperature}")
     if not 0.0 < opts.top_p <= 1.0:
         problems.append(f"--top-p must be in (0, 1], got {opts.top_p}")
-    if opts.top_k < 0:
-        problems.append(f"--top-k must be 0 (off) or more, got {opts.top_k}")
     for flag, v in (("--presence-penalty", opts.presence_penalty), ("--frequency-penalty", opts.frequency_penalty)):
         if not -2.0 <= v <= 2.0:
             problems.append(f"{flag} must be in [-2, 2], got {v}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.config.capabilities import refusals
 from pipeline.config.interactive_options import interactive_problems
 from pipeline.loading.hub import looks_like_repo_id
-from pipeline.config.serve_options import _serve_limit_problems, _serve_state_problems, read_key_file, serve_address  # noqa: F401 (re-exported)
+from pipeline.config.serve_options import read_key_file, serve_address, serve_problems  # noqa: F401 (read_key_file: re-exported)
 from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 from pipeline.models.backends import BACKENDS  # what each means
 
@@ -35,22 +35,19 @@ class UsageError(ValueError):
     """A problem with how the runner was invoked; reported without a traceback (exit code 2)."""
 
 
-def budget_value(text: str) -> int | str:
-    """--budget: a number of tokens, or auto."""
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of KV-cache tokens or auto, got {text!r}")
+def number_or_auto(what: str):
+    """The argparse type of --budget and --prefill-chunk: a number of ``what``, or auto."""
+    def value(text: str) -> int | str:
+        if text == "auto" or text.isdigit():
+            return text if text == "auto" else int(text)
+        raise argparse.ArgumentTypeError(f"expected a number of {what} or auto, got {text!r}")
+    return value
 
 
-def chunk_value(text: str) -> int | str:
-    """--prefill-chunk: a number of tokens (0: off), or auto."""
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of prompt tokens (0: off) or auto, got {text!r}")
-
-
-def _opt(default, help: str, **argparse_kwargs):
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
+def _opt(default, help: str, least: int | None = None, **argparse_kwargs):
+    """A flag's field: its default, help and argparse settings; ``least``: the smallest value it takes
+    (check_options refuses a smaller one, from the command line or --config alike)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs, **({} if least is None else {"least": least})})
 
 
 @dataclass
@@ -65,13 +62,13 @@ class RunOptions:
     output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
-    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=budget_value)
-    max_micro_batch_size: int = _opt(64, "Most sequences (rows) in one micro-batch.")
-    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling), P there too when a stage holds 512 MiB of weights or more (its decode passes are bound by reading them, once per micro-batch).")
+    budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=number_or_auto("KV-cache tokens"))
+    max_micro_batch_size: int = _opt(64, "Most sequences (rows) in one micro-batch.", least=1)
+    num_micro_batches: int = _opt(0, "Micro-batches kept in flight; 0 = the pipeline size P on GPU, P + 1 on CPU with P > 1 (the extra one covers the ring's host work: sampling, scheduling), P there too when a stage holds 512 MiB of weights or more (its decode passes are bound by reading them, once per micro-batch).", least=0)
     pp_mode: str = _opt(PP_MODES[0], "Pipeline schedule; kept so the seed runner's command lines still work (there is one schedule).", choices=PP_MODES)
     prefix_cache: str = _opt("on", "Reuse the keys and values of prompt prefixes shared by several requests (few-shot prefixes, multiple-choice contexts): computed once, copied into each later row. Off under --batch-invariant, for longrope models and on the generic transformers stage.", choices=("on", "off"))
-    prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.")
-    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=chunk_value)
+    prefix_block_size: int = _opt(16, "Tokens per prefix-cache block: prefixes are shared in whole blocks.", least=1)
+    prefill_chunk: int | str = _opt("auto", "Chunked prefill: a generating prompt (no echo, best_of 1) longer than this many tokens is computed over several passes of its micro-batch, this many tokens a pass, so that no pass is far longer than the others and the pipeline stages do not wait for one another. 0 = whole prompts; auto = %d on CPU and %d on GPU with several stages, 0 with one stage or --batch-invariant (and on the generic transformers stage or longrope models, which cannot resume a prompt)." % (AUTO_PREFILL_CHUNK["cpu"], AUTO_PREFILL_CHUNK["cuda"]), type=number_or_auto("prompt tokens (0: off)"))
     seed: int = _opt(42, "Run seed: with a request's position it fixes sampled outputs of requests without their own 'seed'.")
     # model partition and numerics
     num_layers: int | None = _opt(None, "Layers per pipeline stage (the seed's meaning). Omitted: split evenly.")
@@ -91,43 +88,43 @@ class RunOptions:
     # distributed launch (torchrun sets these through the environment)
     world_size: int | None = _opt(None, "Legacy launch: total number of processes.")
     pipeline_group_size: int | None = _opt(None, "Stages per pipeline (default: world size / data group size).")
-    data_group_size: int = _opt(1, "Independent pipelines sharing the requests (world = data x pipeline).")
+    data_group_size: int = _opt(1, "Independent pipelines sharing the requests (world = data x pipeline).", least=1)
     rank: int | None = _opt(None, "Legacy launch: this process's rank.")
     cuda_id: int | None = _opt(None, "Legacy launch: CUDA device index of this process.")
     dist_url: str | None = _opt(None, "Legacy launch: rendezvous URL, e.g. tcp://127.0.0.1:29500.")
     in_process: bool = _opt(False, "Run every rank (--pipeline-group-size x --data-group-size) as a thread of this one process, joined by in-memory links instead of a process group: no torchrun. For tests and debugging, and for several stages on one GPU (each stage on GPU stage %% device count).")
     dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
-    timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).")
+    timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).", least=1)
     num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes, 1 for a model under 400k weights a layer. Threads wait passively between parallel regions (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set).")
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
-    json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).")
+    json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).", least=0)
     lenient_fields: bool = _opt(False, "Ignore request fields this runner does not know or does not implement with the value given (vLLM's behaviour), logging and counting them (the summary's ignored_fields), instead of answering the request with an error naming the field.")
     grammar_timeout: float = _opt(5, "Structured outputs: seconds each distinct JSON schema, regex or grammar may take to compile; one that takes longer is that request's error.", type=float)
     reasoning_parser: str = _opt("auto", "Reasoning models: how a row's thinking is told from its answer (chat results carry it in message.reasoning_content, usage counts its reasoning_tokens, thinking_token_budget and reasoning_effort bound it, structured outputs and stop strings apply to the answer). auto = qwen3 when the chat template writes <think> (Qwen3, QwQ, DeepSeek-R1 and its distills, the default model), else none; qwen3 = <think>...</think>, a row thinks when its prompt ends inside <think> (or a chat answer opens with it); deepseek_r1 = the same, every chat row starts inside the thinking; gpt_oss is refused (its channels are special tokens); none = raw text (see docs/usage/reasoning.md).", choices=("auto", "none", "qwen3", "deepseek_r1", "gpt_oss"))
     retry_starved: bool = _opt(False, "Reasoning models: a request whose thinking used max_tokens and left an answer empty (finish_reason length, 'starved' in the choice) runs once more in the same job with the same seed, its thinking budget twice what it thought and max_tokens that much larger (within the context window and --budget); its line is the rerun's (see docs/usage/reasoning.md).")
     overwrite: bool = _opt(False, "Recompute inputs whose output already exists.")
-    checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal) and of the lines answered that wait for an earlier one: a run started again after a crash resumes the rows mid-generation instead of from their first token, and keeps those lines; a stop (SIGTERM, SIGINT) checkpoints at once. 0: only at a stop.", type=float)
+    checkpoint_interval: float = _opt(60.0, "Seconds between checkpoints of the rows in flight (each row's generated tokens and logprobs, beside the journal) and of the lines answered that wait for an earlier one: a run started again after a crash resumes the rows mid-generation instead of from their first token, and keeps those lines; a stop (SIGTERM, SIGINT) checkpoints at once. 0: only at a stop.", type=float, least=0)
     strict: bool = _opt(False, "Exit non-zero when any request failed, or when a reasoning model's thinking left some answer empty (starved rows, after --retry-starved).")
     no_progress: bool = _opt(False, "No progress bar or progress log lines.")
     profiling: bool = _opt(False, "Write a Chrome trace of compute and communication per rank beside the output.")
     status_file: str | None = _opt(None, "File mode: a JSON file replaced atomically every --status-interval seconds and at the end with the run's state (loading, running, finished, failed: reason), lines done per file, tokens, tokens/s, ETA, per-stage busy and memory (see docs/usage/monitoring.md). Default: <output>.status.json beside the (first) output; 'none' turns it off.", metavar="PATH")
-    status_interval: int = _opt(5, "File mode: seconds between status file updates (the file's heartbeat_seconds: an updated_at older than a few of these means the writing rank is gone).")
+    status_interval: int = _opt(5, "File mode: seconds between status file updates (the file's heartbeat_seconds: an updated_at older than a few of these means the writing rank is gone).", least=1)
     metrics_port: int | None = _opt(None, "File mode: serve Prometheus metrics at http://127.0.0.1:PORT/metrics from the writing rank while the run lasts (serve mode has /metrics on its own port).", metavar="PORT")
     dry_run: bool = _opt(False, "Read the request files and the model's config (no weights), count prompt tokens, print the plan (layers and memory per stage, budget, micro-batches, shared-prefix ratio) and an estimate of the run's time, then exit 0 without writing outputs.")
     # dummy-data mode (no --infer-data)
-    batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.")
-    input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.")
-    generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.")
+    batch_size: int = _opt(8, "Dummy-data mode: number of synthetic prompts.", least=1)
+    input_seq_length: int = _opt(64, "Dummy-data mode: prompt length in tokens.", least=1)
+    generate_seq_length: int = _opt(32, "Dummy-data mode: tokens to generate per prompt.", least=1)
     # talking to the model (terminal/prompts.py, terminal/chat_shell.py; docs/usage/chat.md)
     prompts: list[str] = _opt(None, "Generate for these prompts (one quoted text each) with the sampling flags below, print each with its completion and a latency report, then exit.", nargs="+", metavar="TEXT")
     prompts_file: str | None = _opt(None, "Like --prompts, one prompt per line of this text file (blank lines skipped; \\n in a line is a newline).")
     chat: bool = _opt(False, "An interactive chat shell on the loaded pipeline (rank 0 reads the terminal), or with --url on a running --serve server; /help lists its commands.")
     url: str | None = _opt(None, "--chat: the address of a running server (http://HOST:PORT), instead of loading a model; --api-key (or $DIST_INFER_API_KEY) is its key.")
-    max_tokens: int = _opt(128, "--prompts and --chat: most tokens generated per answer.")
+    max_tokens: int = _opt(128, "--prompts and --chat: most tokens generated per answer.", least=1)
     temperature: float = _opt(1.0, "--prompts and --chat: sampling temperature (0: greedy).", type=float)
     top_p: float = _opt(1.0, "--prompts and --chat: nucleus sampling, in (0, 1].", type=float)
-    top_k: int = _opt(0, "--prompts and --chat: sample among the k likeliest tokens (0: all).")
+    top_k: int = _opt(0, "--prompts and --chat: sample among the k likeliest tokens (0: all).", least=0)
     presence_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's presence penalty, in [-2, 2].", type=float)
     frequency_penalty: float = _opt(0.0, "--prompts and --chat: OpenAI's frequency penalty, in [-2, 2].", type=float)
     repetition_penalty: float = _opt(1.0, "--prompts and --chat: vLLM's and transformers' multiplicative repetition penalty over the prompt's and the answer's tokens, above 0 (1: off; 1.1-1.3 are usual).", type=float)
@@ -141,26 +138,26 @@ class RunOptions:
     served_model_name: str | None = _opt(None, "Serve mode: the model name clients use (default: the model folder's name).")
     api_key: str | None = _opt(None, "Serve mode: require 'Authorization: Bearer KEY' on every /v1 endpoint (default: $DIST_INFER_API_KEY). Visible in ps: prefer --api-key-file or the environment variable.")
     serve_dir: str | None = _opt(None, "Serve mode: folder for uploaded files, batch state and outputs (batches resume from it after a restart). Omitted: a temporary folder.")
-    max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.")
-    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes, chunked bodies included (larger: 413).")
+    max_pending: int = _opt(256, "Serve mode: interactive requests waiting or running at once; more get 429 with Retry-After.", least=1)
+    max_request_bytes: int = _opt(8 << 20, "Serve mode: largest JSON request body in bytes, chunked bodies included (larger: 413).", least=1)
     # serve mode: limits where clients reach (serve/limits.py, serve/connection_limits.py, serve/auth.py)
     api_key_file: str | None = _opt(None, "Serve mode: file of API keys, one a line as KEY, NAME:KEY or 'KEY NAME' (# comments); each key's name identifies its holder. Not with --api-key.")
-    max_upload_bytes: int = _opt(200_000_000, "Serve mode: largest uploaded file (POST /v1/files) in bytes, streamed to --serve-dir with a running count (larger: 413); OpenAI's limit for batch input files is 200 MB.")
-    max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.")
-    max_prompts_per_request: int = _opt(2048, "Serve mode: most prompts in one completions request (more: 400).")
-    max_connections: int = _opt(0, "Serve mode: open HTTP connections at most; beyond it the oldest connection still waiting for a request head is closed, or the new one gets 503. 0 = the open-file limit minus 64.")
-    header_timeout: float = _opt(10.0, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.", type=float)
-    body_timeout: float = _opt(30.0, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.", type=float)
-    keep_alive_timeout: int = _opt(5, "Serve mode: seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
-    send_timeout: float = _opt(60.0, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.", type=float)
+    max_upload_bytes: int = _opt(200_000_000, "Serve mode: largest uploaded file (POST /v1/files) in bytes, streamed to --serve-dir with a running count (larger: 413); OpenAI's limit for batch input files is 200 MB.", least=1)
+    max_pending_rows: int = _opt(4096, "Serve mode: rows (prompts x best_of) of interactive requests waiting, running or streaming at once; more get 429 with Retry-After.", least=1)
+    max_prompts_per_request: int = _opt(2048, "Serve mode: most prompts in one completions request (more: 400).", least=1)
+    max_connections: int = _opt(0, "Serve mode: open HTTP connections at most; beyond it the oldest connection still waiting for a request head is closed, or the new one gets 503. 0 = the open-file limit minus 64.", least=0)
+    header_timeout: float = _opt(10.0, "Serve mode: seconds a connection may take to send a complete request head (counted from connecting or from the previous answer); then it is closed.", type=float, least=1)
+    body_timeout: float = _opt(30.0, "Serve mode: seconds a request body may go without a byte while the server waits for it; then 408 and the connection closes.", type=float, least=1)
+    keep_alive_timeout: int = _opt(5, "Serve mode: seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).", least=1)
+    send_timeout: float = _opt(60.0, "Serve mode: seconds a client may leave the server's output unread (a slow or stalled reader, a stream it does not read); then the connection closes and its rows are freed.", type=float, least=1)
     allowed_hosts: str | None = _opt(None, "Serve mode: comma-separated Host header names accepted besides localhost, IP addresses and the --serve host (and this machine's names when bound beyond loopback); * accepts any (others: 403, against DNS rebinding).")
     allowed_origins: str | None = _opt(None, "Serve mode: comma-separated browser origins (scheme://host[:port]) allowed to call the API, with CORS headers; * allows any. A request with another Origin gets 403 (same-origin pages on an accepted host are allowed).")
     # serve mode: the Batch API's storage (per API key) and the state folder
-    key_storage_bytes: int = _opt(10 << 30, "Serve mode: bytes of files (uploads and batch outputs) one API key may keep; an upload beyond it gets 413.")
-    key_max_files: int = _opt(1000, "Serve mode: files one API key may keep; an upload beyond it gets 429.")
-    file_expiry_hours: int = _opt(720, "Serve mode: an uploaded file is deleted this long after its upload, unless it sets its own expires_after (1 hour to 30 days).")
-    batch_retention_hours: int = _opt(720, "Serve mode: an ended batch's output and error files, and its record, are deleted this long after it ended.")
-    min_free_disk_bytes: int = _opt(256 << 20, "Serve mode: below this much free space in --serve-dir, batches pause (interactive requests go on) until space is freed.")
+    key_storage_bytes: int = _opt(10 << 30, "Serve mode: bytes of files (uploads and batch outputs) one API key may keep; an upload beyond it gets 413.", least=1)
+    key_max_files: int = _opt(1000, "Serve mode: files one API key may keep; an upload beyond it gets 429.", least=1)
+    file_expiry_hours: int = _opt(720, "Serve mode: an uploaded file is deleted this long after its upload, unless it sets its own expires_after (1 hour to 30 days).", least=1)
+    batch_retention_hours: int = _opt(720, "Serve mode: an ended batch's output and error files, and its record, are deleted this long after it ended.", least=1)
+    min_free_disk_bytes: int = _opt(256 << 20, "Serve mode: below this much free space in --serve-dir, batches pause (interactive requests go on) until space is freed.", least=0)
     config: str | None = _opt(None, "YAML file of options keyed by long flag names; command-line flags override it.")
 
     @property
@@ -211,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(RunOptions):
         flag = "--" + f.name.replace("_", "-")
-        kwargs = {k: v for k, v in f.metadata.items()}
+        kwargs = {k: v for k, v in f.metadata.items() if k != "least"}
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", default=f.default, **kwargs)
             continue
@@ -290,15 +287,14 @@ def parse_options(argv: list[str] | None = None, quiet: bool = False) -> RunOpti
 def check_options(opts: RunOptions) -> list[str]:
     """Flag problems that need no model: each message says what to change."""
     problems = []
+    for f in dataclasses.fields(RunOptions):  # the fields' lower bounds (_opt's least)
+        value, least = getattr(opts, f.name), f.metadata.get("least")
+        if least is not None and value is not None and value < least:
+            problems.append(f"--{f.name.replace('_', '-')} must be at least {least}, got {value}")
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
-    if opts.json_string_max_length < 0:
-        problems.append(f"--json-string-max-length must be 0 (unbounded) or more characters, got "
-                        f"{opts.json_string_max_length}")
     if not opts.grammar_timeout > 0:
         problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
-    if opts.prefix_block_size < 1:
-        problems.append(f"--prefix-block-size must be at least 1 token, got {opts.prefix_block_size}")
     if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):
         problems.append(f"--prefill-chunk must be a number of prompt tokens (0: off) or auto, got {opts.prefill_chunk}")
     if opts.batch_invariant and opts.prefill_chunk not in ("auto", 0):
@@ -308,16 +304,6 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append("--reasoning-parser gpt_oss: gpt-oss's harmony channels are not parsed (their markers are "
                         "special tokens, which results leave out of the text); use --reasoning-parser none: results then "
                         "carry the raw text of both channels (docs/usage/reasoning.md)")
-    if opts.max_micro_batch_size < 1:
-        problems.append(f"--max-micro-batch-size must be at least 1, got {opts.max_micro_batch_size}")
-    if opts.num_micro_batches < 0:
-        problems.append(f"--num-micro-batches must be 0 (auto) or more, got {opts.num_micro_batches}")
-    if opts.data_group_size < 1:
-        problems.append(f"--data-group-size must be at least 1, got {opts.data_group_size}")
-    if opts.checkpoint_interval < 0:
-        problems.append(f"--checkpoint-interval must be 0 (only at a stop) or more seconds, got {opts.checkpoint_interval}")
-    if opts.status_interval < 1:
-        problems.append(f"--status-interval must be at least 1 second, got {opts.status_interval}")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
         problems.append(f"--metrics-port must be a TCP port (1-65535), got {opts.metrics_port}")
     if opts.serve is not None and (opts.dry_run or opts.metrics_port is not None or opts.status_file):
@@ -332,9 +318,6 @@ def check_options(opts: RunOptions) -> list[str]:
         )
     if opts.revision is not None and (opts.model_name is None or Path(opts.model_name).is_dir()):
         problems.append("--revision applies to a hub id given as --model-name org/name: drop --revision")
-    for name in ("batch_size", "input_seq_length", "generate_seq_length", "timeout"):
-        if getattr(opts, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if opts.serve is not None:
         try:
             serve_address(opts.serve)
@@ -346,8 +329,7 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append("--serve takes requests over HTTP: drop --infer-data (or send the file through the Batch API)")
     problems += _layout_problems(opts) + _lora_problems(opts) + _kernel_table_problems(opts)
     problems += refusals(opts, generic="--backend transformers" if opts.backend == "transformers" else None)
-    problems += _serve_limit_problems(opts)
-    problems += _serve_state_problems(opts)
+    problems += serve_problems(opts)
     problems += interactive_problems(opts)
     return problems
 

@@ -21,22 +21,17 @@ from tasks.writer import input_id, journal_path, output_problem
 
 from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
 from pipeline.loading.quantized import checkpoint_format
-from pipeline.loading.stage_weights import CheckpointError, check_weights_present, read_config
+from pipeline.loading.stage_weights import CheckpointError, SafetensorsFile, check_weights_present, read_config
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.capabilities import refusals
-from pipeline.config.options import RunOptions, UsageError
+from pipeline.config.options import RunOptions, UsageError, parse_lora_flag
 from pipeline.config.cores import default_threads, layer_weights, usable_cores
-from pipeline.config.partition import gib, stage_ranges
-from pipeline.loading.adapters import check_adapter, read_adapter
-from pipeline.config.options import parse_lora_flag
-from pipeline.config.partition import parse_layers_per_stage
+from pipeline.config.partition import gib, parse_layers_per_stage, stage_ranges
+from pipeline.loading.adapters import check_adapter, layer_bytes, read_adapter
 from pipeline.config.fit import fit_problem, local_stages, stage_needs, suggestions
 from pipeline.config.sizing import available_ram, memory_layout, model_parts, planned_budget
-from pipeline.loading.adapters import layer_bytes
-from pipeline.loading.stage_weights import SafetensorsFile
-from pipeline.loading.default_model import default_model_dir
-from pipeline.loading.default_model import DEFAULT_MODEL_NAME
+from pipeline.loading.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 
 @dataclass(frozen=True)
@@ -107,7 +102,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         rank, world, _, local_world, pipeline, data = resolve_layout(
             opts.rank, opts.world_size, opts.pipeline_group_size, opts.data_group_size, env)
         source = resolve_model(opts.model_name, opts.revision, opts.cache_dir) if opts.model_name else \
-            ModelSource(Path(_default_model_dir()))
+            ModelSource(Path(default_model_dir()))
         model_dir = str(source.folder)
         config = read_config(model_dir)
         spec = stage_shape(config, opts.model_type, opts.backend)  # a model that cannot run says so first
@@ -162,7 +157,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if slots < pipeline and not turns:  # (stages taking turns with every core want one micro-batch)
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
-    name = source.name if opts.model_name else _default_model_name()
+    name = source.name if opts.model_name else DEFAULT_MODEL_NAME
     precision = [opts.quantize] if opts.quantize != "none" else []
     if fmt is not None:  # a pre-quantized checkpoint: its format (gptq-int4, awq-int4, ct-fp8, ...)
         precision.insert(0, fmt.name)
@@ -226,7 +221,9 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
-    one = stage_needs(*_layer_parts(opts, config, spec, dtype), [(ranges[0][0], ranges[-1][1])])[0]
+    parts = model_parts(config, spec, opts.model_type, opts.backend, dtype, planned_budget(opts.budget, device), None,
+                        opts.quantize == "int8", opts.kv_cache_dtype == "int8")
+    one = stage_needs(*parts, [(ranges[0][0], ranges[-1][1])])[0]
     if one.total > available_ram():
         return None
     return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each): one process fits this node's memory "
@@ -237,30 +234,19 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
             "shared with other work, stages of one thread each hold up better (docs/usage/scale.md)")
 
 
-def _layer_parts(opts: RunOptions, config: dict, spec, dtype) -> tuple[list[int], list[int], int, int]:
-    weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
-                                           planned_budget(opts.budget, torch.device("cpu")), None,
-                                           opts.quantize == "int8", opts.kv_cache_dtype == "int8")
-    return weights, kv, first, last
-
-
 def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], where: tuple[int, int, int],
                  dtype: torch.dtype, device: torch.device, adapters: list) -> None:
     """UsageError (exit 2, before loading) when the stages on this node cannot fit its memory."""
     rank, local_world, pipeline = where
-    per_layer = None
-    if adapters:
-        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    per_layer = layer_bytes(adapters, config, spec, dtype.itemsize, opts.model_type) if adapters else None
     weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
                                            planned_budget(opts.budget, device), per_layer, opts.quantize == "int8",
                                            opts.kv_cache_dtype == "int8")
     tied = getattr(spec, "tie_embeddings", False)  # a stage with both ends shares the table (both backends)
-    shared = spec.vocab_size * spec.word_dim * torch.empty((), dtype=dtype).element_size() if tied else 0
+    shared = spec.vocab_size * spec.word_dim * dtype.itemsize if tied else 0
     needs = stage_needs(weights, kv, first, last, ranges, shared)
     here = local_stages(rank, local_world, pipeline)
-    free = None
-    if device.type == "cuda":
-        free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
+    free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())] if device.type == "cuda" else None
     problem = fit_problem(needs, here, available_ram(), device, free)
     if problem:
         fixes = suggestions(sum(weights) + first + last, sum(kv), pipeline, dtype, available_ram(), local_world)
@@ -292,16 +278,12 @@ def adapter_record(folder: Path) -> str:
 def stage_layout(opts: RunOptions, config: dict, spec, pipeline: int, local_world: int, dtype, device,
                  adapters: list) -> tuple[list[tuple[int, int]], str | None]:
     """Layers of each stage: even, --num-layers, --layers-per-stage or --stage-memory."""
-
     if opts.stage_memory is None:
         sizes = parse_layers_per_stage(opts.layers_per_stage) if opts.layers_per_stage else None
         return stage_ranges(spec.num_layers, pipeline, opts.num_layers, opts.max_layers, sizes), None
 
     depth = stage_ranges(spec.num_layers, 1, None, opts.max_layers)[0][1]
-    per_layer = None
-    if adapters:
-
-        per_layer = layer_bytes(adapters, config, spec, torch.empty((), dtype=dtype).element_size(), opts.model_type)
+    per_layer = layer_bytes(adapters, config, spec, dtype.itemsize, opts.model_type) if adapters else None
     sizes, note = memory_layout(opts.stage_memory, config, spec, opts, pipeline, local_world, depth, dtype, device,
                                 per_layer)
     return stage_ranges(spec.num_layers, pipeline, None, opts.max_layers, sizes), note
@@ -354,16 +336,6 @@ def stored_dtype(model_dir: str) -> str | None:
     f.close()
     names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     return next((names[e["dtype"]] for e in f.entries.values() if e["dtype"] in names), None)
-
-
-def _default_model_dir() -> str:
-
-    return default_model_dir()
-
-
-def _default_model_name() -> str:
-
-    return DEFAULT_MODEL_NAME
 
 
 def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Serve mode's flags checked before loading: limits, keys (--api-key-file), storage, the address.
+"""Serve mode's flags checked before loading: keys (--api-key-file), hosts, the address (the limits' lower
+bounds are on their fields, pipeline.config.options).
 Imports nothing of the project (pipeline.config.options calls it; serve/ reads keys and the address here)."""
 
 from __future__ import annotations
@@ -10,15 +11,9 @@ from pathlib import Path
 API_KEY_ENVS = ("DIST_INFER_API_KEY", "DIST_RUNNER_API_KEY")  # where a server's key, or a client's, may come from
 
 
-def _serve_limit_problems(opts) -> list[str]:
-    """Serve mode's limits and keys (serve/limits.py, serve/auth.py): positive numbers, a readable key file."""
+def serve_problems(opts) -> list[str]:
+    """Serve mode's keys (serve/auth.py) and hosts (its limits' bounds are on their fields)."""
     problems = []
-    for name in ("max_pending", "max_request_bytes", "max_upload_bytes", "max_pending_rows", "max_prompts_per_request",
-                 "header_timeout", "body_timeout", "keep_alive_timeout", "send_timeout"):
-        if getattr(opts, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(opts, name)}")
-    if opts.max_connections < 0:
-        problems.append(f"--max-connections must be 0 (the open-file limit minus 64) or more, got {opts.max_connections}")
     if opts.api_key and opts.api_key_file:
         problems.append("--api-key and --api-key-file both set the keys: pass only one (the file keeps keys out of ps)")
     if opts.api_key_file:
@@ -30,16 +25,6 @@ def _serve_limit_problems(opts) -> list[str]:
         value = getattr(opts, flag)
         if value is not None and not [v for v in value.split(",") if v.strip()]:
             problems.append(f"--{flag.replace('_', '-')} is empty: give comma-separated values, or * for any")
-    return problems
-
-
-def _serve_state_problems(opts) -> list[str]:
-    """The Batch API's storage flags (--serve-dir itself: tasks.serve_dir, checked by the entry point)."""
-    problems = [f"--{name.replace('_', '-')} must be at least 1" for name in
-                ("key_storage_bytes", "key_max_files", "file_expiry_hours", "batch_retention_hours")
-                if getattr(opts, name) < 1]
-    if opts.min_free_disk_bytes < 0:
-        problems.append("--min-free-disk-bytes must be 0 or more")
     return problems
 
 

@@ -42,7 +42,7 @@ def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype:
                 kv_int8: bool = False) -> tuple[list[int], list[int], int, int]:
     """(weights and adapters per layer, KV cache per layer, embedding-side, head-side bytes): the parts
     of :func:`model_costs`, apart for the memory check (:mod:`pipeline.config.fit`)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     layers = [0] * spec.num_layers
     first = last = 0
     for name, numel, part, nbytes in _parameters(config, spec, model_type, backend, int8):
@@ -64,7 +64,6 @@ def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: 
     """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
-
         fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
         with torch.device("meta"):
             embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}

@@ -43,7 +43,7 @@ from tasks.files import atomic_path
 from pipeline.models.families import DecoderSpec, Source, cat0, family_for, parameter_sources, spec_from_config
 from pipeline.models.backends import choose_backend
 from pipeline.models.decoder import StageModel
-from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
+from pipeline.models.hf_stage import HFStageModel, UnsupportedModel, hf_config
 from pipeline.models.kernels.int8 import quantize_linears
 from pipeline.models.kernels.invariant import ROW_TILE
 from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
@@ -58,7 +58,6 @@ from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
 from pipeline.loading.quantized import checkpoint_format, load_projections, quantize_projections
 from pipeline.loading.parallel_read import ParallelReader
 from pipeline.loading.upload import Uploader
-from pipeline.models.hf_stage import hf_config
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,6 @@ def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, r
 
 def _packed_getter(store: TensorStore, device):
     """``get(name, layer, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
-
     def get(name: str, part: int, optional: bool = False):
         if optional and not store.has(name, part):
             return None
@@ -262,7 +260,6 @@ def _first_present(store: TensorStore, names: list[str], part: Part, out: torch.
 def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool, has_head: bool, dtype, device,
                     model_type: str | None):
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
-
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
     store, up = TensorStore(model_dir), Uploader(device)
@@ -325,7 +322,6 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
             sources = [store.layout(s, part) for s in parameter_sources(family, spec, model).values()]
             return [[n] for n in dict.fromkeys(n for s in sources for n in s.names)]
     else:  # the generic stage: HF names straight from transformers' modules
-
         config = hf_config(cfg, model_type)
         num_layers = config.num_hidden_layers
 

@@ -11,7 +11,6 @@ reused only once the event recorded after its copy has completed.
 from __future__ import annotations
 
 import torch
-from pipeline.models.device import to_device  # noqa: F401 (re-exported)
 
 
 class Uploader:

@@ -21,7 +21,6 @@ BACKENDS = ("auto", "native", "transformers")  # --backend: native family code, 
 
 def native_family(cfg: dict, model_type: str | None = None):
     """The native family module for a config, or None."""
-
     try:
         return family_for(cfg, model_type)
     except ValueError as e:
@@ -32,7 +31,6 @@ def native_family(cfg: dict, model_type: str | None = None):
 
 def choose_backend(cfg: dict, model_type: str | None = None, backend: str = "auto") -> str:
     """'native' or 'transformers' for this model; ValueError (a usage error) when ``backend`` cannot run it."""
-
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "transformers":

@@ -24,7 +24,7 @@ from pipeline.cache.kv_cache import KVCache
 from pipeline.models.kernels.logits import float32_linear
 from pipeline.models.lora import StageAdapters
 from pipeline.models.moe import SparseMoE
-from pipeline.models.positions import Rotary, alibi_slopes, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from pipeline.models.positions import Rotary, alibi_slopes, apply_rope
 from pipeline.models.kernels.sdpa import attend, kv_runs, softcapped_attention
 from pipeline.models.spec import DecoderSpec
 from pipeline.models.mlp import MLP  # noqa: F401 (re-exported)

@@ -297,12 +297,21 @@ class Head:
         return self.scorer.score(h, ids, k, item, pool)
 
     # -- finishing --------------------------------------------------------------------------
-    def _finish_row(self, slot: int, row: int) -> None:
+    def _end_row(self, slot: int, row: int):
+        """A row leaves: its state and grammars go, its group counts it done (and goes after its last
+        row). Returns (the row's state, its group, whether that was the group's last row)."""
         st = self.slots[slot].pop(row)
         self.constraints.forget(st.matcher)
         if st.thinking is not None:
             self.constraints.forget(st.thinking.grammar)
         g = self.groups[st.gid]
+        g.done += 1
+        if g.done == len(g.rows):
+            del self.groups[st.gid]
+        return st, g, g.done == len(g.rows)
+
+    def _finish_row(self, slot: int, row: int) -> None:
+        st, g, last = self._end_row(slot, row)
         key = (g.meta.live, g.meta.req)
         req = self.requests.get(key)
         if st.text is not None and (req is None or req.error is None):
@@ -311,15 +320,10 @@ class Head:
             except Exception as e:
                 self._failed(req, "producing its output", e)
         if req is None:  # serve mode: the client left and the request was dropped
-            g.done += 1
-            if g.done == len(g.rows):
-                del self.groups[st.gid]
             return
         req.choices.setdefault(g.meta.prompt_i, []).append(st.cand)
-        g.done += 1
-        if g.done == len(g.rows):
+        if last:
             req.echoes[g.meta.prompt_i] = g.echo
-            del self.groups[st.gid]
             if len(req.choices) == req.n_prompts and all(
                 len(c) == req.params.best_of for c in req.choices.values()
             ):
@@ -330,14 +334,7 @@ class Head:
         rows = [r for r, st in self.slots.get(slot, {}).items() if self.groups[st.gid].meta.live
                 and self.groups[st.gid].meta.req in live_reqs]
         for r in rows:
-            st = self.slots[slot].pop(r)
-            self.constraints.forget(st.matcher)
-            if st.thinking is not None:
-                self.constraints.forget(st.thinking.grammar)
-            g = self.groups[st.gid]
-            g.done += 1
-            if g.done == len(g.rows):
-                del self.groups[st.gid]
+            self._end_row(slot, r)
         for req in live_reqs:
             if not any(g.meta.live and g.meta.req == req for g in self.groups.values()):
                 self.requests.pop((True, req), None)

@@ -33,7 +33,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 START, END = "<think>", "</think>"
 CLOSE = "\n</think>\n\n"  # what a budget forces: the end of the thinking and the blank line before the answer
 BLANK = "\r\n"  # what separates the end of a thinking from its answer (left out of the answer)

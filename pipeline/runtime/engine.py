@@ -110,7 +110,7 @@ class Engine:
                     break
                 self._idle()
                 continue
-            self._on(self._reply())
+            self._on(self.retry.next())  # the last stage's next answer (a failed pass's: its retry's)
         self._stop()
 
     def _finished(self) -> bool:
@@ -352,10 +352,6 @@ class Engine:
             self.local.append(reply)
 
     # -- answers ------------------------------------------------------------------------------
-    def _reply(self) -> Message:
-        """The next answer from the last stage (a failed pass's replaced by its retry's: pipeline.runtime.retry)."""
-        return self.retry.next()
-
     def _receive(self) -> Message:
         return self.local.popleft() if self.last is not None else self.link.recv_last()
 

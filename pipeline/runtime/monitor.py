@@ -15,7 +15,8 @@ import dataclasses
 
 from tasks.status_exporter import StatusCollector
 from tasks.shards import share_size
-from tasks.status import RunStatus, activate, count_lines
+from tasks.files import count_lines
+from tasks.status import RunStatus, activate
 
 from pipeline.config.options import RunOptions
 from pipeline.config.plan import output_for

@@ -15,21 +15,18 @@ from pathlib import Path
 
 from comm.dist import DistInfo, init_distributed
 from comm.faults import LOAD, set_rank
-from pipeline.config.options import RunOptions
-from pipeline.config.plan import RunPlan
-from pipeline.runtime.host_memory import keep_freed_memory
+from pipeline.config.options import RunOptions, UsageError
+from pipeline.config.plan import RunPlan, resolve_dtype
+from pipeline.runtime.host_memory import keep_freed_memory, release_freed_memory
 from pipeline.runtime.monitor import start_metrics, start_status, stop_metrics
 from tasks.status import RunStatus, fail_active
 
-from pipeline.config.options import UsageError
 from pipeline.config.pass_sizes import prefix_block, scheduler_config
 from pipeline.loading.hub import ModelUnavailable
 from pipeline.loading.stage_weights import CheckpointError, build_stage
 from pipeline.models.hf_stage import UnsupportedModel
-from pipeline.config.plan import resolve_dtype
-from pipeline.runtime.stage import Stage
+from pipeline.runtime.stage import Stage, serve
 from pipeline.runtime.memory import MemoryLedger
-from pipeline.runtime.host_memory import release_freed_memory
 from pipeline.loading.adapters import stage_adapters
 from pipeline.runtime.trace import Trace
 from pipeline.models.kernels.int8 import choose_kernels, fuse_prologues
@@ -42,18 +39,16 @@ from comm.p2p import Messenger
 from pipeline.runtime.link import Link
 from pipeline.output.head import Head
 from pipeline.runtime.last_rank import LastRank
-from pipeline.scheduling.driver import Driver
+from pipeline.scheduling.driver import Driver, ModelNames
 from pipeline.runtime.engine import Engine
 from pipeline.runtime.sources import FileSource, Requests
 from pipeline.scheduling.scheduler import Scheduler, policy_for
 from pipeline.cache.prefix import PrefixCache
-from pipeline.scheduling.driver import ModelNames
 from pipeline.config.cores import usable_cores
 from pipeline.config.openmp import wait_note
 from pipeline.sampling.grammar import Grammars, masks_on_thread
 from pipeline.output.reasoning import ReasoningError, choose as choose_reasoning
 from pipeline.scheduling.grammars import GrammarIntake
-from pipeline.runtime.stage import serve
 from pipeline.loading.tokenizer import load_tokenizer as load
 
 log = logging.getLogger("runner")
@@ -61,7 +56,6 @@ log = logging.getLogger("runner")
 
 def load_stage(plan, opts, info):
     """This rank's layers in the run's dtype, as a :class:`pipeline.runtime.stage.Stage`."""
-
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, info.device, plan.model_dir)
     first, last = plan.layers
     ledger = MemoryLedger()  # the process's RSS before anything of the stage is loaded
@@ -89,10 +83,7 @@ def load_stage(plan, opts, info):
                                               opts.model_type)
         log.info("stage %d: %d LoRA adapters (%s), %d tensors, %.1f MiB", info.stage, len(plan.adapters),
                  ", ".join(a.name for a in plan.adapters), len(read), model.adapters.nbytes() / 2**20)
-    trace = None
-    if opts.profiling:
-
-        trace = Trace(info.rank)
+    trace = Trace(info.rank) if opts.profiling else None
     stage = Stage(model, info.device, trace, prefix_block(plan, opts))
     stage.index = info.stage
     stage.fault.set_rank(info.rank)
@@ -106,7 +97,6 @@ def choose_int8_kernels(model, dtype, opts, stage: int) -> None:
     """The int8 kernel of each shape, from the machine's kernel table (timed on this stage's shapes, a
     decode micro-batch and a prefill chunk, where the table has none); logged and in the run summary
     (``model.quantized``). Every int8 kernel gives the same results: the choice is speed only."""
-
     t0 = time.perf_counter()
     table = KernelTable(opts.kernel_table)
     chosen = choose_kernels(model, dtype, (1, opts.max_micro_batch_size, 256), table, release_freed_memory)
@@ -148,7 +138,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
     """A CPU stage with ``--cpu-linear onednn``: the layers' projections multiply against oneDNN's
     prepacked weights (:mod:`pipeline.models.kernels.packed`); ``model.cpu_linear`` says which kernel runs
     (the run summary's ``stage_precision``)."""
-
     t0 = time.perf_counter()
     n, reason = pack_stage(model, info.device, dtype, opts.batch_invariant, opts.quantize, opts.cpu_linear,
                            release_freed_memory)
@@ -160,7 +149,6 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
 
 def run_budget(opts, info, stage, plan=None) -> int:
     """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
-
     try:
         most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
         budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tasks.files import count_lines
 from tasks.output_file import FileSummary
 from tasks.protocol import Answer
 from tasks.requests import Request
@@ -67,11 +68,6 @@ class FileReport:
     generated_tokens: int = 0
     seconds: float = 0.0
     summary: FileSummary | None = None
-
-
-def count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 class FileSource:

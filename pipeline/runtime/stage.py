@@ -21,7 +21,7 @@ from pipeline.runtime.messages import Admitting, Allocate, CloseFile, OpenFile, 
 from pipeline.models.decoder import Segment, StageModel
 from pipeline.cache.kv_cache import KVCache
 from pipeline.cache.prefix import PrefixStore
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 from pipeline.models.kernels.logits import block_buffer_bytes
 from pipeline.runtime.memory import MemoryLedger
 from tasks.status import peak_memory_mb

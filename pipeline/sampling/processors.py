@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 
 
 def process(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], generated: list[int],

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.loading.upload import to_device
+from pipeline.models.device import to_device
 from pipeline.sampling.processors import process
 from pipeline.sampling.sampler import logprob_info, sample
 

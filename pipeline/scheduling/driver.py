@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import torch
 
-from tasks.files import input_fingerprint  # noqa: F401  (re-exported: rank 0 sends it with OpenFile)
 from tasks.inflight import crash_error
 from tasks.requests import Request, parse_line
 from tasks.protocol import CANCELLED, RequestError, output_line

@@ -10,7 +10,6 @@ once, from the spec its admission message carries, which rank 0 has already prov
 from __future__ import annotations
 
 import threading
-import time
 
 from tasks.protocol import RequestError
 from pipeline.sampling.grammar import GrammarError, Grammars, spec_key
@@ -23,7 +22,6 @@ class GrammarIntake:
         self.grammars, self.timeout = grammars, timeout
         self.timed_out: set[str] = set()  # specs that ran out of time: their next requests fail at once
         self.constrained = 0  # requests with a constraint that compiled
-        self.wait_seconds = 0.0  # time intake waited for compilations
 
     def check(self, spec: dict) -> None:
         """Raise :class:`RequestError` unless ``spec`` compiles within the time limit (cached by text)."""
@@ -31,13 +29,11 @@ class GrammarIntake:
         if key in self.timed_out:
             raise self._timeout_error()
         if not self.grammars.known(spec):
-            t0 = time.perf_counter()
             # a daemon thread per new grammar: one that never ends cannot hold up later ones or the exit
             worker = threading.Thread(target=self._compile_quietly, args=(spec,), daemon=True,
                                       name="grammar-compile")
             worker.start()
             worker.join(self.timeout)
-            self.wait_seconds += time.perf_counter() - t0
             if worker.is_alive():
                 self.timed_out.add(key)
                 raise self._timeout_error()

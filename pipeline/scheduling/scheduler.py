@@ -102,9 +102,6 @@ class Scheduler:
         """Slot ``sid`` has a pass in flight."""
         return bool(self.slots[sid].fed)
 
-    def allocated(self, sid: int) -> bool:
-        return self.slots[sid].rows > 0
-
     def group_of(self, sid: int, row: int) -> int | None:
         """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
         groups = self.slots[sid].row_group

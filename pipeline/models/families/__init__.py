@@ -114,6 +114,23 @@ def rope_from_config(cfg: dict, head_dim: int, rotary_dim: int | None = None, in
     )
 
 
+def rotary_decoder(cfg: dict, family: str, max_positions: int = 2048, norm_eps: float = 1e-6, **fields) -> DecoderSpec:
+    """The spec of a Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, gated MLP) from its HF
+    config: the sizes every such family reads alike (``max_positions`` and ``norm_eps``: its defaults where
+    the config has none); ``fields``: what the family sets its own way (its ``rope`` and ``activation`` too)."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = fields.pop("rope", None) or rope_from_config(cfg, head_dim)
+    activation = fields.pop("activation", None) or activation_name(cfg.get("hidden_act", "silu"))
+    shape = dict(family=family, vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=cfg["num_hidden_layers"],
+                 num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+                 intermediate_size=cfg["intermediate_size"],
+                 max_positions=cfg.get("max_position_embeddings", max_positions), norm="rms",
+                 norm_eps=cfg.get("rms_norm_eps", norm_eps), position="rope", rope=rope, mlp="gated",
+                 activation=activation, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    return DecoderSpec(**(shape | fields))
+
+
 def layer_kinds(cfg: dict, num_layers: int, default: Callable[[int], bool] | None = None) -> tuple[tuple[str, ...], int]:
     """(per-layer "full" / "sliding", sliding window) from a config's ``layer_types`` (transformers 5
     writes it) or, for configs without it, ``default(i)`` telling whether layer ``i`` slides."""

@@ -14,7 +14,8 @@ sqrt(hidden_size), GeGLU (tanh GELU), tied head.
 from __future__ import annotations
 
 from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import DecoderSpec, Source, activation_name, cat0, layer_kinds, rope_from_config
+from pipeline.models.families import (DecoderSpec, Source, activation_name, cat0, layer_kinds, rope_from_config,
+                                      rotary_decoder)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 ALIASES = ()
@@ -62,23 +63,11 @@ def to_spec(cfg: dict) -> DecoderSpec:
             local_rope = None
     scalar = cfg.get("query_pre_attn_scalar") if kind != "gemma" else None
     bias = bool(cfg.get("attention_bias", False))
-    return DecoderSpec(
-        family=kind,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
-        max_positions=cfg.get("max_position_embeddings", 8192),
-        norm="rms",
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+    return rotary_decoder(
+        cfg, kind, max_positions=8192,
         norm_offset=1.0,
-        position="rope",
         rope=rope,
         local_rope=local_rope,
-        mlp="gated",
         activation=act,
         qkv_bias=bias,
         o_bias=bias,

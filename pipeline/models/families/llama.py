@@ -7,7 +7,7 @@ only with ``use_sliding_window``, on the layers from ``max_window_layers`` on (o
 
 from __future__ import annotations
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, cat0, layer_kinds, rope_from_config
+from pipeline.models.families import DecoderSpec, Source, cat0, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ALIASES = ()
@@ -25,30 +25,13 @@ def _sliding(cfg: dict) -> tuple[tuple[str, ...], int]:
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
     attention_bias = bool(cfg.get("attention_bias", False))
     kinds, window = _sliding(cfg)
-    return DecoderSpec(
-        family=cfg["model_type"],
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
-        max_positions=cfg.get("max_position_embeddings", 2048),
-        norm="rms",
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        position="rope",
-        rope=rope_from_config(cfg, head_dim),
-        mlp="gated",
-        activation=activation_name(cfg.get("hidden_act", "silu")),
+    return rotary_decoder(
+        cfg, cfg["model_type"],
         qkv_bias=attention_bias or cfg["model_type"] == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm="head" if cfg["model_type"] == "qwen3" else "",
         layer_kinds=kinds,
         sliding_window=window,

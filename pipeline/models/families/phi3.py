@@ -7,36 +7,15 @@ window on every layer when ``sliding_window`` is set.
 from __future__ import annotations
 
 from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import DecoderSpec, Source, activation_name, layer_kinds, rope_from_config
+from pipeline.models.families import DecoderSpec, Source, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("phi3",)
 ALIASES = ()
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
     kinds, window = layer_kinds(cfg, cfg["num_hidden_layers"], lambda i: True)
-    return DecoderSpec(
-        family="phi3",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
-        max_positions=cfg.get("max_position_embeddings", 4096),
-        norm="rms",
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        position="rope",
-        rope=rope_from_config(cfg, head_dim),
-        mlp="gated",
-        activation=activation_name(cfg.get("hidden_act", "silu")),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        layer_kinds=kinds,
-        sliding_window=window,
-    )
+    return rotary_decoder(cfg, "phi3", max_positions=4096, norm_eps=1e-5, layer_kinds=kinds, sliding_window=window)
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
