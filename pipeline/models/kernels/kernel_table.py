@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def machine() -> dict[str, str]:
-    """What a kernel's speed depends on besides the shape: the CPU model and its features, the GPU's
+    """What a kernel's speed depends on besides the shape: the CPU model and its features, the
+    instructions PyTorch's kernels (and so the C loops) are held to (``ATEN_CPU_CAPABILITY``), the GPU's
     name when there is one, torch's version."""
     cpu = {"model": platform.processor() or platform.machine(), "flags": ""}
     try:
@@ -51,8 +52,8 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return {"cpu": cpu["model"], "cpu_flags": cpu["flags"], "gpu": gpu, "torch": torch.__version__,
-            "arch": platform.machine()}
+    return {"cpu": cpu["model"], "cpu_flags": cpu["flags"], "isa": torch.backends.cpu.get_cpu_capability(),
+            "gpu": gpu, "torch": torch.__version__, "arch": platform.machine()}
 
 
 def default_path() -> Path:

@@ -459,12 +459,11 @@ void decode_attention(const void *q, int64_t rows, int64_t heads, int64_t q_row,
  * activations' int8 values + 128 (what quantize_rows_u8 writes), w the layer's (n, k) int8 weight.
  * With AVX512-VNNI the weight is repacked once into blocks of 16 outputs (pack_vnni), vpdpbusd adds four
  * u8 x s8 products into each int32 lane (no saturation) and 128 * wsum[o] (wsum[o] = the sum of w's row
- * o) is subtracted; with AVX2 (plain layout) u - 128 and w are widened to int16 and vpmaddwd adds pairs.
+ * o) is subtracted; with AVX2 (plain layout) vpsignb / vpmaddubsw / vpmaddwd (dot_tile_avx2).
  * Every step is exact in int32 (|u . w| <= 255 * 127 * k < 2^31 for k < 66,000), so the result is the
  * integers oneDNN or torch._int_mm compute, whatever the order. Threads over blocks of outputs; rows go
  * a few at a time against a block's weights (kept in cache): at decode sizes each weight is read once. */
-#define RB 4
-#define OB 4
+#define OB 8 /* outputs of an AVX2 tile */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* The VNNI layout of an (n, k) int8 weight (k % 4 == 0): blocks of 16 outputs, each step of 4 input
@@ -549,27 +548,50 @@ void int8_products_vnni(const uint8_t *u, int64_t rows, int64_t k, const int8_t 
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-/* the same sums without VNNI: 16 values a step widened to int16 (u - 128 and w both fit), pairs of
- * products added into int32 by vpmaddwd (exact: no int16 pair sum of the u8 x s8 form that saturates) */
-static void dot_block_avx2(const uint8_t *u, int64_t rows, int64_t r0, const int8_t *w, int64_t n, int64_t o0,
-                           int64_t k, int32_t *sums) {
-    const __m256i bias = _mm256_set1_epi16(128);
-    for (int r = 0; r < RB; r++) {
-        const uint8_t *ur = u + (r0 + r < rows ? r0 + r : rows - 1) * k;
-        for (int o = 0; o < OB; o++) {
-            const int8_t *wo = w + (o0 + o < n ? o0 + o : n - 1) * k;
-            __m256i a = _mm256_setzero_si256();
-            for (int64_t e = 0; e < k; e += 16) {
-                const __m256i uv = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(ur + e))), bias);
-                const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wo + e)));
-                a = _mm256_add_epi32(a, _mm256_madd_epi16(uv, wv));
-            }
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-            sums[r * OB + o] = _mm_cvtsi128_si32(h); /* of u - 128 already: no wsum correction */
+/* The same sums without VNNI, 32 input features a step: u - 128 is u ^ 0x80 as a signed byte (s), and
+ * s * w = |s| * (w with s's sign) (vpsignb), |s| <= 128 unsigned and w's signed copy within +-127 (the
+ * weights are -127..127: quantize's QMAX), so vpmaddubsw's pair sums (<= 2 x 128 x 127 = 32,512) never
+ * saturate; vpmaddwd against ones widens them into int32. A tile is R rows (s and |s| made once a step)
+ * against O outputs (each weight vector loaded once a step for all R rows): R x O int32 accumulators. */
+static inline __attribute__((always_inline)) void dot_tile_avx2(const uint8_t *u, int R, int64_t k, const int8_t *w,
+                                                                int O, int64_t n, int32_t *acc) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256i sums[2][8];
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < O; o++) sums[r][o] = _mm256_setzero_si256();
+    int64_t e = 0;
+    for (; e + 32 <= k; e += 32) {
+        __m256i sv[2], av[2];
+        for (int r = 0; r < R; r++) {
+            sv[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(u + r * k + e)), flip);
+            av[r] = _mm256_abs_epi8(sv[r]);
+        }
+        for (int o = 0; o < O; o++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + o * k + e));
+            for (int r = 0; r < R; r++)
+                sums[r][o] = _mm256_add_epi32(sums[r][o], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(av[r], _mm256_sign_epi8(wv, sv[r])), ones));
         }
     }
+    if (e < k) { /* k % 32 == 16: one step of 16 */
+        const __m128i flip16 = _mm_set1_epi8((char)0x80), ones16 = _mm_set1_epi16(1);
+        for (int r = 0; r < R; r++) {
+            const __m128i sv = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(u + r * k + e)), flip16);
+            const __m128i av = _mm_abs_epi8(sv);
+            for (int o = 0; o < O; o++) {
+                const __m128i wv = _mm_loadu_si128((const __m128i *)(w + o * k + e));
+                const __m128i part = _mm_madd_epi16(_mm_maddubs_epi16(av, _mm_sign_epi8(wv, sv)), ones16);
+                sums[r][o] = _mm256_add_epi32(sums[r][o], _mm256_inserti128_si256(_mm256_setzero_si256(), part, 0));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < O; o++) {
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sums[r][o]), _mm256_extracti128_si256(sums[r][o], 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            acc[r * n + o] = _mm_cvtsi128_si32(h); /* of u - 128 already: no wsum correction */
+        }
 }
 #endif
 
@@ -583,27 +605,31 @@ int int8_products_path(int64_t k) {
 #endif
 }
 
-/* acc (rows, n) int32 = (u - 128) . w, w plain (n, k); returns 0 when this build has no path for k */
+/* acc (rows, n) int32 = (u - 128) . w, w plain (n, k) with values -127..127; returns 0 when this build has
+ * no path for k. Threads over blocks of 8 outputs; rows 2 at a time against a block (in cache). */
 int int8_products(const uint8_t *u, int64_t rows, int64_t k, const int8_t *w, int64_t n, const int32_t *wsum,
                   int32_t *acc) {
     (void)wsum;
     if (!int8_products_path(k)) return 0;
 #if defined(__AVX2__)
+#define TILE(R, O) dot_tile_avx2(u + r0 * k, R, k, w + o0 * k, O, n, acc + r0 * n + o0)
     const int64_t blocks = (n + OB - 1) / OB;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t o0 = b * OB;
-        int32_t sums[RB * OB];
-        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-            dot_block_avx2(u, rows, r0, w, n, o0, k, sums);
-            for (int r = 0; r < RB && r0 + r < rows; r++)
-                for (int o = 0; o < OB && o0 + o < n; o++) acc[(r0 + r) * n + o0 + o] = sums[r * OB + o];
-        }
+        if (o0 + OB <= n)
+            for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+                if (r0 + 2 <= rows) TILE(2, OB);
+                else TILE(1, OB);
+            }
+        else
+            for (int64_t o = o0; o < n; o++)
+                for (int64_t r0 = 0; r0 < rows; r0++) dot_tile_avx2(u + r0 * k, 1, k, w + o * k, 1, n, acc + r0 * n + o);
     }
+#undef TILE
 #endif
     return 1;
 }
-#undef RB
 #undef OB
 
 /* ---- products of bfloat16 in float32: the head's logits (pipeline.models.kernels.logits) and, on CPUs

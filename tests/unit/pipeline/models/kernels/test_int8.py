@@ -475,16 +475,27 @@ def test_loading_quantizes_each_stored_tensor_into_its_rows(peaked, monkeypatch)
         build_stage(str(bad), 0, 2, True, True, quantize="int8")
 
 
+@pytest.fixture(params=["this CPU's", "AVX2"])
+def int8_build(request):
+    """The loops this CPU's build has, and the AVX2 build's (VNNI off)."""
+    if request.param == "AVX2":
+        request.getfixturevalue("avx2_loops")
+
+
 @needs_native
-@pytest.mark.parametrize("rows, k, n", [(1, 64, 16), (3, 128, 33), (13, 64, 7), (8, 1088, 50), (17, 4096, 20)])
-def test_native_int8_products_are_the_exact_integer_sums(rows, k, n):
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 16), (3, 128, 33), (13, 64, 7), (8, 1088, 50), (17, 4096, 20),
+                                        (5, 48, 9), (2, 80, 4)])
+def test_native_int8_products_are_the_exact_integer_sums(int8_build, rows, k, n):
     """Both C loops (AVX512-VNNI on the 16-output layout, AVX2 on the plain weight), where this CPU's
-    build has them: the exact sums of (u - 128) x w at every row count (blocks of 8, 4, 2, 1 rows), output
-    count (partial blocks) and width, extremes included."""
+    build has them, and the AVX2 build's: the exact sums of (u - 128) x w at every row count (blocks of 8,
+    4, 2, 1 rows), output count (partial blocks) and width (a last step of 16 in the AVX2 loop), extremes
+    included (u 0 and 255 against weights of +-127, the quantizer's range)."""
     g = torch.Generator().manual_seed(rows * k + n)
     u = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=g)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     u[0], w[0] = 255, 127  # every product at its largest
+    if rows > 1:
+        u[1], w[-1] = 0, -127  # and at its most negative
     exact = (u.long() - 128) @ w.long().t()
     paths = 0
     if native.int8_products_path(k) == "vnni":
