@@ -160,16 +160,29 @@ def pack_stage(model: nn.Module, device: torch.device, dtype: torch.dtype, batch
     if kernel == "onednn" and own_float32_head(model) \
             and why_not(device, torch.float32, batch_invariant, "none") is None:  # oneDNN works here, in float32
         model.lm_head = PackedLinear(model.lm_head)
+        if release is not None:  # the plain table's pages back before the layers' packed copies are made
+            release()
     if reason:
         return 0, reason
     return pack_linears(model, release, NativeBf16Linear if kernel_for(dtype) == "native" else PackedLinear), None
+
+
+HEAD_SHARE = 0.1  # the most of a stage's weights a head may be for its packed copy to be made
 
 
 def own_float32_head(model: StageModel) -> bool:
     """Whether ``model`` holds a float32 head of its own (not the embedding's table: the embedding reads
     its rows), which :func:`pack_stage` packs like the projections: float32 stages and ``--quantize
     int8``'s float32 head. MKL's product reads a 128k x 4096 float32 table at 24 GB/s for one row and 5-8
-    GB/s for 8-32 rows (2 threads, the AVX-512 EPYC), oneDNN's packed one at ~39 GB/s and 20 GB/s."""
+    GB/s for 8-32 rows (2 threads, the AVX-512 EPYC), oneDNN's packed one at ~39 GB/s and 20 GB/s.
+
+    Only a head of at most ``HEAD_SHARE`` of the stage's weights: the table is one tensor, so its plain
+    and packed copies exist at once while it packs, and a stage's peak (loading included) stays within
+    1.1x its weights only if that moment does. An 8B's float32 head is 19% of its ``--quantize int8``
+    stage (the packed copy took the peak from 11.0 to 13.0 GB), 7% of a float32 one."""
     head, embed = model.lm_head, model.embed
-    return (type(head) is nn.Linear and head.weight.dtype == torch.float32
-            and (embed is None or embed.weight.data_ptr() != head.weight.data_ptr()))
+    if not (type(head) is nn.Linear and head.weight.dtype == torch.float32
+            and (embed is None or embed.weight.data_ptr() != head.weight.data_ptr())):
+        return False
+    weights = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    return head.weight.nbytes <= HEAD_SHARE * weights

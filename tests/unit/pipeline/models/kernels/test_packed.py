@@ -61,8 +61,16 @@ def test_which_stages_keep_the_plain_product():
     assert "--batch-invariant" in why_not(cpu, torch.float32, True, "none")
 
 
+@pytest.fixture
+def any_head(monkeypatch):
+    """A tiny model's head is most of its weights: let it pack whatever its share."""
+    from pipeline.models.kernels import packed
+
+    monkeypatch.setattr(packed, "HEAD_SHARE", 1.0)
+
+
 @needs_onednn
-def test_packed_stage_swaps_the_layer_projections_and_a_head_of_its_own(llama_2l):
+def test_packed_stage_swaps_the_layer_projections_and_a_head_of_its_own(any_head, llama_2l):
     plain = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
     stage = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
     n, reason = pack_stage(stage, torch.device("cpu"), torch.float32)
@@ -80,7 +88,7 @@ def test_packed_stage_swaps_the_layer_projections_and_a_head_of_its_own(llama_2l
 
 
 @needs_onednn
-def test_a_tied_head_stays_the_embedding_table_and_int8_packs_only_its_float32_head(make_llama):
+def test_a_tied_head_stays_the_embedding_table_and_int8_packs_only_its_float32_head(any_head, make_llama):
     """A stage holding both ends of a tied model keeps one table (the embedding reads its rows); a tied model's
     last stage holds a copy of its own, which packs. Under --quantize int8 the layers keep their int8 kernels
     and the float32 head packs; bfloat16 heads keep their own loop (kernels.logits)."""
@@ -97,6 +105,23 @@ def test_a_tied_head_stays_the_embedding_table_and_int8_packs_only_its_float32_h
     half = stage_chain(tied, [(0, 1), (1, 2)], dtype=torch.bfloat16, cpu_linear="plain")[1]
     pack_stage(half, torch.device("cpu"), torch.bfloat16)
     assert type(half.lm_head) is nn.Linear
+
+
+@needs_onednn
+def test_a_head_too_large_a_share_of_its_stage_keeps_its_one_copy(llama_2l, monkeypatch):
+    """The head packs only if it is at most HEAD_SHARE of the stage's weights (its plain and packed copies
+    exist at once while it packs: the stage's peak); the layers pack either way."""
+    from pipeline.models.kernels import packed
+
+    stage = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
+    share = stage.lm_head.weight.nbytes / sum(t.nbytes for t in (*stage.parameters(), *stage.buffers()))
+    monkeypatch.setattr(packed, "HEAD_SHARE", share * 0.99)
+    assert pack_stage(stage, torch.device("cpu"), torch.float32) == (8, None)
+    assert type(stage.lm_head) is nn.Linear and isinstance(stage.layers[0].mlp.up, PackedLinear)
+    again = stage_chain(llama_2l, [(0, 2)], cpu_linear="plain")[0]
+    monkeypatch.setattr(packed, "HEAD_SHARE", share * 1.01)
+    pack_stage(again, torch.device("cpu"), torch.float32)
+    assert isinstance(again.lm_head, PackedLinear)
 
 
 @needs_onednn
