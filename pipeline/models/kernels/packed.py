@@ -12,8 +12,8 @@ activations over 2048 inputs: a different summation order).
 
 The decoder layers' projections (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``) are packed,
 once, after the stage is loaded; the packed copy replaces the weight (no second copy in memory). So is
-a float32 head with a table of its own (:func:`own_float32_head`), under ``--quantize int8`` too, whose
-layers keep their int8 kernels. Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
+a float32 head with a table of its own that is a small share of the stage (:func:`own_float32_head`),
+under ``--quantize int8`` too, whose layers keep their int8 kernels. Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
 an AMX Xeon, two threads, 768x2048, bf16 packed is bit-identical to bf16 ``F.linear`` and 2.3x /
 1.85x / 1.6x / 1.35x faster at 1 / 8 / 32 / 256 rows, about even at 1024; float16 gains nothing
 there (0.8-1.15x) and keeps ``F.linear``. On CPUs without bf16 instructions (where oneDNN would emulate
