@@ -50,11 +50,20 @@ def test_decode_bytes_per_token(tmp_path):
 
 
 def test_the_llamacpp_report_prints_every_row(tmp_path):
-    args = llamacpp.argparse.Namespace(threads=2, model="1b", llama_args="", repeats=1)
+    args = llamacpp.argparse.Namespace(threads=2, model="1b", llama_args="", repeats=1, isa="native")
     rows = [{"precision": "f32", "workload": "batch 32", "tok_s": {"runner": 36.0, "llama.cpp": 21.0}, "ratio": 1.71,
              "peak_rss_mb": {"runner": 5191, "llama.cpp": 4423}},
             {"precision": "int8", "workload": "single", "tok_s": {"runner": 22.1, "llama.cpp": 31.1}, "ratio": 0.71,
              "peak_rss_mb": {"runner": 1916, "llama.cpp": 1148}, "bandwidth_share": {"runner": 0.5, "llama.cpp": 0.6},
              "bandwidth_gb_s": 20.0}]
     text = llamacpp.report(rows, args, tmp_path)
-    assert "1.71x" in text and "0.71x" in text and "0.50, 0.60 of 20.0 GB/s" in text
+    assert "1.71x" in text and "0.71x" in text and "0.50, 0.60 of 20.0 GB/s" in text and "held to" not in text
+    args.isa = "avx2"  # --isa avx2: the report says what the engines were held to
+    assert "held to AVX2" in llamacpp.report(rows, args, tmp_path).splitlines()[0]
+
+
+def test_isa_avx2_holds_both_engines_to_it():
+    """The runner's environment names AVX2 to PyTorch, oneDNN and MKL; llama.cpp's build turns native off."""
+    assert llamacpp.ISA_ENV["avx2"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert {"ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"} <= set(llamacpp.ISA_ENV["avx2"])
+    assert "-DGGML_NATIVE=OFF" in llamacpp.ISA_CMAKE["avx2"] and "-DGGML_AVX512=OFF" in llamacpp.ISA_CMAKE["avx2"]
