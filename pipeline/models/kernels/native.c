@@ -696,6 +696,7 @@ void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w
  * operands, at most 4 weight rows streamed at once. A logit's sum runs in the same order in every tile,
  * so it does not depend on the rows beside it either. */
 #define BF16_VT 32
+#define BF16_RC 128
 static inline __attribute__((always_inline)) __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -735,21 +736,26 @@ void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w
     }
     for (int64_t i = 0; i < rows * h; i++) xf[i] = bf16_to_f32(x[i]);
     int64_t tiles = (vocab + BF16_VT - 1) / BF16_VT;
+    /* rows BF16_RC at a time, so that the rows a tile reads again stay in cache (14336 x 4096, 512 rows:
+     * 134 GFLOP/s in one sweep, ~180 at 128) */
+    for (int64_t c0 = 0; c0 < rows; c0 += BF16_RC) {
+        int64_t c1 = c0 + BF16_RC < rows ? c0 + BF16_RC : rows;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t end = (t + 1) * BF16_VT < vocab ? (t + 1) * BF16_VT : vocab;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            int64_t R = rows - r0 < 4 ? rows - r0 : 4;
-            int64_t v = t * BF16_VT;
-            if (R == 2)
-                for (; v + 2 <= end; v += 2) BF16_TILE(2, 2);
-            else if (R == 1)
-                for (; v + 4 <= end; v += 4) BF16_TILE(1, 4);
-            for (; v < end; v++) {
-                if (R == 4) BF16_TILE(4, 1);
-                else if (R == 3) BF16_TILE(3, 1);
-                else if (R == 2) BF16_TILE(2, 1);
-                else BF16_TILE(1, 1);
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t end = (t + 1) * BF16_VT < vocab ? (t + 1) * BF16_VT : vocab;
+            for (int64_t r0 = c0; r0 < c1; r0 += 4) {
+                int64_t R = c1 - r0 < 4 ? c1 - r0 : 4;
+                int64_t v = t * BF16_VT;
+                if (R == 2)
+                    for (; v + 2 <= end; v += 2) BF16_TILE(2, 2);
+                else if (R == 1)
+                    for (; v + 4 <= end; v += 4) BF16_TILE(1, 4);
+                for (; v < end; v++) {
+                    if (R == 4) BF16_TILE(4, 1);
+                    else if (R == 3) BF16_TILE(3, 1);
+                    else if (R == 2) BF16_TILE(2, 1);
+                    else BF16_TILE(1, 1);
+                }
             }
         }
     }
@@ -757,6 +763,7 @@ void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w
 }
 #undef BF16_TILE
 #undef BF16_VT
+#undef BF16_RC
 #else
 void bf16_products(const uint16_t *x, int64_t rows, int64_t h, const uint16_t *w, int64_t vocab, float *out) {
     (void)x, (void)rows, (void)h, (void)w, (void)vocab, (void)out;

@@ -42,7 +42,7 @@ def bf16_loop(request):
         request.getfixturevalue("avx2_loops")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 131])  # 131: past a chunk of 128 rows (AVX2)
 def test_the_native_bf16_head_gives_the_float32_product_whatever_the_rows_beside_and_the_threads(bf16_loop, rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(1003, 96, generator=gen).bfloat16()  # vocabulary: not a multiple of a tile
