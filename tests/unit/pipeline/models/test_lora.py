@@ -45,7 +45,8 @@ def merged(model_dir: str, adapter: str, out) -> str:
     return str(out)
 
 
-def with_adapters(model_dir: str, ranges, adapters: list[tuple[str, str]]):
+def with_adapters(model_dir: str, ranges, adapters: list[tuple[str, str]], dtype=torch.float32,
+                  cpu_linear: str = "onednn"):
     """Our stage chain for ``ranges`` with the adapters attached (as the runner's load_stage does)."""
     from pipeline.loading.adapters import check_adapter, read_adapter, stage_adapters
     from pipeline.loading.stage_weights import read_config
@@ -56,10 +57,10 @@ def with_adapters(model_dir: str, ranges, adapters: list[tuple[str, str]]):
     read = [read_adapter(n, p) for n, p in adapters]
     for a in read:
         check_adapter(a, cfg, spec)
-    chain = stage_chain(model_dir, ranges)
+    chain = stage_chain(model_dir, ranges, dtype=dtype, cpu_linear=cpu_linear)
     keys = []
     for st, (first, last) in zip(chain, ranges, strict=True):
-        st.adapters, got = stage_adapters(read, cfg, spec, first, last, torch.float32, "cpu")
+        st.adapters, got = stage_adapters(read, cfg, spec, first, last, dtype, "cpu")
         keys.append(got)
     return chain, keys
 
@@ -89,6 +90,22 @@ def test_mixed_adapters_in_one_micro_batch_match_peft(llama, ranges):
     if len(ranges) == 2:  # each stage read only its own layers' factors
         assert keys[0] and all(".layers.0." in k for k in keys[0])
         assert keys[1] and all(".layers.1." in k or ".layers.2." in k for k in keys[1])
+
+
+def test_adapters_on_the_avx2_bf16_projections(avx2_loops, llama):
+    """bf16 stages without bf16 instructions (their projections the C loop): mixed adapters give what the
+    plain bf16 stages give, within bf16's rounding, at P = 2."""
+    from pipeline.models.kernels.packed import NativeBf16Linear
+
+    adapters, ranges = [("a1", llama["a1"]), ("a2", llama["a2"])], [(0, 1), (1, 3)]
+    fast, _ = with_adapters(llama["model"], ranges, adapters, torch.bfloat16)
+    plain, _ = with_adapters(llama["model"], ranges, adapters, torch.bfloat16, cpu_linear="plain")
+    assert all(isinstance(st.layers[0].mlp.up, NativeBf16Linear) for st in fast)
+    ours, want = chain_logits(fast, PROMPTS, adapters=ROWS), chain_logits(plain, PROMPTS, adapters=ROWS)
+    for a, b in zip(ours, want, strict=True):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    base = chain_logits(plain, PROMPTS, adapters=[0] * len(PROMPTS))
+    assert not torch.allclose(ours[1], base[1], atol=0.1)  # the adapter row differs from its base: adapters ran
 
 
 @pytest.mark.parametrize("family, overrides, targets", [
