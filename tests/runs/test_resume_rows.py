@@ -113,9 +113,11 @@ def test_generated_files_stopped_mid_run_end_bit_identical_under_batch_invariant
     """Request files drawn by Hypothesis (prompt lengths, temperatures, top_p, top_k, logprobs, seeds, n, echo,
     penalties), stopped after every journaled line and resumed, end byte for byte as the uninterrupted run."""
     tmp = tmp_path_factory.mktemp("generated")
-    # a first line answered at once stops the first run with a plain row beside it in flight (resumed for sure),
+    # a first line answered at once stops the first run with a plain row beside it in flight (resumed for sure:
+    # 120 tokens without EOS outlast the stop watcher's latency on a loaded machine, where 30 once finished first),
     # the drawn rows long enough to be cut mid-way by the later stops
-    reqs = [{"prompt": "Hi", "max_tokens": 1}, {"prompt": "Once upon a time", "max_tokens": 30}] + [
+    long_row = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
+    reqs = [{"prompt": "Hi", "max_tokens": 1}, long_row] + [
         r | {"max_tokens": 24 + 8 * r["max_tokens"]} if r["max_tokens"] else r for r in reqs]
     src = write_jsonl(tmp / "r.jsonl", reqs)
     flags = ["--infer-data", src, "--no-progress", "--num-threads", "1", "--max-micro-batch-size", "3",
