@@ -257,14 +257,18 @@ def kv_store_i8(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, cols: 
                           cache.shape[2], rows.data_ptr(), cols.data_ptr())
 
 
-def bf16_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`bf16_products` computes ``x @ weight.T``: both bfloat16 on the CPU, a hidden size
-    that is a multiple of 32, and a build with a loop for it (the AVX512-BF16 dot product, else AVX2
+def bf16_loop() -> bool:
+    """Whether this build has a loop for :func:`bf16_products` (the AVX512-BF16 dot product, else AVX2
     with FMA) and OpenMP (the product it replaces runs on every thread)."""
     lib = library()
+    return lib is not None and bool(lib.bf16_path()) and bool(lib.has_openmp())
+
+
+def bf16_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`bf16_products` computes ``x @ weight.T``: both bfloat16 on the CPU, a hidden size
+    that is a multiple of 32, a contiguous weight and :func:`bf16_loop`."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0
-            and weight.is_contiguous() and lib is not None and bool(lib.bf16_path())
-            and bool(lib.has_openmp()))
+            and weight.is_contiguous() and bf16_loop())
 
 
 def bf16_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

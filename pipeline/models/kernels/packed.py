@@ -101,8 +101,7 @@ def why_not(device: torch.device, dtype: torch.dtype, batch_invariant: bool, qua
     if batch_invariant:
         return "--batch-invariant keeps one kernel"
     if kernel_for(dtype) == "native":
-        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
-        return None if native.bf16_usable(probe, probe) else (
+        return None if native.bf16_loop() else (
             "compute dtype bfloat16 on a CPU without avx512_bf16 or AMX, and no C loop for it (AVX2 and a C compiler)")
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN"
