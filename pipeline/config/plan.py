@@ -144,14 +144,19 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     cores = cpu_count or usable_cores()
-    threads = opts.num_threads or default_threads(cores, local_world,
-                                                  layer_weights(config) if device.type == "cpu" else None)
     stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
-    slots = opts.num_micro_batches or default_micro_batches(pipeline, device, max(stage_weights))
+    # big CPU stages on a node of their own take turns with a pipeline's share of its cores unless the
+    # flags choose otherwise (see take_turns)
+    turn_threads = take_turns(pipeline, data, world, local_world, device, max(stage_weights), cores) \
+        if not opts.num_threads and opts.num_micro_batches in (0, 1) else 0
+    threads = opts.num_threads or turn_threads or default_threads(
+        cores, local_world, layer_weights(config) if device.type == "cpu" else None)
+    slots = opts.num_micro_batches or (1 if turn_threads else default_micro_batches(pipeline, device,
+                                                                                    max(stage_weights)))
     turns = device.type == "cpu" and pipeline > 1 and threads > 1 and threads * local_world > cores
     warnings = []
-    note = None if turns else _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world),
-                                                     dtype, device, stage_weights, threads, cores)
+    note = _smaller_pipeline_note(opts, config, spec, ranges, (pipeline, world, local_world), dtype, device,
+                                  stage_weights, threads, cores, turns)
     if note:
         warnings.append(note)
     if slots < pipeline and not turns:  # (stages taking turns with every core want one micro-batch)
@@ -190,10 +195,26 @@ def default_micro_batches(pipeline: int, device: torch.device, stage_bytes: int)
     against 57.8 s with 2, 51.1 s with 4). Where a stage's weights pass ``BIG_STAGE_BYTES`` its decode
     passes are bound by reading them, once per micro-batch: P + 1 micro-batches of fewer rows each read
     every weight (P + 1) / P times as often for the same tokens (1.5x at P = 2 when the requests do
-    not fill every micro-batch), so P."""
+    not fill every micro-batch), so P (where they take turns with every core, one: :func:`take_turns`)."""
     if pipeline == 1 or device.type != "cpu":
         return pipeline
     return pipeline if stage_bytes >= BIG_STAGE_BYTES else pipeline + 1
+
+
+def take_turns(pipeline: int, data: int, world: int, local_world: int, device: torch.device, stage_bytes: int,
+               cores: int) -> int:
+    """The threads of each stage when the stages of a CPU pipeline should take turns with the cores by
+    default, else 0. That is where every rank runs on this node and a stage's weights pass
+    ``BIG_STAGE_BYTES``: a decode pass is then bound by reading them, and P stages of one thread each
+    re-read theirs once per micro-batch where P = 1 reads each once per step for all rows, while stages
+    taking turns with every core (one micro-batch; the waiting stage's threads sleep) read each once a
+    step on all the cores (1B and 3B shapes, 2 cores: 1.00x and 0.99x P = 1, against 0.77x and 0.70x for
+    one-thread stages; docs/benchmarks.md). On a node whose cores other work also takes, one-thread
+    stages hold up better (``--num-threads 1``), which the plan's note says."""
+    share = cores // max(1, data)
+    if device.type != "cpu" or pipeline == 1 or world > local_world or stage_bytes < BIG_STAGE_BYTES or share < 2:
+        return 0
+    return share
 
 
 def _stage_weight_bytes(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]], dtype) -> list[int]:
@@ -209,15 +230,11 @@ def _stage_weight_bytes(opts: RunOptions, config: dict, spec, ranges: list[tuple
 
 def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]],
                            where: tuple[int, int, int], dtype, device, stage_weights: list[int],
-                           threads: int, cores: int) -> str | None:
+                           threads: int, cores: int, turns: bool) -> str | None:
     """A note when every stage of a CPU pipeline shares this node's cores, the stages are big (their
-    decode passes bound by weight reads) and one process would fit this node's memory: on a quiet node
-    P = 1 reads each weight once per step for all rows on the same cores, where P stages re-read theirs
-    per micro-batch; on a busy one, single-threaded stages lose less to other work (a 1B bf16 model,
-    32 requests, 2 cores, one held by a busy loop, both by other work: P = 2 19.4 generated tok/s, P = 1 9.5).
-    Stages that must share a quiet node do best taking turns with every core (one micro-batch, all threads,
-    no tail split: ``RunPlan.turns``; 1.00x P = 1 there, against 0.82x for the default), which the note
-    names; stages that take turns already get no note."""
+    decode passes bound by weight reads) and one process would fit this node's memory: P = 1 is as fast
+    on a quiet node (stages taking turns match it, stages side by side re-read their weights per
+    micro-batch), and it says which layout holds up when other work shares the cores."""
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
@@ -226,11 +243,16 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     one = stage_needs(*parts, [(ranges[0][0], ranges[-1][1])])[0]
     if one.total > available_ram():
         return None
-    return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each): one process fits this node's memory "
-            f"(needs {gib(one.total)} of {gib(available_ram())} available). On a node to itself --nproc-per-node 1 is "
-            f"as fast or faster: it reads each weight once per decode step for all rows, where the {pipeline} stages "
-            "read theirs once per micro-batch on a share of the cores each (where the stages must share it, "
-            f"--num-micro-batches 1 --num-threads {cores} lets them take turns with every core); on a node "
+    fits = f"one process fits this node's memory (needs {gib(one.total)} of {gib(available_ram())} available)"
+    if turns:
+        return (f"{pipeline} stages on one node of CPU cores take turns with its cores ({threads} threads each): {fits}, "
+                "and --nproc-per-node 1 is as fast without the stages' hand-offs. On a node shared with other work, "
+                f"stages of one thread each side by side (--num-threads 1 --num-micro-batches {pipeline}) hold up "
+                "better (docs/usage/scale.md)")
+    return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each, side by side): {fits}. On a node "
+            "to itself each stage re-reads its weights once per micro-batch, where one process reads each once per "
+            "decode step for all rows: --nproc-per-node 1, or stages taking turns with every core "
+            f"(--num-micro-batches 1 --num-threads {cores * pipeline // local_world}), is as fast or faster; on a node "
             "shared with other work, stages of one thread each hold up better (docs/usage/scale.md)")
 
 

@@ -53,7 +53,9 @@ def test_micro_batches_follow_what_bounds_a_pass(llama_2l, monkeypatch):
     assert [plan_mod.default_micro_batches(p, gpu, 0) for p in (1, 2, 3)] == [1, 2, 3]
     assert plan(llama_2l, world=2).slots == 3
     monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
-    assert plan(llama_2l, world=2).slots == 2 and plan(llama_2l, "--num-micro-batches", "5", world=2).slots == 5
+    assert plan(llama_2l, world=2, local_world=1).slots == 2  # big stages on two nodes: P
+    assert plan(llama_2l, "--num-threads", "1", world=2).slots == 2  # one-thread stages on one node: P
+    assert plan(llama_2l, "--num-micro-batches", "5", world=2).slots == 5
 
 
 def test_a_pipeline_on_one_node_hears_when_one_process_would_do(llama_2l, monkeypatch):
@@ -63,8 +65,9 @@ def test_a_pipeline_on_one_node_hears_when_one_process_would_do(llama_2l, monkey
 
     assert not any("--nproc-per-node 1" in w for w in plan(llama_2l, world=2).warnings)  # small stages
     monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
-    (note,) = [w for w in plan(llama_2l, world=2).warnings if "--nproc-per-node 1" in w]
-    assert "one process fits this node's memory" in note and "2 stages" in note
+    for flags in ([], ["--num-threads", "1"]):  # stages taking turns (the default), one-thread stages
+        (note,) = [w for w in plan(llama_2l, *flags, world=2).warnings if "--nproc-per-node 1" in w]
+        assert "one process fits this node's memory" in note and "2 stages" in note
     assert not any("--nproc-per-node" in w for w in plan(llama_2l, world=2, local_world=1).warnings)  # two nodes
     assert not any("--nproc-per-node" in w for w in plan(llama_2l).warnings)  # P = 1 already
     monkeypatch.setattr(plan_mod, "available_ram", lambda: 10 << 20)  # one process would not fit 10 MiB
@@ -79,9 +82,10 @@ def test_too_few_micro_batches_is_a_warning(llama_2l):
 
 def test_stages_with_more_threads_than_their_share_take_turns(llama_2l, monkeypatch):
     """Two stages of 2 threads on a 2-core node take turns with the cores (RunPlan.turns: no tail split,
-    no warning about their one micro-batch, no note suggesting it); stages of one thread, or several
-    threads within their share, or on a GPU-less pipeline of one stage, do not. The note before loading
-    names the flags for the node's cores."""
+    no warning about their one micro-batch); stages of one thread, or several threads within their
+    share, or on a GPU-less pipeline of one stage, do not. The note before loading (big stages one
+    process could hold) names the flags that make big one-thread stages take turns, and for stages that
+    take turns the layout that holds up on a busy node."""
     from pipeline.config import plan as plan_mod
 
     p = plan(llama_2l, "--num-micro-batches", "1", "--num-threads", "2", world=2, cpus=2)
@@ -90,10 +94,33 @@ def test_stages_with_more_threads_than_their_share_take_turns(llama_2l, monkeypa
     assert not plan(llama_2l, "--num-threads", "2", world=2, cpus=4).turns
     assert not plan(llama_2l, "--num-threads", "2", cpus=1).turns  # P = 1
     monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
-    (note,) = [w for w in plan(llama_2l, world=2, cpus=2).warnings if "--nproc-per-node 1" in w]
-    assert "--num-micro-batches 1 --num-threads 2" in note
-    assert not any("--nproc-per-node 1" in w for w in plan(llama_2l, "--num-micro-batches", "1", "--num-threads", "2",
-                                                             world=2, cpus=2).warnings)
+    (note,) = [w for w in plan(llama_2l, "--num-threads", "1", world=2, cpus=2).warnings if "--nproc-per-node 1" in w]
+    assert "--num-micro-batches 1 --num-threads 2" in note  # the flags that make them take turns
+    (note,) = [w for w in plan(llama_2l, "--num-micro-batches", "1", "--num-threads", "2", world=2, cpus=2).warnings]
+    assert "take turns" in note and "--num-threads 1 --num-micro-batches 2" in note  # and the busy node's layout
+
+
+def test_big_stages_on_one_node_take_turns_by_default(llama_2l, monkeypatch):
+    """Stages whose decode passes are bound by reading their weights, all on one CPU node: by default each
+    takes its pipeline's share of the cores as threads and the pipeline keeps one micro-batch (turns), as
+    --num-micro-batches 1 --num-threads <cores> would; small stages, stages on several nodes, one-core
+    shares and flags that choose threads or several micro-batches keep the side-by-side layout."""
+    import torch
+    from pipeline.config import plan as plan_mod
+
+    layout = lambda *flags, **kw: (lambda p: (p.threads, p.slots, p.turns))(plan(llama_2l, *flags, **kw))  # noqa: E731
+    assert layout(world=2, cpus=2) == (1, 3, False)  # small stages: one thread each, P + 1
+    monkeypatch.setattr(plan_mod, "BIG_STAGE_BYTES", 1)
+    assert layout(world=2, cpus=2) == (2, 1, True)
+    assert layout(world=2, cpus=8) == (8, 1, True)
+    assert layout("--num-micro-batches", "1", world=2, cpus=4) == (4, 1, True)
+    assert layout("--data-group-size", "2", world=4, cpus=8) == (4, 1, True)  # each pipeline its half
+    assert layout("--data-group-size", "2", world=4, cpus=2) == (1, 2, False)  # one core a pipeline
+    assert layout(world=2, local_world=1, cpus=2) == (1, 2, False)  # two nodes: side by side
+    assert layout("--num-threads", "1", world=2, cpus=2) == (1, 2, False)
+    assert layout("--num-micro-batches", "2", world=2, cpus=2) == (1, 2, False)
+    assert layout(cpus=2) == (1, 1, False)  # P = 1 (a model this small: one thread)
+    assert plan_mod.take_turns(2, 1, 2, 2, torch.device("cuda"), 1 << 40, 8) == 0  # GPUs: never
 
 
 @pytest.mark.parametrize("flags, world, message", [
