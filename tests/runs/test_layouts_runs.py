@@ -46,7 +46,11 @@ def test_shared_files_complete_in_order(exact_reference, shared_files):
         assert all("result" in x for x in out), [x.get("error") for x in out if "error" in x]
 
 
-@pytest.mark.parametrize("stages, flags", [(1, TINY), (2, []), (3, TINY)], ids=["P1-tiny", "P2", "P3-tiny"])
+TURNS = ["--num-micro-batches", "1", "--num-threads", "2"]  # stages taking turns with the cores (big stages' default)
+
+
+@pytest.mark.parametrize("stages, flags", [(1, TINY), (2, []), (3, TINY), (2, TURNS)],
+                         ids=["P1-tiny", "P2", "P3-tiny", "P2-turns"])
 def test_batch_invariant_results_are_identical_across_budgets_and_stages(model_dir, shared_files, exact_reference,
                                                                          tmp_path, stages, flags):
     """Sampled, greedy and scored requests: byte-identical (ids and timing aside) to one stage at the
