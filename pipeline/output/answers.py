@@ -5,6 +5,7 @@ text a streaming row can no longer take back, as deltas."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from tasks.protocol import output_line
 from tasks.requests import Params
@@ -12,6 +13,13 @@ from tasks.requests import Params
 from pipeline.output.head_state import RequestState, RowState
 from pipeline.output.reasoning import Reasoning, split, starved
 from pipeline.output.results import Candidate, chat_choice, completion_choice, result_object, top_dict
+
+
+class Taken(NamedTuple):
+    results: list[tuple[int, dict]]  # (input index, the file's line)
+    live: list[tuple[int, dict]]  # (request index, {"result"} | {"error"})
+    deltas: list[tuple]  # (request index, choice index, new text, its logprobs or None, new reasoning text)
+    retries: list[list]  # [live, request index, the request, thinking budget, max_tokens, tokens the answer keeps]
 
 
 class Answers:
@@ -164,18 +172,9 @@ class Answers:
             st.sent_reasoning, st.sent_content = st.sent_reasoning + len(reasoning), st.sent_content + len(text)
         self.deltas.append((request, choice, text, lp, reasoning))
 
-    def take_results(self) -> list[tuple[int, dict]]:
-        """The file's requests finished since the last call: (input index, output line)."""
-        out, self.results = self.results, []
-        return out
-
-    def take_retries(self) -> list[list]:
-        """--retry-starved: the requests to run again since the last call (for rank 0)."""
-        out, self.retries = self.retries, []
-        return out
-
-    def take_answers(self) -> tuple[list[tuple[int, dict]], list[tuple]]:
-        """What goes back to rank 0 since the last call: the live requests finished and the streams' new text."""
-        out = self.live, self.deltas
-        self.live, self.deltas = [], []
+    def take(self) -> Taken:
+        """What the pass finished since the last call, emptied: the file's output lines, the live requests'
+        answers and their streams' new text for rank 0, and the requests --retry-starved runs again."""
+        out = Taken(self.results, self.live, self.deltas, self.retries)
+        self.results, self.live, self.deltas, self.retries = [], [], [], []
         return out

@@ -223,14 +223,17 @@ class Head:
         raises (detokenizing, stop strings, streaming) is answered with an error and the others go on."""
         groups = [self.groups[states[r].gid] for r in rows]
         ps = [g.params for g in groups]
-        allowed = self.constraints.mask([states[r].matcher for r in rows], logits.shape[-1], logits.device)
-        if self.reasoning is not None:  # the forced end of a thinking whose budget is spent
-            allowed = self.reasoning.mask([states[r].thinking for r in rows], allowed, logits.shape[-1], logits.device)
+        matchers = [states[r].matcher for r in rows]
+        allowed = self.constraints.mask(matchers, logits.shape[-1], logits.device) \
+            if any(m is not None for m in matchers) else None
+        thinking = [states[r].thinking for r in rows] if self.reasoning is not None else []
+        if any(th is not None for th in thinking):  # the forced end of a thinking whose budget is spent
+            allowed = self.reasoning.mask(thinking, allowed, logits.shape[-1], logits.device)
         d = draw(logits, ps, [states[r].counts for r in rows],
                  [uniform(states[r].key, len(states[r].cand.ids)) if p.temperature > 0 else 0.0
                   for r, p in zip(rows, ps)], allowed, [len(states[r].cand.ids) for r in rows],
-                 [g.prompt_tokens(logits.shape[-1], logits.device) if g.params.repetition_penalty != 1.0 else None
-                  for g in groups], self.eos_ids)
+                 [g.prompt_tokens(logits.shape[-1], logits.device) if p.repetition_penalty != 1.0 else None
+                  for g, p in zip(groups, ps)], self.eos_ids)
         self.generated_tokens += len(rows)
         for i, (r, p) in enumerate(zip(rows, ps)):
             try:

@@ -64,7 +64,9 @@ class LastRank:
 
     def idle(self) -> None:
         """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
-        self.head.constraints.idle()
+        masks = self.head.constraints.masks
+        if masks.flushed:
+            masks.idle()
 
     def _open(self, msg: OpenFile) -> Opened:
         self.file = OutputFile(msg.output, dict(self.fingerprint, input=msg.input_id), self.info.data_rank,
@@ -148,8 +150,8 @@ class LastRank:
         return reply
 
     def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
-        written = 0
-        for index, line in self.head.answers.take_results():
+        written, taken = 0, self.head.answers.take()
+        for index, line in taken.results:
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
             if failed:  # the request's own field (a grammar that could not go on), else the computation
@@ -167,9 +169,8 @@ class LastRank:
             f = self.file
             self.status.progress(f.answered, f.errors, f.prompt_tokens, f.cached_tokens, self.head.generated_tokens,
                                  hdr.stats, f.writer.written)
-        live, deltas = self.head.answers.take_answers()
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     live, written, deltas, stats=hdr.stats, retry=self.head.answers.take_retries())
+                     taken.live, written, taken.deltas, stats=hdr.stats, retry=taken.retries)
 
     def _close(self, msg: CloseFile) -> Closed:
         self.file.structured = self.head.constraints.figures()

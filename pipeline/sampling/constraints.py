@@ -51,9 +51,7 @@ class Constraints:
             self.masks.flush(self.vocab)
 
     def mask(self, matchers: list, vocab: int, device: torch.device) -> torch.Tensor | None:
-        """(rows, vocab) bool of what each row may take next (None: no row is constrained)."""
-        if all(m is None for m in matchers):
-            return None
+        """(rows, vocab) bool of what each row may take next (some row is constrained; None for the others)."""
         t0 = time.perf_counter()
         allowed = allowed_mask(matchers, self.eos_ids, self.vocab, vocab, device, self.masks)
         self.mask_seconds += time.perf_counter() - t0
@@ -61,10 +59,6 @@ class Constraints:
 
     def forget(self, matcher) -> None:
         self.masks.forget(matcher)
-
-    def idle(self) -> None:
-        """Between passes (P > 1, no thread for the masks): compute the ones started."""
-        self.masks.idle()
 
     def figures(self) -> dict:
         """This file's structured-output figures for its summary ({} when no row was constrained)."""

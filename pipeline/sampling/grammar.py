@@ -220,7 +220,7 @@ class MasksAhead:
         self._executor: llguidance.LLExecutor | None = None  # the thread's, built there with its first batch
         self._queued: dict[int, object] = {}  # started, not yet flushed (by id)
         self._pending: dict[int, tuple[object, _Batch | None, int]] = {}  # id -> (matcher, its batch, row)
-        self._idle: list[_Batch] = []  # flushed, for :meth:`idle` (no thread)
+        self.flushed: list[_Batch] = []  # flushed, for :meth:`idle` (no thread)
         self.ahead_seconds = 0.0  # computed ahead: on the thread, or in :meth:`idle`
 
     def _compute(self, batch: _Batch) -> None:
@@ -251,20 +251,20 @@ class MasksAhead:
         if self.on_thread:
             batch.future = self._pool.submit(self._compute, batch)
         else:
-            self._idle.append(batch)
+            self.flushed.append(batch)
 
     def idle(self) -> None:
         """Without a thread: compute the flushed masks now, on the caller's thread, which calls this
         once its pass's answer has left and before it waits for its next input (at P > 1 the other
         stages then compute; at P = 1 the next pass waits, as it would for masks on the step). A row
         forgotten meanwhile is skipped; one whose mask raises is left to :meth:`take`."""
-        if self._idle:
+        if self.flushed:
             t0 = time.perf_counter()
             self._drain()
             self.ahead_seconds += time.perf_counter() - t0
 
     def _drain(self) -> None:
-        for batch in self._idle:
+        for batch in self.flushed:
             stride = batch.words.shape[1] * 4
             for i, m in enumerate(batch.matchers):
                 if self._pending.get(id(m), (None, None))[1] is batch:
@@ -273,7 +273,7 @@ class MasksAhead:
                         batch.done[i] = True
                     except Exception:  # computed again at take(), where the error reaches the row
                         pass
-        self._idle = []
+        self.flushed = []
 
     def take(self, matchers: list, tok_vocab: int) -> np.ndarray:
         """(len(matchers), words) int32: each matcher's next mask, the one started ahead (waiting for its

@@ -17,6 +17,7 @@ from __future__ import annotations
 class Isolation:
     def __init__(self, suspects=(), culprits=()):
         self.suspects, self.culprits = set(suspects), set(culprits)
+        self.active = bool(self.suspects or self.culprits)  # (both fixed for the file)
         order = sorted(self.suspects)
         self.plan: list[list[int]] = [order] if len(order) == 1 else \
             [order[: (len(order) + 1) // 2], order[(len(order) + 1) // 2 :]] if order else []
@@ -26,15 +27,6 @@ class Isolation:
         self.running: set[int] = set()  # its scheduler groups not answered yet
         self.draining = False  # a lone suspect waits for the pipeline to empty: nothing more is read
         self.alone = False  # a lone suspect runs: nothing else enters until it is answered
-
-    @property
-    def active(self) -> bool:
-        return bool(self.suspects or self.culprits)
-
-    @property
-    def waiting(self) -> bool:
-        """Suspect lines read and not probed yet (the file is not done)."""
-        return bool(self.aside)
 
     def holds(self, index: int, line: bytes) -> bool:
         """A suspect line is set aside for its probe (True); any other line runs as it comes."""

@@ -243,7 +243,7 @@ class Scheduler:
         return resume, (len(resume), longest)
 
     def _refill(self, slot: Slot, limit: int | None = None, held: tuple[int, int] = (0, 0)) -> list[Group]:
-        free = len(slot.free_rows())
+        free = slot.row_group.count(None)
         chosen, coming = [], self._blocks_coming()
         for g in list(self._queue)[: self.window]:
             if free == 0:
@@ -432,7 +432,7 @@ class Scheduler:
         fed = set(decode_rows)
         column = {r: slot.row_len[r] for r in decode_rows}
         prompts, forks, admitted = [], [], []
-        free = slot.free_rows()
+        free = slot.free_rows() if new else []
         for g in new:
             rows, free = free[: g.width], free[g.width :]
             for r in rows:

@@ -25,6 +25,6 @@ def test_prompts_of_one_request_admitted_in_any_order(llama_2l):
         h = stage(x, Segment(torch.tensor([row]), torch.zeros(1, dtype=torch.long), x.shape[1], x.shape[1],
                              fresh=True), stage.new_cache(2, 8))
         head.on_pass(0, [], None, [Prefill(10 + i, row, len(ids[i]))], h)
-    ((index, line),) = head.answers.take_results()
+    ((index, line),) = head.answers.take().results
     assert index == 5 and line["request"] == raw
     assert [c["text"] for c in line["result"]["choices"]] == raw["prompt"]

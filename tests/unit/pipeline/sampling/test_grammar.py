@@ -113,7 +113,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, mode):
         ahead.forget(a)
     if mode != "take":
         ahead.idle()
-        assert not ahead._idle
+        assert not ahead.flushed
     assert not ahead._pending and (ahead.ahead_seconds > 0) == (mode != "take")
 
 
@@ -124,10 +124,10 @@ def test_idle_time_skips_forgotten_rows(grammars):
     ahead.start(kept, width)
     ahead.start(gone, width)
     ahead.flush(width)
-    batch = ahead._idle[0]
+    batch = ahead.flushed[0]
     ahead.forget(gone)
     ahead.idle()
-    assert batch.done.tolist() == [True, False] and not ahead._idle
+    assert batch.done.tolist() == [True, False] and not ahead.flushed
     got = ahead.take([kept], width)
     assert (got[0] == batch.words[0]).all() and got[0].any() and not ahead._pending
 
