@@ -208,8 +208,8 @@ def take_turns(pipeline: int, data: int, world: int, local_world: int, device: t
     ``BIG_STAGE_BYTES``: a decode pass is then bound by reading them, and P stages of one thread each
     re-read theirs once per micro-batch where P = 1 reads each once per step for all rows, while stages
     taking turns with every core (one micro-batch; the waiting stage's threads sleep) read each once a
-    step on all the cores (1B and 3B shapes, 2 cores: 1.00x and 0.99x P = 1, against 0.77x and 0.70x for
-    one-thread stages; docs/benchmarks.md). On a node whose cores other work also takes, one-thread
+    step on all the cores: as fast as P = 1, where one-thread stages side by side ran at 0.7-0.8x of it
+    (docs/benchmarks.md). On a node whose cores other work also takes, one-thread
     stages hold up better (``--num-threads 1``), which the plan's note says."""
     share = cores // max(1, data)
     if device.type != "cpu" or pipeline == 1 or world > local_world or stage_bytes < BIG_STAGE_BYTES or share < 2:
