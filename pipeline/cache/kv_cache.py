@@ -28,11 +28,9 @@ def zeroed(shape, dtype: torch.dtype, device) -> torch.Tensor:
     kernel hands out already zero and maps page by page as it is first written.
 
     A micro-batch's cache is sized for its longest possible rows, and most rows end well short of
-    that: ``torch.zeros`` touched every page up front (on the benchmark's VM, first-touch runs at
-    0.35-3.3 GB/s: a 2.8 GB float32 cache took 4.0 s of a 44 s generation file), where fresh memory
-    costs only the pages rows write or attention reads (columns past every run's longest row are never
-    touched). The memory goes back to the system when the tensor is freed. GPUs keep ``torch.zeros`` (a memset at
-    device bandwidth)."""
+    that: ``torch.zeros`` touches every page up front (slow where first-touch is: docs/performance-log.md),
+    where fresh memory costs only the pages rows write or attention reads. The memory goes back to the
+    system when the tensor is freed. GPUs keep ``torch.zeros`` (a memset at device bandwidth)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < 1 << 20:
         return torch.zeros(shape, dtype=dtype, device=device)

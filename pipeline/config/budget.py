@@ -11,9 +11,7 @@ the stage with the most layers (only rank 0's scheduler uses it).
 
 The budget is a ceiling, not an allocation: a micro-batch takes the cells its rows need (at most
 ``--max-micro-batch-size`` rows), so a large budget costs nothing while requests are few or short.
-On the CPU it is what lets a micro-batch hold its 32 rows: the old fixed 8192 cells held ~13 rows of
-600 positions, and the benchmark's generation file measured 1.09x (float32) and 1.19x (bfloat16)
-faster with 32768 (bench/throughput.py's model, 2 threads).
+On the CPU it is what lets a micro-batch hold its 32 rows (docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ Why: torch's CPU kernels, MKL, oneDNN and the project's C loops (pipeline.models
 one libgomp pool, whose idle threads spin (300,000 iterations by default) before they sleep. A stage
 runs thousands of short parallel regions a second; with another process on one of its cores, the
 thread that shares that core spins against it for its time slices, never sleeps, so the scheduler
-never favours it on wake-up, and every region's barrier waits a time slice for it. On a 2-core AMD
-EPYC with other work on the machine the README's quick start took 4.9-6.2 s at the default 2 threads
-against 0.06-0.1 s at one (bench/contention.py). Passive waiting (threads sleep at once, the
-scheduler wakes them ahead of a busy loop) made the default 0.09 s there. The user's own setting of
-any of the variables below wins.
+never favours it on wake-up, and every region's barrier waits a time slice for it. Passive waiting
+(threads sleep at once, the scheduler wakes them ahead of a busy loop) avoids that (bench/contention.py,
+docs/performance-log.md). The user's own setting of any of the variables below wins.
 """
 
 from __future__ import annotations

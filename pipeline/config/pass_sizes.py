@@ -61,16 +61,10 @@ def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
 def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
     """Prompt tokens one pass computes (chunks of longer prompts included; at least one prompt's).
 
-    A pipeline of CPU stages wants passes of even length: a pass of 45 prompts' 64-token chunks
-    (2880 tokens) took ~1.9 s on a stage where a 64-row decode step takes ~0.1 s, and while it ran the
-    other stage ran out of work. On the benchmark's generation file at P = 2 (2 cores) 1024 or 2048
-    tokens a pass measured alike (44.6-47.4 s, stages busy 91-94%) against 53.3 s with 8192 counting
-    chunks and 48.8 s with 512; on its mixed file (generation and echo scoring) 2048 did better
-    (53.9-55.0 s against 54.6-59.0 s with 1024, busy 87%), as fewer of its whole scoring prompts
-    wait a pass for room. One stage has no one to wait for: it keeps
-    :data:`~pipeline.config.components.PREFILL_TOKENS`. So do GPU pipelines, unmeasured (no GPU here): a GPU
-    computes a few hundred tokens in about a decode step's time, so its passes are far more even,
-    and what cap pays there is for a GPU run to tell."""
+    A pipeline of CPU stages wants passes of even length, so that no stage runs out of work while
+    another computes a long pass: 2048 there (measured against 512-8192: docs/design/chunked-prefill.md).
+    One stage has no one to wait for, and a GPU computes a few hundred tokens in about a decode step's
+    time: both keep :data:`~pipeline.config.components.PREFILL_TOKENS`."""
     return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
 
 
@@ -78,11 +72,8 @@ def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
     """Prompt tokens a pass of scoring prompts alone computes (echo, ``max_tokens`` 0: no decode rows).
 
     A scoring file is prefill passes only, and a pipeline pays about one pass at each end (the last
-    stage waits for the first pass to come through, the first stage for the last pass to leave): with
-    1024-token passes that was ~18% of the benchmark's scoring file at P = 2 on 2 CPU cores (4.1-4.5 s,
-    stages busy 80-87%, 14 passes); at most 512 tokens 3.8-4.0 s (87-92%), 256 3.8-3.9 s (89-94%;
-    P = 1: 3.6 s). Generation keeps :func:`pass_prefill_tokens`: there smaller passes admitted prompts
-    more slowly (512: 48.8 s against 44.6-47.4 with 1024-2048). One stage and GPUs keep their prefill
-    cap. On a tiny model, where a pass's fixed cost dominates, the smaller passes cost a little (the
-    default model's helm_scoring.jsonl at P = 2: 0.5 -> 0.6 s)."""
+    stage waits for the first pass, the first stage for the last pass to leave), so smaller passes
+    keep CPU stages busier (docs/design/chunked-prefill.md). Generation keeps
+    :func:`pass_prefill_tokens`, where smaller passes admit prompts more slowly; one stage and GPUs
+    keep their prefill cap."""
     return 256 if pipeline_size > 1 and not gpu else pass_prefill_tokens(pipeline_size, gpu)

@@ -183,19 +183,17 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
 
 
 # a stage holding more weight bytes than this reads them for longer than the ring's host work takes
-# (the last stage's sampling, rank 0's scheduling: a few ms a pass), so its decode passes are bound by
-# weight reads: a bfloat16 1B stage at P = 2 reads 1.1 GB a pass, ~0.1 s at this machine's 13 GB/s
+# (the last stage's sampling, rank 0's scheduling: a few ms a pass), so its decode passes are bound by weight reads
 BIG_STAGE_BYTES = 512 << 20
 
 
 def default_micro_batches(pipeline: int, device: torch.device, stage_bytes: int) -> int:
     """``--num-micro-batches 0``: P on a GPU and for one stage. A pipeline of CPU stages keeps P + 1 in
     flight where a stage's pass is short: the extra one covers the ring's host work that P alone leaves
-    exposed (the 86M benchmark model, 170 MB a stage at P = 2, 100 generation requests: 50.9 s with 3
-    against 57.8 s with 2, 51.1 s with 4). Where a stage's weights pass ``BIG_STAGE_BYTES`` its decode
+    exposed (docs/performance-log.md). Where a stage's weights pass ``BIG_STAGE_BYTES`` its decode
     passes are bound by reading them, once per micro-batch: P + 1 micro-batches of fewer rows each read
-    every weight (P + 1) / P times as often for the same tokens (1.5x at P = 2 when the requests do
-    not fill every micro-batch), so P (where they take turns with every core, one: :func:`take_turns`)."""
+    every weight (P + 1) / P times as often for the same tokens, so P (where they take turns with every core,
+    one: :func:`take_turns`)."""
     if pipeline == 1 or device.type != "cpu":
         return pipeline
     return pipeline if stage_bytes >= BIG_STAGE_BYTES else pipeline + 1

@@ -3,11 +3,7 @@
 glibc serves every allocation over its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and
 returns it with ``munmap`` when freed. A prefill's activations are such tensors (5,590 tokens x 4,096
 features of an MLP's up projection: 91 MB), so every layer of every prefill page-faulted its outputs
-in anew, the kernel zeroing each page. Measured on this project's 2-core VM, the 86M benchmark model
-in float32: one such up projection took 234 ms in a 2 GB process against 100 ms in a small one (the
-faults: 91 MB allocated and filled took 125 ms against 18 ms; past ~1.5 GB resident each new page
-cost more), and 82 ms with the memory kept; the benchmark's generation file ran 6% faster in float32
-and 5% in bfloat16.
+in anew, the kernel zeroing each page: slower the larger the process (docs/design/host-memory.md).
 
 :func:`keep_freed_memory` turns glibc's per-tensor mmap off and raises its trim threshold, so freed
 tensors go back to the heap and the next pass reuses pages already mapped. The process then keeps
@@ -46,8 +42,7 @@ def release_freed_memory() -> bool:
     the heap, not only at its top); False off glibc. For load-time steps that replace one big tensor by
     another (oneDNN's packed copy of a weight, then the plain one freed): the freed weight's pages stay
     resident in a heap that keeps freed memory, and a packed copy a little larger than the hole it
-    could have reused goes above it, so without this a float32 1.1B stage held ~470 MB of such holes
-    after packing (5,063 MB resident when ready against 4,594 MB unpacked; 4,196 MB of weights)."""
+    could have reused goes above it, leaving holes of hundreds of MB after packing a 1B stage."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (glibc only)

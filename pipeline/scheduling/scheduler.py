@@ -42,8 +42,7 @@ class Scheduler:
     the others (:func:`pipeline.config.pass_sizes.pass_prefill_tokens`); a pass of scoring
     prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.pass_sizes.pass_scoring_tokens`).
     Bigger passes hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's
-    alone 262 MB in float32); the benchmark's scoring file took 6.2 s against 5.0 s with at most 8192
-    a pass.
+    alone 262 MB in float32).
     """
 
     def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
@@ -350,8 +349,7 @@ class Scheduler:
         queued) with fewer micro-batches holding rows than there are stages: enough that every stage
         has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time). Not
         when the stages take turns with the node's cores (``SchedulerConfig.turns``): two passes then
-        contend for the same cores, and each re-reads the stage's weights (a 1B model at P = 2 on 2
-        cores, one micro-batch of two-thread stages: 82 generated tok/s split, 89 whole, P = 1 90)."""
+        contend for the same cores, and each re-reads the stage's weights."""
         active = sum(s.rows > 0 for s in self.slots)
         if not self.policy.splits_tail or self.config.turns or self._queue or not active or active >= self.stages:
             return 1

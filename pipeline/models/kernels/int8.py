@@ -10,19 +10,17 @@ Every kernel computes the same thing: the activations quantized per token (one s
 row of ``x``, :func:`quantize_tokens`, or the fused prologue's pass), the exact int32 sums of the
 int8 x int8 products, and one :func:`epilogue` (``float32(acc) * weight scale * row scale + bias``,
 in that order). The kernels differ only in how they sum, and integer sums have one answer, so the
-choice between them, made by timing, changes speed and never a result (two runs on a busy machine
-once timed different kernels and then differed in every greedy row: no longer possible):
+choice between them, made by timing, changes speed and never a result:
 
 - ``int8``: ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel
   torchao's int8 dynamic-activation path calls);
-- ``onednn`` (CPU): the same integer products against int8 weights reordered once into oneDNN's
-  blocked layout (``torch.ops.onednn.qlinear_prepack``, the pair PyTorch's compiler uses for its
-  x86 int8 models). ``torch._int_mm`` re-reads the plain (out, in) weight on every call; the
-  prepacked product measured ~2x faster at 1-32 rows on an AMX Xeon (2 threads, 768x2304: 0.055
-  against 0.10 ms at 32 rows). The activations go in as uint8 with zero point 128 (``q + 128``:
-  exactly the int8 values; oneDNN's u8 x s8 path is its fastest at prefill sizes) with unit weight
-  scales, so oneDNN returns ``float32(acc)``; the packed copy replaces the plain weight. Not offered
-  where oneDNN's u8 x s8 product saturates int16 pair sums (CPUs without VNNI / AMX,
+- ``onednn`` (CPU): the same integer products against int8 weights reordered once into oneDNN's blocked
+  layout (``torch.ops.onednn.qlinear_prepack``, the pair PyTorch's compiler uses for its x86 int8
+  models). ``torch._int_mm`` re-reads the plain (out, in) weight on every call; the prepacked product
+  measured ~2x faster at 1-32 rows on an AMX Xeon. The activations go in as uint8 with zero point 128
+  (``q + 128``: exactly the int8 values; oneDNN's u8 x s8 path is its fastest at prefill sizes) with
+  unit weight scales, so oneDNN returns ``float32(acc)``; the packed copy replaces the plain weight. Not
+  offered where oneDNN's u8 x s8 product saturates int16 pair sums (CPUs without VNNI / AMX,
   :func:`onednn_saturates`);
 - ``native`` (CPU, the C loops built): :func:`native_mm`, AVX512-VNNI on the weight repacked once into
   16-output blocks (a decode step reads each weight once), else AVX2 on the plain weight;
@@ -202,8 +200,7 @@ def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tens
     as uint8 instead (zero point 128: what oneDNN's u8 x s8 product takes).
 
     Five passes over the activations in eager mode, the fewest found (this runs before every int8
-    product; written plainly, with ten, it took nearly as long as the products in a generation
-    profile, and this form measured 10-30% off each projection): the row's range from two reductions
+    product): the row's range from two reductions
     (no ``abs`` copy), then ``x / scale + 128.5`` truncated by the cast to uint8, which rounds to
     nearest in one step (ties upward) where ``round`` + ``clamp`` + ``add`` took three; int8 values
     are the same bytes with the top bit flipped (``u ^ 128`` viewed as int8 is ``u - 128``).
@@ -313,9 +310,7 @@ def median_times(fns: dict[str, Callable[[], object]], rounds: int = 7, budget_s
     """Median seconds of each of ``fns`` over up to ``rounds`` rounds (at least 3), after one warm-up
     call each. The calls interleave (each round times every function once, in a rotated order), so a
     burst of other work on the machine lands on every candidate alike, and the median drops the
-    rounds it spoiled: on a busy 2-core machine single timings of one kernel swung 100x (124 ms
-    against 0.68 ms), the best of a few back-to-back calls of each kernel picked a different kernel
-    from run to run."""
+    rounds it spoiled (on a busy machine single timings swing 100x: docs/performance-log.md)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CUDA runs asynchronously
     names = list(fns)
     for name in names:

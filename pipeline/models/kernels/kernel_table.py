@@ -3,11 +3,11 @@ each layer shape, so a choice made by timing is made once and every later run on
 reads it (``--kernel-table PATH`` pins a table of one's own: shared by the nodes of a cluster, or
 copied between runs).
 
-Why: kernels chosen by timing at load are a lottery on a busy machine (single timings of one kernel
-and shape swung 100x, 124 ms against 0.68 ms), and where the candidates round differently (a
-pre-quantized checkpoint's ``dequantize`` against ``int4pack``: :mod:`.weight_only`) a different pick
-is a different answer. ``--quantize int8``'s kernels give identical results (:mod:`.int8`), so for
-them the table keeps the speed and the load time (no timing after the first run), not the answers.
+Why: kernels chosen by timing at load are a lottery on a busy machine, and where the candidates round
+differently (a pre-quantized checkpoint's ``dequantize`` against ``int4pack``: :mod:`.weight_only`) a
+different pick is a different answer. ``--quantize int8``'s kernels give identical results
+(:mod:`.int8`), so for them the table keeps the speed and the load time (no timing after the first run),
+not the answers.
 
 The table is one file per machine key, ``cache_dir() / kernel-table-<key>.json``; the first run that
 needs a shape measures it while holding a lock beside the file (ranks of one node that load at once

@@ -5,14 +5,11 @@ logprobs of bf16 runs would carry that rounding. Here the products accumulate in
 logits stay float32: on CUDA through ``torch.mm(..., out_dtype=torch.float32)`` (the GEMM accumulates
 in float32 anyway; only the output's rounding goes); on a CPU with the AVX512-BF16 dot product or AVX2,
 a bfloat16 head multiplies bfloat16 hidden states in C (:func:`.native.bf16_products`: exact products
-summed in float32, the table read once as it is stored; on an 8B model's 128k x 4096 head, single-stream
-decode spent 30% of its time in the cast below and MKL's float32 product; with AVX2, 1.2-5.3x faster
-than the cast from 128 rows down to 1); elsewhere by casting the weight to float32 a
-block of vocabulary rows at a time (never a float32 copy of the whole table) into one block buffer
-kept per thread and device, and the products written into one output tensor. (Casting each block
-into a fresh tensor and concatenating fragmented a CPU stage's heap, whose freed memory the process
-keeps (pipeline.runtime.host_memory): each small product landed in the last block's freed space and
-the next block needed new memory, ~0.8 GB of growth in the first pass of a 128k-vocabulary model.)
+summed in float32, the table read once as it is stored, faster than the cast below); elsewhere by
+casting the weight to float32 a block of vocabulary rows at a time (never a float32 copy of the whole
+table) into one block buffer kept per thread and device, and the products written into one output
+tensor (a fresh tensor per block fragments a CPU stage's heap, whose freed memory the process keeps:
+pipeline.runtime.host_memory).
 """
 
 from __future__ import annotations

@@ -3,26 +3,22 @@ when they cannot be: the element-wise loops around the int8 product, the exact i
 ``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), decode attention over
 per-row lengths (float32, and bfloat16 with AVX512-BF16) and bfloat16 products in float32 (a bfloat16
 head's logits; the projections of bfloat16 stages on CPUs without bf16 instructions) with AVX512-BF16,
-else AVX2 and FMA (threads from the OpenMP runtime PyTorch
-has loaded: ``-fopenmp`` links ``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so
-the process keeps one pool).
+else AVX2 and FMA (threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
+``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so the process keeps one pool).
 
 Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
 In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
-inputs they took as long as oneDNN's int8 product itself (AVX-512 Xeon, 1 thread, 32 rows of 768
-to 2304 in bfloat16: 197 us a projection, 94 of them the product). One C loop each does the same
-arithmetic in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the
-eager results, which ``tests/unit/pipeline/models/kernels/test_int8.py`` asserts): 133 us. torch.compile was tried first:
-its fused kernel is as fast, but each compiled call costs ~17 us of guards and wrappers, more
-than it saves at these sizes.
+inputs they took as long as oneDNN's int8 product itself. One C loop each does the same arithmetic
+in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the eager results,
+which ``tests/unit/pipeline/models/kernels/test_int8.py`` asserts). torch.compile's fused kernel is as
+fast, but its guards and wrappers cost more per call than it saves at these sizes (docs/performance-log.md).
 
 The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``, or
-the level PyTorch's kernels are held to, :func:`_march`)
-into :func:`cache_dir` under a name from a hash of the source, the flags
-and the CPU's feature flags (so a home directory shared by different nodes keeps one build per
-kind of CPU), written to a temporary name and renamed (ranks that build at once do not collide).
-A compiler without OpenMP: built again without it, and decode attention stays with PyTorch's
-kernels (single-threaded it is unmeasured against them). No compiler, or a failed build: logged
+the level PyTorch's kernels are held to, :func:`_march`) into :func:`cache_dir` under a name from a hash
+of the source, the flags and the CPU's feature flags (so a home directory shared by different nodes
+keeps one build per kind of CPU), written to a temporary name and renamed (ranks that build at once do
+not collide). A compiler without OpenMP: built again without it, and decode attention stays with
+PyTorch's kernels (single-threaded it is unmeasured against them). No compiler, or a failed build: logged
 once, and every caller falls back to its PyTorch code. ``DIST_RUNNER_NATIVE=0`` turns the loops off.
 """
 

@@ -5,21 +5,20 @@ On the CPU, ``F.linear`` runs MKL's sgemm, which re-reads the (out, in) weight i
 layout on every call. oneDNN can reorder a weight once into the blocked layout its kernels stream
 (``torch.ops.mkldnn._reorder_linear_weight``) and multiply against it
 (``torch.ops.mkldnn._linear_pointwise``): the pair PyTorch's own compiler uses when it freezes a CPU
-model (inductor's weight prepacking). Measured on this project's AVX2 CPU, one thread, the 86M
-benchmark model's shapes: 1.2-2.6x faster at 4-16 rows (a decode micro-batch), about even at 256
-(a prefill), results within float rounding of ``F.linear`` (max |difference| ~2e-4 on unit-scale
-activations over 2048 inputs: a different summation order).
+model (inductor's weight prepacking): faster at decode sizes, about even at prefill sizes, results
+within float rounding of ``F.linear`` (a different summation order; figures: docs/performance-log.md).
 
 The decoder layers' projections (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``) are packed,
 once, after the stage is loaded; the packed copy replaces the weight (no second copy in memory). So is
 a float32 head with a table of its own that is a small share of the stage (:func:`own_float32_head`),
-under ``--quantize int8`` too, whose layers keep their int8 kernels. Float32, and bfloat16 on CPUs with native bf16 instructions (avx512_bf16 or AMX): measured on
-an AMX Xeon, two threads, 768x2048, bf16 packed is bit-identical to bf16 ``F.linear`` and 2.3x /
-1.85x / 1.6x / 1.35x faster at 1 / 8 / 32 / 256 rows, about even at 1024; float16 gains nothing
-there (0.8-1.15x) and keeps ``F.linear``. On CPUs without bf16 instructions (where oneDNN would emulate
-them) bfloat16 projections take :class:`NativeBf16Linear`, the project's AVX2 loop. The GPU keeps cuBLAS, int8 weights have their own kernels, and
-``--batch-invariant`` keeps the plain product (its guarantee is about one kernel's reduction order). If the op is missing from the torch build
-(no oneDNN) or fails on a probe, the stage keeps ``F.linear`` and says so.
+under ``--quantize int8`` too, whose layers keep their int8 kernels. Float32, and bfloat16 on CPUs with
+native bf16 instructions (avx512_bf16 or AMX), where bf16 packed is bit-identical to bf16 ``F.linear``
+and faster up to a few hundred rows; float16 gains nothing and keeps ``F.linear``. On CPUs without bf16
+instructions (where oneDNN would emulate them) bfloat16 projections take :class:`NativeBf16Linear`, the
+project's AVX2 loop. The GPU keeps cuBLAS, int8 weights have their own kernels, and
+``--batch-invariant`` keeps the plain product (its guarantee is about one kernel's reduction order). If
+the op is missing from the torch build (no oneDNN) or fails on a probe, the stage keeps ``F.linear`` and
+says so.
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ class NativeBf16Linear(nn.Module):
     """``nn.Linear`` in bfloat16 on a CPU without bf16 instructions: from two rows on, the project's C loop
     (:func:`.native.bf16_products`, AVX2 and FMA) on the weight as it is (no copy), the products summed
     in float32 and the bias added before the one rounding to bfloat16, as ``F.linear`` rounds. There,
-    PyTorch's bf16 product converts per multiply and collapses beyond one row (14336 x 4096, 2 threads,
-    AVX2: 10 / 62 / 244 ms at 4 / 32 / 128 rows against this loop's 5.7 / 22 / 81); one row keeps its
-    matrix-vector product, which read the weight ~1.2x faster than the loop."""
+    PyTorch's bf16 product converts per multiply and collapses beyond one row; one row keeps its
+    matrix-vector product, which reads the weight faster than the loop (docs/performance-log.md)."""
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -172,13 +170,11 @@ HEAD_SHARE = 0.1  # the most of a stage's weights a head may be for its packed c
 def own_float32_head(model: StageModel) -> bool:
     """Whether ``model`` holds a float32 head of its own (not the embedding's table: the embedding reads
     its rows), which :func:`pack_stage` packs like the projections: float32 stages and ``--quantize
-    int8``'s float32 head. MKL's product reads a 128k x 4096 float32 table at 24 GB/s for one row and 5-8
-    GB/s for 8-32 rows (2 threads, the AVX-512 EPYC), oneDNN's packed one at ~39 GB/s and 20 GB/s.
+    int8``'s float32 head, which oneDNN's packed product reads faster than MKL's (docs/performance-log.md).
 
     Only a head of at most ``HEAD_SHARE`` of the stage's weights: the table is one tensor, so its plain
     and packed copies exist at once while it packs, and a stage's peak (loading included) stays within
-    1.1x its weights only if that moment does. An 8B's float32 head is 19% of its ``--quantize int8``
-    stage (the packed copy took the peak from 11.0 to 13.0 GB), 7% of a float32 one."""
+    1.1x its weights only if that moment does."""
     head, embed = model.lm_head, model.embed
     if not (type(head) is nn.Linear and head.weight.dtype == torch.float32
             and (embed is None or embed.weight.data_ptr() != head.weight.data_ptr())):
