@@ -4,5 +4,5 @@ config (options, plan, stage memory, budget) -> scheduling (rank 0: intake, sche
 runtime (each rank's loop, the stage step, links, messages) over cache (KV cache, prefix cache),
 loading (checkpoints, tokenizers, adapters), sampling (logits -> tokens), output (stops, best_of,
 OpenAI objects) and models (decoder, families/, kernels/), which knows nothing of ranks or options.
-api (the Python API: LLM, SamplingParams) sits on top, beside serve/: it feeds rank 0 from Python calls.
+The faces (serve/, terminal/, python_api/) sit on top: they feed rank 0's engine and nothing here imports them.
 """

@@ -4,7 +4,7 @@
     with LLM(pipeline_size=2) as llm:
         print(llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0].text)
 
-Rank 0 runs in this process (a thread, :mod:`python_api.engine`); the other stages are worker
+Rank 0 runs in this process (a thread, :mod:`pipeline.runtime.engine_thread`); the other stages are worker
 processes it starts (:mod:`python_api.workers`), or, under torchrun, the other ranks of the job.
 Calls run one at a time; within a call, requests run together as a file's lines would.
 """

@@ -3,5 +3,5 @@
 the factory that builds a rank from the plan (roles), the status file and --metrics-port on the
 writing rank (monitor), each stage's memory account (memory).
 
-May import every pipeline package and comm; only serve and the entry point import it.
+May import every pipeline package and comm; only the faces (serve, terminal, python_api) and the entry point import it.
 """

@@ -1,7 +1,7 @@
 """Model families: HF config.json -> DecoderSpec, and which HF tensors fill each stage parameter.
 
-A family module defines ``MODEL_TYPES`` (HF ``model_type`` values it reads), ``ALIASES`` (extra
-``--model-type`` spellings, e.g. the seed's ``gptj``), ``to_spec(cfg) -> DecoderSpec``,
+A family module defines ``MODEL_TYPES`` (HF ``model_type`` values it reads), optionally ``ALIASES``
+(extra ``--model-type`` spellings, e.g. the seed's ``gptneox``), ``to_spec(cfg) -> DecoderSpec``,
 ``layer_source(spec, i, name) -> Source`` for parameter ``name`` of global layer ``i`` and
 ``top_source(spec, name) -> Source`` for embedding/head parameters. The loader walks a stage's
 parameters and asks the family where each one comes from, so a stage reads only its own tensors.
@@ -151,21 +151,14 @@ def layer_kinds(cfg: dict, num_layers: int, default: Callable[[int], bool] | Non
     return kinds, window
 
 
-def _families() -> dict[str, object]:
-    out = {}
-    for name in _FAMILY_MODULES:
-        try:
-            out[name] = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:  # family not written yet
-            if e.name != f"{__name__}.{name}":
-                raise
-    return out
+def _families() -> list:
+    return [importlib.import_module(f"{__name__}.{name}") for name in _FAMILY_MODULES]
 
 
 def supported_model_types() -> list[str]:
     """Every spelling --model-type accepts (HF model_type values and the seed's aliases)."""
     names = set()
-    for mod in _families().values():
+    for mod in _families():
         names.update(mod.MODEL_TYPES)
         names.update(getattr(mod, "ALIASES", ()))
     return sorted(names)
@@ -174,7 +167,7 @@ def supported_model_types() -> list[str]:
 def family_for(cfg: dict, model_type: str | None = None):
     """The family module for a config (or an explicit --model-type)."""
     wanted = model_type or cfg.get("model_type")
-    for mod in _families().values():
+    for mod in _families():
         if wanted in mod.MODEL_TYPES or wanted in getattr(mod, "ALIASES", ()):
             return mod
     raise ValueError(

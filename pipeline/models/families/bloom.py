@@ -7,7 +7,6 @@ import torch
 from pipeline.models.families import DecoderSpec, Source, activation_name, config_value
 
 MODEL_TYPES = ("bloom",)
-ALIASES = ()
 
 _P = "transformer."
 

@@ -18,7 +18,6 @@ from pipeline.models.families import DecoderSpec, Source, activation_name, rope_
 from pipeline.models.families.gpt_neox import per_head_to_qkv
 
 MODEL_TYPES = ("falcon",)
-ALIASES = ()  # the seed's --model-type spelling "falcon" is the HF model_type itself
 
 
 def _layout(cfg: dict) -> tuple[int, str]:

@@ -18,7 +18,6 @@ from pipeline.models.families import (DecoderSpec, Source, activation_name, cat0
                                       rotary_decoder)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
-ALIASES = ()
 
 
 def _ropes(cfg: dict, head_dim: int):

@@ -17,7 +17,6 @@ import torch
 from pipeline.models.families import DecoderSpec, Source, activation_name, config_value
 
 MODEL_TYPES = ("gpt2",)
-ALIASES = ()  # the seed's spelling "gpt2" is the HF model_type itself
 
 _P = "transformer."
 

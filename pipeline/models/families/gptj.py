@@ -6,7 +6,6 @@ from __future__ import annotations
 from pipeline.models.families import DecoderSpec, RopeSpec, Source, activation_name, cat0
 
 MODEL_TYPES = ("gptj",)
-ALIASES = ()  # the seed's --model-type spelling "gptj" is the HF model_type itself
 
 
 def to_spec(cfg: dict) -> DecoderSpec:

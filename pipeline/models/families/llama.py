@@ -10,7 +10,6 @@ from __future__ import annotations
 from pipeline.models.families import DecoderSpec, Source, cat0, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ALIASES = ()
 
 
 def _sliding(cfg: dict) -> tuple[tuple[str, ...], int]:

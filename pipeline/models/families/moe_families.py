@@ -20,7 +20,6 @@ from dataclasses import replace
 from pipeline.models.families import DecoderSpec, MoESpec, Source, cat0, config_value, llama, stack0, stack_pairs
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ALIASES = ()
 _DEFAULT_EXPERTS = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128}  # transformers' config defaults
 
 

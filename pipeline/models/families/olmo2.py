@@ -9,7 +9,6 @@ from pipeline.models.families.llama import top_source  # noqa: F401 (same embedd
 from pipeline.models.families import DecoderSpec, Source, cat0, rotary_decoder
 
 MODEL_TYPES = ("olmo2",)
-ALIASES = ()
 
 
 def to_spec(cfg: dict) -> DecoderSpec:

@@ -13,7 +13,6 @@ import torch
 from pipeline.models.families import DecoderSpec, Source, activation_name, cat0
 
 MODEL_TYPES = ("opt",)
-ALIASES = ()  # the seed's spelling "opt" is the HF model_type itself
 
 _P = "model.decoder."
 

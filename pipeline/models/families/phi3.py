@@ -10,7 +10,6 @@ from pipeline.models.families.llama import top_source  # noqa: F401 (same embedd
 from pipeline.models.families import DecoderSpec, Source, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("phi3",)
-ALIASES = ()
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
