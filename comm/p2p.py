@@ -16,9 +16,8 @@ block sending to each other. The receiver keeps a receive posted for the link's 
 (:meth:`Messenger.expect`, called once a message is handled, before the stage computes): a gloo
 transfer is a rendezvous between the two ranks' transport threads, and with a receive already
 posted it completes while both ranks compute, instead of waiting for the receiver to ask while its
-cores are busy (measured at P = 2 on 2 cores: ~10 ms a message, 3 transfers each, before). A message
-longer than the posted buffer (:data:`_FIRST`: a prefill's activations) sends its rest as a second
-transfer of the exact size. Messages on a link arrive in the order they were sent.
+cores are busy. A message longer than the posted buffer (:data:`_FIRST`: a prefill's activations)
+sends its rest as a second transfer of the exact size. Messages on a link arrive in the order they were sent.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
 # a layer with fewer matmul weights runs on one thread by default: its products take a few microseconds a
-# pass, less than waking a second thread (bench/contention.py: the 1.4M-parameter default model, 213k
-# weights a layer, answered the README's quick start in 0.057 s on one thread, 0.09 s on two)
+# pass, less than waking a second thread (bench/contention.py; docs/benchmarks.md#threads-on-a-shared-machine)
 SMALL_LAYER_WEIGHTS = 400_000
 
 
