@@ -131,6 +131,15 @@ def rotary_decoder(cfg: dict, family: str, max_positions: int = 2048, norm_eps: 
     return DecoderSpec(**(shape | fields))
 
 
+def layernorm_decoder(cfg: dict, family: str, hidden: int, heads: int, **fields) -> DecoderSpec:
+    """The spec of a GPT-shaped decoder (LayerNorm with biases, a plain two-matrix MLP 4 x hidden wide,
+    multi-head attention) from the sizes its HF config names its own way; ``fields``: the rest (layers,
+    positions, biases, residual layout) and whatever the family sets otherwise."""
+    shape = dict(family=family, vocab_size=cfg["vocab_size"], hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                 head_dim=hidden // heads, intermediate_size=4 * hidden, norm="layer", norm_bias=True, mlp="plain")
+    return DecoderSpec(**(shape | fields))
+
+
 def layer_kinds(cfg: dict, num_layers: int, default: Callable[[int], bool] | None = None) -> tuple[tuple[str, ...], int]:
     """(per-layer "full" / "sliding", sliding window) from a config's ``layer_types`` (transformers 5
     writes it) or, for configs without it, ``default(i)`` telling whether layer ``i`` slides."""
@@ -193,5 +202,5 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
 
 
 __all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "stack0", "stack_pairs", "activation_name",
-           "config_value", "rope_from_config", "layer_kinds",
+           "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, config_value
+from pipeline.models.families import DecoderSpec, Source, activation_name, config_value, layernorm_decoder
 
 MODEL_TYPES = ("bloom",)
 
@@ -21,26 +21,17 @@ def to_spec(cfg: dict) -> DecoderSpec:
     heads = config_value(cfg, "n_head", "num_attention_heads")
     if hidden % heads:
         raise ValueError(f"BLOOM config: hidden_size {hidden} is not a multiple of n_head {heads}")
-    return DecoderSpec(
-        family="bloom",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "bloom", hidden, heads,
         num_layers=config_value(cfg, "n_layer", "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        intermediate_size=4 * hidden,
         # ALiBi has no table; this only caps prompt + max_tokens (BLOOM trained on 2048 tokens)
         max_positions=config_value(cfg, "max_position_embeddings", "seq_length", default=2048),
-        norm="layer",
         norm_eps=config_value(cfg, "layer_norm_epsilon", default=1e-5),
         position="alibi",
-        mlp="plain",
         activation=activation_name("gelu_fast"),  # BloomGelu: tanh approximation
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
-        norm_bias=True,
         embed_norm=True,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, rope_from_config
+from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
 from pipeline.models.families.gpt_neox import per_head_to_qkv
 
 MODEL_TYPES = ("falcon",)
@@ -45,26 +45,19 @@ def to_spec(cfg: dict) -> DecoderSpec:
     two_norms = new_arch and (cfg.get("num_ln_in_parallel_attn") or 2) == 2
     kv_heads, layout = _layout(cfg)
     bias = bool(cfg.get("bias", False))
-    return DecoderSpec(
-        family="falcon",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "falcon", hidden, heads,
         num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=head_dim,
         intermediate_size=cfg.get("ffn_hidden_size") or 4 * hidden,
         max_positions=cfg.get("max_position_embeddings", 2048),
-        norm="layer",
         norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         position="rope",
         rope=rope_from_config(cfg, head_dim, rotary_dim=head_dim),
-        mlp="plain",
         activation=activation_name(cfg.get("activation", "gelu")),
         qkv_bias=bias,
         o_bias=bias,
         mlp_bias=bias,
-        norm_bias=True,
         parallel_residual=parallel,
         shared_norm=parallel and not two_norms,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),

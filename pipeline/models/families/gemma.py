@@ -14,7 +14,7 @@ sqrt(hidden_size), GeGLU (tanh GELU), tied head.
 from __future__ import annotations
 
 from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import (DecoderSpec, Source, activation_name, cat0, layer_kinds, rope_from_config,
+from pipeline.models.families import (DecoderSpec, Source, activation_name, layer_kinds, llama, rope_from_config,
                                       rotary_decoder)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
@@ -83,21 +83,13 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
+    """Llama's names (pipeline.models.families.llama), but for the norms around the MLP."""
     p = f"model.layers.{i}."
-    table = {
-        "n1.weight": Source([p + "input_layernorm.weight"]),
+    norms = {
         # Gemma 1 names its pre-MLP norm post_attention_layernorm (Llama's naming)
         "n2.weight": Source([p + ("pre_feedforward_layernorm.weight" if spec.post_branch_norm
                                   else "post_attention_layernorm.weight")]),
         "post_attn_norm.weight": Source([p + "post_attention_layernorm.weight"]),
         "post_mlp_norm.weight": Source([p + "post_feedforward_layernorm.weight"]),
-        "attn.q_norm.weight": Source([p + "self_attn.q_norm.weight"]),
-        "attn.k_norm.weight": Source([p + "self_attn.k_norm.weight"]),
-        "attn.o.weight": Source([p + "self_attn.o_proj.weight"]),
-        "attn.o.bias": Source([p + "self_attn.o_proj.bias"]),
-        "mlp.up.weight": Source([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], cat0),
-        "mlp.down.weight": Source([p + "mlp.down_proj.weight"]),
     }
-    for kind in ("weight", "bias"):
-        table[f"attn.qkv.{kind}"] = Source([p + f"self_attn.{x}_proj.{kind}" for x in "qkv"], cat0)
-    return table[name]
+    return norms[name] if name in norms else llama.layer_source(spec, i, name)

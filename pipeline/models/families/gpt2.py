@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, config_value
+from pipeline.models.families import DecoderSpec, Source, activation_name, config_value, layernorm_decoder
 
 MODEL_TYPES = ("gpt2",)
 
@@ -26,25 +26,17 @@ def to_spec(cfg: dict) -> DecoderSpec:
     heads = config_value(cfg, "n_head", "num_attention_heads")
     if hidden % heads:
         raise ValueError(f"GPT-2 config: n_embd {hidden} is not a multiple of n_head {heads}")
-    return DecoderSpec(
-        family="gpt2",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "gpt2", hidden, heads,
         num_layers=config_value(cfg, "n_layer", "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         intermediate_size=config_value(cfg, "n_inner", default=4 * hidden),
         max_positions=config_value(cfg, "n_positions", "max_position_embeddings", "n_ctx", default=1024),
-        norm="layer",
         norm_eps=config_value(cfg, "layer_norm_epsilon", default=1e-5),
         position="learned",
-        mlp="plain",
         activation=activation_name(cfg.get("activation_function", "gelu_new")),
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
-        norm_bias=True,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         extra={"scale_attn_weights": bool(cfg.get("scale_attn_weights", True)),
                "scale_by_layer": bool(cfg.get("scale_attn_by_inverse_layer_idx", False))},

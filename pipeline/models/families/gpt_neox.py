@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, rope_from_config
+from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
 
 MODEL_TYPES = ("gpt_neox",)
 ALIASES = ("gptneox",)  # the seed's --model-type spelling
@@ -22,26 +22,18 @@ def to_spec(cfg: dict) -> DecoderSpec:
     if "rope_theta" not in params and "rope_theta" not in cfg:
         rope_cfg["rope_theta"] = cfg.get("rotary_emb_base", 10000.0)
     bias = bool(cfg.get("attention_bias", True))
-    return DecoderSpec(
-        family="gpt_neox",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "gpt_neox", hidden, heads,
         num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
         intermediate_size=cfg.get("intermediate_size") or 4 * hidden,
         max_positions=cfg.get("max_position_embeddings", 2048),
-        norm="layer",
         norm_eps=cfg.get("layer_norm_eps", 1e-5),
         position="rope",
         rope=rope_from_config(rope_cfg, head_dim, rotary_dim=int(head_dim * pct)),
-        mlp="plain",
         activation=activation_name(cfg.get("hidden_act", "gelu")),
         qkv_bias=bias,
         o_bias=bias,
         mlp_bias=True,
-        norm_bias=True,
         parallel_residual=bool(cfg.get("use_parallel_residual", True)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )

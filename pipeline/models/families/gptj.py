@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipeline.models.families import DecoderSpec, RopeSpec, Source, activation_name, cat0
+from pipeline.models.families import DecoderSpec, RopeSpec, Source, activation_name, cat0, layernorm_decoder
 
 MODEL_TYPES = ("gptj",)
 
@@ -12,27 +12,17 @@ def to_spec(cfg: dict) -> DecoderSpec:
     hidden = cfg.get("n_embd", cfg.get("hidden_size"))
     heads = cfg.get("n_head", cfg.get("num_attention_heads"))
     head_dim = hidden // heads
-    return DecoderSpec(
-        family="gptj",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "gptj", hidden, heads,
         num_layers=cfg.get("n_layer", cfg.get("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
         intermediate_size=cfg.get("n_inner") or 4 * hidden,
         max_positions=cfg.get("n_positions", cfg.get("max_position_embeddings", 2048)),
-        norm="layer",
         norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         position="rope",
         # HF hard-codes base 10000 for GPT-J's sinusoids; rotary_dim None means the whole head
         rope=RopeSpec(theta=10000.0, rotary_dim=cfg.get("rotary_dim") or head_dim, interleaved=True),
-        mlp="plain",
         activation=activation_name(cfg.get("activation_function", "gelu_new")),
-        qkv_bias=False,
-        o_bias=False,
         mlp_bias=True,
-        norm_bias=True,
         parallel_residual=True,
         shared_norm=True,
         lm_head_bias=True,

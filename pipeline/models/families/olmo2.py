@@ -6,7 +6,7 @@ projections before rotary. RMSNorms multiply by their weight in float32, then ca
 from __future__ import annotations
 
 from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import DecoderSpec, Source, cat0, rotary_decoder
+from pipeline.models.families import DecoderSpec, Source, llama, rotary_decoder
 
 MODEL_TYPES = ("olmo2",)
 
@@ -25,17 +25,8 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
+    """Llama's names (pipeline.models.families.llama) for attention and MLP; the norms on the branch outputs."""
     p = f"model.layers.{i}."
-    table = {
-        "post_attn_norm.weight": Source([p + "post_attention_layernorm.weight"]),
-        "post_mlp_norm.weight": Source([p + "post_feedforward_layernorm.weight"]),
-        "attn.q_norm.weight": Source([p + "self_attn.q_norm.weight"]),
-        "attn.k_norm.weight": Source([p + "self_attn.k_norm.weight"]),
-        "attn.o.weight": Source([p + "self_attn.o_proj.weight"]),
-        "attn.o.bias": Source([p + "self_attn.o_proj.bias"]),
-        "mlp.up.weight": Source([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], cat0),
-        "mlp.down.weight": Source([p + "mlp.down_proj.weight"]),
-    }
-    for kind in ("weight", "bias"):
-        table[f"attn.qkv.{kind}"] = Source([p + f"self_attn.{x}_proj.{kind}" for x in "qkv"], cat0)
-    return table[name]
+    norms = {"post_attn_norm.weight": Source([p + "post_attention_layernorm.weight"]),
+             "post_mlp_norm.weight": Source([p + "post_feedforward_layernorm.weight"])}
+    return norms[name] if name in norms else llama.layer_source(spec, i, name)

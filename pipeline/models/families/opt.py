@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, cat0
+from pipeline.models.families import DecoderSpec, Source, activation_name, cat0, layernorm_decoder
 
 MODEL_TYPES = ("opt",)
 
@@ -25,31 +25,23 @@ def to_spec(cfg: dict) -> DecoderSpec:
     pre_norm = bool(cfg.get("do_layer_norm_before", True))
     bias = bool(cfg.get("enable_bias", True))
     affine = bool(cfg.get("layer_norm_elementwise_affine", True))
-    return DecoderSpec(
-        family="opt",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
+    return layernorm_decoder(
+        cfg, "opt", hidden, heads,
         num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         intermediate_size=cfg["ffn_dim"],
         max_positions=cfg.get("max_position_embeddings", 2048),
-        norm="layer",
         norm_eps=1e-5,  # nn.LayerNorm default; OPT has no config field for it
         position="learned",
         learned_pos_offset=2,
-        mlp="plain",
         activation=activation_name(cfg.get("activation_function", "relu")),
         qkv_bias=bias,
         o_bias=bias,
         mlp_bias=bias,
-        norm_bias=True,  # without elementwise affine we fill weight=1, bias=0 (see _norm)
         pre_norm=pre_norm,
         final_norm=pre_norm and not cfg.get("_remove_final_layer_norm", False),
         embed_dim=proj if proj != hidden else 0,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        extra={"norm_affine": affine},
+        extra={"norm_affine": affine},  # without elementwise affine the norms get weight 1, bias 0 (see _norm)
     )
 
 
