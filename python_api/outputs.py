@@ -1,4 +1,4 @@
-"""Result objects of the Python API, built from the runner's output lines (the same lines file mode writes).
+"""Result objects of the Python API, built from the engine's answers (the result objects file mode writes).
 
 A :class:`Result` per request, in input order: its choices (:class:`Choice`: text, finish reason,
 tokens, token logprobs, top logprobs, text offsets, token ids), usage and cached prompt tokens, the
@@ -157,18 +157,6 @@ class Score:
 
     def __iter__(self):  # (logprob, is_greedy), as lm-eval's loglikelihood returns
         return iter((self.logprob, self.is_greedy))
-
-
-def from_line(index: int, line: dict) -> Result:
-    """A Result from an output line ({"request", "result"} or {"request", "error"}; Batch API lines too)."""
-    request = line.get("request", line.get("custom_id"))
-    body, error = line.get("result"), line.get("error")
-    if "response" in line:  # a Batch API line
-        body = (line.get("response") or {}).get("body")
-        error = (body or {}).get("error") if error else None
-    if error is not None or body is None:
-        return Result(index, request, error=error or {"message": "no result", "type": "server_error", "param": None})
-    return _result(index, request, body)
 
 
 def from_answer(index: int, request: object, answer) -> Result:

@@ -1,8 +1,9 @@
-"""Output lines -> Result objects; echo logprobs -> scores."""
+"""The engine's answers -> Result objects; echo logprobs -> scores."""
 
 from python_api.llm import _as_list, _request
 from python_api.params import SamplingParams
-from python_api.outputs import from_line, score_of
+from python_api.outputs import from_answer, score_of
+from tasks.protocol import Answer, RequestError
 
 LINE = {"request": {"prompt": "ab"}, "result": {
     "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
@@ -13,32 +14,31 @@ LINE = {"request": {"prompt": "ab"}, "result": {
               "prompt_tokens_details": {"cached_tokens": 1}}}}
 
 
-def test_completion_line():
-    r = from_line(4, LINE)
+def test_completion_answer():
+    r = from_answer(4, LINE["request"], Answer(result=LINE["result"]))
     assert r.ok and r.index == 4 and r.text == "ab c" and r.finish_reason == "length" and r.cached_tokens == 1
     assert r.choices[0].tokens == ["a", "b", " c"] and r.choices[0].top_logprobs[2] == {" d": -0.1}
 
 
-def test_error_and_batch_lines():
+def test_error_and_chat_answers():
     err = {"message": "bad", "type": "invalid_request_error", "param": "prompt"}
-    r = from_line(0, {"request": {}, "error": err})
+    r = from_answer(0, {}, Answer(error=RequestError("bad", "prompt")))
     assert not r.ok and r.error == err and r.text is None
-    batch = {"id": "b", "custom_id": "c", "response": {"status_code": 200, "body": {
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
-                     "logprobs": {"content": [{"token": "hi", "logprob": -0.2, "top_logprobs": [
-                         {"token": "hi", "logprob": -0.2}]}]}}], "usage": {}}}, "error": None}
-    r = from_line(1, batch)
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
+                         "logprobs": {"content": [{"token": "hi", "logprob": -0.2, "top_logprobs": [
+                             {"token": "hi", "logprob": -0.2}]}]}}], "usage": {}}
+    r = from_answer(1, {"messages": [{"role": "user", "content": "x"}]}, Answer(result=chat))
     assert r.ok and r.text == "hi" and r.choices[0].token_logprobs == [-0.2] and r.choices[0].top_logprobs == [{"hi": -0.2}]
 
 
 def test_scores():
-    r = from_line(0, LINE)
+    r = from_answer(0, LINE["request"], Answer(result=LINE["result"]))
     whole = score_of(r, None)
     assert whole.logprob == -1.5 and whole.tokens == ["b", " c"] and whole.is_greedy is False
     cont = score_of(r, 1)  # continuation "b c" starts at character 1
     assert tuple(cont) == (-1.5, False)
     assert tuple(score_of(r, 2)) == (-0.5, False)
-    assert score_of(from_line(0, {"request": {}, "error": {"message": "x"}}), None).logprob is None
+    assert score_of(from_answer(0, {}, Answer(error=RequestError("x"))), None).logprob is None
 
 
 def test_prompt_forms():
