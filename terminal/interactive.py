@@ -17,11 +17,6 @@ from terminal.prompts import run_prompts
 log = logging.getLogger("serve")
 
 
-def interactive(opts) -> bool:
-    """Whether this run talks to the model from the terminal instead of reading request files."""
-    return bool(opts.prompts or opts.prompts_file or opts.chat)
-
-
 def run_interactive(rank, stopping=None) -> int:
     """Rank 0: the engine on its thread, the terminal on this one; stops every rank at the end."""
     opts, plan = rank.opts, rank.plan

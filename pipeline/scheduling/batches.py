@@ -53,10 +53,6 @@ class Slot:
         return len(self.fed)
 
     @property
-    def allocated(self) -> bool:
-        return self.rows > 0
-
-    @property
     def live_rows(self) -> int:
         """Rows holding a group."""
         return sum(g is not None for g in self.row_group)

@@ -111,7 +111,7 @@ class Driver:
     def _probe(self) -> None:
         """Start the next probe group when its lines are read and none is in flight."""
         iso = self.isolation
-        probe = iso.next_probe(self.lines is None, self._empty())
+        probe = iso.next_probe(self.lines is None, self.sched.empty)  # empty: a suspect line can run alone
         if probe is None:
             return
         lines, alone, group = probe
@@ -137,13 +137,7 @@ class Driver:
                 line.decode("utf-8", "replace").rstrip("\r\n")
             self.error_line(index, raw, as_request_error(e))
             return []
-        for g in groups:
-            self.sched.submit(g)
-        return [g.gid for g in groups]
-
-    def _empty(self) -> bool:
-        """Nothing queued, no row live: a suspect line can run alone."""
-        return self.sched.empty
+        return self._submit(groups)
 
     def note_ignored(self, fields: list[str]) -> None:
         """--lenient-fields: count (and the first time, log) each field a request carried that was left aside."""
@@ -207,7 +201,10 @@ class Driver:
         """Serve mode: an HTTP request's groups go ahead of queued batch lines; returns their gids.
         ``ids``: its prompts tokenized already (off this thread). Raises :class:`RequestError` when it
         cannot run (context window, vocabulary, budget)."""
-        groups = self._groups(req, live=True, ids=ids)
+        return self._submit(self._groups(req, live=True, ids=ids))
+
+    def _submit(self, groups: list[Group]) -> list[int]:
+        """Groups into the scheduler's queue; their gids."""
         for g in groups:
             self.sched.submit(g)
         return [g.gid for g in groups]
@@ -283,10 +280,7 @@ class Driver:
         max_tokens = max(p.max_tokens, min(max_tokens, fits))
         req.params = dataclasses.replace(p, max_tokens=max_tokens, thinking_budget=min(budget, max(0, max_tokens - room)),
                                          starved_retry=True)
-        groups = self._groups(req, live=live, ids=ids)
-        for g in groups:
-            self.sched.submit(g)
-        return [g.gid for g in groups]
+        return self._submit(self._groups(req, live=live, ids=ids))
 
     def unqueue(self, g: Group) -> Admission | None:
         """Forget a queued group that will not run (serve mode: its client left, or shutdown)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipeline.scheduling.batches import Group, Outcome, Pass, PromptPart, Slot  # noqa: F401  (Group is imported from here across the package)
-from pipeline.config.components import PREFILL_TOKENS, SchedulerConfig  # noqa: F401  (re-exported)
+from pipeline.config.components import SchedulerConfig  # noqa: F401  (re-exported)
 from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # noqa: F401
 
 

@@ -22,10 +22,9 @@ class UnsupportedQuantization(CheckpointError):
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words holding ``32 / bits`` codes each (code k in bits ``k * bits ..``), unpacked along
     ``dim`` (the codes of one word become consecutive entries of ``dim``): int32 codes 0 .. 2^bits - 1."""
-    per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (per,)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (32 / bits,)
     p = packed.to(torch.int32)
-    if dim == 0:  # (rows, cols) -> (rows * per, cols)
+    if dim == 0:  # (rows, cols) -> (rows * 32 / bits, cols)
         return ((p.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)).reshape(-1, p.shape[1])
     return ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(p.shape[0], -1)
 

@@ -44,7 +44,6 @@ class GPTQ(QuantFormat):
             raise UnsupportedQuantization(f"GPTQ pack_dtype {qc['pack_dtype']!r} (supported: int32)")
         self.v1 = fmt == "gptq"
         self.group_size = int(qc.get("group_size", 128))
-        self.sym = bool(qc.get("sym", True))
         self.name = f"gptq-int{self.bits}"
 
     def packed_names(self, base: str) -> list[str]:

@@ -142,7 +142,6 @@ class Int8Linear(nn.Module):
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (rows, in) uint8 values + 128, (rows, 1) float32 scales
 EXACT_K = 1024  # input features whose int8 x int8 sum float32 holds exactly: 1024 x 127 x 127 < 2^24
-EXACT_FLOAT = float(2**24)  # below this, every integer is a float32
 
 
 def _activations(x: torch.Tensor, quantized: Quantized | None) -> Quantized:
