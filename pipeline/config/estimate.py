@@ -120,7 +120,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
         how = f"auto: {gib(share)} of RAM per process"
     else:
         budget, how = 0, "auto: what the GPU has left after loading"
-    costs, first, last = model_costs(plan.config, plan.spec, opts.model_type, opts.backend, dtype, budget, None,
+    costs, first, last = model_costs(plan.config, plan.spec, opts.model_type, dtype, budget, None,
                                      opts.quantize == "int8", opts.kv_cache_dtype == "int8")
     lines = [f"model {plan.model_name} ({plan.model_dir}): {plan.spec.num_layers} layers, {dtype}, "
              f"P = {plan.pipeline}, D = {plan.data}, {plan.threads} threads per process"]

@@ -75,8 +75,7 @@ def fit_problem(needs: list[StageNeed], stages_here: list[int], available: int, 
             f"available: {gib(need - available)} short")
 
 
-def suggestions(weights_total: int, kv_total: int, pipeline: int, dtype: torch.dtype, available: int,
-                local_world: int) -> list[str]:
+def suggestions(weights_total: int, kv_total: int, dtype: torch.dtype, available: int, local_world: int) -> list[str]:
     """Changes that would fit: stages on more nodes, a 2-byte dtype, a smaller KV budget."""
     out = []
     per_node = available - local_world * PROCESS_BYTES

@@ -219,8 +219,7 @@ def _stage_weight_bytes(opts: RunOptions, config: dict, spec, ranges: list[tuple
     """Bytes of weights each stage of ``ranges`` holds (config.json on the meta device; 0s where the model
     cannot be sized that way)."""
     try:
-        weights, _, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype, 0, None,
-                                              opts.quantize == "int8", False)
+        weights, _, first, last = model_parts(config, spec, opts.model_type, dtype, 0, None, opts.quantize == "int8")
     except Exception:  # noqa: BLE001 (a family the sizing does not know: no size-based defaults)
         return [0] * len(ranges)
     return [n.weights for n in stage_needs(weights, [0] * len(weights), first, last, ranges)]
@@ -236,7 +235,7 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
     pipeline, world, local_world = where
     if pipeline == 1 or device.type != "cpu" or local_world < world or max(stage_weights) < BIG_STAGE_BYTES:
         return None
-    parts = model_parts(config, spec, opts.model_type, opts.backend, dtype, planned_budget(opts.budget, device), None,
+    parts = model_parts(config, spec, opts.model_type, dtype, planned_budget(opts.budget, device), None,
                         opts.quantize == "int8", opts.kv_cache_dtype == "int8")
     one = stage_needs(*parts, [(ranges[0][0], ranges[-1][1])])[0]
     if one.total > available_ram():
@@ -259,9 +258,8 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
     """UsageError (exit 2, before loading) when the stages on this node cannot fit its memory."""
     rank, local_world, pipeline = where
     per_layer = layer_bytes(adapters, config, spec, dtype.itemsize, opts.model_type) if adapters else None
-    weights, kv, first, last = model_parts(config, spec, opts.model_type, opts.backend, dtype,
-                                           planned_budget(opts.budget, device), per_layer, opts.quantize == "int8",
-                                           opts.kv_cache_dtype == "int8")
+    weights, kv, first, last = model_parts(config, spec, opts.model_type, dtype, planned_budget(opts.budget, device),
+                                           per_layer, opts.quantize == "int8", opts.kv_cache_dtype == "int8")
     tied = getattr(spec, "tie_embeddings", False)  # a stage with both ends shares the table (both backends)
     shared = spec.vocab_size * spec.word_dim * dtype.itemsize if tied else 0
     needs = stage_needs(weights, kv, first, last, ranges, shared)
@@ -269,7 +267,7 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
     free = [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())] if device.type == "cuda" else None
     problem = fit_problem(needs, here, available_ram(), device, free)
     if problem:
-        fixes = suggestions(sum(weights) + first + last, sum(kv), pipeline, dtype, available_ram(), local_world)
+        fixes = suggestions(sum(weights) + first + last, sum(kv), dtype, available_ram(), local_world)
         raise UsageError(f"the plan does not fit: {problem}. What would: " + "; ".join(fixes)
                          + " (--no-memory-check skips this check)")
 

@@ -22,7 +22,7 @@ from pipeline.models.kernels.int8 import quantize_linears
 CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the cache when sizing
 
 
-def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
+def model_costs(config: dict, spec, model_type: str | None, dtype: torch.dtype, budget: int,
                 adapter_layers: list[int] | None = None, int8: bool = False,
                 kv_int8: bool = False) -> tuple[list[int], int, int]:
     """(bytes per layer, embedding-side bytes, head-side bytes) in the run's dtype.
@@ -32,12 +32,11 @@ def model_costs(config: dict, spec, model_type: str | None, backend: str, dtype:
     (--quantize int8): the projections' weights at one byte each plus a float32 scale per row; a
     pre-quantized checkpoint (pipeline.loading.quantized): its projections at their packed sizes;
     ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
-    weights, kv, first, last = model_parts(config, spec, model_type, backend, dtype, budget, adapter_layers, int8,
-                                           kv_int8)
+    weights, kv, first, last = model_parts(config, spec, model_type, dtype, budget, adapter_layers, int8, kv_int8)
     return [w + k for w, k in zip(weights, kv)], first, last
 
 
-def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype: torch.dtype, budget: int,
+def model_parts(config: dict, spec, model_type: str | None, dtype: torch.dtype, budget: int,
                 adapter_layers: list[int] | None = None, int8: bool = False,
                 kv_int8: bool = False) -> tuple[list[int], list[int], int, int]:
     """(weights and adapters per layer, KV cache per layer, embedding-side, head-side bytes): the parts
@@ -45,7 +44,7 @@ def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype:
     size = dtype.itemsize
     layers = [0] * spec.num_layers
     first = last = 0
-    for name, numel, part, nbytes in _parameters(config, spec, model_type, backend, int8):
+    for name, numel, part, nbytes in _parameters(config, spec, model_type, int8):
         nbytes = numel * size if nbytes is None else nbytes
         if part == "layer":
             layers[int(name.split(".")[1])] += nbytes
@@ -60,7 +59,7 @@ def model_parts(config: dict, spec, model_type: str | None, backend: str, dtype:
     return [w + a for w, a in zip(layers, extra)], [kv] * spec.num_layers, first, last
 
 
-def _parameters(config: dict, spec, model_type: str | None, backend: str, int8: bool = False):
+def _parameters(config: dict, spec, model_type: str | None, int8: bool = False):
     """(name, elements, 'layer' | 'embs' | 'head', bytes or None: in the run's dtype) of every
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
@@ -145,7 +144,7 @@ def memory_layout(value: str, config: dict, spec, opts, pipeline: int, local_wor
     """Layers per stage for ``--stage-memory`` and the plan as text (printed before loading)."""
     memory, how = stage_memory(value, pipeline, local_world, device)
     budget = planned_budget(opts.budget, device)
-    costs, first, last = model_costs(config, spec, opts.model_type, opts.backend, dtype, budget, adapter_layers,
+    costs, first, last = model_costs(config, spec, opts.model_type, dtype, budget, adapter_layers,
                                      opts.quantize == "int8", opts.kv_cache_dtype == "int8")
     costs = costs[:depth]
     sizes = memory_sizes(costs, first, last, memory)

@@ -114,7 +114,7 @@ def resolve_model(value: str, revision: str | None = None, cache_dir: str | None
     repo_id, rev = split_ref(value, revision)
     config = Path(_download(repo_id, first, rev, cache_dir, rev, what))
     folder, commit = config.parent, config.parent.name
-    files = _listing(repo_id, commit, cache_dir)
+    files = _listing(repo_id, commit)
     wanted = sorted(f for f in files if _small(f)) if files is not None else []
     for name in wanted:
         _download(repo_id, name, commit, cache_dir, rev, what)
@@ -188,7 +188,7 @@ def _offline() -> bool:
     return constants.is_offline_mode()
 
 
-def _listing(repo_id: str, commit: str, cache_dir: str | None) -> frozenset[str] | None:
+def _listing(repo_id: str, commit: str) -> frozenset[str] | None:
     """The repository's files at ``commit`` (GET /api/models/{id}/revision/{commit}); None offline or
     when the hub cannot be reached (then only the cache counts)."""
     if _offline():

@@ -90,7 +90,7 @@ class Head:
                 try:
                     rows[r].matcher = self.constraints.matcher(p.structured)
                     if rows[r].thinking is not None:  # a thinking row's grammar applies to its answer
-                        rows[r].matcher = self.reasoning.hold(rows[r].thinking, rows[r].matcher, meta.kind == "chat")
+                        rows[r].matcher = self.reasoning.hold(rows[r].thinking, rows[r].matcher)
                 except Exception as e:
                     self._failed(req, "compiling its output constraint", e)
             if meta.resumed:

@@ -172,7 +172,7 @@ class Reasoning:
         tail = self.detok.decode(tuple(prompt_ids[-16:])).rstrip()
         return True if tail.endswith(self.fmt.start) else None if tail.endswith(self.fmt.end) else False
 
-    def hold(self, th: Thinking, matcher, chat: bool):
+    def hold(self, th: Thinking, matcher):
         """A constrained row's matcher: the one to apply from the first token (None: held in ``th`` for
         the answer). A row that may open a thinking whose start marker is several tokens cannot (its
         grammar applies at once); one whose marker is one token may take it besides the grammar's tokens."""

@@ -40,13 +40,13 @@ class Constraints:
             raise GrammarError("no grammar compiler on this rank")
         m = self.grammars.matcher(structured)
         self.rows += 1
-        self.masks.start(m, self.vocab)  # (a chunked prompt's later passes)
+        self.masks.start(m)  # (a chunked prompt's later passes)
         return m
 
     def ahead(self, matchers: list) -> None:
         """The pass's fed rows' next masks, computed as one batch while the stages run."""
         for m in matchers:
-            self.masks.start(m, self.vocab)
+            self.masks.start(m)
         if self.grammars is not None and self.grammars.tok is not None:
             self.masks.flush(self.vocab)
 

@@ -231,7 +231,7 @@ class MasksAhead:
                                                batch.words.ctypes.data, batch.words.shape[1] * 4, len(batch.matchers))
         self.ahead_seconds += time.perf_counter() - t0  # one thread: no race
 
-    def start(self, matcher, tok_vocab: int) -> None:
+    def start(self, matcher) -> None:
         """Queue ``matcher``'s next mask (None: nothing to do); the caller leaves the matcher alone until
         :meth:`take`, and calls :meth:`flush` once it has started a pass's rows."""
         if matcher is not None and id(matcher) not in self._pending and not matcher.is_stopped():

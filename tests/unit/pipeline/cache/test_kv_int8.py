@@ -185,6 +185,6 @@ def test_budget_and_stage_memory_count_int8_records(tmp_path):
     assert kv_cell_bytes(stage) == 2 * 3 * 2 * (16 + 4)
     cfg = read_config(path)
     spec = spec_from_config(cfg)
-    floats = model_costs(cfg, spec, None, "auto", torch.float32, 100)[0]
-    int8s = model_costs(cfg, spec, None, "auto", torch.float32, 100, kv_int8=True)[0]
+    floats = model_costs(cfg, spec, None, torch.float32, 100)[0]
+    int8s = model_costs(cfg, spec, None, torch.float32, 100, kv_int8=True)[0]
     assert [f - i for f, i in zip(floats, int8s, strict=True)] == [100 * 2 * 2 * (16 * 4 - 20)] * 3

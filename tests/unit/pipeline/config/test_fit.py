@@ -41,10 +41,10 @@ def test_gpu_stages_are_checked_against_their_device():
 
 
 def test_suggestions_name_the_changes_that_would_fit():
-    tips = " ".join(fit.suggestions(30 * GiB, 1 * GiB, 2, torch.float32, 20 * GiB, 2))
+    tips = " ".join(fit.suggestions(30 * GiB, 1 * GiB, torch.float32, 20 * GiB, 2))
     assert "at least 2 nodes" in tips and "--dtype bfloat16" in tips and "--quantize int8" in tips
     assert "--budget" not in tips  # the cache is a small part here
-    assert "--budget" in " ".join(fit.suggestions(1 * GiB, 3 * GiB, 1, torch.bfloat16, 2 * GiB, 1))
+    assert "--budget" in " ".join(fit.suggestions(1 * GiB, 3 * GiB, torch.bfloat16, 2 * GiB, 1))
 
 
 def test_the_plan_refuses_before_loading(llama_2l, monkeypatch):

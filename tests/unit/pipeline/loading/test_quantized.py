@@ -177,8 +177,8 @@ def test_unsupported_configs_are_refused_by_name(qc, named):
 def test_stage_memory_counts_packed_sizes(built, base):
     out, _, _ = built("gptq-int4-g32-sym")
     cfg, float_cfg = read_config(out), read_config(base)
-    packed, first, last = model_costs(cfg, spec_from_config(cfg), None, "auto", torch.float32, 0)
-    floats, f_first, f_last = model_costs(float_cfg, spec_from_config(float_cfg), None, "auto", torch.float32, 0)
+    packed, first, last = model_costs(cfg, spec_from_config(cfg), None, torch.float32, 0)
+    floats, f_first, f_last = model_costs(float_cfg, spec_from_config(float_cfg), None, torch.float32, 0)
     assert (first, last) == (f_first, f_last)  # embeddings and head stay float
     spec = spec_from_config(cfg)
     proj = spec.hidden_size * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * spec.hidden_size \

@@ -160,7 +160,7 @@ def test_a_grammar_waits_for_the_answer():
     r = reasoning(DEEPSEEK)
     th = r.admit(prompt(DEEPSEEK), 2, True)
     matcher = object()
-    assert r.hold(th, matcher, True) is None and th.grammar is matcher  # held while thinking
+    assert r.hold(th, matcher) is None and th.grammar is matcher  # held while thinking
     row = SimpleNamespace(thinking=th, matcher=None, text=IncrementalText(r.detok, prompt(DEEPSEEK)))
     own = DEEPSEEK(" a", add_special_tokens=False)["input_ids"][0]
     for n in range(1, 20):
@@ -174,7 +174,7 @@ def test_a_grammar_waits_for_the_answer():
     assert row.matcher is matcher and th.grammar is None and th.forcing == -1
     local = reasoning(LOCAL)  # <think> of several tokens: a constrained chat row cannot open one
     th2 = local.admit(prompt(LOCAL), None, True)
-    assert local.hold(th2, matcher, True) is matcher and th2.phase == ANSWER
+    assert local.hold(th2, matcher) is matcher and th2.phase == ANSWER
 
 
 def test_starved_reasons_and_the_rerun():

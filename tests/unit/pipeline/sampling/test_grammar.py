@@ -98,7 +98,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, mode):
     rows = [(grammars.matcher(spec), grammars.matcher(spec)) for _ in range(4)]  # (ahead, inline) twins
     ahead, width = MasksAhead(mode == "thread"), grammars.tok.vocab_size
     for m, _ in rows:
-        ahead.start(m, width)
+        ahead.start(m)
     ahead.flush(width)  # one batch, as the head sends a pass's rows
     for _ in range(40):
         if mode == "idle":
@@ -107,7 +107,7 @@ def test_masks_computed_ahead_equal_masks_computed_on_the_step(grammars, mode):
         if not live:
             break
         for a in masks_agree_then_step(ahead, live, rows, eos, width, vocab, rng):
-            ahead.start(a, width)
+            ahead.start(a)
         ahead.flush(width)
     for a, _ in rows:
         ahead.forget(a)
@@ -121,8 +121,8 @@ def test_idle_time_skips_forgotten_rows(grammars):
     """Without a thread, a row that finished between its pass and the idle time is not computed."""
     ahead, width = MasksAhead(on_thread=False), grammars.tok.vocab_size
     kept, gone = grammars.matcher(CHOICE), grammars.matcher(CHOICE)
-    ahead.start(kept, width)
-    ahead.start(gone, width)
+    ahead.start(kept)
+    ahead.start(gone)
     ahead.flush(width)
     batch = ahead.flushed[0]
     ahead.forget(gone)
@@ -165,7 +165,7 @@ def test_a_batch_of_masks_equals_each_rows_own_mask(grammars):
         if not live:
             break
         for a, b in rows:
-            ahead.start(a, width)  # an ended row is never started
+            ahead.start(a)  # an ended row is never started
         assert all(id(a) not in ahead._pending for a, b in rows if b.is_stopped())
         if step == 1:
             ahead.forget(live[-1][0])  # a row that finished before the flush: not computed

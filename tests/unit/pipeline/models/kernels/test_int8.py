@@ -437,8 +437,8 @@ def test_stage_memory_costs_int8_layers_at_a_byte_per_weight(peaked):
 
     cfg = read_config(peaked)
     spec = spec_from_config(cfg)
-    floats, f_first, f_last = model_costs(cfg, spec, None, "auto", torch.float32, 0)
-    int8s, q_first, q_last = model_costs(cfg, spec, None, "auto", torch.float32, 0, int8=True)
+    floats, f_first, f_last = model_costs(cfg, spec, None, torch.float32, 0)
+    int8s, q_first, q_last = model_costs(cfg, spec, None, torch.float32, 0, int8=True)
     h, i = spec.hidden_size, spec.intermediate_size  # 64, 128; no biases, two RMSNorm weights
     proj = {(h, 3 * h), (h, h), (h, 2 * i), (i, h)}  # (in, out) of qkv, o, gate+up, down
     assert floats[0] == 4 * (sum(a * b for a, b in proj) + 2 * h)
