@@ -32,7 +32,6 @@ TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_special_tokens", "return_token
 # vLLM's chat fields taken at their defaults only (a template of one's own, kwargs, tools change the tokens)
 TOKENIZE_CHAT_DEFAULTS = {"chat_template": None, "chat_template_kwargs": None, "tools": None,
                           "mm_processor_kwargs": None, "media_io_kwargs": None}
-ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # behind the API key, as /v1 (serve.guard)
 
 
 def add_tokenizer_routes(app: FastAPI, state) -> None:

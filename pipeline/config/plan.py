@@ -21,7 +21,8 @@ from tasks.writer import input_id, journal_path, output_problem
 
 from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
 from pipeline.loading.quantized import checkpoint_format
-from pipeline.loading.stage_weights import CheckpointError, SafetensorsFile, check_weights_present, read_config
+from pipeline.loading.stage_weights import CheckpointError, read_config
+from pipeline.loading.tensor_store import SafetensorsFile, check_weights_present
 from pipeline.models.families import DecoderSpec
 from pipeline.models.backends import ModelShape, stage_shape
 from pipeline.config.capabilities import refusals

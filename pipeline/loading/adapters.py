@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.loading.stage_weights import SafetensorsFile
+from pipeline.loading.tensor_store import SafetensorsFile
 from pipeline.models.families import DecoderSpec, family_for
 from pipeline.models.lora import MODULES, StageAdapters
 

@@ -40,21 +40,13 @@ import torch
 
 from tasks.files import atomic_path
 
-from pipeline.models.families import DecoderSpec, Source, cat0, family_for, parameter_sources, spec_from_config
+from pipeline.models.families import DecoderSpec, Source, cat0, family_for, parameter_sources
 from pipeline.models.backends import choose_backend
 from pipeline.models.decoder import StageModel
 from pipeline.models.hf_stage import HFStageModel, UnsupportedModel, hf_config
 from pipeline.models.kernels.int8 import quantize_linears
 from pipeline.models.kernels.invariant import ROW_TILE
-from pipeline.loading.tensor_store import (  # noqa: F401 (re-exported)
-    EMBS,
-    HEAD,
-    CheckpointError,
-    Part,
-    SafetensorsFile,
-    TensorStore,
-    check_weights_present,
-)
+from pipeline.loading.tensor_store import EMBS, HEAD, CheckpointError, Part, TensorStore
 from pipeline.loading.quantized import checkpoint_format, load_projections, quantize_projections
 from pipeline.loading.parallel_read import ParallelReader
 from pipeline.loading.upload import Uploader
@@ -348,5 +340,4 @@ def split_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     return written
 
 
-__all__ = ["CheckpointError", "SafetensorsFile", "TensorStore", "build_stage", "read_config", "spec_from_config",
-           "split_checkpoint"]
+__all__ = ["CheckpointError", "TensorStore", "build_stage", "read_config", "split_checkpoint"]
