@@ -32,6 +32,7 @@ ends nothing: rank 0 retries that pass group by group in the same run (pipeline.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -99,18 +100,23 @@ class InFlight:
         self._file.flush()  # in the page cache: a killed process loses nothing
 
 
-def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[set[int], set[int]]:
-    """(suspects, culprits) not journaled yet, from the runs recorded in ``path``."""
+def _records(path: Path) -> Iterator[dict]:
+    """The records in ``path`` (none where there is no such file), a torn last one left out."""
     if not path.exists():
-        return set(), set()
-    runs: list[dict] = []
+        return
     for line in path.read_bytes().split(b"\n"):
         try:
             rec = orjson.loads(line)
         except orjson.JSONDecodeError:
             continue  # a torn last record
-        if not isinstance(rec, dict):
-            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[set[int], set[int]]:
+    """(suspects, culprits) not journaled yet, from the runs recorded in ``path``."""
+    runs: list[dict] = []
+    for rec in _records(path):
         if "open" in rec:
             runs.append({"in": set(), "alone": set(), "probe": {}, "stopped": False})
         elif runs:
@@ -144,18 +150,12 @@ def crashed_runs(path: Path, written: int) -> int:
     probe group or a lone suspect in flight moved the isolation on: the suspects halve, or the culprit
     is known and answered by the next run, so cornering a line among k takes about log2(k) such runs
     and they are not counted."""
-    if not path.exists():
-        return 0
     opens, ended = [], []  # per run: where it started; stopped, or narrowed the suspects
-    for line in path.read_bytes().split(b"\n"):
-        try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("open"), int):
+    for rec in _records(path):
+        if isinstance(rec.get("open"), int):
             opens.append(rec["open"])
             ended.append(False)
-        elif isinstance(rec, dict) and ended and (rec.get("stopped") or rec.get("alone") or rec.get("probe")):
+        elif ended and (rec.get("stopped") or rec.get("alone") or rec.get("probe")):
             ended[-1] = True
     n = 0
     for k in range(len(opens) - 1, -1, -1):

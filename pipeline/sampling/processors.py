@@ -42,15 +42,16 @@ def process(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], genera
 
 
 def _bias(logits: torch.Tensor, ps: list) -> torch.Tensor:
-    rows, toks, vals = [], [], []
-    for i, p in enumerate(ps):
-        for t, v in p.logit_bias.items():
-            rows.append(i)
-            toks.append(t)
-            vals.append(v)
-    dev = logits.device
-    logits.index_put_((to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)),
-                      to_device(vals, dev, logits.dtype), accumulate=True)
+    return _add_at(logits, [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()])
+
+
+def _add_at(logits: torch.Tensor, triples: list[tuple[int, int, float]]) -> torch.Tensor:
+    """``logits[row, token] += value`` for each (row, token, value), in one scatter."""
+    if triples:
+        rows, toks, vals = (list(x) for x in zip(*triples))
+        dev = logits.device
+        logits.index_put_((to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)),
+                          to_device(vals, dev, logits.dtype), accumulate=True)
     return logits
 
 
@@ -101,18 +102,8 @@ def _repetition(logits: torch.Tensor, rep: list[int], ps: list, counts: list[dic
 
 def _frequency_presence(logits: torch.Tensor, ps: list, counts: list[dict[int, int]]) -> torch.Tensor:
     """OpenAI's formula: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty."""
-    rows, toks, vals = [], [], []
-    for i, p in enumerate(ps):
-        if p.presence_penalty or p.frequency_penalty:
-            for t, c in counts[i].items():
-                rows.append(i)
-                toks.append(t)
-                vals.append(-(p.frequency_penalty * c + p.presence_penalty))
-    if rows:
-        dev = logits.device
-        logits.index_put_((to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)),
-                          to_device(vals, dev, logits.dtype), accumulate=True)
-    return logits
+    return _add_at(logits, [(i, t, -(p.frequency_penalty * c + p.presence_penalty)) for i, p in enumerate(ps)
+                            if p.presence_penalty or p.frequency_penalty for t, c in counts[i].items()])
 
 
 def prompt_tokens(prompt_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
