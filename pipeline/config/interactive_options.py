@@ -7,11 +7,11 @@ requests these faces send; request files keep their own per-line fields.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-MAX_STOPS = 4  # tasks.requests.MAX_STOPS (not imported: config stays below tasks)
-MAX_REPETITION_PENALTY = 100.0  # tasks.requests.MAX_REPETITION_PENALTY
+from tasks.requests import MAX_REPETITION_PENALTY, MAX_STOPS
 
 
 def interactive_problems(opts) -> list[str]:
@@ -72,16 +72,7 @@ def sampling_problems(opts) -> list[str]:
 
 def unescape(text: str) -> str:
     r"""A flag's or a prompt line's text with ``\n``, ``\t`` and ``\\`` written as escapes."""
-    out, i = [], 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
-            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
-            i += 2
-            continue
-        out.append(c)
-        i += 1
-    return "".join(out)
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def sampling_body(opts) -> dict:
