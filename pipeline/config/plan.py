@@ -131,18 +131,14 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     fingerprint = {"model": source.record, "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
-    if opts.quantize != "none":  # a precision change is another run's results (absent: float, as before)
-        fingerprint["quantize"] = opts.quantize
-    if fmt is not None:
-        fingerprint["checkpoint_format"] = fmt.name
-    if opts.kv_cache_dtype != "auto":
-        fingerprint["kv_cache_dtype"] = opts.kv_cache_dtype
-    if opts.reasoning_parser != "auto":  # how results are split and budgets applied (absent: auto, as before)
-        fingerprint["reasoning_parser"] = opts.reasoning_parser
-    if opts.retry_starved:  # a starved row's line is its rerun's
-        fingerprint["retry_starved"] = True
-    if adapters:  # results depend on the adapters: a journal resumes only with the same ones
-        fingerprint["lora"] = {a.name: adapter_record(a.path) for a in adapters}
+    # what else changes results, recorded only when set (absent: the default, as journals written before had it)
+    changes = {"quantize": opts.quantize if opts.quantize != "none" else None,  # a precision change
+               "checkpoint_format": fmt.name if fmt is not None else None,
+               "kv_cache_dtype": opts.kv_cache_dtype if opts.kv_cache_dtype != "auto" else None,
+               "reasoning_parser": opts.reasoning_parser if opts.reasoning_parser != "auto" else None,
+               "retry_starved": True if opts.retry_starved else None,  # a starved row's line is its rerun's
+               "lora": {a.name: adapter_record(a.path) for a in adapters} or None}  # resumed only with the same ones
+    fingerprint.update((k, v) for k, v in changes.items() if v is not None)
     complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
     cores = cpu_count or usable_cores()
     stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
