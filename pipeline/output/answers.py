@@ -12,7 +12,7 @@ from tasks.requests import Params
 
 from pipeline.output.head_state import RequestState, RowState
 from pipeline.output.reasoning import Reasoning, split, starved
-from pipeline.output.results import Candidate, chat_choice, completion_choice, result_object, top_dict
+from pipeline.output.results import Candidate, chat_choice, completion_choice, result_object, text_offsets, top_dict
 
 
 class Taken(NamedTuple):
@@ -157,13 +157,10 @@ class Answers:
         text = "".join(pieces[st.sent:end])
         lp = None
         if p.logprobs is not None:
-            c, offsets, at = st.cand, [], st.sent_chars
-            for piece in pieces[st.sent:end]:
-                offsets.append(at)
-                at += len(piece)
+            c = st.cand
             lp = {"tokens": pieces[st.sent:end], "token_logprobs": c.logprobs[st.sent:end],
                   "top_logprobs": [top_dict(self.detok, t) for t in c.top[st.sent:end]] if p.logprobs else None,
-                  "text_offset": offsets}
+                  "text_offset": text_offsets(pieces[st.sent:end], st.sent_chars)}
         st.sent, st.sent_chars = end, st.sent_chars + len(text)
         reasoning = ""
         if chat and st.thinking is not None:

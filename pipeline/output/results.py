@@ -8,6 +8,7 @@ over several tokens is attributed to the token that completes it; the others get
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ def top_dict(detok: Detokenizer, pairs: list[tuple[int, float]]) -> dict[str, fl
     return out
 
 
+def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
+    """Where each of ``pieces`` starts in the text they join into (counting from character ``start``)."""
+    return list(itertools.accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
+
+
 def completion_choice(
     detok: Detokenizer,
     cand: Candidate,
@@ -138,15 +144,11 @@ def completion_choice(
         tops = tops[: len(kept)] if tops is not None else None
     pieces = pieces_prompt + pieces_gen
     text = "".join(pieces)
-    offsets, pos = [], 0
-    for p in pieces:
-        offsets.append(pos)
-        pos += len(p)
     token_lps = (list(echo["logprobs"]) if echo else []) + lps
     logprobs = {"tokens": pieces,  # strings that join to `text`
                 "token_logprobs": token_lps,
                 "top_logprobs": None,
-                "text_offset": offsets}
+                "text_offset": text_offsets(pieces)}
     if want_top:
         prompt_top = [None if t is None else top_dict(detok, t) for t in echo["top"]] if echo else []
         gen_top = [top_dict(detok, t) for t in (tops or [])]
