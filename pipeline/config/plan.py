@@ -128,6 +128,28 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
             check_memory(opts, config, spec, ranges, (rank, local_world, pipeline), dtype, device, adapters)
     except (ValueError, CheckpointError, ModelUnavailable) as e:
         raise UsageError(str(e)) from None
+    fingerprint = _fingerprint(opts, source, dtype, data, fmt, adapters)
+    complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
+    cores = cpu_count or usable_cores()
+    threads, slots, turns, warnings = _threads_and_micro_batches(
+        opts, config, spec, ranges, (pipeline, data, world, local_world), dtype, device, cores)
+    name = _results_name(opts, source, fmt)
+    if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
+        layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
+                           for i, (a, b) in enumerate(ranges))
+        even = stage_ranges(spec.num_layers, pipeline, None, opts.max_layers)
+        warnings.append(f"--num-layers {opts.num_layers} x {pipeline} stages is more than the {ranges[-1][1]} layers: "
+                        f"the last stage holds only {ranges[-1][1] - ranges[-1][0]} ({layout}); omit --num-layers "
+                        f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
+    inputs = all_inputs if rank % pipeline == 0 else []
+    return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
+                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source, turns)
+
+
+def _fingerprint(opts: RunOptions, source: ModelSource, dtype: torch.dtype, data: int, fmt,
+                 adapters: list) -> dict:
+    """What results depend on: journals and outputs record it, and a finished output counts as this
+    run's only when its record matches."""
     fingerprint = {"model": source.record, "seed": opts.seed, "dtype": str(dtype),
                    "max_layers": opts.max_layers, "truncate_prompts": opts.truncate_prompts,
                    "data_group_size": data, "batch_invariant": opts.batch_invariant, "backend": opts.backend}
@@ -139,8 +161,15 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
                "retry_starved": True if opts.retry_starved else None,  # a starved row's line is its rerun's
                "lora": {a.name: adapter_record(a.path) for a in adapters} or None}  # resumed only with the same ones
     fingerprint.update((k, v) for k, v in changes.items() if v is not None)
-    complete = [] if opts.overwrite else finished_inputs(all_inputs, opts.output_path, fingerprint, data)
-    cores = cpu_count or usable_cores()
+    return fingerprint
+
+
+def _threads_and_micro_batches(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, int]],
+                               where: tuple[int, int, int, int], dtype, device: torch.device,
+                               cores: int) -> tuple[int, int, bool, list[str]]:
+    """This process's threads, the micro-batches in flight, whether the stages take turns with the
+    node's cores (``RunPlan.turns``) and the warnings about that layout."""
+    pipeline, data, world, local_world = where
     stage_weights = _stage_weight_bytes(opts, config, spec, ranges, dtype)
     # big CPU stages on a node of their own take turns with a pipeline's share of its cores unless the
     # flags choose otherwise (see take_turns)
@@ -159,24 +188,18 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
     if slots < pipeline and not turns:  # (stages taking turns with every core want one micro-batch)
         warnings.append(f"--num-micro-batches {slots} is fewer than the {pipeline} stages: stages wait for one "
                         f"another (only decode rows split over passes, at the end of a file); use at least {pipeline}")
+    return threads, slots, turns, warnings
+
+
+def _results_name(opts: RunOptions, source: ModelSource, fmt) -> str:
+    """Every result's "model": the model's name, with what is quantized (``name:int8,kv-int8``)."""
     name = source.name if opts.model_name else DEFAULT_MODEL_NAME
     precision = [opts.quantize] if opts.quantize != "none" else []
     if fmt is not None:  # a pre-quantized checkpoint: its format (gptq-int4, awq-int4, ct-fp8, ...)
         precision.insert(0, fmt.name)
     if opts.kv_cache_dtype != "auto":
         precision.append(f"kv-{opts.kv_cache_dtype}")
-    if precision:  # every result's "model" says what is quantized
-        name = f"{name}:{','.join(precision)}"
-    if opts.num_layers is not None and ranges[-1][1] - ranges[-1][0] < opts.num_layers:
-        layout = ", ".join(f"stage {i}: layers {a}-{b - 1}" if b - a > 1 else f"stage {i}: layer {a}"
-                           for i, (a, b) in enumerate(ranges))
-        even = stage_ranges(spec.num_layers, pipeline, None, opts.max_layers)
-        warnings.append(f"--num-layers {opts.num_layers} x {pipeline} stages is more than the {ranges[-1][1]} layers: "
-                        f"the last stage holds only {ranges[-1][1] - ranges[-1][0]} ({layout}); omit --num-layers "
-                        f"for an even split ({', '.join(str(b - a) for a, b in even)} layers)")
-    inputs = all_inputs if rank % pipeline == 0 else []
-    return RunPlan(rank, world, local_world, pipeline, data, model_dir, name, config, spec, ranges, inputs, threads,
-                   slots, warnings, fingerprint, complete, all_inputs, adapters, layout_note, source, turns)
+    return f"{name}:{','.join(precision)}" if precision else name
 
 
 # a stage holding more weight bytes than this reads them for longer than the ring's host work takes
@@ -239,10 +262,10 @@ def _smaller_pipeline_note(opts: RunOptions, config: dict, spec, ranges: list[tu
         return None
     fits = f"one process fits this node's memory (needs {gib(one.total)} of {gib(available_ram())} available)"
     if turns:
-        return (f"{pipeline} stages on one node of CPU cores take turns with its cores ({threads} threads each): {fits}, "
-                "and --nproc-per-node 1 is as fast without the stages' hand-offs. On a node shared with other work, "
-                f"stages of one thread each side by side (--num-threads 1 --num-micro-batches {pipeline}) hold up "
-                "better (docs/usage/scale.md)")
+        return (f"{pipeline} stages on one node of CPU cores take turns with its cores ({threads} threads each): "
+                f"{fits}, and --nproc-per-node 1 is as fast without the stages' hand-offs. On a node shared with "
+                f"other work, stages of one thread each side by side (--num-threads 1 --num-micro-batches {pipeline}) "
+                "hold up better (docs/usage/scale.md)")
     return (f"{pipeline} stages on one node of CPU cores ({threads} thread(s) each, side by side): {fits}. On a node "
             "to itself each stage re-reads its weights once per micro-batch, where one process reads each once per "
             "decode step for all rows: --nproc-per-node 1, or stages taking turns with every core "
