@@ -1,22 +1,8 @@
-"""Which request fields the runner knows, and what it does with each: no field is silently ignored
-when it would change the answer.
-
-Every top-level field of a completion or chat body (a request line, a Batch API line's ``body``, an
-HTTP body, the Python API's request) is one of:
-
-- **read**: the runner implements it (``temperature``, ``min_p``, ``stop_token_ids``, ...);
-- **no effect**: OpenAI's and vLLM's fields that change nothing in the answer here (``user``,
-  ``metadata``, ``store``, ``service_tier``, the seed format's ``engine``, HELM's ``request_type``,
-  vLLM's ``priority`` and ``request_id``, ...): accepted;
-- **default only**: a known field the runner does not implement, accepted only at the value whose
-  behaviour is the runner's own (``suffix: null``, ``skip_special_tokens: true``, ``tools: []``, ...);
-  any other value is refused, since the answer would not be what the client asked for;
-- **unknown**: refused, as OpenAI refuses an argument it does not know.
-
-A refusal is a :class:`~tasks.protocol.RequestError` naming the field (HTTP 400 in serve mode, the
-error in the line's place in file mode), counted in the run summary by field (``field:NAME``).
-``--lenient-fields`` restores vLLM's behaviour for unknown and unsupported fields: ignored, logged
-and counted (the run summary's ``ignored_fields``). The table is docs/usage/formats.md's.
+"""Which request fields the runner knows: every top-level field of a completion or chat body is read
+(implemented), of no effect here (accepted), taken only at the value whose behaviour is the runner's own
+(``DEFAULT_ONLY``: any other value is refused), or unknown (refused, as OpenAI refuses it). No field is
+silently ignored when it would change the answer; ``--lenient-fields`` ignores and counts such fields
+instead, as vLLM does. docs/usage/formats.md lists the table and what a refusal looks like.
 """
 
 from __future__ import annotations
