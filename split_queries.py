@@ -1,26 +1,11 @@
 """Split a JSONL file of OpenAI-style completion requests into shards for the runner.
 
-Each input line is one request object (``{"prompt": ..., "max_tokens": ..., ...}``) or an
-OpenAI Batch API line (``{"custom_id", "method", "url", "body": {...request...}}``). Shards are
-written to ``<output-dir>/<engine>/request_<k>.jsonl`` where engine is the request's ``engine``,
-else ``model``, else ``default`` ("/" and other unsafe characters become "_", so
-``together/tiny-llama`` -> ``together_tiny-llama``). Lines are copied byte for byte (CRLF -> LF).
-
-Blank lines are skipped. Lines that are not usable requests (not JSON, not an object, no prompt)
-are kept: they go to their own shard(s) of engine ``default`` so the runner answers them with an
-error result. ``<output-dir>/manifest.json`` lists every shard with its line count, estimated
-tokens and the 1-based input line numbers it holds, so results can be mapped back.
-
-Estimated cost of a request = (prompt tokens + prompts * max_tokens) * max(n, best_of), with
-prompt tokens ~ len(text) / 4 for strings and len(ids) for token-id lists; max_tokens defaults to 16.
-
-Examples:
-
-    python split_queries.py --input-file helm.jsonl --output-dir queries --requests-per-shard 500
-    python split_queries.py --input-file helm.jsonl --output-dir queries --tokens-per-shard 200000 \\
-        --min-generate-token 16 --generate-token-chunk-size 64 --sort-by-length
-    python split_queries.py --input-file helm.jsonl --output-dir queries --group-by-params --overwrite
-    for f in queries/*/request_*.jsonl; do torchrun ... dist_inference_runner.py --infer-data "$f"; done
+Each non-blank line (a request object, or an OpenAI Batch API line) is copied byte for byte (CRLF -> LF)
+to ``<output-dir>/<engine>/request_<k>.jsonl``, engine being the request's ``engine``, else ``model``,
+else ``default``, made safe as a folder name. Lines that are not usable requests go to shards of their own
+under ``default``, where the runner answers them with an error result. ``manifest.json`` lists each
+shard's line count, estimated tokens ((prompt + prompts * max_tokens) * max(n, best_of), a string
+prompt counting len / 4) and input line numbers. docs/usage/scale.md shows it with launch/drain.sh.
 """
 
 from __future__ import annotations
@@ -148,18 +133,13 @@ def parse_line(line_no: int, raw: bytes, args: argparse.Namespace) -> Record:
     if estimate is None:
         return record
     prompt_tokens, num_prompts = estimate
-    max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
-    max_tokens = _int_or(max_tokens, DEFAULT_MAX_TOKENS, 0)
+    max_tokens = _int_or(request.get("max_tokens", request.get("max_completion_tokens")), DEFAULT_MAX_TOKENS, 0)
     samples = max(_int_or(request.get("n"), 1, 1), _int_or(request.get("best_of"), 1, 1))
     bucket = max_tokens_bucket(max_tokens, args.min_generate_token, args.generate_token_chunk_size)
-    params = b""
-    if args.group_by_params:
-        params = orjson.dumps([request.get(k) for k in PARAM_KEYS], option=orjson.OPT_SORT_KEYS)
-    record.engine = sanitize_engine(request.get("engine") or request.get("model"))
-    record.group = ("ok", bucket, params)
-    record.prompt_tokens = prompt_tokens
-    record.cost = (prompt_tokens + num_prompts * max_tokens) * samples
-    return record
+    params = orjson.dumps([request.get(k) for k in PARAM_KEYS], option=orjson.OPT_SORT_KEYS) \
+        if args.group_by_params else b""
+    return Record(line_no, raw, sanitize_engine(request.get("engine") or request.get("model")), ("ok", bucket, params),
+                  prompt_tokens, (prompt_tokens + num_prompts * max_tokens) * samples)
 
 
 def read_records(path: Path, args: argparse.Namespace) -> tuple[list[Record], int]:
