@@ -1,14 +1,10 @@
-"""The ordered, resumable writer on the last rank.
+"""The ordered, resumable writer on the last rank (docs/usage/recovery.md, "Resume").
 
-Results arrive out of order (micro-batches finish when they finish); lines are written strictly
-in input order to a journal ``<output>.partial`` as soon as they are contiguous, so the journal
-is always a prefix of the final file. A restarted run with the same settings reads how many
-lines the journal holds and resumes after them (a torn last line is cut off). When every line is
-in, the journal is renamed to the output path in one step: the output appears only complete.
-A sidecar ``<output>.partial.json`` holds the run's fingerprint, so a journal written by another
-model or other settings is refused instead of mixed in. A complete output is judged the same way:
-its ``<output>.summary.json`` records the fingerprint of the run that wrote it (``"run"``), and the
-output counts as this run's (skipped) only when that record matches.
+Results arrive out of order; lines go to the journal ``<output>.partial`` in input order as soon as
+they are contiguous, so it is always a prefix of the output and a rerun with the same settings resumes
+after its last whole line. The complete journal is renamed to the output. The run's fingerprint, in
+``<output>.partial.json`` (a journal) or ``<output>.summary.json``'s ``"run"`` (a complete output),
+keeps another model's or other settings' lines from being mixed in, or taken for this run's.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
@@ -189,10 +186,6 @@ class OrderedWriter:
         self._synced = time.monotonic()
         return self.written
 
-    def _index_of(self, k: int) -> int:
-        """Input index of this share's k-th line."""
-        return index_of(self.share, k, self.shares)
-
     def put(self, index: int, line: dict) -> None:
         self.pending[index] = orjson.dumps(line) + b"\n"
 
@@ -203,19 +196,18 @@ class OrderedWriter:
         if self.gave_up:
             self.pending.clear()
             return 0
-        out, k = [], self.written
-        while self._index_of(k) in self.pending:
-            out.append(self.pending[self._index_of(k)])
-            k += 1
-        if not out or not self._write(b"".join(out)):
+        ready = []  # input indices of this share's next lines, while they are in
+        while (i := index_of(self.share, self.written + len(ready), self.shares)) in self.pending:
+            ready.append(i)
+        if not ready or not self._write(b"".join(self.pending[i] for i in ready)):
             return 0
-        for i in range(self.written, k):
-            del self.pending[self._index_of(i)]
-        self.written = k
+        for i in ready:
+            del self.pending[i]
+        self.written += len(ready)
         if time.monotonic() - self._synced >= JOURNAL_SYNC_S:
             os.fsync(self._file.fileno())
             self._synced = time.monotonic()
-        return len(out)
+        return len(ready)
 
     def _write(self, data: bytes) -> bool:
         """Append ``data`` whole, or leave the journal as it was. On a full disk the lines stay pending
@@ -263,25 +255,17 @@ class OrderedWriter:
             self.journal.with_name(self.journal.name + ".done").touch()
 
 
-def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
+def merge_shares(output: Path, journals: list[Path], total_lines: int) -> None:
     """Interleave data-parallel journals (line i from share ``share_of(i)``) into the output, atomically."""
-    output = Path(output)
-    journals = [journal_path(output, d, shares) for d in range(shares)]
-    files = [open(j, "rb") for j in journals]
-    try:
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(j, "rb")) for j in journals]
         with atomic_path(output, fsync=True) as tmp, open(tmp, "wb") as out:
             for i in range(total_lines):
-                share = share_of(i, shares)
+                share = share_of(i, len(journals))
                 line = files[share].readline()
                 if not line.endswith(b"\n"):
                     raise RuntimeError(f"{journals[share]} ends early (line {i} missing)")
                 out.write(line)
-    finally:
-        for f in files:
-            f.close()
-    for j in journals:
-        j.unlink(missing_ok=True)
-        j.with_name(j.name + ".json").unlink(missing_ok=True)
 
 
 def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
@@ -304,9 +288,10 @@ def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
     try:
         if before is not None:
             before()
-        merge_shares(output, shares, total_lines)
+        merge_shares(output, journals, total_lines)
         for j in journals:
-            j.with_name(j.name + ".done").unlink(missing_ok=True)
+            for suffix in ("", ".json", ".done"):
+                j.with_name(j.name + suffix).unlink(missing_ok=True)
     finally:
         lock.unlink(missing_ok=True)
     return True
