@@ -1,14 +1,9 @@
 """The last rank's work for one request file: the ordered writer, progress, and the run summary.
 
-:meth:`OutputFile.open` resumes or starts the journal (or reports the output complete), results
-go in with :meth:`put` in any order, :meth:`flush` writes what is contiguous after each pass, and
-:meth:`close` writes ``<output>.summary.json``, then publishes the output. The summary records the
-run that wrote the file (``"run"``, its fingerprint), so a later run can tell its own finished
-output from another model's. With data parallelism each share writes
-``<output>.summary-<d>-of-<D>.json``; the last share to finish merges the journals and the share
-summaries into one ``<output>.summary.json`` (the shares' figures under ``"data_groups"``).
-After a resume the figures count the requests this run answered; ``resumed_lines`` says how many
-lines an earlier run had already written.
+:meth:`OutputFile.close` writes ``<output>.summary.json`` (with ``"run"``, the fingerprint of the run
+that wrote the file), then publishes the output. With data parallelism each share writes
+``<output>.summary-<d>-of-<D>.json`` and the last to finish merges them (the shares' figures under
+``"data_groups"``). After a resume the figures count this run's requests; ``resumed_lines`` the earlier's.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,7 +214,7 @@ class OutputFile:
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
             str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,
-            {k: stats.error_kinds.get(k, 0) + self.kinds.get(k, 0) for k in {**stats.error_kinds, **self.kinds}},
+            added([stats.error_kinds, self.kinds]),
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
@@ -250,13 +246,8 @@ def merge_summaries(output, shares: int) -> None:
     total = {key: sum(part[key] for part in parts)
              for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines",
                          "cached_prompt_tokens")}
-    kinds: dict[str, int] = {}
-    ignored: dict[str, int] = {}
-    for part in parts:
-        for kind, n in part["error_kinds"].items():
-            kinds[kind] = kinds.get(kind, 0) + n
-        for name, n in part.get("ignored_fields", {}).items():
-            ignored[name] = ignored.get(name, 0) + n
+    kinds = added(part["error_kinds"] for part in parts)
+    ignored = added(part.get("ignored_fields", {}) for part in parts)
     wall = max(part["wall_seconds"] for part in parts)  # the pipelines ran side by side
     merged = {"output": str(output), **total, "error_kinds": kinds, "ignored_fields": ignored, "wall_seconds": wall,
               "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
@@ -271,12 +262,11 @@ def merge_summaries(output, shares: int) -> None:
 
 
 def added(counts) -> dict:
-    """Several dicts of counts summed key by key."""
-    total: dict = {}
+    """Several dicts of counts summed key by key (in the order the keys first appear; zeros kept)."""
+    total: Counter = Counter()
     for c in counts:
-        for key, n in c.items():
-            total[key] = total.get(key, 0) + n
-    return total
+        total.update(c)
+    return dict(total)
 
 
 def precision_note(stage_precision: list[dict]) -> str:
