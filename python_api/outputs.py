@@ -1,13 +1,6 @@
-"""Result objects of the Python API, built from the engine's answers (the result objects file mode writes).
-
-A :class:`Result` per request, in input order: its choices (:class:`Choice`: text, finish reason,
-tokens, token logprobs, top logprobs, text offsets, token ids), usage and cached prompt tokens, the
-OpenAI result object it came from (``raw``) and, for a request that could not run, ``error`` (the
-error object file mode writes in its place). :class:`Score` is :meth:`LLM.score`'s answer.
-
-They also read as vLLM's ``RequestOutput`` / ``CompletionOutput`` (docs/usage/from-vllm.md):
-``result.prompt``, ``result.prompt_token_ids``, ``result.outputs[i].text / .token_ids / .logprobs
-(a dict {token id: Logprob} per generated token) / .finish_reason / .cumulative_logprob``.
+"""Result objects of the Python API, built from the engine's answers (what file mode writes): a
+:class:`Result` per request, its :class:`Choice` objects, :class:`Score` for :meth:`LLM.score`. They read
+as vLLM's ``RequestOutput`` / ``CompletionOutput`` too (docs/usage/from-vllm.md).
 """
 
 from __future__ import annotations
@@ -163,11 +156,7 @@ def from_answer(index: int, request: object, answer) -> Result:
     """A Result from the engine's :class:`~tasks.protocol.Answer` to ``request``."""
     if not answer.ok:
         return Result(index, request, error=answer.error.to_dict(), prompt=_prompt_text(request))
-    return _result(index, request, answer.result)
-
-
-def _result(index: int, request: object, body: dict) -> Result:
-    asked = _logprobs_asked(request)
+    body, asked = answer.result, _logprobs_asked(request)
     choices = body.get("choices", [])
     ids = body.get("prompt_token_ids") or next((c.get("prompt_token_ids") for c in choices), None)
     return Result(index, request, [choice(c, asked) for c in choices], body.get("usage"), raw=body,
