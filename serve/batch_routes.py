@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from tasks.batch_checks import CheckError, check_expires_after
-from tasks.batch_store import StoreError, owner_slug
+from tasks.batch_records import StoreError, owner_slug
 from serve.responses import error, ok, read_json
 from serve.file_upload import receive_upload
 
