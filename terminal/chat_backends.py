@@ -72,8 +72,7 @@ class LocalBackend:
             if err is not None:
                 raise BackendError(err.message, _is_context_error(err.message, err.param))
             if ticket.answer.ok:  # the last deltas held back for stop strings arrive in the answer
-                result = ticket.answer.result
-                choice = result["choices"][0]
+                choice = ticket.answer.result["choices"][0]
                 full = choice["message"]["content"] if chat else choice["text"]
                 sent = ticket.text.get(0, "")
                 if full.startswith(sent) and len(full) > len(sent):

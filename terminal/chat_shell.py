@@ -237,9 +237,7 @@ class ChatShell:
         if self.last_context is None:
             self.say("(nothing sent yet)")
             return
-        self.say("---- the last prompt sent ----")
-        self.say(self.last_context)
-        self.say("---- end ----")
+        self.say(f"---- the last prompt sent ----\n{self.last_context}\n---- end ----")
 
     def undo(self, arg: str) -> None:
         if not self.conv.turns:
