@@ -1,8 +1,11 @@
-"""Which request fields the runner knows: every top-level field of a completion or chat body is read
-(implemented), of no effect here (accepted), taken only at the value whose behaviour is the runner's own
-(``DEFAULT_ONLY``: any other value is refused), or unknown (refused, as OpenAI refuses it). No field is
-silently ignored when it would change the answer; ``--lenient-fields`` ignores and counts such fields
-instead, as vLLM does. docs/usage/formats.md lists the table and what a refusal looks like.
+"""Which request fields the runner knows, and what it does with each: no field that would change the
+answer is silently ignored (the table is docs/usage/formats.md's). Every top-level field of a body is
+**read** (implemented), **no effect** (accepted: ``user``, ``metadata``, vLLM's ``priority``, ...),
+**default only** (known, not implemented: accepted only at the value whose behaviour is the runner's own,
+e.g. ``suffix: null``, ``tools: []``) or **unknown** (refused, as OpenAI refuses an argument it does not know).
+
+A refusal is a :class:`~tasks.protocol.RequestError` naming the field, counted in the run summary as
+``field:NAME``; ``--lenient-fields`` ignores, logs and counts such fields instead (``ignored_fields``), as vLLM.
 """
 
 from __future__ import annotations
