@@ -1,13 +1,8 @@
-"""Who may call the server: API keys (each with a name), and the Host and Origin allow-lists.
-
-Keys come from ``--api-key-file`` (one a line, with an optional name), ``--api-key`` (visible in ``ps``)
-or the environment (``DIST_INFER_API_KEY``, or ``DIST_RUNNER_API_KEY``). A request's key is compared
-with every key in constant time (``hmac.compare_digest`` over SHA-256 digests, no early exit), and the
-key's name goes on the request (``request.state.key_name``) for per-key namespaces.
-
-The Host check closes DNS rebinding (a web page whose name now resolves to 127.0.0.1 sends its own
-name as Host); the Origin check closes cross-site requests from browsers ("simple" POSTs need no
-preflight). Both follow Ollama's checks after CVE-2024-28224 and Jupyter's ``allow_origin``.
+"""Who may call the server: API keys (each with a name, for per-key namespaces), and the Host and Origin
+allow-lists (docs/usage/serve.md, "Access"). A key is compared with every key in constant time. The Host
+check closes DNS rebinding (a page whose name now resolves to 127.0.0.1 sends its own name as Host), the
+Origin check cross-site requests from browsers, as Ollama's checks after CVE-2024-28224 and Jupyter's
+``allow_origin``.
 """
 
 from __future__ import annotations
