@@ -1,13 +1,10 @@
-"""What the Batch API refuses at create time, as OpenAI does, and the lines of requests a batch never ran.
-
-OpenAI's limits: ``completion_window`` "24h" only; up to 50,000 requests per batch; ``metadata`` of
-at most 16 pairs, keys up to 64 and values up to 512 characters; every ``custom_id`` unique; every
-line's ``url`` the batch's ``endpoint``; the input a file uploaded with purpose "batch". A file's
-``expires_after`` is ``{"anchor": "created_at", "seconds": 3600 .. 2592000}``.
+"""What the Batch API refuses at create time, with OpenAI's limits (below), and the lines of requests a
+batch never ran.
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,9 +111,7 @@ def unanswered_lines(path: Path, answered: int, code: str, message: str) -> list
     """Error lines (OpenAI's shape) for the requests after the first ``answered`` ones: what a failed or
     expired batch never ran, so the client can resubmit exactly those."""
     out = []
-    for k, (_, line) in enumerate(_lines(path)):
-        if k < answered:
-            continue
+    for _, line in itertools.islice(_lines(path), answered, None):
         try:
             raw = orjson.loads(line)
         except orjson.JSONDecodeError:

@@ -1,10 +1,6 @@
-"""OpenAI's error and answer objects, built here and nowhere else.
-
-- :class:`RequestError`: a request that cannot run, as OpenAI reports it (``{"message", "type",
-  "param"}``), with the HTTP status a server answers it with and the kind the run summary counts.
-- :class:`Answer`: what rank 0 hands a request's source: its result object, or its error, or that the
-  engine stopped. Each face formats it: a file or Batch API line (:func:`output_line`), an HTTP body or
-  SSE chunks, a Python object, a terminal's text.
+"""OpenAI's error and answer objects, built here and nowhere else: :class:`RequestError`, and
+:class:`Answer`, which each face formats (a file or Batch API line: :func:`output_line`; an HTTP body or
+SSE chunks; a Python object; a terminal's text).
 """
 
 from __future__ import annotations
@@ -33,11 +29,6 @@ class RequestError(ValueError):
     def to_dict(self) -> dict:
         return {"message": self.message, "type": self.kind, "param": self.param}
 
-    @classmethod
-    def from_dict(cls, error: dict, status: int | None = None) -> RequestError:
-        return cls(str(error.get("message", "failed")), error.get("param"), error.get("type") or "server_error",
-                   status=status)
-
 
 CANCELLED = RequestError("the request file (the batch) was cancelled before this request finished", None,
                          "batch_cancelled", reason="cancelled")
@@ -64,8 +55,9 @@ class Answer:
     @classmethod
     def from_wire(cls, body: dict) -> Answer:
         """An answer as the last rank sends it back: ``{"result": ...}`` or ``{"error": ...}``."""
-        if body.get("error") is not None:
-            return cls(error=RequestError.from_dict(body["error"]))
+        if (e := body.get("error")) is not None:
+            return cls(error=RequestError(str(e.get("message", "failed")), e.get("param"),
+                                          e.get("type") or "server_error"))
         return cls(result=body["result"])
 
 
