@@ -115,7 +115,6 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _complete(state, request, chat=True)
 
-
     add_batch_routes(app, state)
     add_tokenizer_routes(app, state)  # vLLM's /tokenize, /detokenize, /tokenizer_info
     add_page_route(app)  # the chat page at / (serve/static/index.html)
@@ -198,9 +197,7 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
 
 def _error_response(answer: Answer) -> Response:
     """An answer that is not a result: the request's error, or the engine's end (503)."""
-    if answer.dead is not None:
-        return error(503, f"the server stopped: {answer.dead}", "server_error")
-    e = answer.error
+    e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
     return error(e.status, e.message, e.kind, e.param)
 
 
