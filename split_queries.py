@@ -83,15 +83,9 @@ def prompt_token_estimate(prompt: object) -> tuple[int, int] | None:
         return None
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return len(prompt), 1  # one prompt of token ids (or an empty list)
-    total = 0
-    for item in prompt:  # a batch of prompts: strings or token-id lists
-        if isinstance(item, str):
-            total += _text_tokens(item)
-        elif isinstance(item, list):
-            total += len(item)
-        else:
-            return None
-    return total, len(prompt)
+    if not all(isinstance(item, (str, list)) for item in prompt):  # a batch of prompts: strings or token-id lists
+        return None
+    return sum(_text_tokens(x) if isinstance(x, str) else len(x) for x in prompt), len(prompt)
 
 
 def chat_token_estimate(messages: object) -> tuple[int, int] | None:
@@ -101,12 +95,9 @@ def chat_token_estimate(messages: object) -> tuple[int, int] | None:
     total = 0
     for message in messages:
         content = message.get("content")
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            if isinstance(part, dict):
-                part = part.get("text")
-            if isinstance(part, str):
-                total += _text_tokens(part)
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += _text_tokens(text) if isinstance(text, str) else 0
     return total, 1
 
 
