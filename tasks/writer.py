@@ -53,24 +53,16 @@ def input_id(path: str | os.PathLike, output: str | os.PathLike) -> str:
     """The input's fingerprint for ``output``'s journal and record: the whole-file hash, except that a
     journal or complete output recorded by an earlier version (size + first MiB) keeps that id while it
     still matches the file, so a job started before an upgrade resumes, or is skipped, after it."""
-    for recorded in _recorded_inputs(Path(output)):
-        if _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
-            return recorded
-    return input_fingerprint(path)
-
-
-def _recorded_inputs(output: Path) -> list[str]:
-    found = []
-    metas = [record_path(output), *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]
-    for meta in metas:
+    record = record_path(output)
+    for meta in [record, *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]:
         try:
             obj = json.loads(meta.read_text())
-            value = obj["run"]["input"] if meta == record_path(output) else obj["input"]
+            recorded = obj["run"]["input"] if meta == record else obj["input"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(value, str):
-            found.append(value)
-    return found
+        if isinstance(recorded, str) and _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
+            return recorded
+    return input_fingerprint(path)
 
 
 def record_path(output: str | os.PathLike) -> Path:
