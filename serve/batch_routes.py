@@ -44,16 +44,14 @@ def add_batch_routes(app: FastAPI, state) -> None:
             purpose = up.fields.get("purpose")
             if purpose != "batch":
                 return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
-            try:
-                expires = check_expires_after(up.fields.get("expires_after[anchor]"),
-                                              up.fields.get("expires_after[seconds]"))
-            except CheckError as e:
-                return error(400, e.message, param=e.param)
-            try:
-                return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
-                                                  up.filename or "upload.jsonl", purpose, None, expires))
-            except OSError:
-                return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
+            expires = check_expires_after(up.fields.get("expires_after[anchor]"),
+                                          up.fields.get("expires_after[seconds]"))
+            return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
+                                              up.filename or "upload.jsonl", purpose, None, expires))
+        except CheckError as e:
+            return error(400, e.message, param=e.param)
+        except OSError:
+            return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
         finally:
             up.discard()  # nothing left once the store took it
 
