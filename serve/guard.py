@@ -27,7 +27,6 @@ class BodyTooLarge(Exception):
 
     def __init__(self, limit: int, flag: str):
         super().__init__(f"the request body exceeds the limit of {limit} bytes ({flag})")
-        self.limit = limit
 
 
 class Guard:
