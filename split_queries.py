@@ -153,11 +153,8 @@ def read_records(path: Path, args: argparse.Namespace) -> tuple[list[Record], in
 
 def plan_shards(records: list[Record], requests_per_shard: int | None,
                 tokens_per_shard: int | None, sort_by_length: bool = False) -> list[Shard]:
-    """Group records by (engine, group) and cut each group into shards under both caps.
-
-    Groups are ordered per engine by bucket, then first appearance; invalid lines come last.
-    A single request above the token cap gets a shard of its own.
-    """
+    """Group records by (engine, group) and cut each group into shards under both caps (a request above
+    the token cap alone). Groups go per engine by bucket, then first appearance; invalid lines last."""
     groups: dict[tuple[str, tuple], list[Record]] = {}
     for record in records:
         groups.setdefault((record.engine, record.group), []).append(record)

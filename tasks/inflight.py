@@ -130,10 +130,8 @@ def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[s
 
 def crashed_runs(path: Path, written: int) -> int:
     """How many of the last runs recorded in ``path`` crashed in a row without journaling a line and
-    without narrowing the suspects (``written``: the lines journaled now). A run that crashed with a
-    probe group or a lone suspect in flight moved the isolation on: the suspects halve, or the culprit
-    is known and answered by the next run, so cornering a line among k takes about log2(k) such runs
-    and they are not counted."""
+    without narrowing the suspects (``written``: the lines journaled now); the runs that crashed with a
+    probe group or a lone suspect in flight moved the isolation on, and are not counted."""
     opens, ended = [], []  # per run: where it started; stopped, or narrowed the suspects
     for rec in _records(path):
         if isinstance(rec.get("open"), int):

@@ -182,9 +182,7 @@ class OrderedWriter:
         self.pending[index] = orjson.dumps(line) + b"\n"
 
     def flush(self) -> int:
-        """Write every line that is now contiguous; returns how many were written. The journal is
-        fsynced at most JOURNAL_SYNC_S after a write. A full disk loses nothing: the lines wait (see
-        :meth:`_write`)."""
+        """Write every line that is now contiguous (a full disk: they wait, :meth:`_write`); how many."""
         if self.gave_up:
             self.pending.clear()
             return 0
@@ -262,12 +260,9 @@ def merge_shares(output: Path, journals: list[Path], total_lines: int) -> None:
 
 def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
                      before: Callable[[], None] | None = None) -> bool:
-    """Called by each data-parallel writer once its share is complete: the last one to finish merges.
-
-    A share marks itself done with ``<journal>.done``; an O_EXCL lock file makes sure only one
-    process merges; ``before`` runs first (it writes the merged summary, the record of the run).
-    Returns True if this call produced the output.
-    """
+    """Called by each data-parallel writer once its share is complete (``<journal>.done``): the last one
+    to finish merges, under an O_EXCL lock file, after ``before`` (it writes the merged summary, the
+    record of the run). True if this call produced the output."""
     output = Path(output)
     journals = [journal_path(output, d, shares) for d in range(shares)]
     if not all(j.with_name(j.name + ".done").exists() for j in journals):
