@@ -36,7 +36,7 @@ class Ticket:
 
 
 class LocalEngine:
-    """``rank``'s engine on a thread, fed from this one; :meth:`stop` drains and stops every rank."""
+    """``rank``'s engine on a thread, fed from this one; ``thread.stop()`` drains and stops every rank."""
 
     def __init__(self, rank, stopping=None):
         self.thread = EngineThread(lambda req, files, stop: make_engine(rank, None, req, stop, arriving=True), stopping)
@@ -48,13 +48,6 @@ class LocalEngine:
         self.driver = engine.driver
         self.tok = _own_copy(self.driver.tok)  # this thread's: the engine's thread detokenizes with its own
         self.max_positions = self.driver.max_positions
-
-    def stop(self, timeout: float | None = None) -> None:
-        self.thread.stop(timeout)
-
-    @property
-    def error(self) -> str | None:
-        return self.thread.failure
 
     def submit(self, body: dict, chat: bool, stream: bool = False) -> Ticket:
         """Parse, tokenize (on this thread) and queue one request; RequestError when it cannot run."""
