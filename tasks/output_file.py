@@ -45,7 +45,8 @@ class FileStats:
 
 @dataclass
 class FileSummary:
-    """The figures of one file (one data group's share), written to ``<output>.summary.json``."""
+    """The figures of one file (one data group's share), written to ``<output>.summary.json``; the manual
+    says what each counts (docs/usage/scale.md; structured-outputs.md and reasoning.md for those two)."""
 
     output: str
     requests: int
@@ -69,25 +70,13 @@ class FileSummary:
     prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
     kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
     stage_gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: torch.cuda.max_memory_allocated per stage
-    # per stage: weights and compute dtype; with --quantize the int8 kernel kept per (in x out) shape
-    stage_precision: list[dict] = field(default_factory=list)
-    # structured outputs (only when some row was constrained): constrained_rows, grammars_compiled,
-    # compile_seconds (the last rank's; with P = 1 also rank 0's intake), mask_seconds, mask_ahead_seconds
-    structured: dict = field(default_factory=dict)
-    # time to first result = startup_seconds + first_result_seconds: the last rank's process start to this
-    # file's start (imports, planning, loading the stage, earlier files), then to its first result line
-    startup_seconds: float | None = None
-    first_result_seconds: float | None = None
-    # per stage, MiB (pipeline.runtime.memory): rss_peak = process + weights + packed + adapters + kv_cache
-    # + prefix_pool + buffers + other; docs/usage/scale.md says what each part counts
-    stage_memory_mb: list[dict] = field(default_factory=list)
-    # --lenient-fields: how many requests carried each field that was ignored (unknown, or not implemented
-    # with the value given: tasks.fields); without it such requests are errors, counted as field:NAME
-    ignored_fields: dict[str, int] = field(default_factory=dict)
-    # reasoning models (only when some row thought): thinking_rows, reasoning_tokens, forced_ends (thinkings
-    # ended by their budget), starved (choices written whose thinking left the answer empty), retried (requests
-    # run again by --retry-starved), repaired (of those, the reruns that answered)
-    reasoning: dict = field(default_factory=dict)
+    stage_precision: list[dict] = field(default_factory=list)  # per stage: dtypes, the int8 kernel per shape
+    structured: dict = field(default_factory=dict)  # only when some row was constrained
+    startup_seconds: float | None = None  # the last rank's process start -> this file's start
+    first_result_seconds: float | None = None  # this file's start -> its first result line
+    stage_memory_mb: list[dict] = field(default_factory=list)  # per stage, MiB (pipeline.runtime.memory)
+    ignored_fields: dict[str, int] = field(default_factory=dict)  # --lenient-fields: requests per field ignored
+    reasoning: dict = field(default_factory=dict)  # only when some row thought
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
