@@ -35,7 +35,7 @@ class LocalBackend:
 
     def __init__(self, engine: LocalEngine, model: str, adapters: list[str]):
         self.engine, self.model, self.adapters = engine, model, adapters
-        self.context = engine.max_positions
+        self.context = engine.driver.max_positions
         self.has_template = bool(getattr(engine.tok, "chat_template", None))
         self.where = "this process"
 

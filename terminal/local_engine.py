@@ -47,7 +47,6 @@ class LocalEngine:
             raise RuntimeError(f"the pipeline stopped: {self.thread.failure}")
         self.driver = engine.driver
         self.tok = _own_copy(self.driver.tok)  # this thread's: the engine's thread detokenizes with its own
-        self.max_positions = self.driver.max_positions
 
     def submit(self, body: dict, chat: bool, stream: bool = False) -> Ticket:
         """Parse, tokenize (on this thread) and queue one request; RequestError when it cannot run."""
