@@ -15,6 +15,7 @@ otherwise they are all suspects. The file goes when the output is complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,7 +157,5 @@ def recording() -> bool:
 def stop_all() -> None:
     """A signal stops this process: every open record says so (called from the signal thread)."""
     for rec in list(_OPEN):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             rec.stopped()
-        except (OSError, ValueError):
-            pass

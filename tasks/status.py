@@ -8,6 +8,7 @@ the Slurm/LSF recipes (:func:`describe`), ``--dry-run``'s estimate and ``--metri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -28,13 +29,10 @@ def peak_rss_bytes() -> int:
     """The most resident memory this process has held: Linux's VmHWM, which starts afresh at exec (Linux
     carries ``ru_maxrss`` across fork and exec: a large parent's peak would be reported); elsewhere
     ``ru_maxrss`` (bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
