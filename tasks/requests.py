@@ -66,9 +66,7 @@ class Params:
     @classmethod
     def from_json(cls, d: dict) -> "Params":
         """From its JSON form (logit_bias keys are strings there)."""
-        d = dict(d)
-        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-        return cls(**d)
+        return cls(**{**d, "logit_bias": {int(k): v for k, v in d["logit_bias"].items()}})
 
 
 @dataclass
