@@ -29,7 +29,6 @@ class Ticket:
     live: Live
     submitted: float
     encode_seconds: float
-    prompt_tokens: int
     finished: float | None = None
     answer: Answer | None = None
     text: dict[int, str] = field(default_factory=dict)
@@ -57,9 +56,8 @@ class LocalEngine:
             ids = self.driver.encode_prompts(req, self.tok)
         except Exception as e:  # noqa: BLE001 - the request's own error
             raise as_request_error(e) from None
-        t1 = time.perf_counter()
-        live = self.thread.submit(req, QueueChannel(stream), ids)
-        return Ticket(live, time.perf_counter(), t1 - t0, sum(len(i) for i in ids))
+        encode_seconds = time.perf_counter() - t0
+        return Ticket(self.thread.submit(req, QueueChannel(stream), ids), time.perf_counter(), encode_seconds)
 
     def events(self, ticket: Ticket, timeout: float = 0.05):
         """The ticket's next event, or None after ``timeout``."""
