@@ -1,10 +1,6 @@
-"""The terminal's requests (``--prompts``, ``--chat``) on the pipeline loaded in this process.
-
-:class:`LocalEngine` runs rank 0's engine on its thread (:class:`~pipeline.runtime.engine_thread.EngineThread`)
-and submits the terminal's requests from this one, tokenized here with a copy of the tokenizer;
-each :class:`Ticket` collects its streamed text and its :class:`~tasks.protocol.Answer`. At P = 1 the last
-stage runs on the engine's thread too; at P > 1 the answers ring back from the last rank as they do for
-HTTP clients.
+"""The terminal's requests (``--prompts``, ``--chat``) on the pipeline loaded in this process: rank 0's
+engine runs on a thread of its own and the requests, tokenized here with a copy of the tokenizer, come
+from this one; at P > 1 the answers ring back from the last rank as they do for HTTP clients.
 """
 
 from __future__ import annotations

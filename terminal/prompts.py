@@ -1,9 +1,7 @@
-"""``--prompts "text" ...`` / ``--prompts-file``: generate for a few prompts on the loaded pipeline,
-print each with its completion, then a latency report in the style of llm-foundry's ``hf_generate``.
-
-The prompts go in as completion requests (the sampling flags' fields, arrival order = request index,
-so the answers equal a request file's with the same lines) through :class:`terminal.local_engine.LocalEngine`:
-serve mode's scheduler and engine, with the answers coming back from the last rank.
+"""``--prompts "text" ...`` / ``--prompts-file``: generate for a few prompts on the loaded pipeline, print
+each with its completion, then a latency report in the style of llm-foundry's ``hf_generate``. The prompts
+go in as completion requests with the sampling flags' fields, in order, so the answers equal a request
+file's with the same lines.
 """
 
 from __future__ import annotations
