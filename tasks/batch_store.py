@@ -85,7 +85,10 @@ class BatchStore:
                           str(obj.get("input_file_id"))[:80])
                 obj = None
             if obj is None and valid_id(path.stem):  # the batch is reported failed, its answered lines delivered
-                obj = self._damaged_batch(path, owner)
+                now = int(path.stat().st_mtime)
+                obj = _batch_object(path.stem, owner, now, status="failed", failed_at=now)
+                self._end(obj, "failed", "the server could not read this batch's record after a restart (it was "
+                                         "damaged); the requests answered before are in the output file")
             if obj is not None:
                 self.batches[obj["id"]] = dict(obj, _owner=owner)
 
@@ -102,13 +105,6 @@ class BatchStore:
         except (OSError, orjson.JSONDecodeError, AssertionError):
             log.error("%s: not a valid record (empty, torn by a power loss, or edited); set aside", path)
             return None
-
-    def _damaged_batch(self, path: Path, owner: str) -> dict:
-        now = int(path.stat().st_mtime)
-        obj = _batch_object(path.stem, owner, now, status="failed", failed_at=now)
-        self._end(obj, "failed", "the server could not read this batch's record after a restart (it was damaged); "
-                                 "the requests answered before are in the output file")
-        return obj
 
     def _save(self, obj: dict) -> None:
         folder = self._dir(obj["_owner"], "batches" if obj["object"] == "batch" else "files")
