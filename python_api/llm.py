@@ -270,10 +270,7 @@ class LLM:
             tokens = 0
             try:
                 while True:
-                    while len(waiting) < IN_FLIGHT:
-                        nxt = next(todo, None)
-                        if nxt is None:
-                            break
+                    while len(waiting) < IN_FLIGHT and (nxt := next(todo, None)) is not None:
                         i, item = nxt
                         early = self._submit(i, item, per_row[i], chat, done, waiting)
                         if early is not None:
