@@ -221,15 +221,8 @@ class LLM:
                             "llm.score([(context, continuation)]) gives the continuation's log-likelihood "
                             "(vLLM's score(text_1, text_2), a cross-encoder's relevance, is not supported)")
         items = list(texts) if isinstance(texts, (list, tuple)) and not _is_pair(texts) else [texts]
-        starts, requests = [], []
-        for t in items:
-            if _is_pair(t):
-                context, continuation = t
-                starts.append(len(context))
-                requests.append({"prompt": context + continuation})
-            else:
-                starts.append(None)
-                requests.append({"prompt": t})
+        starts = [len(t[0]) if _is_pair(t) else None for t in items]  # where a continuation's characters start
+        requests = [{"prompt": "".join(t) if _is_pair(t) else t} for t in items]
         params = {"echo": True, "max_tokens": 0, "logprobs": logprobs, **fields}
         results = self.generate(requests, params)
         return [score_of(r, s) for r, s in zip(results, starts, strict=True)]
