@@ -28,10 +28,6 @@ def owner_of(request: Request) -> str:
 def add_batch_routes(app: FastAPI, state) -> None:
     store = state.store
 
-    @app.exception_handler(StoreError)
-    async def store_error(request, exc: StoreError):  # an unknown id (404) or a request the store refuses
-        return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
-
     @app.post("/v1/files")
     async def upload(request: Request):
         """The body streamed into the store's folder, counted against --max-upload-bytes as it comes."""

@@ -89,6 +89,10 @@ def create_app(state: ServeState) -> FastAPI:
     async def http_error(request, exc):
         return error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(StoreError)
+    async def store_error(request, exc: StoreError):  # a body read_json refuses, an unknown id (404), a quota
+        return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
         return error(400, f"invalid request: {exc.errors()[:1]}")
@@ -129,10 +133,7 @@ def _model(state: ServeState, name: str) -> dict:
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
-    try:
-        body = await read_json(request, state.max_request_bytes)
-    except StoreError as e:
-        return error(e.status, e.message)
+    body = await read_json(request, state.max_request_bytes)
     if isinstance(body, dict) and body.get("model") not in (None, *state.served):
         return model_not_found(body["model"], state.served)
     try:

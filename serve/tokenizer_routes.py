@@ -11,7 +11,6 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from pipeline.scheduling.intake import chat_ids
-from tasks.batch_store import StoreError
 from tasks.fields import check_role
 from tasks.protocol import RequestError
 from tasks.requests import bool_field
@@ -44,10 +43,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
 
 
 async def _answer(state, request: Request, handler):
-    try:
-        body = await read_json(request, state.max_request_bytes)
-    except StoreError as e:
-        return error(e.status, e.message)
+    body = await read_json(request, state.max_request_bytes)
     if not isinstance(body, dict):
         return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
     if body.get("model") not in (None, *state.served):
