@@ -186,22 +186,15 @@ def _logprobs_asked(request: object) -> int | None:
 def choice(c: dict, asked: int | None = None) -> Choice:
     """A Choice from a completion choice or a chat choice (its logprobs in the chat format); ``asked``: the
     request's logprobs (vLLM's ``Choice.logprobs`` is None when it asked for none)."""
-    lp = c.get("logprobs")
-    if "message" in c:
-        text = (c.get("message") or {}).get("content") or ""
-        tokens = lps = tops = None
-        if lp:
-            content = lp.get("content") or []
-            tokens = [t["token"] for t in content]
-            lps = [t["logprob"] for t in content]
-            tops = [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]
-        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"),
-                      c.get("top_token_logprobs"), asked, reasoning_content=(c.get("message") or {}).get("reasoning_content"),
-                      starved=c.get("starved"))
-    lp = lp or {}
-    return Choice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), lp.get("tokens"),
-                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"),
-                  c.get("top_token_logprobs"), asked, starved=c.get("starved"))
+    lp, message = c.get("logprobs") or {}, c.get("message") or {}
+    if "message" in c and lp:  # the chat format's logprobs, as a completion's
+        content = lp.get("content") or []
+        lp = {"tokens": [t["token"] for t in content], "token_logprobs": [t["logprob"] for t in content],
+              "top_logprobs": [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]}
+    text = (message.get("content") or "") if "message" in c else c.get("text", "")
+    return Choice(c.get("index", 0), text, c.get("finish_reason"), lp.get("tokens"), lp.get("token_logprobs"),
+                  lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"), c.get("top_token_logprobs"),
+                  asked, reasoning_content=message.get("reasoning_content"), starved=c.get("starved"))
 
 
 def score_of(result: Result, start: int | None) -> Score:
