@@ -73,7 +73,7 @@ def add_batch_routes(app: FastAPI, state) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request):
         try:
-            body = await read_json(request, state.max_request_bytes)
+            body = await read_json(request)
             if not isinstance(body, dict):
                 raise StoreError("the body must be a JSON object")
             # reads the whole input file (up to 50,000 lines): off the event loop

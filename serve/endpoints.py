@@ -133,7 +133,7 @@ def _model(state: ServeState, name: str) -> dict:
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
-    body = await read_json(request, state.max_request_bytes)
+    body = await read_json(request)
     if isinstance(body, dict) and body.get("model") not in (None, *state.served):
         return model_not_found(body["model"], state.served)
     try:

@@ -43,7 +43,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
 
 
 async def _answer(state, request: Request, handler):
-    body = await read_json(request, state.max_request_bytes)
+    body = await read_json(request)
     if not isinstance(body, dict):
         return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
     if body.get("model") not in (None, *state.served):
