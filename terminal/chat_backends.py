@@ -117,7 +117,8 @@ class HttpBackend:
         finally:
             conn.close()
         if resp.status != 200:
-            raise BackendError(f"the server answered {resp.status}: {_message(data)}")
+            message = _error(data).get("message") or data[:200].decode("utf-8", "replace")
+            raise BackendError(f"the server answered {resp.status}: {message}")
         return json.loads(data)
 
     def tokens(self, body: dict, chat: bool) -> int | None:
@@ -156,8 +157,7 @@ def _sse_text(resp, chat: bool) -> Iterator[str]:
             return
         chunk = json.loads(data)
         if "error" in chunk:
-            err = chunk["error"]
-            raise BackendError(err.get("message", "the request failed"))
+            raise BackendError(chunk["error"].get("message", "the request failed"))
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
             if text:
@@ -169,7 +169,3 @@ def _error(data: bytes) -> dict:
         return json.loads(data).get("error") or {}
     except (ValueError, AttributeError):
         return {}
-
-
-def _message(data: bytes) -> str:
-    return _error(data).get("message") or data[:200].decode("utf-8", "replace")
