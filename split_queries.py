@@ -141,14 +141,9 @@ def read_records(path: Path, args: argparse.Namespace) -> tuple[list[Record], in
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline does not start another line
-    records, blank = [], 0
-    for line_no, raw in enumerate(lines, start=1):
-        raw = raw.removesuffix(b"\r")
-        if not raw.strip():
-            blank += 1
-            continue
-        records.append(parse_line(line_no, raw, args))
-    return records, blank
+    lines = [raw.removesuffix(b"\r") for raw in lines]
+    records = [parse_line(line_no, raw, args) for line_no, raw in enumerate(lines, start=1) if raw.strip()]
+    return records, len(lines) - len(records)
 
 
 def plan_shards(records: list[Record], requests_per_shard: int | None,
@@ -160,24 +155,15 @@ def plan_shards(records: list[Record], requests_per_shard: int | None,
         groups.setdefault((record.engine, record.group), []).append(record)
     order = sorted(groups, key=lambda k: (k[0], k[1][0] == INVALID, k[1][1:2]))  # stable sort
     shards: list[Shard] = []
-    counters: dict[str, int] = {}
-
-    def new_shard(engine: str) -> Shard:
-        k = counters.get(engine, 0)
-        counters[engine] = k + 1
-        shard = Shard(engine=engine, path=f"{engine}/request_{k}.jsonl")
-        shards.append(shard)
-        return shard
-
+    made: Counter = Counter()  # shards per engine so far
     for engine, group in order:
         shard, tokens = None, 0
         for record in groups[(engine, group)]:
-            full = shard is None or (
-                (requests_per_shard is not None and len(shard.records) >= requests_per_shard)
-                or (tokens_per_shard is not None and tokens + record.cost > tokens_per_shard)
-            )
-            if full:
-                shard, tokens = new_shard(engine), 0
+            if shard is None or (requests_per_shard is not None and len(shard.records) >= requests_per_shard) \
+                    or (tokens_per_shard is not None and tokens + record.cost > tokens_per_shard):
+                shard, tokens = Shard(engine, f"{engine}/request_{made[engine]}.jsonl"), 0
+                made[engine] += 1
+                shards.append(shard)
             shard.records.append(record)
             tokens += record.cost
     if sort_by_length:
