@@ -72,7 +72,8 @@ class Access:
         if "*" in self.hosts or host_header is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         name = host_name(host_header)
-        return name in self.hosts or _is_ip(name) or name.endswith(".localhost")
+        # an IP address as Host cannot be a rebound name: a page at evil.example sends Host: evil.example
+        return name in self.hosts or _ip(name) is not None or name.endswith(".localhost")
 
     def origin_ok(self, origin: str | None, host_header: str | None, scheme: str) -> bool:
         """No Origin (curl, SDKs): allowed. Else a listed origin, or the page's own origin (same-origin:
@@ -93,13 +94,11 @@ def host_name(host_header: str) -> str:
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
-def _is_ip(name: str) -> bool:
-    """An IP address as Host cannot be a rebound name: a page at evil.example sends Host: evil.example."""
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(name)
-        return True
+        return ipaddress.ip_address(name)
     except ValueError:
-        return False
+        return None
 
 
 def make_access(bind_host: str, allowed_hosts: str | None, allowed_origins: str | None) -> Access:
@@ -120,9 +119,4 @@ def origin_list(allowed_origins: str | None) -> list[str]:
 
 
 def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host == "localhost" or getattr(_ip(host), "is_loopback", False)
