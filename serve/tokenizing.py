@@ -85,9 +85,6 @@ class Tokenizing:
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
 
-    def _run(self, req: Request) -> list[list[int]]:
-        return self.encode(req, self._tok())
-
     def _tok(self):
         """This worker thread's copy of the tokenizer (made on its first use)."""
         tok = getattr(self.local, "tok", None)
@@ -101,7 +98,7 @@ class Tokenizing:
 
     async def __call__(self, req: Request) -> list[list[int]]:
         """Every prompt's token ids; RequestError when a prompt cannot be tokenized (no chat template, ...)."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._run, req)
+        return await self.call(lambda tok: self.encode(req, tok))
 
     async def call(self, fn):
         """``fn(tokenizer)`` on a worker thread, with that thread's copy of the tokenizer (/tokenize, /detokenize)."""
