@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from tasks.batch_checks import CheckError, check_expires_after
+from tasks.batch_checks import check_expires_after
 from tasks.batch_records import StoreError, owner_slug
 from serve.responses import error, ok, read_json
 from serve.file_upload import receive_upload
@@ -44,8 +44,6 @@ def add_batch_routes(app: FastAPI, state) -> None:
                                           up.fields.get("expires_after[seconds]"))
             return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
                                               up.filename or "upload.jsonl", purpose, None, expires))
-        except CheckError as e:
-            return error(400, e.message, param=e.param)
         except OSError:
             return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
         finally:

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import orjson
 
+from tasks.batch_records import StoreError
+
 WINDOWS = {"24h": 86400}  # completion_window -> seconds
 MAX_BATCH_REQUESTS = 50_000
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 EXPIRES_MIN, EXPIRES_MAX = 3600, 2592000  # a file's expires_after seconds: 1 hour .. 30 days
 
 
-class CheckError(ValueError):
+class CheckError(StoreError):
     """A create request OpenAI would refuse: HTTP 400 with this message, param and code."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        super().__init__(message, 400, param, code=code)
 
 
 def check_window(window) -> int:

@@ -198,22 +198,19 @@ class BatchStore:
     def create_batch(self, owner: str, body: dict) -> dict:
         """Validate as OpenAI does (endpoint, window, metadata, the input file's purpose and lines), then queue."""
         fid, endpoint = body.get("input_file_id"), body.get("endpoint")
-        try:
-            if endpoint not in ENDPOINTS:
-                raise CheckError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {str(endpoint)[:80]!r}",
-                                 "endpoint", "invalid_endpoint")
-            if not isinstance(fid, str):
-                raise CheckError("'input_file_id' is required", "input_file_id")
-            window = check_window(body.get("completion_window", "24h"))
-            metadata = check_metadata(body.get("metadata"))
-            with self.lock:
-                f = self._own_file(owner, fid)
-            if f["purpose"] != "batch":
-                raise CheckError(f"the file {fid} has purpose {f['purpose']!r}; a batch's input must be a file "
-                                 "uploaded with purpose 'batch'", "input_file_id", "invalid_input_file")
-            total = check_input(self.file_path(owner, fid), endpoint)
-        except CheckError as e:
-            raise StoreError(e.message, 400, e.param, code=e.code) from None
+        if endpoint not in ENDPOINTS:
+            raise CheckError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {str(endpoint)[:80]!r}",
+                             "endpoint", "invalid_endpoint")
+        if not isinstance(fid, str):
+            raise CheckError("'input_file_id' is required", "input_file_id")
+        window = check_window(body.get("completion_window", "24h"))
+        metadata = check_metadata(body.get("metadata"))
+        with self.lock:
+            f = self._own_file(owner, fid)
+        if f["purpose"] != "batch":
+            raise CheckError(f"the file {fid} has purpose {f['purpose']!r}; a batch's input must be a file "
+                             "uploaded with purpose 'batch'", "input_file_id", "invalid_input_file")
+        total = check_input(self.file_path(owner, fid), endpoint)
         now = int(time.time())
         obj = _batch_object("batch_" + uuid.uuid4().hex[:24], owner, now, endpoint=endpoint, input_file_id=fid,
                             expires_at=now + window, request_counts={"total": total, "completed": 0, "failed": 0},
