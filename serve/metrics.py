@@ -23,8 +23,7 @@ class ServeMetrics:
     """The server's registry; the HTTP thread counts requests, the pipeline thread the rest."""
 
     def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("dist_infer_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dist_infer_prompt_tokens", "Prompt tokens of answered requests", registry=r)
@@ -45,7 +44,7 @@ class ServeMetrics:
         self.load = {"queue": 0, "rows": 0, "live": 0, "hit": 0, "queried": 0}
         self.stages: list[dict] = []
         self._last: list[tuple[float, float]] = []  # per stage (time, busy seconds) of the previous figures
-        r.register(_LoadCollector(self))
+        r.register(self)  # collect(): the load and the stages' figures, read at each scrape
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -97,15 +96,9 @@ class ServeMetrics:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
 
-
-class _LoadCollector:
-    def __init__(self, metrics: ServeMetrics):
-        self.metrics = metrics
-
     def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        with m.lock:
-            load, stages = dict(m.load), list(m.stages)
+        with self.lock:
+            load, stages = dict(self.load), list(self.stages)
         yield GaugeMetricFamily("dist_infer_queue_length", "Prompt groups waiting for the scheduler",
                                 value=load["queue"])
         yield GaugeMetricFamily("dist_infer_running_rows", "Micro-batch rows computing", value=load["rows"])
