@@ -280,8 +280,8 @@ def _structured(body: dict) -> dict | None:
             raise RequestError(f"give one of {', '.join(repr(k) for k in (*guided, 'structured_outputs')[:3])}, "
                                "not several: each is an output constraint", guided[0])
         so = {GUIDED[guided[0]]: body[guided[0]]}
+    name = guided[0] if guided else "structured_outputs"  # the field the constraint came in
     if rf is not None and so is not None:
-        name = guided[0] if guided else "structured_outputs"
         raise RequestError(f"give either 'response_format' or '{name}', not both", name)
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -300,7 +300,6 @@ def _structured(body: dict) -> dict | None:
                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")
     if so is None:
         return None
-    name = guided[0] if guided else "structured_outputs"
     if isinstance(so, dict) and so.get("json_object") is True and not any(so.get(k) is not None for k in
                                                                           STRUCTURED_KINDS):
         so = {k: v for k, v in so.items() if k != "json_object"}
