@@ -229,16 +229,13 @@ class OutputFile:
 def merge_summaries(output, shares: int) -> None:
     """The data groups' summaries -> one ``<output>.summary.json`` (called before the merged output appears)."""
     parts = [json.loads(Path(summary_path(output, d, shares)).read_text()) for d in range(shares)]
-    run = parts[0].pop("run")
-    for part in parts[1:]:
-        part.pop("run", None)
+    run = [part.pop("run", None) for part in parts][0]  # every share's record names the same run
     total = {key: sum(part[key] for part in parts)
              for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines",
                          "cached_prompt_tokens")}
-    kinds = added(part["error_kinds"] for part in parts)
-    ignored = added(part.get("ignored_fields", {}) for part in parts)
     wall = max(part["wall_seconds"] for part in parts)  # the pipelines ran side by side
-    merged = {"output": str(output), **total, "error_kinds": kinds, "ignored_fields": ignored, "wall_seconds": wall,
+    merged = {"output": str(output), **total, "error_kinds": added(part["error_kinds"] for part in parts),
+              "ignored_fields": added(part.get("ignored_fields", {}) for part in parts), "wall_seconds": wall,
               "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
               "pipeline_size": parts[0]["pipeline_size"], "data_group_size": shares,
               "last_rank_peak_rss_mb": max(part["last_rank_peak_rss_mb"] for part in parts),
