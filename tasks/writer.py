@@ -116,11 +116,8 @@ def output_problem(output: str | os.PathLike, fingerprint: dict, shares: int = 1
     if Path(output).exists():
         problem = complete_output_problem(output, fingerprint)
         return problem is None, problem
-    for d in range(shares):
-        problem = journal_problem(journal_path(output, d, shares), fingerprint)
-        if problem:
-            return False, problem
-    return False, None
+    problems = (journal_problem(journal_path(output, d, shares), fingerprint) for d in range(shares))
+    return False, next(filter(None, problems), None)
 
 
 def journal_path(output: str | os.PathLike, share: int = 0, shares: int = 1) -> Path:
@@ -158,8 +155,7 @@ class OrderedWriter:
         """Prepare the journal; returns how many of this share's lines are already done, or None
         when the output is already complete (and not --overwrite)."""
         if self.output.exists() and not overwrite:
-            problem = complete_output_problem(self.output, self.fingerprint)
-            if problem:
+            if problem := complete_output_problem(self.output, self.fingerprint):
                 raise JournalMismatch(problem)
             return None
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +163,7 @@ class OrderedWriter:
             for p in (self.journal, self.meta):
                 p.unlink(missing_ok=True)
         if self.journal.exists():
-            problem = journal_problem(self.journal, self.fingerprint)
-            if problem:
+            if problem := journal_problem(self.journal, self.fingerprint):
                 raise JournalMismatch(problem)
             self.written = _count_and_trim(self.journal)
         else:
