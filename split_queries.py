@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     shards = plan_shards(records, args.requests_per_shard, args.tokens_per_shard,
                          args.sort_by_length)
     write_shards(out_dir, shards)
-    problems = check_invariant(out_dir, records, shards)
-    if problems:
+    if problems := check_invariant(out_dir, records, shards):
         print("split_queries: ERROR, line count invariant failed:\n  " + "\n  ".join(problems),
               file=sys.stderr)
         return 1

@@ -36,8 +36,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refused = self._refusal(scope, headers)
-        if refused is not None:
+        if (refused := self._refusal(scope, headers)) is not None:
             return await _answer(*refused, scope, receive, send)
         upload = scope["path"] == UPLOAD_ROUTE and scope["method"] == "POST"
         limit = self.max_upload_bytes + MULTIPART_SLACK if upload else self.max_request_bytes
