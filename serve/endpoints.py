@@ -276,11 +276,9 @@ class HttpThread:
         """``limits``: serve.connection_limits.Limits (connection cap and timeouts); None: uvicorn's defaults."""
         import uvicorn
 
-        extra = {}
-        if limits is not None:
-            # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
-            # by the protocol, which closes idle connections first)
-            extra = {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}
+        # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept by the
+        # protocol, which closes idle connections first)
+        extra = {} if limits is None else {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 lifespan="off", timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEAD,
                                 **extra)
