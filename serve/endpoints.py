@@ -278,7 +278,8 @@ class HttpThread:
 
         # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept by the
         # protocol, which closes idle connections first)
-        extra = {} if limits is None else {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}
+        extra = {} if limits is None else {"http": protocol_class(limits),
+                                           "limit_concurrency": limits.max_connections + 1}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 lifespan="off", timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEAD,
                                 **extra)
