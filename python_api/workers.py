@@ -6,6 +6,7 @@ the caller (comm.lifeline); the end of its log is the message of a worker that d
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -76,20 +77,15 @@ class Workers:
 
     def stop(self, grace: float = 10.0) -> None:
         """Wait ``grace`` seconds for clean exits, then SIGTERM, then SIGKILL; remove the logs."""
-        if not self.wait(grace):
+        for wait, sig in ((grace, signal.SIGTERM), (5.0, signal.SIGKILL), (5.0, None)):
+            if self.wait(wait) or sig is None:
+                break
             for p in self.procs:
                 if p.poll() is None:
-                    _signal_group(p, signal.SIGTERM)
-            if not self.wait(5.0):
-                for p in self.procs:
-                    if p.poll() is None:
-                        _signal_group(p, signal.SIGKILL)
-                self.wait(5.0)
+                    _signal_group(p, sig)
         self.logs.cleanup()
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
