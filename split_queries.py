@@ -1,26 +1,11 @@
 """Split a JSONL file of OpenAI-style completion requests into shards for the runner.
 
-Each input line is one request object (``{"prompt": ..., "max_tokens": ..., ...}``) or an
-OpenAI Batch API line (``{"custom_id", "method", "url", "body": {...request...}}``). Shards are
-written to ``<output-dir>/<engine>/request_<k>.jsonl`` where engine is the request's ``engine``,
-else ``model``, else ``default`` ("/" and other unsafe characters become "_", so
-``together/tiny-llama`` -> ``together_tiny-llama``). Lines are copied byte for byte (CRLF -> LF).
-
-Blank lines are skipped. Lines that are not usable requests (not JSON, not an object, no prompt)
-are kept: they go to their own shard(s) of engine ``default`` so the runner answers them with an
-error result. ``<output-dir>/manifest.json`` lists every shard with its line count, estimated
-tokens and the 1-based input line numbers it holds, so results can be mapped back.
-
-Estimated cost of a request = (prompt tokens + prompts * max_tokens) * max(n, best_of), with
-prompt tokens ~ len(text) / 4 for strings and len(ids) for token-id lists; max_tokens defaults to 16.
-
-Examples:
-
-    python split_queries.py --input-file helm.jsonl --output-dir queries --requests-per-shard 500
-    python split_queries.py --input-file helm.jsonl --output-dir queries --tokens-per-shard 200000 \\
-        --min-generate-token 16 --generate-token-chunk-size 64 --sort-by-length
-    python split_queries.py --input-file helm.jsonl --output-dir queries --group-by-params --overwrite
-    for f in queries/*/request_*.jsonl; do torchrun ... dist_inference_runner.py --infer-data "$f"; done
+Each non-blank line (a request object, or an OpenAI Batch API line) is copied byte for byte (CRLF -> LF)
+to ``<output-dir>/<engine>/request_<k>.jsonl``, engine being the request's ``engine``, else ``model``,
+else ``default``, made safe as a folder name. Lines that are not usable requests go to shards of their own
+under ``default``, where the runner answers them with an error result. ``manifest.json`` lists each
+shard's line count, estimated tokens ((prompt + prompts * max_tokens) * max(n, best_of), a string
+prompt counting len / 4) and input line numbers. docs/usage/scale.md shows it with launch/drain.sh.
 """
 
 from __future__ import annotations
@@ -98,15 +83,9 @@ def prompt_token_estimate(prompt: object) -> tuple[int, int] | None:
         return None
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return len(prompt), 1  # one prompt of token ids (or an empty list)
-    total = 0
-    for item in prompt:  # a batch of prompts: strings or token-id lists
-        if isinstance(item, str):
-            total += _text_tokens(item)
-        elif isinstance(item, list):
-            total += len(item)
-        else:
-            return None
-    return total, len(prompt)
+    if not all(isinstance(item, (str, list)) for item in prompt):  # a batch of prompts: strings or token-id lists
+        return None
+    return sum(_text_tokens(x) if isinstance(x, str) else len(x) for x in prompt), len(prompt)
 
 
 def chat_token_estimate(messages: object) -> tuple[int, int] | None:
@@ -116,12 +95,9 @@ def chat_token_estimate(messages: object) -> tuple[int, int] | None:
     total = 0
     for message in messages:
         content = message.get("content")
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            if isinstance(part, dict):
-                part = part.get("text")
-            if isinstance(part, str):
-                total += _text_tokens(part)
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += _text_tokens(text) if isinstance(text, str) else 0
     return total, 1
 
 
@@ -148,18 +124,13 @@ def parse_line(line_no: int, raw: bytes, args: argparse.Namespace) -> Record:
     if estimate is None:
         return record
     prompt_tokens, num_prompts = estimate
-    max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
-    max_tokens = _int_or(max_tokens, DEFAULT_MAX_TOKENS, 0)
+    max_tokens = _int_or(request.get("max_tokens", request.get("max_completion_tokens")), DEFAULT_MAX_TOKENS, 0)
     samples = max(_int_or(request.get("n"), 1, 1), _int_or(request.get("best_of"), 1, 1))
     bucket = max_tokens_bucket(max_tokens, args.min_generate_token, args.generate_token_chunk_size)
-    params = b""
-    if args.group_by_params:
-        params = orjson.dumps([request.get(k) for k in PARAM_KEYS], option=orjson.OPT_SORT_KEYS)
-    record.engine = sanitize_engine(request.get("engine") or request.get("model"))
-    record.group = ("ok", bucket, params)
-    record.prompt_tokens = prompt_tokens
-    record.cost = (prompt_tokens + num_prompts * max_tokens) * samples
-    return record
+    params = orjson.dumps([request.get(k) for k in PARAM_KEYS], option=orjson.OPT_SORT_KEYS) \
+        if args.group_by_params else b""
+    return Record(line_no, raw, sanitize_engine(request.get("engine") or request.get("model")), ("ok", bucket, params),
+                  prompt_tokens, (prompt_tokens + num_prompts * max_tokens) * samples)
 
 
 def read_records(path: Path, args: argparse.Namespace) -> tuple[list[Record], int]:
@@ -170,46 +141,29 @@ def read_records(path: Path, args: argparse.Namespace) -> tuple[list[Record], in
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline does not start another line
-    records, blank = [], 0
-    for line_no, raw in enumerate(lines, start=1):
-        raw = raw.removesuffix(b"\r")
-        if not raw.strip():
-            blank += 1
-            continue
-        records.append(parse_line(line_no, raw, args))
-    return records, blank
+    lines = [raw.removesuffix(b"\r") for raw in lines]
+    records = [parse_line(line_no, raw, args) for line_no, raw in enumerate(lines, start=1) if raw.strip()]
+    return records, len(lines) - len(records)
 
 
 def plan_shards(records: list[Record], requests_per_shard: int | None,
                 tokens_per_shard: int | None, sort_by_length: bool = False) -> list[Shard]:
-    """Group records by (engine, group) and cut each group into shards under both caps.
-
-    Groups are ordered per engine by bucket, then first appearance; invalid lines come last.
-    A single request above the token cap gets a shard of its own.
-    """
+    """Group records by (engine, group) and cut each group into shards under both caps (a request above
+    the token cap alone). Groups go per engine by bucket, then first appearance; invalid lines last."""
     groups: dict[tuple[str, tuple], list[Record]] = {}
     for record in records:
         groups.setdefault((record.engine, record.group), []).append(record)
     order = sorted(groups, key=lambda k: (k[0], k[1][0] == INVALID, k[1][1:2]))  # stable sort
     shards: list[Shard] = []
-    counters: dict[str, int] = {}
-
-    def new_shard(engine: str) -> Shard:
-        k = counters.get(engine, 0)
-        counters[engine] = k + 1
-        shard = Shard(engine=engine, path=f"{engine}/request_{k}.jsonl")
-        shards.append(shard)
-        return shard
-
+    made: Counter = Counter()  # shards per engine so far
     for engine, group in order:
         shard, tokens = None, 0
         for record in groups[(engine, group)]:
-            full = shard is None or (
-                (requests_per_shard is not None and len(shard.records) >= requests_per_shard)
-                or (tokens_per_shard is not None and tokens + record.cost > tokens_per_shard)
-            )
-            if full:
-                shard, tokens = new_shard(engine), 0
+            if shard is None or (requests_per_shard is not None and len(shard.records) >= requests_per_shard) \
+                    or (tokens_per_shard is not None and tokens + record.cost > tokens_per_shard):
+                shard, tokens = Shard(engine, f"{engine}/request_{made[engine]}.jsonl"), 0
+                made[engine] += 1
+                shards.append(shard)
             shard.records.append(record)
             tokens += record.cost
     if sort_by_length:
@@ -329,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     shards = plan_shards(records, args.requests_per_shard, args.tokens_per_shard,
                          args.sort_by_length)
     write_shards(out_dir, shards)
-    problems = check_invariant(out_dir, records, shards)
-    if problems:
+    if problems := check_invariant(out_dir, records, shards):
         print("split_queries: ERROR, line count invariant failed:\n  " + "\n  ".join(problems),
               file=sys.stderr)
         return 1

@@ -1,10 +1,5 @@
-"""The Python API: ``LLM`` and ``SamplingParams`` (re-exported by ``dist_inference_runner``).
-
-A face of rank 0's engine, as the HTTP server is: the engine runs on a thread of the caller's process
-(:mod:`pipeline.runtime.engine_thread`), fed by Python calls; :mod:`python_api.workers` starts the other
-stages as processes of the runner; :mod:`python_api.params` and :mod:`python_api.outputs` turn Python values
-into requests and answers into result objects. May import pipeline, tasks and comm; only the entry point
-imports it.
+"""The Python API: ``LLM`` and ``SamplingParams`` (re-exported by ``dist_inference_runner``; README.md lists
+the modules). A face of the engine: may import pipeline, tasks and comm; only the entry point imports it.
 """
 
 from python_api.llm import LLM, EngineDead

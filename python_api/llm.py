@@ -19,7 +19,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,11 +176,8 @@ class LLM:
         ``messages``, a Batch API line), or a list of those; ``sampling_params``: one SamplingParams (or dict
         of fields) for all, or a list of one per prompt (``params``: its older name); ``use_tqdm``: a
         progress bar (None: for more than one prompt, unless the LLM has no_progress)."""
-        items = _as_list(prompts)
-        out: list[Result | None] = [None] * len(items)
-        for result in self._run(items, _sampling(sampling_params, params), False, raise_errors, use_tqdm):
-            out[result.index] = result
-        return out
+        results = self._run(_as_list(prompts), _sampling(sampling_params, params), False, raise_errors, use_tqdm)
+        return sorted(results, key=lambda r: r.index)
 
     def chat(self, messages, sampling_params: SamplingParams | dict | list | None = None,
              use_tqdm: bool | None = None, *, raise_errors: bool | None = None, params=None,
@@ -199,10 +195,7 @@ class LLM:
         template = {k: v for k, v in template.items() if v is not None}
         per_row = [_with_fields(p, template) for p in params_for(_sampling(sampling_params, params), len(convs))] \
             if template else _sampling(sampling_params, params)
-        out: list[Result | None] = [None] * len(convs)
-        for result in self._run(convs, per_row, True, raise_errors, use_tqdm):
-            out[result.index] = result
-        return out
+        return sorted(self._run(convs, per_row, True, raise_errors, use_tqdm), key=lambda r: r.index)
 
     def stream(self, prompts, sampling_params: SamplingParams | dict | list | None = None, *, chat: bool = False,
                raise_errors: bool | None = None, params=None) -> Iterator[Result]:
@@ -228,15 +221,8 @@ class LLM:
                             "llm.score([(context, continuation)]) gives the continuation's log-likelihood "
                             "(vLLM's score(text_1, text_2), a cross-encoder's relevance, is not supported)")
         items = list(texts) if isinstance(texts, (list, tuple)) and not _is_pair(texts) else [texts]
-        starts, requests = [], []
-        for t in items:
-            if _is_pair(t):
-                context, continuation = t
-                starts.append(len(context))
-                requests.append({"prompt": context + continuation})
-            else:
-                starts.append(None)
-                requests.append({"prompt": t})
+        starts = [len(t[0]) if _is_pair(t) else None for t in items]  # where a continuation's characters start
+        requests = [{"prompt": "".join(t) if _is_pair(t) else t} for t in items]
         params = {"echo": True, "max_tokens": 0, "logprobs": logprobs, **fields}
         results = self.generate(requests, params)
         return [score_of(r, s) for r, s in zip(results, starts, strict=True)]
@@ -254,16 +240,13 @@ class LLM:
             Path(out).unlink()
         with self._lock:
             self._check()
-            self._wait_future(self.engine.files.add(src, out))
-        return out
-
-    def _wait_future(self, fut: Future) -> None:
-        while True:
-            try:
-                fut.result(timeout=POLL_S)
-                return
-            except TimeoutError:
-                self._check()
+            done = self.engine.files.add(src, out)
+            while True:
+                try:
+                    done.result(timeout=POLL_S)
+                    return out
+                except TimeoutError:
+                    self._check()
 
     def _run(self, items: list, params, chat: bool, raise_errors: bool | None,
              use_tqdm: bool | None = None) -> Iterator[Result]:
@@ -280,10 +263,7 @@ class LLM:
             tokens = 0
             try:
                 while True:
-                    while len(waiting) < IN_FLIGHT:
-                        nxt = next(todo, None)
-                        if nxt is None:
-                            break
+                    while len(waiting) < IN_FLIGHT and (nxt := next(todo, None)) is not None:
                         i, item = nxt
                         early = self._submit(i, item, per_row[i], chat, done, waiting)
                         if early is not None:

@@ -1,13 +1,6 @@
-"""Result objects of the Python API, built from the engine's answers (the result objects file mode writes).
-
-A :class:`Result` per request, in input order: its choices (:class:`Choice`: text, finish reason,
-tokens, token logprobs, top logprobs, text offsets, token ids), usage and cached prompt tokens, the
-OpenAI result object it came from (``raw``) and, for a request that could not run, ``error`` (the
-error object file mode writes in its place). :class:`Score` is :meth:`LLM.score`'s answer.
-
-They also read as vLLM's ``RequestOutput`` / ``CompletionOutput`` (docs/usage/from-vllm.md):
-``result.prompt``, ``result.prompt_token_ids``, ``result.outputs[i].text / .token_ids / .logprobs
-(a dict {token id: Logprob} per generated token) / .finish_reason / .cumulative_logprob``.
+"""Result objects of the Python API, built from the engine's answers (what file mode writes): a
+:class:`Result` per request, its :class:`Choice` objects, :class:`Score` for :meth:`LLM.score`. They read
+as vLLM's ``RequestOutput`` / ``CompletionOutput`` too (docs/usage/from-vllm.md).
 """
 
 from __future__ import annotations
@@ -163,11 +156,7 @@ def from_answer(index: int, request: object, answer) -> Result:
     """A Result from the engine's :class:`~tasks.protocol.Answer` to ``request``."""
     if not answer.ok:
         return Result(index, request, error=answer.error.to_dict(), prompt=_prompt_text(request))
-    return _result(index, request, answer.result)
-
-
-def _result(index: int, request: object, body: dict) -> Result:
-    asked = _logprobs_asked(request)
+    body, asked = answer.result, _logprobs_asked(request)
     choices = body.get("choices", [])
     ids = body.get("prompt_token_ids") or next((c.get("prompt_token_ids") for c in choices), None)
     return Result(index, request, [choice(c, asked) for c in choices], body.get("usage"), raw=body,
@@ -197,22 +186,15 @@ def _logprobs_asked(request: object) -> int | None:
 def choice(c: dict, asked: int | None = None) -> Choice:
     """A Choice from a completion choice or a chat choice (its logprobs in the chat format); ``asked``: the
     request's logprobs (vLLM's ``Choice.logprobs`` is None when it asked for none)."""
-    lp = c.get("logprobs")
-    if "message" in c:
-        text = (c.get("message") or {}).get("content") or ""
-        tokens = lps = tops = None
-        if lp:
-            content = lp.get("content") or []
-            tokens = [t["token"] for t in content]
-            lps = [t["logprob"] for t in content]
-            tops = [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]
-        return Choice(c.get("index", 0), text, c.get("finish_reason"), tokens, lps, tops, None, c.get("token_ids"),
-                      c.get("top_token_logprobs"), asked, reasoning_content=(c.get("message") or {}).get("reasoning_content"),
-                      starved=c.get("starved"))
-    lp = lp or {}
-    return Choice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), lp.get("tokens"),
-                  lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"),
-                  c.get("top_token_logprobs"), asked, starved=c.get("starved"))
+    lp, message = c.get("logprobs") or {}, c.get("message") or {}
+    if "message" in c and lp:  # the chat format's logprobs, as a completion's
+        content = lp.get("content") or []
+        lp = {"tokens": [t["token"] for t in content], "token_logprobs": [t["logprob"] for t in content],
+              "top_logprobs": [{x["token"]: x["logprob"] for x in t.get("top_logprobs") or []} for t in content]}
+    text = (message.get("content") or "") if "message" in c else c.get("text", "")
+    return Choice(c.get("index", 0), text, c.get("finish_reason"), lp.get("tokens"), lp.get("token_logprobs"),
+                  lp.get("top_logprobs"), lp.get("text_offset"), c.get("token_ids"), c.get("top_token_logprobs"),
+                  asked, reasoning_content=message.get("reasoning_content"), starved=c.get("starved"))
 
 
 def score_of(result: Result, start: int | None) -> Score:

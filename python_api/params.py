@@ -92,14 +92,9 @@ class SamplingParams:
                 else constraint
         if "logit_bias" in out:
             out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
-        if chat:
-            out.pop("echo", None)  # a chat completion never echoes its prompt
-        else:
-            out.pop("chat_template_kwargs", None)  # a completion has no template
+        out.pop("echo" if chat else "chat_template_kwargs", None)  # a chat never echoes; a completion has no template
         if chat and "logprobs" in out:
-            top = out.pop("logprobs")
-            out["logprobs"] = True
-            out["top_logprobs"] = top
+            out["logprobs"], out["top_logprobs"] = True, out.pop("logprobs")
         out.update(self.extra)
         return out
 

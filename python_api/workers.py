@@ -1,14 +1,12 @@
-"""The other stages of an ``LLM(pipeline_size=P)``: P - 1 processes of the runner, started with the
-seed's per-rank flags (``--rank i --world-size P --dist-url tcp://127.0.0.1:PORT``).
-
-Each worker runs ``dist_inference_runner.py`` with the caller's flags, so it plans, loads its stage
-and serves passes exactly as a rank under torchrun (gloo on CPU, NCCL on GPUs, one device per
-stage). ``DIST_INFER_LAUNCHER_PID`` ties it to the caller (comm.lifeline): a worker whose caller dies
-stops. Its log goes to a temporary file whose last lines are the message of a worker that dies.
+"""The other stages of an ``LLM(pipeline_size=P)``: P - 1 processes of the runner with the caller's flags
+and the seed's per-rank ones (``--rank i --world-size P --dist-url tcp://127.0.0.1:PORT``), so each plans,
+loads its stage and serves passes exactly as a rank under torchrun. ``DIST_INFER_LAUNCHER_PID`` ties it to
+the caller (comm.lifeline); the end of its log is the message of a worker that dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -79,20 +77,15 @@ class Workers:
 
     def stop(self, grace: float = 10.0) -> None:
         """Wait ``grace`` seconds for clean exits, then SIGTERM, then SIGKILL; remove the logs."""
-        if not self.wait(grace):
+        for wait, sig in ((grace, signal.SIGTERM), (5.0, signal.SIGKILL), (5.0, None)):
+            if self.wait(wait) or sig is None:
+                break
             for p in self.procs:
                 if p.poll() is None:
-                    _signal_group(p, signal.SIGTERM)
-            if not self.wait(5.0):
-                for p in self.procs:
-                    if p.poll() is None:
-                        _signal_group(p, signal.SIGKILL)
-                self.wait(5.0)
+                    _signal_group(p, sig)
         self.logs.cleanup()
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,13 +1,8 @@
-"""Who may call the server: API keys (each with a name), and the Host and Origin allow-lists.
-
-Keys come from ``--api-key-file`` (one a line, with an optional name), ``--api-key`` (visible in ``ps``)
-or the environment (``DIST_INFER_API_KEY``, or ``DIST_RUNNER_API_KEY``). A request's key is compared
-with every key in constant time (``hmac.compare_digest`` over SHA-256 digests, no early exit), and the
-key's name goes on the request (``request.state.key_name``) for per-key namespaces.
-
-The Host check closes DNS rebinding (a web page whose name now resolves to 127.0.0.1 sends its own
-name as Host); the Origin check closes cross-site requests from browsers ("simple" POSTs need no
-preflight). Both follow Ollama's checks after CVE-2024-28224 and Jupyter's ``allow_origin``.
+"""Who may call the server: API keys (each with a name, for per-key namespaces), and the Host and Origin
+allow-lists (docs/usage/serve.md, "Access"). A key is compared with every key in constant time. The Host
+check closes DNS rebinding (a page whose name now resolves to 127.0.0.1 sends its own name as Host), the
+Origin check cross-site requests from browsers, as Ollama's checks after CVE-2024-28224 and Jupyter's
+``allow_origin``.
 """
 
 from __future__ import annotations
@@ -77,7 +72,8 @@ class Access:
         if "*" in self.hosts or host_header is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         name = host_name(host_header)
-        return name in self.hosts or _is_ip(name) or name.endswith(".localhost")
+        # an IP address as Host cannot be a rebound name: a page at evil.example sends Host: evil.example
+        return name in self.hosts or _ip(name) is not None or name.endswith(".localhost")
 
     def origin_ok(self, origin: str | None, host_header: str | None, scheme: str) -> bool:
         """No Origin (curl, SDKs): allowed. Else a listed origin, or the page's own origin (same-origin:
@@ -98,13 +94,11 @@ def host_name(host_header: str) -> str:
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
-def _is_ip(name: str) -> bool:
-    """An IP address as Host cannot be a rebound name: a page at evil.example sends Host: evil.example."""
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(name)
-        return True
+        return ipaddress.ip_address(name)
     except ValueError:
-        return False
+        return None
 
 
 def make_access(bind_host: str, allowed_hosts: str | None, allowed_origins: str | None) -> Access:
@@ -125,9 +119,4 @@ def origin_list(allowed_origins: str | None) -> list[str]:
 
 
 def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host == "localhost" or getattr(_ip(host), "is_loopback", False)

@@ -59,8 +59,7 @@ class BatchJobs(FileSource):
             self._store(self.store.fail, job.id, "the server cannot read this batch's input file")
             return None
         if self.fingerprint is not None:
-            problem = journal_problem(journal_path(job.output), dict(self.fingerprint, input=ident))
-            if problem:
+            if problem := journal_problem(journal_path(job.output), dict(self.fingerprint, input=ident)):
                 log.error("batch %s: %s; it fails with its answered lines delivered", job.id, problem)
                 self._store(self.store.fail, job.id, SETTINGS_CHANGED)
                 return None

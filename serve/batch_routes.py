@@ -10,8 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from tasks.batch_checks import CheckError, check_expires_after
-from tasks.batch_store import StoreError, owner_slug
+from tasks.batch_checks import check_expires_after
+from tasks.batch_records import StoreError, owner_slug
 from serve.responses import error, ok, read_json
 from serve.file_upload import receive_upload
 
@@ -28,10 +28,6 @@ def owner_of(request: Request) -> str:
 def add_batch_routes(app: FastAPI, state) -> None:
     store = state.store
 
-    @app.exception_handler(StoreError)
-    async def store_error(request, exc: StoreError):  # an unknown id (404) or a request the store refuses
-        return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
-
     @app.post("/v1/files")
     async def upload(request: Request):
         """The body streamed into the store's folder, counted against --max-upload-bytes as it comes."""
@@ -44,16 +40,12 @@ def add_batch_routes(app: FastAPI, state) -> None:
             purpose = up.fields.get("purpose")
             if purpose != "batch":
                 return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
-            try:
-                expires = check_expires_after(up.fields.get("expires_after[anchor]"),
-                                              up.fields.get("expires_after[seconds]"))
-            except CheckError as e:
-                return error(400, e.message, param=e.param)
-            try:
-                return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
-                                                  up.filename or "upload.jsonl", purpose, None, expires))
-            except OSError:
-                return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
+            expires = check_expires_after(up.fields.get("expires_after[anchor]"),
+                                          up.fields.get("expires_after[seconds]"))
+            return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
+                                              up.filename or "upload.jsonl", purpose, None, expires))
+        except OSError:
+            return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
         finally:
             up.discard()  # nothing left once the store took it
 
@@ -79,7 +71,7 @@ def add_batch_routes(app: FastAPI, state) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request):
         try:
-            body = await read_json(request, state.max_request_bytes)
+            body = await read_json(request)
             if not isinstance(body, dict):
                 raise StoreError("the body must be a JSON object")
             # reads the whole input file (up to 50,000 lines): off the event loop

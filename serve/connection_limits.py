@@ -1,25 +1,13 @@
-"""Connection limits under uvicorn's h11 protocol: a cap on open connections, and timeouts for the
-request head, the body and a client that does not read.
+"""Connection limits under uvicorn's h11 protocol, as nginx's ``client_header_timeout``,
+``client_body_timeout`` and ``send_timeout`` (docs/usage/serve.md, "Limits", says what each does).
 
-uvicorn bounds keep-alive idleness (``timeout_keep_alive``) and requests in progress
-(``limit_concurrency``, checked only once a request head is complete), but a connection that sends
-half a head and waits holds its socket forever: enough of them use up the open-file limit and no
-client gets in, not even to ``/health``. :class:`GuardedH11` (uvicorn's ``H11Protocol`` with a few
-hooks) adds, like nginx's ``client_header_timeout``, ``client_body_timeout`` and ``send_timeout``:
-
-- **connection cap**: when a new connection makes more than ``max_connections``, the oldest one
-  still waiting for a request head is closed (an idle or half-sent socket cannot keep a live client
-  out); when every connection is busy with a request, the new one is answered 503 once its head arrives;
-- **header timeout**: a request head must be complete within ``header_timeout`` seconds of
-  connecting (or of the previous answer on a kept-alive connection), else the connection closes;
-- **body timeout**: while the server waits for a request body, ``body_timeout`` seconds without a
-  byte end it with 408;
-- **send timeout**: output the client leaves unread (uvicorn pauses writing once 64 KiB wait in the
-  socket's buffer) for ``send_timeout`` seconds closes the connection; the handler sees the
-  disconnect and frees the request's rows.
-
-One sweep a second (a quarter of the shortest timeout when that is shorter) checks every connection's
-clock (no timer per read).
+uvicorn bounds keep-alive idleness and requests in progress (``limit_concurrency``, checked only once a
+request head is complete), but a connection that sends half a head and waits holds its socket forever:
+enough of them use up the open-file limit and no client gets in, not even to ``/health``.
+:class:`GuardedH11` (uvicorn's ``H11Protocol`` with a few hooks) caps open connections (closing the one
+waiting longest for a head first, so idle sockets cannot keep a live client out) and times out a request
+head, a stalled body (408) and output the client leaves unread. One sweep a second (a quarter of the
+shortest timeout when that is shorter) checks every connection's clocks: no timer per read.
 """
 
 from __future__ import annotations

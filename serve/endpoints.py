@@ -89,6 +89,10 @@ def create_app(state: ServeState) -> FastAPI:
     async def http_error(request, exc):
         return error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(StoreError)
+    async def store_error(request, exc: StoreError):  # a body read_json refuses, an unknown id (404), a quota
+        return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
         return error(400, f"invalid request: {exc.errors()[:1]}")
@@ -115,7 +119,6 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _complete(state, request, chat=True)
 
-
     add_batch_routes(app, state)
     add_tokenizer_routes(app, state)  # vLLM's /tokenize, /detokenize, /tokenizer_info
     add_page_route(app)  # the chat page at / (serve/static/index.html)
@@ -130,10 +133,7 @@ def _model(state: ServeState, name: str) -> dict:
 
 
 async def _complete(state: ServeState, request: Request, chat: bool) -> Response:
-    try:
-        body = await read_json(request, state.max_request_bytes)
-    except StoreError as e:
-        return error(e.status, e.message)
+    body = await read_json(request)
     if isinstance(body, dict) and body.get("model") not in (None, *state.served):
         return model_not_found(body["model"], state.served)
     try:
@@ -198,9 +198,7 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
 
 def _error_response(answer: Answer) -> Response:
     """An answer that is not a result: the request's error, or the engine's end (503)."""
-    if answer.dead is not None:
-        return error(503, f"the server stopped: {answer.dead}", "server_error")
-    e = answer.error
+    e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
     return error(e.status, e.message, e.kind, e.param)
 
 
@@ -278,11 +276,10 @@ class HttpThread:
         """``limits``: serve.connection_limits.Limits (connection cap and timeouts); None: uvicorn's defaults."""
         import uvicorn
 
-        extra = {}
-        if limits is not None:
-            # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept
-            # by the protocol, which closes idle connections first)
-            extra = {"http": protocol_class(limits), "limit_concurrency": limits.max_connections + 1}
+        # limit_concurrency: uvicorn answers 503 past it once a head is in (the cap itself is kept by the
+        # protocol, which closes idle connections first)
+        extra = {} if limits is None else {"http": protocol_class(limits),
+                                           "limit_concurrency": limits.max_connections + 1}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 lifespan="off", timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEAD,
                                 **extra)

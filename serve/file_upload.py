@@ -97,9 +97,7 @@ async def receive_upload(content_type: str, chunks: AsyncIterator[bytes], folder
     if kind != b"multipart/form-data" or not boundary:
         raise StoreError("expected a multipart/form-data body with 'file' and 'purpose'")
     up = Upload(folder, limit)
-    names = ("on_part_begin", "on_part_data", "on_part_end", "on_header_field", "on_header_value", "on_header_end",
-             "on_headers_finished")
-    parser = MultipartParser(boundary, {n: getattr(up, n) for n in names})
+    parser = MultipartParser(boundary, {n: getattr(up, n) for n in dir(up) if n.startswith("on_")})
     try:
         async for chunk in chunks:
             parser.write(chunk)

@@ -1,14 +1,12 @@
-"""The checks every HTTP request passes before a handler sees it (pure ASGI middleware:
-BaseHTTPMiddleware would hide client disconnects from the handlers), in this order:
+"""The checks every HTTP request passes before a handler sees it, in this order (pure ASGI middleware:
+BaseHTTPMiddleware would hide client disconnects from the handlers):
 
-1. ``Host`` on the allow-list, else 403 (DNS rebinding); ``Origin``, when sent, allowed, else 403;
-2. on ``/v1`` routes, ``/metrics`` and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``,
-   ``/tokenizer_info``) with keys: ``Authorization: Bearer KEY`` of a known key, else 401; the key's
-   name goes to ``request.state.key_name``;
-3. POST bodies: ``application/json`` (``multipart/form-data`` on ``POST /v1/files`` only), else 415;
-4. the body's size, counted as it is read (chunked bodies have no Content-Length): the request
-   stops at the first byte past the limit with 413 and ``Connection: close``, so the server never
-   holds more than the limit and one read of the body.
+1. ``Host`` allowed, else 403 (DNS rebinding); ``Origin``, when sent, allowed, else 403;
+2. with keys, on ``/v1``, ``/metrics`` and the tokenizer routes: a known ``Authorization: Bearer KEY``,
+   else 401 (the key's name goes to ``request.state.key_name``);
+3. POST bodies: JSON (``multipart/form-data`` on ``POST /v1/files`` only), else 415;
+4. the body's size, counted as it arrives (chunked bodies too): 413 and ``Connection: close`` at the
+   first byte past the limit, so the server never holds more than the limit and one read.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ class BodyTooLarge(Exception):
 
     def __init__(self, limit: int, flag: str):
         super().__init__(f"the request body exceeds the limit of {limit} bytes ({flag})")
-        self.limit = limit
 
 
 class Guard:
@@ -39,8 +36,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refused = self._refusal(scope, headers)
-        if refused is not None:
+        if (refused := self._refusal(scope, headers)) is not None:
             return await _answer(*refused, scope, receive, send)
         upload = scope["path"] == UPLOAD_ROUTE and scope["method"] == "POST"
         limit = self.max_upload_bytes + MULTIPART_SLACK if upload else self.max_request_bytes

@@ -1,9 +1,6 @@
-"""The hand-off between an HTTP handler (asyncio) and rank 0's engine (a plain thread).
-
-A handler wraps a parsed request in a :class:`~pipeline.runtime.sources.Live` whose channel is an
-:class:`HttpChannel`: an asyncio future for the answer, and for a stream a bounded event queue and a
-future set once the request is queued. The engine answers through the channel, which hops back onto
-the HTTP loop with ``call_soon_threadsafe``. Nothing else is shared.
+"""The hand-off between an HTTP handler (asyncio) and rank 0's engine (a plain thread): the engine answers
+through an :class:`HttpChannel`, which hops back onto the HTTP loop with ``call_soon_threadsafe``.
+Nothing else is shared.
 """
 
 from __future__ import annotations

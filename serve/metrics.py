@@ -1,22 +1,6 @@
-"""Prometheus metrics of the server at ``GET /metrics`` (prometheus_client's text format).
-
-- ``dist_infer_http_requests_total{endpoint, status}``: every HTTP request, by route template
-  (``/v1/batches/{batch_id}``, not the id) and status code, refused ones (401, 413, 429) included;
-- ``dist_infer_queue_length``, ``dist_infer_running_rows``, ``dist_infer_live_requests``: the
-  scheduler's load (set by the pipeline thread, see :meth:`ServeMetrics.set_load`);
-- ``dist_infer_prompt_tokens_total``, ``dist_infer_generation_tokens_total``: answered requests' usage
-  (interactive requests, and batch files when they close);
-- ``dist_infer_time_to_first_token_seconds`` (streams: submission to the first text delta),
-  ``dist_infer_time_per_output_token_seconds`` (streams: first delta to the answer, per later token),
-  ``dist_infer_request_duration_seconds`` (every completion: submission to answer) histograms;
-- ``dist_infer_request_fields_total{field, outcome}``: request fields this server does not take
-  (tasks.fields), ``refused`` (400) or, under ``--lenient-fields``, ``ignored``;
-- ``dist_infer_prefix_cache_hit_tokens_total`` / ``..._queried_tokens_total`` (rank 0's prefix index);
-- per ``stage``: ``dist_infer_kv_cache_cells``, ``dist_infer_stage_busy_ratio`` (since the previous
-  figures, every ``--status-interval`` seconds), ``dist_infer_stage_busy_seconds_total``,
-  ``dist_infer_stage_peak_memory_bytes``.
-
-``/metrics`` needs the API key when the server has keys (serve.guard), as ``/v1`` does.
+"""Prometheus metrics of the server at ``GET /metrics`` (behind the API key, as ``/v1``): HTTP requests
+by route template and status, the scheduler's load, answered requests' tokens and latencies, request
+fields refused or ignored, the prefix cache, and per-stage figures. docs/usage/monitoring.md lists them.
 """
 
 from __future__ import annotations
@@ -39,8 +23,7 @@ class ServeMetrics:
     """The server's registry; the HTTP thread counts requests, the pipeline thread the rest."""
 
     def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("dist_infer_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dist_infer_prompt_tokens", "Prompt tokens of answered requests", registry=r)
@@ -61,7 +44,7 @@ class ServeMetrics:
         self.load = {"queue": 0, "rows": 0, "live": 0, "hit": 0, "queried": 0}
         self.stages: list[dict] = []
         self._last: list[tuple[float, float]] = []  # per stage (time, busy seconds) of the previous figures
-        r.register(_LoadCollector(self))
+        r.register(self)  # collect(): the load and the stages' figures, read at each scrape
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -113,15 +96,9 @@ class ServeMetrics:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
 
-
-class _LoadCollector:
-    def __init__(self, metrics: ServeMetrics):
-        self.metrics = metrics
-
     def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        with m.lock:
-            load, stages = dict(m.load), list(m.stages)
+        with self.lock:
+            load, stages = dict(self.load), list(self.stages)
         yield GaugeMetricFamily("dist_infer_queue_length", "Prompt groups waiting for the scheduler",
                                 value=load["queue"])
         yield GaugeMetricFamily("dist_infer_running_rows", "Micro-batch rows computing", value=load["rows"])

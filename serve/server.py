@@ -39,7 +39,9 @@ def run_server(rank, stopping) -> None:
     if temporary:
         root = tempfile.mkdtemp(prefix="dist-infer-serve-")
         log.warning("no --serve-dir: uploaded files and batches go to %s and are removed when the server stops", root)
-    source, store = Requests(opts.max_pending, opts.max_pending_rows, stopping), BatchStore(root, store_limits(opts))
+    source = Requests(opts.max_pending, opts.max_pending_rows, stopping)
+    store = BatchStore(root, StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
+                                         int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes))
     engine = make_engine(rank, BatchJobs(store, plan.fingerprint), source, stopping)  # --serve: serve mode's policy
     engine.metrics = metrics = ServeMetrics()
     driver = engine.driver
@@ -65,9 +67,3 @@ def run_server(rank, stopping) -> None:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
     log.info("server stopped")
-
-
-def store_limits(opts):
-    """The Batch API's per-key quotas and lifetimes from the flags."""
-    return StoreLimits(opts.key_storage_bytes, opts.key_max_files, int(opts.file_expiry_hours * 3600),
-                       int(opts.batch_retention_hours * 3600), opts.min_free_disk_bytes)

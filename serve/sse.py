@@ -1,13 +1,7 @@
-"""Server-sent events in OpenAI's chunk format for ``stream: true``.
-
-Text arrives as per-token deltas while a request runs (``Live.events``), each with the logprobs of
-its tokens when the request asked for them; when it finishes, the final result is known and each
-choice gets what is left of its text (so the chunks of a choice always join to exactly the
-non-streamed text: held-back text near a stop string, a trailing partial character), the logprobs
-of the tokens not sent yet, and its finish_reason. A thinking chat row's reasoning goes in
-``delta.reasoning_content``, apart from its answer in ``delta.content`` (as vLLM streams it). The logprobs of a choice's chunks join to the
-non-streamed logprobs. The stream ends with an optional usage chunk
-(``stream_options.include_usage``) and ``data: [DONE]``.
+"""Server-sent events in OpenAI's chunk format for ``stream: true``: a chunk per text delta (with its
+tokens' logprobs when asked; a thinking chat row's reasoning in ``delta.reasoning_content``, as vLLM),
+then per choice the rest of its text and logprobs and its finish_reason, so a choice's chunks join to
+exactly the non-streamed answer; then the usage chunk when asked and ``data: [DONE]``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""vLLM's tokenizer endpoints, in its request and response shapes (lm-evaluation-harness and other clients
-ask backends for them):
+"""vLLM's tokenizer endpoints in its request and response shapes (lm-evaluation-harness asks backends
+for them): ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (docs/usage/serve.md).
 
-- ``POST /tokenize``: ``{"prompt": "text"}`` (``add_special_tokens``, default true) or ``{"messages": [...]}``
-  through the chat template (``add_generation_prompt`` default true, ``continue_final_message``,
-  ``add_special_tokens`` default false), ``return_token_strs`` -> ``{"count", "max_model_len", "tokens",
-  "token_strs"}``;
-- ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": "text"}``;
-- ``GET /tokenizer_info``: the tokenizer's configuration (``tokenizer_config.json``'s fields, file paths
-  left out) with ``tokenizer_class`` and the chat template.
-
-Under the same checks as ``/v1`` (serve.guard: the API key, Host and Origin); an unknown field is a 400
-naming it, as on ``/v1`` (tasks.fields' rule), and ``model``, when given, must be a served name. The
-tokenizer runs on the tokenizing threads (serve.tokenizing), never on the pipeline's.
+Under the same checks as ``/v1`` (serve.guard); an unknown field is a 400 naming it, as on ``/v1``, and
+``model``, when given, must be a served name. The tokenizer runs on the tokenizing threads
+(serve.tokenizing), never on the pipeline's.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from pipeline.scheduling.intake import chat_ids
-from tasks.batch_store import StoreError
 from tasks.fields import check_role
 from tasks.protocol import RequestError
 from tasks.requests import bool_field
@@ -52,10 +43,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
 
 
 async def _answer(state, request: Request, handler):
-    try:
-        body = await read_json(request, state.max_request_bytes)
-    except StoreError as e:
-        return error(e.status, e.message)
+    body = await read_json(request)
     if not isinstance(body, dict):
         return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
     if body.get("model") not in (None, *state.served):

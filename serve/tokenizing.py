@@ -1,13 +1,8 @@
-"""A request's way in, before the pipeline thread sees it: per-request caps, then tokenizing on
-worker threads.
-
-Rank 0's pipeline thread runs every pass, so nothing a client sends may make it wait: prompts are
-tokenized here, on a small pool of threads (each with its own copy of the tokenizer), and the
-pipeline thread receives token ids. Before that, what can be refused without tokenizing is: more
-prompts than ``--max-prompts-per-request``, more rows (prompts x best_of) than ``--max-pending-rows``,
-and a prompt whose text cannot fit the context window whatever its tokens (a token covers at most
-``max_token_bytes`` bytes of text, the longest entry of the vocabulary, so a prompt of B bytes has
-at least B / max_token_bytes tokens).
+"""A request's way in, before the pipeline thread sees it: per-request caps, then tokenizing on worker
+threads (each with its own copy of the tokenizer), so nothing a client sends makes the pipeline thread
+wait. Refused without tokenizing: more prompts than ``--max-prompts-per-request``, more rows than
+``--max-pending-rows``, and a prompt whose text cannot fit the context window whatever its tokens (a
+token covers at most ``max_token_bytes`` bytes, the longest entry of the vocabulary).
 """
 
 from __future__ import annotations
@@ -90,9 +85,6 @@ class Tokenizing:
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
 
-    def _run(self, req: Request) -> list[list[int]]:
-        return self.encode(req, self._tok())
-
     def _tok(self):
         """This worker thread's copy of the tokenizer (made on its first use)."""
         tok = getattr(self.local, "tok", None)
@@ -106,7 +98,7 @@ class Tokenizing:
 
     async def __call__(self, req: Request) -> list[list[int]]:
         """Every prompt's token ids; RequestError when a prompt cannot be tokenized (no chat template, ...)."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._run, req)
+        return await self.call(lambda tok: self.encode(req, tok))
 
     async def call(self, fn):
         """``fn(tokenizer)`` on a worker thread, with that thread's copy of the tokenizer (/tokenize, /detokenize)."""

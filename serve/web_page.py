@@ -1,8 +1,6 @@
-"""The chat page at ``GET /`` (serve/static/index.html): one static file, served as it is.
-
-The page calls this server's own ``/v1`` routes, so the Host/Origin checks and the API key apply to
-it as to any client (serve.guard): the page itself needs no key, its requests carry the one typed
-into it. Its Content-Security-Policy lets it load nothing from elsewhere and talk only to this server.
+"""The chat page at ``GET /`` (serve/static/index.html), served as it is. It calls this server's own
+``/v1`` routes with the key typed into it (serve.guard applies as to any client); its Content-Security-Policy
+lets it load nothing from elsewhere and talk only to this server.
 """
 
 from __future__ import annotations

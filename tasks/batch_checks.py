@@ -1,18 +1,17 @@
-"""What the Batch API refuses at create time, as OpenAI does, and the lines of requests a batch never ran.
-
-OpenAI's limits: ``completion_window`` "24h" only; up to 50,000 requests per batch; ``metadata`` of
-at most 16 pairs, keys up to 64 and values up to 512 characters; every ``custom_id`` unique; every
-line's ``url`` the batch's ``endpoint``; the input a file uploaded with purpose "batch". A file's
-``expires_after`` is ``{"anchor": "created_at", "seconds": 3600 .. 2592000}``.
+"""What the Batch API refuses at create time, with OpenAI's limits (below), and the lines of requests a
+batch never ran.
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+
+from tasks.batch_records import StoreError
 
 WINDOWS = {"24h": 86400}  # completion_window -> seconds
 MAX_BATCH_REQUESTS = 50_000
@@ -20,12 +19,11 @@ METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 EXPIRES_MIN, EXPIRES_MAX = 3600, 2592000  # a file's expires_after seconds: 1 hour .. 30 days
 
 
-class CheckError(ValueError):
+class CheckError(StoreError):
     """A create request OpenAI would refuse: HTTP 400 with this message, param and code."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        super().__init__(message, 400, param, code=code)
 
 
 def check_window(window) -> int:
@@ -114,9 +112,7 @@ def unanswered_lines(path: Path, answered: int, code: str, message: str) -> list
     """Error lines (OpenAI's shape) for the requests after the first ``answered`` ones: what a failed or
     expired batch never ran, so the client can resubmit exactly those."""
     out = []
-    for k, (_, line) in enumerate(_lines(path)):
-        if k < answered:
-            continue
+    for _, line in itertools.islice(_lines(path), answered, None):
         try:
             raw = orjson.loads(line)
         except orjson.JSONDecodeError:

@@ -1,24 +1,15 @@
 """The Batch API's state in ``--serve-dir``: uploaded files, batches, their outputs, per API key.
 
-    DIR/files/<file id>          an uploaded file's bytes (always under a generated id)
-    DIR/files/<file id>.json     its OpenAI file object
-    DIR/batches/<batch id>.json  the batch object (status, times, counts, output file ids)
-    DIR/batches/<batch id>/output.jsonl   the batch's results: the journaled writer's output
-                                          (``output.jsonl.partial`` while it runs)
-    DIR/keys/<key name>/files, .../batches   the same for each named API key (``--api-key-file``);
-                                          the unnamed (or only) key keeps the folders above
+    DIR/files/<file id>, <file id>.json   an upload's bytes (always under a generated id), its file object
+    DIR/batches/<batch id>.json           the batch object (status, times, counts, output file ids)
+    DIR/batches/<batch id>/output.jsonl   its results: the journaled writer's output (``.partial`` meanwhile)
+    DIR/keys/<key name>/files, .../batches   the same per named API key (the unnamed key: the folders above)
 
-Each key sees only its own files and batches: another key's ids answer 404, as ids that do not
-exist. A key may hold ``--key-storage-bytes`` and ``--key-max-files`` (uploads and outputs alike);
-uploads expire after ``--file-expiry-hours`` (or their ``expires_after``), a batch's output and
-error files ``--batch-retention-hours`` after it ended, together with the batch's record.
-
-Every state change is written atomically and durably (fsync before rename) before it is reported,
-so a server killed at any moment and started again on the same folder finds each unfinished batch
-and resumes it from its journal. A record that cannot be read (a power loss, a hand edit, a planted
-file naming paths outside the folder) is logged and set aside, never stops the server. Rank 0 reads
-the outputs, so with P > 1 over several nodes the folder must be on a filesystem every rank sees.
-All methods are thread-safe.
+A key sees only its own files and batches (another key's ids answer 404), within :class:`StoreLimits`.
+Every change is written atomically and durably before it is reported, so a server killed at any moment
+resumes each unfinished batch from its journal; an unreadable record is logged and set aside, never
+stops the server. Rank 0 reads the outputs: with P > 1 on several nodes the folder must be on a
+filesystem every rank sees. All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -38,8 +29,8 @@ from tasks.writer import journal_path
 
 from tasks.batch_checks import CheckError, check_input, check_metadata, check_window, unanswered_lines
 from tasks.serve_dir import FILE_MODE, make_private_dir
-from tasks.batch_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,  # noqa: F401
-                            is_error, owner_slug, page, valid_id)
+from tasks.batch_records import (DEFAULT_OWNER, MAX_CRASHES, BatchJob, StoreError, StoreLimits, count_lines,
+                                 is_error, page, valid_id)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +85,10 @@ class BatchStore:
                           str(obj.get("input_file_id"))[:80])
                 obj = None
             if obj is None and valid_id(path.stem):  # the batch is reported failed, its answered lines delivered
-                obj = self._damaged_batch(path, owner)
+                now = int(path.stat().st_mtime)
+                obj = _batch_object(path.stem, owner, now, status="failed", failed_at=now)
+                self._end(obj, "failed", "the server could not read this batch's record after a restart (it was "
+                                         "damaged); the requests answered before are in the output file")
             if obj is not None:
                 self.batches[obj["id"]] = dict(obj, _owner=owner)
 
@@ -111,13 +105,6 @@ class BatchStore:
         except (OSError, orjson.JSONDecodeError, AssertionError):
             log.error("%s: not a valid record (empty, torn by a power loss, or edited); set aside", path)
             return None
-
-    def _damaged_batch(self, path: Path, owner: str) -> dict:
-        now = int(path.stat().st_mtime)
-        obj = _batch_object(path.stem, owner, now, status="failed", failed_at=now)
-        self._end(obj, "failed", "the server could not read this batch's record after a restart (it was damaged); "
-                                 "the requests answered before are in the output file")
-        return obj
 
     def _save(self, obj: dict) -> None:
         folder = self._dir(obj["_owner"], "batches" if obj["object"] == "batch" else "files")
@@ -211,22 +198,19 @@ class BatchStore:
     def create_batch(self, owner: str, body: dict) -> dict:
         """Validate as OpenAI does (endpoint, window, metadata, the input file's purpose and lines), then queue."""
         fid, endpoint = body.get("input_file_id"), body.get("endpoint")
-        try:
-            if endpoint not in ENDPOINTS:
-                raise CheckError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {str(endpoint)[:80]!r}",
-                                 "endpoint", "invalid_endpoint")
-            if not isinstance(fid, str):
-                raise CheckError("'input_file_id' is required", "input_file_id")
-            window = check_window(body.get("completion_window", "24h"))
-            metadata = check_metadata(body.get("metadata"))
-            with self.lock:
-                f = self._own_file(owner, fid)
-            if f["purpose"] != "batch":
-                raise CheckError(f"the file {fid} has purpose {f['purpose']!r}; a batch's input must be a file "
-                                 "uploaded with purpose 'batch'", "input_file_id", "invalid_input_file")
-            total = check_input(self.file_path(owner, fid), endpoint)
-        except CheckError as e:
-            raise StoreError(e.message, 400, e.param, code=e.code) from None
+        if endpoint not in ENDPOINTS:
+            raise CheckError(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {str(endpoint)[:80]!r}",
+                             "endpoint", "invalid_endpoint")
+        if not isinstance(fid, str):
+            raise CheckError("'input_file_id' is required", "input_file_id")
+        window = check_window(body.get("completion_window", "24h"))
+        metadata = check_metadata(body.get("metadata"))
+        with self.lock:
+            f = self._own_file(owner, fid)
+        if f["purpose"] != "batch":
+            raise CheckError(f"the file {fid} has purpose {f['purpose']!r}; a batch's input must be a file "
+                             "uploaded with purpose 'batch'", "input_file_id", "invalid_input_file")
+        total = check_input(self.file_path(owner, fid), endpoint)
         now = int(time.time())
         obj = _batch_object("batch_" + uuid.uuid4().hex[:24], owner, now, endpoint=endpoint, input_file_id=fid,
                             expires_at=now + window, request_counts={"total": total, "completed": 0, "failed": 0},

@@ -12,8 +12,7 @@ import orjson
 
 @dataclass(frozen=True)
 class DummyWorkload:
-    """The synthetic batch: ``batch_size`` prompts of ``prompt_tokens`` token ids, ``new_tokens`` each
-    (from --batch-size, --input-seq-length, --generate-seq-length)."""
+    """``batch_size`` prompts of ``prompt_tokens`` token ids, ``new_tokens`` generated for each."""
 
     batch_size: int
     prompt_tokens: int

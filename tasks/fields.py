@@ -1,22 +1,11 @@
-"""Which request fields the runner knows, and what it does with each: no field is silently ignored
-when it would change the answer.
+"""Which request fields the runner knows, and what it does with each: no field that would change the
+answer is silently ignored (the table is docs/usage/formats.md's). Every top-level field of a body is
+**read** (implemented), **no effect** (accepted: ``user``, ``metadata``, vLLM's ``priority``, ...),
+**default only** (known, not implemented: accepted only at the value whose behaviour is the runner's own,
+e.g. ``suffix: null``, ``tools: []``) or **unknown** (refused, as OpenAI refuses an argument it does not know).
 
-Every top-level field of a completion or chat body (a request line, a Batch API line's ``body``, an
-HTTP body, the Python API's request) is one of:
-
-- **read**: the runner implements it (``temperature``, ``min_p``, ``stop_token_ids``, ...);
-- **no effect**: OpenAI's and vLLM's fields that change nothing in the answer here (``user``,
-  ``metadata``, ``store``, ``service_tier``, the seed format's ``engine``, HELM's ``request_type``,
-  vLLM's ``priority`` and ``request_id``, ...): accepted;
-- **default only**: a known field the runner does not implement, accepted only at the value whose
-  behaviour is the runner's own (``suffix: null``, ``skip_special_tokens: true``, ``tools: []``, ...);
-  any other value is refused, since the answer would not be what the client asked for;
-- **unknown**: refused, as OpenAI refuses an argument it does not know.
-
-A refusal is a :class:`~tasks.protocol.RequestError` naming the field (HTTP 400 in serve mode, the
-error in the line's place in file mode), counted in the run summary by field (``field:NAME``).
-``--lenient-fields`` restores vLLM's behaviour for unknown and unsupported fields: ignored, logged
-and counted (the run summary's ``ignored_fields``). The table is docs/usage/formats.md's.
+A refusal is a :class:`~tasks.protocol.RequestError` naming the field, counted in the run summary as
+``field:NAME``; ``--lenient-fields`` ignores, logs and counts such fields instead (``ignored_fields``), as vLLM.
 """
 
 from __future__ import annotations

@@ -49,13 +49,10 @@ def atomic_path(path: str | os.PathLike, fsync: bool = True, mode: int | None = 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` atomically and durably (text as UTF-8); ``mode``: its permission bits."""
-    with atomic_path(path, mode=mode) as tmp:
-        if mode is not None:  # created with the mode from the start: never readable by others, not even briefly
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        else:
-            tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    with atomic_path(path, mode=mode) as tmp:  # created with its mode: never readable by others, not even briefly
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def count_lines(path: str | os.PathLike) -> int:

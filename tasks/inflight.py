@@ -1,36 +1,21 @@
-"""Which lines were being computed when a run ended: no crash loops.
-
-A line that makes a process die (a kernel that segfaults on it, memory it exhausts) would otherwise
-kill every rerun of the same command at the same place. So the last rank records, beside the
-journal in ``<journal>.inflight``, the input lines each pass admits, before it computes them:
+"""Which lines were being computed when a run ended, so a line that kills a process does not kill every
+rerun at the same place (docs/usage/recovery.md, "No crash loops"). The last rank appends to
+``<journal>.inflight`` the lines each pass admits, before they are computed:
 
     {"open": 12}                 a run starts (12 of this share's lines already journaled)
     {"in": [40, 41, 42]}         lines admitted (with others)
     {"alone": [43]}              a suspect line admitted with nothing else in flight
     {"probe": [7, 9], "group": 2}  suspects probed together (pipeline.scheduling.isolation)
-    {"stopped": 1}               SIGTERM/SIGINT: the run was stopped, it did not crash
+    {"stopped": 1}               the run ended or was stopped (SIGTERM/SIGINT): it did not crash
 
-When a run opens the journal, each earlier run that ended without finishing or being stopped crashed,
-and its admitted lines that are not journaled were in flight then:
-
-- a line that was in flight *alone* when a process died is the culprit: it is answered with an
-  error line (:func:`crash_error`) instead of being run again;
-- when a probe group was in flight, the crash is blamed on it alone (the lines beside it ran as usual);
-- otherwise the lines in flight are suspects.
-
-Suspects are probed in halves beside the rest of the file (pipeline.scheduling.isolation): a poison
-line among k suspects is cornered in about log2(k) runs, a line is a culprit only after it ended a run
-alone, and an innocent one is answered as usual. A run stopped by a signal blames nobody.
-
-The file goes when the output is complete. With P > 1 rank 0 sends the lines a pass admits ahead of
-the pass (pipeline.runtime.messages.Admitting); each rank forwards that notice and waits until it has
-left the process before computing anything more, so the lines are recorded even when an earlier stage
-dies computing their first pass. A stage's forward that raises (rather than killing the process)
-ends nothing: rank 0 retries that pass group by group in the same run (pipeline.runtime.retry).
+Of each earlier run that crashed, the lines not journaled that were in flight: one *alone* is the
+culprit (answered with :func:`crash_error`, not run again); a probe group holds the poison by itself;
+otherwise they are all suspects. The file goes when the output is complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,10 +131,8 @@ def replay(path: Path, written: int, share: int = 0, shares: int = 1) -> tuple[s
 
 def crashed_runs(path: Path, written: int) -> int:
     """How many of the last runs recorded in ``path`` crashed in a row without journaling a line and
-    without narrowing the suspects (``written``: the lines journaled now). A run that crashed with a
-    probe group or a lone suspect in flight moved the isolation on: the suspects halve, or the culprit
-    is known and answered by the next run, so cornering a line among k takes about log2(k) such runs
-    and they are not counted."""
+    without narrowing the suspects (``written``: the lines journaled now); the runs that crashed with a
+    probe group or a lone suspect in flight moved the isolation on, and are not counted."""
     opens, ended = [], []  # per run: where it started; stopped, or narrowed the suspects
     for rec in _records(path):
         if isinstance(rec.get("open"), int):
@@ -174,7 +157,5 @@ def recording() -> bool:
 def stop_all() -> None:
     """A signal stops this process: every open record says so (called from the signal thread)."""
     for rec in list(_OPEN):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             rec.stopped()
-        except (OSError, ValueError):
-            pass

@@ -1,14 +1,9 @@
 """The last rank's work for one request file: the ordered writer, progress, and the run summary.
 
-:meth:`OutputFile.open` resumes or starts the journal (or reports the output complete), results
-go in with :meth:`put` in any order, :meth:`flush` writes what is contiguous after each pass, and
-:meth:`close` writes ``<output>.summary.json``, then publishes the output. The summary records the
-run that wrote the file (``"run"``, its fingerprint), so a later run can tell its own finished
-output from another model's. With data parallelism each share writes
-``<output>.summary-<d>-of-<D>.json``; the last share to finish merges the journals and the share
-summaries into one ``<output>.summary.json`` (the shares' figures under ``"data_groups"``).
-After a resume the figures count the requests this run answered; ``resumed_lines`` says how many
-lines an earlier run had already written.
+:meth:`OutputFile.close` writes ``<output>.summary.json`` (with ``"run"``, the fingerprint of the run
+that wrote the file), then publishes the output. With data parallelism each share writes
+``<output>.summary-<d>-of-<D>.json`` and the last to finish merges them (the shares' figures under
+``"data_groups"``). After a resume the figures count this run's requests; ``resumed_lines`` the earlier's.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +45,8 @@ class FileStats:
 
 @dataclass
 class FileSummary:
-    """The figures of one file (one data group's share), written to ``<output>.summary.json``."""
+    """The figures of one file (one data group's share), written to ``<output>.summary.json``; the manual
+    says what each counts (docs/usage/scale.md; structured-outputs.md and reasoning.md for those two)."""
 
     output: str
     requests: int
@@ -73,25 +70,13 @@ class FileSummary:
     prefix_hit_rate: float = 0.0  # cached_prompt_tokens / prompt_tokens
     kv_cells_peak: int = 0  # most KV-cache token positions a stage held (micro-batches + prefix pool)
     stage_gpu_peak_mb: list[float] = field(default_factory=list)  # CUDA: torch.cuda.max_memory_allocated per stage
-    # per stage: weights and compute dtype; with --quantize the int8 kernel kept per (in x out) shape
-    stage_precision: list[dict] = field(default_factory=list)
-    # structured outputs (only when some row was constrained): constrained_rows, grammars_compiled,
-    # compile_seconds (the last rank's; with P = 1 also rank 0's intake), mask_seconds, mask_ahead_seconds
-    structured: dict = field(default_factory=dict)
-    # time to first result = startup_seconds + first_result_seconds: the last rank's process start to this
-    # file's start (imports, planning, loading the stage, earlier files), then to its first result line
-    startup_seconds: float | None = None
-    first_result_seconds: float | None = None
-    # per stage, MiB (pipeline.runtime.memory): rss_peak = process + weights + packed + adapters + kv_cache
-    # + prefix_pool + buffers + other; docs/usage/scale.md says what each part counts
-    stage_memory_mb: list[dict] = field(default_factory=list)
-    # --lenient-fields: how many requests carried each field that was ignored (unknown, or not implemented
-    # with the value given: tasks.fields); without it such requests are errors, counted as field:NAME
-    ignored_fields: dict[str, int] = field(default_factory=dict)
-    # reasoning models (only when some row thought): thinking_rows, reasoning_tokens, forced_ends (thinkings
-    # ended by their budget), starved (choices written whose thinking left the answer empty), retried (requests
-    # run again by --retry-starved), repaired (of those, the reruns that answered)
-    reasoning: dict = field(default_factory=dict)
+    stage_precision: list[dict] = field(default_factory=list)  # per stage: dtypes, the int8 kernel per shape
+    structured: dict = field(default_factory=dict)  # only when some row was constrained
+    startup_seconds: float | None = None  # the last rank's process start -> this file's start
+    first_result_seconds: float | None = None  # this file's start -> its first result line
+    stage_memory_mb: list[dict] = field(default_factory=list)  # per stage, MiB (pipeline.runtime.memory)
+    ignored_fields: dict[str, int] = field(default_factory=dict)  # --lenient-fields: requests per field ignored
+    reasoning: dict = field(default_factory=dict)  # only when some row thought
 
 
 def summary_path(output, data_rank: int, data_size: int) -> str:
@@ -218,7 +203,7 @@ class OutputFile:
         wall = time.perf_counter() - self.t0
         summary = FileSummary(
             str(self.writer.output), stats.requests, self.errors, stats.requests - self.errors,
-            {k: stats.error_kinds.get(k, 0) + self.kinds.get(k, 0) for k in {**stats.error_kinds, **self.kinds}},
+            added([stats.error_kinds, self.kinds]),
             self.prompt_tokens, completion_tokens, round(wall, 3),
             round(completion_tokens / wall, 2) if wall else None, [round(b / wall, 4) for b in busy] if wall else [],
             round(stats.padding_waste, 4), round(stats.encode_seconds, 4), round(format_seconds, 4),
@@ -244,21 +229,13 @@ class OutputFile:
 def merge_summaries(output, shares: int) -> None:
     """The data groups' summaries -> one ``<output>.summary.json`` (called before the merged output appears)."""
     parts = [json.loads(Path(summary_path(output, d, shares)).read_text()) for d in range(shares)]
-    run = parts[0].pop("run")
-    for part in parts[1:]:
-        part.pop("run", None)
+    run = [part.pop("run", None) for part in parts][0]  # every share's record names the same run
     total = {key: sum(part[key] for part in parts)
              for key in ("requests", "errors", "answered", "prompt_tokens", "completion_tokens", "resumed_lines",
                          "cached_prompt_tokens")}
-    kinds: dict[str, int] = {}
-    ignored: dict[str, int] = {}
-    for part in parts:
-        for kind, n in part["error_kinds"].items():
-            kinds[kind] = kinds.get(kind, 0) + n
-        for name, n in part.get("ignored_fields", {}).items():
-            ignored[name] = ignored.get(name, 0) + n
     wall = max(part["wall_seconds"] for part in parts)  # the pipelines ran side by side
-    merged = {"output": str(output), **total, "error_kinds": kinds, "ignored_fields": ignored, "wall_seconds": wall,
+    merged = {"output": str(output), **total, "error_kinds": added(part["error_kinds"] for part in parts),
+              "ignored_fields": added(part.get("ignored_fields", {}) for part in parts), "wall_seconds": wall,
               "completion_tokens_per_second": round(total["completion_tokens"] / wall, 2) if wall else None,
               "pipeline_size": parts[0]["pipeline_size"], "data_group_size": shares,
               "last_rank_peak_rss_mb": max(part["last_rank_peak_rss_mb"] for part in parts),
@@ -271,12 +248,11 @@ def merge_summaries(output, shares: int) -> None:
 
 
 def added(counts) -> dict:
-    """Several dicts of counts summed key by key."""
-    total: dict = {}
+    """Several dicts of counts summed key by key (in the order the keys first appear; zeros kept)."""
+    total: Counter = Counter()
     for c in counts:
-        for key, n in c.items():
-            total[key] = total.get(key, 0) + n
-    return total
+        total.update(c)
+    return dict(total)
 
 
 def precision_note(stage_precision: list[dict]) -> str:

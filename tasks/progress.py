@@ -15,7 +15,6 @@ class Progress:
     def __init__(self, name: str, total: int, done: int = 0):
         self.total, self.done, self.start_done = total, done, done
         self.t0 = self.last_log = time.perf_counter()
-        self.tokens = 0
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -25,9 +24,8 @@ class Progress:
 
     def update(self, newly_done: int, generated_tokens: int) -> None:
         self.done += newly_done
-        self.tokens = generated_tokens
         now = time.perf_counter()
-        rate = self.tokens / max(now - self.t0, 1e-9)
+        rate = generated_tokens / max(now - self.t0, 1e-9)
         if self.bar is not None:
             if newly_done:
                 self.bar.update(newly_done)

@@ -1,10 +1,6 @@
-"""OpenAI's error and answer objects, built here and nowhere else.
-
-- :class:`RequestError`: a request that cannot run, as OpenAI reports it (``{"message", "type",
-  "param"}``), with the HTTP status a server answers it with and the kind the run summary counts.
-- :class:`Answer`: what rank 0 hands a request's source: its result object, or its error, or that the
-  engine stopped. Each face formats it: a file or Batch API line (:func:`output_line`), an HTTP body or
-  SSE chunks, a Python object, a terminal's text.
+"""OpenAI's error and answer objects, built here and nowhere else: :class:`RequestError`, and
+:class:`Answer`, which each face formats (a file or Batch API line: :func:`output_line`; an HTTP body or
+SSE chunks; a Python object; a terminal's text).
 """
 
 from __future__ import annotations
@@ -16,12 +12,9 @@ STATUS = {"invalid_request_error": 400, "not_found_error": 404, "rate_limit_erro
 
 
 class RequestError(ValueError):
-    """A request that cannot run; becomes {"error": {"message", "type", "param"}}.
-
-    ``reason`` is the kind counted in the run summary (default: the param, else "line"), for errors
-    whose OpenAI param does not say what went wrong (a request larger than ``--budget``: "budget");
-    ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours).
-    """
+    """A request that cannot run; becomes {"error": {"message", "type", "param"}}. ``reason``: the kind
+    the run summary counts (default: the param, else "line"; e.g. "budget" where the param says less);
+    ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours)."""
 
     def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  reason: str | None = None, status: int | None = None):
@@ -32,11 +25,6 @@ class RequestError(ValueError):
 
     def to_dict(self) -> dict:
         return {"message": self.message, "type": self.kind, "param": self.param}
-
-    @classmethod
-    def from_dict(cls, error: dict, status: int | None = None) -> RequestError:
-        return cls(str(error.get("message", "failed")), error.get("param"), error.get("type") or "server_error",
-                   status=status)
 
 
 CANCELLED = RequestError("the request file (the batch) was cancelled before this request finished", None,
@@ -64,8 +52,9 @@ class Answer:
     @classmethod
     def from_wire(cls, body: dict) -> Answer:
         """An answer as the last rank sends it back: ``{"result": ...}`` or ``{"error": ...}``."""
-        if body.get("error") is not None:
-            return cls(error=RequestError.from_dict(body["error"]))
+        if (e := body.get("error")) is not None:
+            return cls(error=RequestError(str(e.get("message", "failed")), e.get("param"),
+                                          e.get("type") or "server_error"))
         return cls(result=body["result"])
 
 

@@ -66,9 +66,7 @@ class Params:
     @classmethod
     def from_json(cls, d: dict) -> "Params":
         """From its JSON form (logit_bias keys are strings there)."""
-        d = dict(d)
-        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-        return cls(**d)
+        return cls(**{**d, "logit_bias": {int(k): v for k, v in d["logit_bias"].items()}})
 
 
 @dataclass
@@ -282,8 +280,8 @@ def _structured(body: dict) -> dict | None:
             raise RequestError(f"give one of {', '.join(repr(k) for k in (*guided, 'structured_outputs')[:3])}, "
                                "not several: each is an output constraint", guided[0])
         so = {GUIDED[guided[0]]: body[guided[0]]}
+    name = guided[0] if guided else "structured_outputs"  # the field the constraint came in
     if rf is not None and so is not None:
-        name = guided[0] if guided else "structured_outputs"
         raise RequestError(f"give either 'response_format' or '{name}', not both", name)
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -302,7 +300,6 @@ def _structured(body: dict) -> dict | None:
                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")
     if so is None:
         return None
-    name = guided[0] if guided else "structured_outputs"
     if isinstance(so, dict) and so.get("json_object") is True and not any(so.get(k) is not None for k in
                                                                           STRUCTURED_KINDS):
         so = {k: v for k, v in so.items() if k != "json_object"}
@@ -354,31 +351,26 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
     (--lenient-fields): ignored, and listed in the request's ``ignored``."""
     if not isinstance(raw, dict):
         raise RequestError(f"a request must be a JSON object, got a JSON {type(raw).__name__}", None)
-    if "custom_id" in raw and "body" in raw:
-        url = raw.get("url", "/v1/completions")
-        body = raw["body"]
-        if not isinstance(body, dict):
-            raise RequestError("Batch API line: 'body' must be an object", "body")
-        if url not in ("/v1/completions", "/v1/chat/completions"):
-            raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
-        chat = url == "/v1/chat/completions"
-        prompts = [_messages(body)] if chat else _prompts(body)
-        ignored = check_batch_line(raw, lenient) + check_fields(body, chat, lenient)
-        return Request(index, raw, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
-                       str(raw["custom_id"]), model=body.get("model"), ignored=ignored,
-                       template_kwargs=template_kwargs(body) if chat else None)
-    return parse_body(raw, False, index, lenient)
+    if "custom_id" not in raw or "body" not in raw:
+        return parse_body(raw, False, index, lenient)
+    url = raw.get("url", "/v1/completions")
+    if not isinstance(raw["body"], dict):
+        raise RequestError("Batch API line: 'body' must be an object", "body")
+    if url not in ("/v1/completions", "/v1/chat/completions"):
+        raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
+    return parse_body(raw["body"], url == "/v1/chat/completions", index, lenient, line=raw)
 
 
-def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False) -> Request:
-    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``); a request line."""
+def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False, line: dict | None = None) -> Request:
+    """Serve mode: the JSON body of ``POST /v1/completions`` (or ``/v1/chat/completions``); a request line;
+    ``line``: the Batch API line holding ``body`` (its own keys checked too; the output echoes it)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     prompts = [_messages(body)] if chat else _prompts(body)
-    ignored = check_fields(body, chat, lenient)
-    return Request(index, body, prompts, parse_params(body, chat=chat), "chat" if chat else "completion",
-                   model=body.get("model"), ignored=ignored,
-                   template_kwargs=template_kwargs(body) if chat else None)
+    ignored = (check_batch_line(line, lenient) if line is not None else []) + check_fields(body, chat, lenient)
+    return Request(index, body if line is None else line, prompts, parse_params(body, chat=chat),
+                   "chat" if chat else "completion", None if line is None else str(line["custom_id"]),
+                   model=body.get("model"), ignored=ignored, template_kwargs=template_kwargs(body) if chat else None)
 
 
 def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:

@@ -1,10 +1,8 @@
 """``--serve-dir``, trusted only when safe: this user's own folder, closed to everyone else.
 
-The folder holds every client's prompts and results, and the server reads back the records it finds
-there, so another user who can write into it (a shared scratch folder made 0777, a planted record)
-could make the server read or serve what it should not. :func:`serve_dir_problem` is checked with the
-other flags, before anything loads; the folders the server creates are 0700 and its files 0600
-(:data:`FILE_MODE`, and a 077 umask in the serving process).
+It holds every client's prompts and results, and the server reads back the records it finds there, so
+another user who can write into it (a 0777 scratch folder, a planted record) could make it serve what
+it should not. :func:`serve_dir_problem` is checked with the flags; what the server creates is 0700/0600.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The live status file of a file-mode run (``--status-file``), written by the last rank.
 
-A :class:`RunStatus` holds what the writing rank knows (the run record, each input's lines done and
-total, tokens, per-stage figures that ride in with passes) and a heartbeat thread replaces the JSON
-file atomically every ``interval`` seconds, and once more at the end. ``state`` is ``loading``,
-``running``, ``finished``, ``stopped`` or ``failed: <reason>``; ``updated_at`` (Unix seconds) with
-``heartbeat_seconds`` lets a reader tell a dead writer (its file stops changing) from a live one:
-:func:`is_stale`. Readers: ``launch/drain.sh``, the Slurm/LSF recipes (:func:`describe` prints one
-line), ``--dry-run``'s estimate (``pipeline.config.estimate``) and ``--metrics-port``.
+A heartbeat thread replaces the JSON file every ``interval`` seconds and once at the end. ``state`` is
+``loading``, ``running``, ``finished``, ``stopped`` or ``failed: <reason>``; ``updated_at`` with
+``heartbeat_seconds`` tells a dead writer from a live one (:func:`is_stale`). Read by ``launch/drain.sh``,
+the Slurm/LSF recipes (:func:`describe`), ``--dry-run``'s estimate and ``--metrics-port``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -28,18 +26,13 @@ STALE_BEATS = 3  # a reader calls the file stale after this many missed heartbea
 
 
 def peak_rss_bytes() -> int:
-    """The most resident memory this process has held since it started: Linux's VmHWM
-    (/proc/self/status), which starts afresh when the process image does (exec). Not ``ru_maxrss``
-    there: Linux carries it across fork and exec, so a runner started by a large parent (pytest,
-    torchrun's agent, a notebook) would report the parent's resident set as its own peak. Elsewhere
-    ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
-    except (OSError, ValueError, IndexError):
-        pass
+    """The most resident memory this process has held: Linux's VmHWM, which starts afresh at exec (Linux
+    carries ``ru_maxrss`` across fork and exec: a large parent's peak would be reported); elsewhere
+    ``ru_maxrss`` (bytes on macOS)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

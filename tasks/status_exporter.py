@@ -1,8 +1,5 @@
-"""``--metrics-port``: a file-mode run's status (tasks.status) as Prometheus metrics.
-
-:class:`StatusCollector` reads :meth:`RunStatus.snapshot` at each scrape, so the metrics and the
-status file always agree. Names follow Prometheus' conventions (``_total`` counters, base units,
-``_ratio`` for fractions) under the ``dist_infer_`` prefix, as serve mode's (serve.metrics).
+"""``--metrics-port``: a file-mode run's status (tasks.status) as Prometheus metrics, read from
+:meth:`RunStatus.snapshot` at each scrape so that they always agree with the status file.
 """
 
 from __future__ import annotations

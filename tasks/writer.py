@@ -1,14 +1,10 @@
-"""The ordered, resumable writer on the last rank.
+"""The ordered, resumable writer on the last rank (docs/usage/recovery.md, "Resume").
 
-Results arrive out of order (micro-batches finish when they finish); lines are written strictly
-in input order to a journal ``<output>.partial`` as soon as they are contiguous, so the journal
-is always a prefix of the final file. A restarted run with the same settings reads how many
-lines the journal holds and resumes after them (a torn last line is cut off). When every line is
-in, the journal is renamed to the output path in one step: the output appears only complete.
-A sidecar ``<output>.partial.json`` holds the run's fingerprint, so a journal written by another
-model or other settings is refused instead of mixed in. A complete output is judged the same way:
-its ``<output>.summary.json`` records the fingerprint of the run that wrote it (``"run"``), and the
-output counts as this run's (skipped) only when that record matches.
+Results arrive out of order; lines go to the journal ``<output>.partial`` in input order as soon as
+they are contiguous, so it is always a prefix of the output and a rerun with the same settings resumes
+after its last whole line. The complete journal is renamed to the output. The run's fingerprint, in
+``<output>.partial.json`` (a journal) or ``<output>.summary.json``'s ``"run"`` (a complete output),
+keeps another model's or other settings' lines from being mixed in, or taken for this run's.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
@@ -56,24 +53,16 @@ def input_id(path: str | os.PathLike, output: str | os.PathLike) -> str:
     """The input's fingerprint for ``output``'s journal and record: the whole-file hash, except that a
     journal or complete output recorded by an earlier version (size + first MiB) keeps that id while it
     still matches the file, so a job started before an upgrade resumes, or is skipped, after it."""
-    for recorded in _recorded_inputs(Path(output)):
-        if _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
-            return recorded
-    return input_fingerprint(path)
-
-
-def _recorded_inputs(output: Path) -> list[str]:
-    found = []
-    metas = [record_path(output), *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]
-    for meta in metas:
+    record = record_path(output)
+    for meta in [record, *map(Path, glob.glob(glob.escape(str(output)) + ".partial*.json"))]:
         try:
             obj = json.loads(meta.read_text())
-            value = obj["run"]["input"] if meta == record_path(output) else obj["input"]
+            recorded = obj["run"]["input"] if meta == record else obj["input"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(value, str):
-            found.append(value)
-    return found
+        if isinstance(recorded, str) and _LEGACY_INPUT.match(recorded) and recorded == legacy_input_fingerprint(path):
+            return recorded
+    return input_fingerprint(path)
 
 
 def record_path(output: str | os.PathLike) -> Path:
@@ -127,11 +116,8 @@ def output_problem(output: str | os.PathLike, fingerprint: dict, shares: int = 1
     if Path(output).exists():
         problem = complete_output_problem(output, fingerprint)
         return problem is None, problem
-    for d in range(shares):
-        problem = journal_problem(journal_path(output, d, shares), fingerprint)
-        if problem:
-            return False, problem
-    return False, None
+    problems = (journal_problem(journal_path(output, d, shares), fingerprint) for d in range(shares))
+    return False, next(filter(None, problems), None)
 
 
 def journal_path(output: str | os.PathLike, share: int = 0, shares: int = 1) -> Path:
@@ -169,8 +155,7 @@ class OrderedWriter:
         """Prepare the journal; returns how many of this share's lines are already done, or None
         when the output is already complete (and not --overwrite)."""
         if self.output.exists() and not overwrite:
-            problem = complete_output_problem(self.output, self.fingerprint)
-            if problem:
+            if problem := complete_output_problem(self.output, self.fingerprint):
                 raise JournalMismatch(problem)
             return None
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -178,8 +163,7 @@ class OrderedWriter:
             for p in (self.journal, self.meta):
                 p.unlink(missing_ok=True)
         if self.journal.exists():
-            problem = journal_problem(self.journal, self.fingerprint)
-            if problem:
+            if problem := journal_problem(self.journal, self.fingerprint):
                 raise JournalMismatch(problem)
             self.written = _count_and_trim(self.journal)
         else:
@@ -189,33 +173,26 @@ class OrderedWriter:
         self._synced = time.monotonic()
         return self.written
 
-    def _index_of(self, k: int) -> int:
-        """Input index of this share's k-th line."""
-        return index_of(self.share, k, self.shares)
-
     def put(self, index: int, line: dict) -> None:
         self.pending[index] = orjson.dumps(line) + b"\n"
 
     def flush(self) -> int:
-        """Write every line that is now contiguous; returns how many were written. The journal is
-        fsynced at most JOURNAL_SYNC_S after a write. A full disk loses nothing: the lines wait (see
-        :meth:`_write`)."""
+        """Write every line that is now contiguous (a full disk: they wait, :meth:`_write`); how many."""
         if self.gave_up:
             self.pending.clear()
             return 0
-        out, k = [], self.written
-        while self._index_of(k) in self.pending:
-            out.append(self.pending[self._index_of(k)])
-            k += 1
-        if not out or not self._write(b"".join(out)):
+        ready = []  # input indices of this share's next lines, while they are in
+        while (i := index_of(self.share, self.written + len(ready), self.shares)) in self.pending:
+            ready.append(i)
+        if not ready or not self._write(b"".join(self.pending[i] for i in ready)):
             return 0
-        for i in range(self.written, k):
-            del self.pending[self._index_of(i)]
-        self.written = k
+        for i in ready:
+            del self.pending[i]
+        self.written += len(ready)
         if time.monotonic() - self._synced >= JOURNAL_SYNC_S:
             os.fsync(self._file.fileno())
             self._synced = time.monotonic()
-        return len(out)
+        return len(ready)
 
     def _write(self, data: bytes) -> bool:
         """Append ``data`` whole, or leave the journal as it was. On a full disk the lines stay pending
@@ -263,35 +240,24 @@ class OrderedWriter:
             self.journal.with_name(self.journal.name + ".done").touch()
 
 
-def merge_shares(output: str | os.PathLike, shares: int, total_lines: int) -> None:
+def merge_shares(output: Path, journals: list[Path], total_lines: int) -> None:
     """Interleave data-parallel journals (line i from share ``share_of(i)``) into the output, atomically."""
-    output = Path(output)
-    journals = [journal_path(output, d, shares) for d in range(shares)]
-    files = [open(j, "rb") for j in journals]
-    try:
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(j, "rb")) for j in journals]
         with atomic_path(output, fsync=True) as tmp, open(tmp, "wb") as out:
             for i in range(total_lines):
-                share = share_of(i, shares)
+                share = share_of(i, len(journals))
                 line = files[share].readline()
                 if not line.endswith(b"\n"):
                     raise RuntimeError(f"{journals[share]} ends early (line {i} missing)")
                 out.write(line)
-    finally:
-        for f in files:
-            f.close()
-    for j in journals:
-        j.unlink(missing_ok=True)
-        j.with_name(j.name + ".json").unlink(missing_ok=True)
 
 
 def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
                      before: Callable[[], None] | None = None) -> bool:
-    """Called by each data-parallel writer once its share is complete: the last one to finish merges.
-
-    A share marks itself done with ``<journal>.done``; an O_EXCL lock file makes sure only one
-    process merges; ``before`` runs first (it writes the merged summary, the record of the run).
-    Returns True if this call produced the output.
-    """
+    """Called by each data-parallel writer once its share is complete (``<journal>.done``): the last one
+    to finish merges, under an O_EXCL lock file, after ``before`` (it writes the merged summary, the
+    record of the run). True if this call produced the output."""
     output = Path(output)
     journals = [journal_path(output, d, shares) for d in range(shares)]
     if not all(j.with_name(j.name + ".done").exists() for j in journals):
@@ -304,9 +270,10 @@ def try_merge_shares(output: str | os.PathLike, shares: int, total_lines: int,
     try:
         if before is not None:
             before()
-        merge_shares(output, shares, total_lines)
+        merge_shares(output, journals, total_lines)
         for j in journals:
-            j.with_name(j.name + ".done").unlink(missing_ok=True)
+            for suffix in ("", ".json", ".done"):
+                j.with_name(j.name + suffix).unlink(missing_ok=True)
     finally:
         lock.unlink(missing_ok=True)
     return True

@@ -35,7 +35,7 @@ class LocalBackend:
 
     def __init__(self, engine: LocalEngine, model: str, adapters: list[str]):
         self.engine, self.model, self.adapters = engine, model, adapters
-        self.context = engine.max_positions
+        self.context = engine.driver.max_positions
         self.has_template = bool(getattr(engine.tok, "chat_template", None))
         self.where = "this process"
 
@@ -72,8 +72,7 @@ class LocalBackend:
             if err is not None:
                 raise BackendError(err.message, _is_context_error(err.message, err.param))
             if ticket.answer.ok:  # the last deltas held back for stop strings arrive in the answer
-                result = ticket.answer.result
-                choice = result["choices"][0]
+                choice = ticket.answer.result["choices"][0]
                 full = choice["message"]["content"] if chat else choice["text"]
                 sent = ticket.text.get(0, "")
                 if full.startswith(sent) and len(full) > len(sent):
@@ -118,7 +117,8 @@ class HttpBackend:
         finally:
             conn.close()
         if resp.status != 200:
-            raise BackendError(f"the server answered {resp.status}: {_message(data)}")
+            message = _error(data).get("message") or data[:200].decode("utf-8", "replace")
+            raise BackendError(f"the server answered {resp.status}: {message}")
         return json.loads(data)
 
     def tokens(self, body: dict, chat: bool) -> int | None:
@@ -157,8 +157,7 @@ def _sse_text(resp, chat: bool) -> Iterator[str]:
             return
         chunk = json.loads(data)
         if "error" in chunk:
-            err = chunk["error"]
-            raise BackendError(err.get("message", "the request failed"))
+            raise BackendError(chunk["error"].get("message", "the request failed"))
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
             if text:
@@ -170,7 +169,3 @@ def _error(data: bytes) -> dict:
         return json.loads(data).get("error") or {}
     except (ValueError, AttributeError):
         return {}
-
-
-def _message(data: bytes) -> str:
-    return _error(data).get("message") or data[:200].decode("utf-8", "replace")

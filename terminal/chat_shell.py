@@ -1,10 +1,7 @@
-"""``--chat``: an interactive shell that keeps a conversation with the model.
-
-Each turn sends the whole conversation: a chat request (the tokenizer's chat template renders it) or,
-with ``--user-msg-fmt`` / ``--assistant-msg-fmt`` (base models), a completion request whose prompt is
-the system prompt followed by the formatted turns. The answer streams as it is generated; Ctrl-C
-stops it, not the shell. A conversation longer than the context window loses its oldest turns, with
-a notice. Commands start with ``/`` (``/help`` lists them).
+"""``--chat``: an interactive shell that keeps a conversation with the model (docs/usage/chat.md). Each
+turn sends the whole conversation, as a chat request or, with ``--user-msg-fmt`` / ``--assistant-msg-fmt``
+(base models), a completion request of the formatted turns; a conversation longer than the context
+window loses its oldest turns, with a notice.
 """
 
 from __future__ import annotations
@@ -237,9 +234,7 @@ class ChatShell:
         if self.last_context is None:
             self.say("(nothing sent yet)")
             return
-        self.say("---- the last prompt sent ----")
-        self.say(self.last_context)
-        self.say("---- end ----")
+        self.say(f"---- the last prompt sent ----\n{self.last_context}\n---- end ----")
 
     def undo(self, arg: str) -> None:
         if not self.conv.turns:

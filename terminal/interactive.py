@@ -29,9 +29,9 @@ def run_interactive(rank, stopping=None) -> int:
         else:
             code = run_prompts(engine, opts)
     finally:
-        engine.stop(timeout=60)
-    if engine.error is not None:
-        raise RuntimeError(engine.error)
+        engine.thread.stop(60)
+    if engine.thread.failure is not None:
+        raise RuntimeError(engine.thread.failure)
     return code
 
 

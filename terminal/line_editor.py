@@ -1,14 +1,8 @@
-"""The chat shell's terminal: line editing (the stdlib's GNU readline: history, arrow keys) and Ctrl-C
-as a key rather than a signal.
-
-On a terminal the shell turns off the interrupt character (VINTR) for its lifetime, so Ctrl-C reaches no
-process as SIGINT:
-under torchrun the workers run in their own session and the terminal's SIGINT would go to torchrun,
-which stops every rank. At the prompt readline reads Ctrl-C as a key bound to "clear the line";
-while an answer streams, the terminal is in cbreak mode and the shell polls for the Ctrl-C byte,
-which stops that answer. Keys typed while an answer streams are kept, not lost: a whole line typed
-ahead is the next line read, a part of one is put in readline's buffer to finish. Without a terminal
-(stdin a pipe) Ctrl-C is the usual KeyboardInterrupt.
+"""The chat shell's terminal: line editing (GNU readline: history, arrow keys) and Ctrl-C as a key rather
+than a signal. On a terminal the interrupt character is off while the shell runs, so Ctrl-C sends no
+SIGINT (under torchrun that would reach torchrun, which stops every rank): at the prompt readline binds it
+to "clear the line"; while an answer streams (cbreak mode) the shell polls for its byte, which stops the
+answer, and keeps other keys typed for the next read. Without a terminal Ctrl-C is a KeyboardInterrupt.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The terminal's requests (``--prompts``, ``--chat``) on the pipeline loaded in this process.
-
-:class:`LocalEngine` runs rank 0's engine on its thread (:class:`~pipeline.runtime.engine_thread.EngineThread`)
-and submits the terminal's requests from this one, tokenized here with a copy of the tokenizer;
-each :class:`Ticket` collects its streamed text and its :class:`~tasks.protocol.Answer`. At P = 1 the last
-stage runs on the engine's thread too; at P > 1 the answers ring back from the last rank as they do for
-HTTP clients.
+"""The terminal's requests (``--prompts``, ``--chat``) on the pipeline loaded in this process: rank 0's
+engine runs on a thread of its own and the requests, tokenized here with a copy of the tokenizer, come
+from this one; at P > 1 the answers ring back from the last rank as they do for HTTP clients.
 """
 
 from __future__ import annotations
@@ -29,14 +25,13 @@ class Ticket:
     live: Live
     submitted: float
     encode_seconds: float
-    prompt_tokens: int
     finished: float | None = None
     answer: Answer | None = None
     text: dict[int, str] = field(default_factory=dict)
 
 
 class LocalEngine:
-    """``rank``'s engine on a thread, fed from this one; :meth:`stop` drains and stops every rank."""
+    """``rank``'s engine on a thread, fed from this one; ``thread.stop()`` drains and stops every rank."""
 
     def __init__(self, rank, stopping=None):
         self.thread = EngineThread(lambda req, files, stop: make_engine(rank, None, req, stop, arriving=True), stopping)
@@ -47,14 +42,6 @@ class LocalEngine:
             raise RuntimeError(f"the pipeline stopped: {self.thread.failure}")
         self.driver = engine.driver
         self.tok = _own_copy(self.driver.tok)  # this thread's: the engine's thread detokenizes with its own
-        self.max_positions = self.driver.max_positions
-
-    def stop(self, timeout: float | None = None) -> None:
-        self.thread.stop(timeout)
-
-    @property
-    def error(self) -> str | None:
-        return self.thread.failure
 
     def submit(self, body: dict, chat: bool, stream: bool = False) -> Ticket:
         """Parse, tokenize (on this thread) and queue one request; RequestError when it cannot run."""
@@ -65,9 +52,8 @@ class LocalEngine:
             ids = self.driver.encode_prompts(req, self.tok)
         except Exception as e:  # noqa: BLE001 - the request's own error
             raise as_request_error(e) from None
-        t1 = time.perf_counter()
-        live = self.thread.submit(req, QueueChannel(stream), ids)
-        return Ticket(live, time.perf_counter(), t1 - t0, sum(len(i) for i in ids))
+        encode_seconds = time.perf_counter() - t0
+        return Ticket(self.thread.submit(req, QueueChannel(stream), ids), time.perf_counter(), encode_seconds)
 
     def events(self, ticket: Ticket, timeout: float = 0.05):
         """The ticket's next event, or None after ``timeout``."""
