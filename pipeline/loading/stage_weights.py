@@ -224,8 +224,8 @@ def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, r
 
 
 def _packed_getter(store: TensorStore, device):
-    """``get(name, layer, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
-    def get(name: str, part: int, optional: bool = False):
+    """``get(layer, name, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
+    def get(part: int, name: str, optional: bool = False):
         if optional and not store.has(name, part):
             return None
         return store.get(name, part).to(device)

@@ -71,18 +71,14 @@ def quantize_projections(model: nn.Module, family, spec, fmt: QuantFormat, has=N
 
 
 def load_projections(model: nn.Module, replaced: dict[str, tuple[int, list[str]]], fmt: QuantFormat, get) -> None:
-    """Fill every replaced projection from the packed tensors (``get(name, layer, optional=False)``)."""
+    """Fill every replaced projection from the packed tensors (``get(layer, name, optional=False)``)."""
     for name, (layer, bases) in replaced.items():
         module = model.get_submodule(name)
         rows = _rows(module.out_features, len(bases), model, name)
         try:
-            fmt.fill(module, functools.partial(_at, get, layer), bases, rows)
+            fmt.fill(module, functools.partial(get, layer), bases, rows)
         except (ValueError, RuntimeError) as e:
             raise UnsupportedQuantization(f"{fmt.name} tensors of {', '.join(bases)}: {e}") from e
-
-
-def _at(get, layer: int, name: str, optional: bool = False):
-    return get(name, layer, optional)
 
 
 def _rows(out_features: int, parts: int, model: nn.Module, name: str) -> list[int]:
