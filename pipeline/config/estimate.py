@@ -30,7 +30,7 @@ from comm.dist import free_port
 from tasks.requests import parse_line
 from tasks.status import read_status
 
-from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET
+from pipeline.config.budget import cpu_budget
 from pipeline.config.options import RunOptions
 from pipeline.config.partition import gib
 from pipeline.config.plan import make_plan, output_for, resolve_dtype
@@ -115,8 +115,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
         budget, how = int(opts.budget), "--budget"
     elif device.type == "cpu":
         share = available_ram() // max(1, plan.local_world)
-        budget = min(CPU_MAX_BUDGET, max(CPU_BUDGET, (share - max(1 << 30, share // 10)) // max(1, cell)))
-        how = f"auto: {gib(share)} of RAM per process"
+        budget, how = cpu_budget(share, 1, cell), f"auto: {gib(share)} of RAM per process"
     else:
         budget, how = 0, "auto: what the GPU has left after loading"
     costs, first, last = model_costs(plan.config, plan.spec, opts.model_type, dtype, budget, None,
