@@ -44,6 +44,17 @@ def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0)
 
 
+def per_head_to_qkv(heads: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """Fused rows laid out [heads, 3, head_dim] (BLOOM, NeoX, Falcon without multi-query) -> our [q; k; v]."""
+
+    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+        w = ts[0]
+        rest = w.shape[1:]
+        return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
+
+    return combine
+
+
 def stack0(ts: list[torch.Tensor]) -> torch.Tensor:
     """Per-expert tensors -> one (experts, ...) tensor."""
     return torch.stack(ts)
@@ -201,6 +212,6 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
     return out
 
 
-__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "stack0", "stack_pairs", "activation_name",
+__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "per_head_to_qkv", "stack0", "stack_pairs", "activation_name",
            "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
-from pipeline.models.families.gpt_neox import per_head_to_qkv
+from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
+                                      rope_from_config)
 
 MODEL_TYPES = ("falcon",)
 

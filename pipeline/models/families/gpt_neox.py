@@ -3,9 +3,8 @@ sequential residual, fused per-head ``query_key_value``, untied ``embed_out``.""
 
 from __future__ import annotations
 
-import torch
-
-from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
+from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
+                                      rope_from_config)
 
 MODEL_TYPES = ("gpt_neox",)
 ALIASES = ("gptneox",)  # the seed's --model-type spelling
@@ -37,17 +36,6 @@ def to_spec(cfg: dict) -> DecoderSpec:
         parallel_residual=bool(cfg.get("use_parallel_residual", True)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
-
-
-def per_head_to_qkv(heads: int):
-    """Fused rows laid out [heads, 3, head_dim] (NeoX, Falcon without multi-query) -> our [q; k; v]."""
-
-    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
-        w = ts[0]
-        rest = w.shape[1:]
-        return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
-
-    return combine
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
