@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
 
     try:
         launch, opts, plan = plan_run(opts)
-        check_serve_dir(opts)
+        # --serve-dir is trusted only when it is this user's and closed to others: refused before anything loads
+        problem = serve_dir_problem(opts.serve_dir) if opts.serve is not None and opts.serve_dir is not None else None
+        if problem:
+            raise UsageError(problem)
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
     if rank == 0:
@@ -134,17 +137,6 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
         if not signals:  # an in-process caller: its process goes on
             return 1
         _hard_exit(1)
-
-
-def check_serve_dir(opts) -> None:
-    """--serve-dir is trusted only when it is this user's and closed to others (tasks.serve_dir): refused
-    before anything loads."""
-    if opts.serve is None or opts.serve_dir is None:
-        return
-
-    problem = serve_dir_problem(opts.serve_dir)
-    if problem:
-        raise UsageError(problem)
 
 
 def out_of_memory_advice(opts) -> str:
@@ -334,13 +326,9 @@ def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
         print_latency(reports[0], workload)
         for path in (dummy, reports[0].output, reports[0].output + ".summary.json"):
             Path(path).unlink(missing_ok=True)
-    failed = sum(r.errors for r in reports) + sum(starved_rows(r) for r in reports)
+    # errors, and choices a reasoning model left without an answer (the summary's reasoning.starved)
+    failed = sum(r.errors + (r.summary.reasoning.get("starved", 0) if r.summary is not None else 0) for r in reports)
     return files.last_output, 1 if (opts.strict and failed) else 0
-
-
-def starved_rows(report) -> int:
-    """Choices a file's reasoning model left without an answer (its summary's reasoning.starved)."""
-    return (report.summary.reasoning.get("starved", 0) if report.summary is not None else 0)
 
 
 def summarize(reports) -> None:
