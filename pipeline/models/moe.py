@@ -47,7 +47,7 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(flat)  # (n, k) each
         out = self.experts(flat, weights, experts)
         if self.shared is not None:
-            out = out + (map_rows(self._shared, flat, self.tile) if self.tile else self._shared(flat))
+            out = out + map_rows(self._shared, flat, self.tile)
         return out.reshape(x.shape)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ class SparseMoE(nn.Module):
                 continue
             rows = token[begin : begin + n]
             h = flat.index_select(0, rows)  # (n, H)
-            y = map_rows(partial(self._expert, e), h, self.tile) if self.tile else self._expert(e, h)
+            y = map_rows(partial(self._expert, e), h, self.tile)
             out.index_add_(0, rows, (y * scale[begin : begin + n]).to(out.dtype))
             begin += n
         return out

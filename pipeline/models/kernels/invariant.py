@@ -22,7 +22,10 @@ ROPE_BLOCK = 64  # positions per rotary-table block
 
 
 def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """``fn`` over the rows of ``x`` (..., w) in calls of exactly ``tile`` rows (zero-padded)."""
+    """``fn`` over the rows of ``x`` (..., w) in calls of exactly ``tile`` rows (zero-padded); ``tile`` 0:
+    ``fn(x)`` (not batch-invariant)."""
+    if not tile:
+        return fn(x)
     lead, w = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, w)
     n = flat.shape[0]
