@@ -38,8 +38,8 @@ class QuantFormat:
     group_size: int
 
     def packed_names(self, base: str) -> list[str]:
-        """The tensors every quantized linear ``base`` (an HF module name) has."""
-        raise NotImplementedError
+        """The tensors every quantized linear ``base`` (an HF module name) has (GPTQ's and AWQ's names)."""
+        return [f"{base}.qweight", f"{base}.qzeros", f"{base}.scales"]
 
     def module(self, base: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return QuantLinear(in_features, out_features, bias, self.bits, self.group_size)
