@@ -83,14 +83,9 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None, signals: bool = True, stopping: threading.Event | None = None) -> int:
     """Parse and plan (a flag that cannot work exits 2 here, before any process group or loading),
-    then execute.
-
-    A problem found before the ranks meet is the same on every rank: rank 0 prints it (and, under
-    torchrun, leaves it in the agent's error file so its failure report shows it), the other ranks
-    exit with the same code quietly. ``signals=False`` leaves signal handling to an in-process
-    caller (tests), who may stop the run with ``stopping``; otherwise SIGTERM and SIGINT are masked
-    before anything (torch's import included) can start a thread.
-    """
+    then execute. A problem found before the ranks meet is the same on every rank: rank 0 prints it,
+    the others exit with the same code quietly. ``signals=False`` leaves signal handling to an
+    in-process caller (tests), who may stop the run with ``stopping``."""
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
@@ -201,15 +196,10 @@ def _backstop(sig: int) -> None:
 
 def watch_signals(rank: int, serving: bool = False) -> None:
     """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive: one
-    path for every launch style and face.
-
-    Python runs signal handlers only between bytecodes, never while the main thread waits in a
-    gloo/NCCL call, so the signals are blocked in every thread and a dedicated thread waits for them.
-    It sets :data:`STOP`: rank 0's engine stops admitting, lets the rows in flight finish (bounded),
-    and sends Stop down the pipeline, so every rank ends its loop and exits 128 + the signal. The
-    journal is flushed after every write, so what finished is kept; any rank still alive
-    :data:`BACKSTOP_S` seconds after the signal exits anyway.
-    """
+    path for every launch style and face. Python runs signal handlers only between bytecodes, never
+    while the main thread waits in a gloo/NCCL call, so the signals are blocked in every thread and a
+    dedicated thread waits for them and sets :data:`STOP` (rank 0's engine drains and sends Stop down
+    the pipeline; every rank exits 128 + the signal, or at :data:`BACKSTOP_S` seconds anyway)."""
     sigs = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 

@@ -1,14 +1,10 @@
 """One compact decoder for every family, sliced into pipeline stages.
 
-A :class:`StageModel` holds ``embed?`` + ``layers[first:last]`` + ``head?`` of a model described by
-a :class:`~pipeline.models.spec.DecoderSpec`; modules a stage does not own are ``None``.
-Nothing here knows about ranks or processes: the engine hands it one *segment* at a time (a few
-rows of one micro-batch with their positions and cache columns, see :class:`Segment`).
-
-Cache layout: each row of a micro-batch keeps its own tokens at cache columns ``0..len-1``
-(right-ragged, no left padding), so a row's positions are simply its column indices, whatever the
-other rows hold. That makes rotary, learned and ALiBi positions per-row by construction and lets a
-finished row take a new request (continuous refill) without moving anybody else.
+A :class:`StageModel` holds ``embed?`` + ``layers[first:last]`` + ``head?`` of a model described by a
+:class:`~pipeline.models.spec.DecoderSpec` (modules a stage does not own are ``None``) and runs one
+*segment* at a time (:class:`Segment`). Each cache row keeps its own tokens at columns ``0..len-1``
+(right-ragged, no left padding), so a row's positions are its column indices whatever the other rows
+hold: positions are per-row by construction and a finished row can take a new request alone.
 """
 
 from __future__ import annotations

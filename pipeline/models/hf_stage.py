@@ -90,11 +90,9 @@ _META_USERS: list = []  # the threads inside _parameters_on_meta, and the regist
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Build modules with their parameters on the meta device but buffers real (on the CPU): buffers
-    such as an embedding scale are computed at construction and not saved in checkpoints.
-
-    ``nn.Module.register_parameter`` is replaced while any thread is inside (stages of one process,
-    ``--in-process``, load side by side) and acts only on those threads: the others' modules, and what
-    runs after the last thread leaves, keep real parameters."""
+    such as an embedding scale are computed at construction and not saved in checkpoints. The patched
+    ``nn.Module.register_parameter`` acts only on the threads inside (``--in-process`` stages load side
+    by side)."""
     with _META_LOCK:
         if not _META_USERS:
             _META_USERS.append(nn.Module.register_parameter)
