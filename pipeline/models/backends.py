@@ -6,7 +6,7 @@ forces the generic stage. Everything but the stage model is the same for both.
 
 from __future__ import annotations
 
-from pipeline.models.hf_stage import ModelShape, UnsupportedModel, model_shape
+from pipeline.models.hf_stage import ModelShape, model_shape
 from pipeline.models.spec import DecoderSpec
 from pipeline.models.families import family_for, supported_model_types
 
@@ -52,5 +52,3 @@ def stage_shape(cfg: dict, model_type: str | None = None, backend: str = "auto")
         return native_family(cfg, model_type).to_spec(cfg)
     return model_shape(cfg, model_type)
 
-
-__all__ = ["BACKENDS", "ModelShape", "UnsupportedModel", "choose_backend", "native_family", "stage_shape"]

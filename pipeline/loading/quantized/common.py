@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from pipeline.loading.tensor_store import CheckpointError
-from pipeline.models.kernels.fp8 import FP8Linear
 from pipeline.models.kernels.weight_only import IntWeight, QuantLinear, cat_out
 
 Getter = Callable[..., torch.Tensor | None]  # get(name, optional=False) -> the stage's tensor
@@ -56,5 +55,3 @@ def module_bytes(m: nn.Module) -> int:
     """Bytes a quantized projection holds (buffers and bias)."""
     return sum(t.numel() * t.element_size() for t in [*m.buffers(), *m.parameters()])
 
-
-__all__ = ["FP8Linear", "QuantFormat", "QuantLinear", "UnsupportedQuantization", "module_bytes", "unpack_int32"]
