@@ -1,13 +1,9 @@
 """``--dry-run``: the plan and the run's cost before the run, without loading weights or writing outputs.
 
-:func:`dry_run` reads the request files and the model's config, counts prompt tokens with the
-tokenizer (chat templates applied), and prints the plan: layers and memory per stage (parameter shapes
-on the meta device, pipeline.config.sizing), the KV budget, micro-batches, the shared-prefix ratio
-(prompt tokens in whole prefix-cache blocks an earlier prompt already has), then an estimate of the
-run's time, from the last run's status file on the same model and pipeline size when there is one
-(tasks.status), else from a calibration run: the runner itself, on the real stages (torchrun with
-the planned P), over an evenly spaced sample of the lines, whose compute time is scaled by work
-(:func:`work`). bench/estimate.py compares the estimate with real runs.
+:func:`dry_run` counts the request files' prompt tokens with the tokenizer, prints the plan (layers and
+memory per stage, budget, micro-batches, shared-prefix ratio), then estimates the run's time: from the
+last run's status file on the same model and P when there is one, else by running the runner itself on
+an evenly spaced sample of the lines and scaling its compute time by :func:`work`.
 """
 
 from __future__ import annotations
