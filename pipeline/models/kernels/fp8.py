@@ -18,13 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.kernels.int8 import Float32Buffers
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(Float32Buffers):
     """``weight_scale`` shape by ``strategy``: tensor and channel (out, 1), block (ceil(out / br),
     ceil(in / bc)). ``act``: None (weights only), ``token``, ``group`` (``act_group`` columns),
     ``tensor`` (dynamic) or ``static`` (the stored ``input_scale``)."""
+
+    float32_buffers = ("weight_scale", "input_scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, strategy: str,
                  block: tuple[int, int] | None = None, act: str | None = None, act_group: int = 0):
@@ -42,13 +46,6 @@ class FP8Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty(1 if act == "static" else 0, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel = "dequantize"
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name in ("weight_scale", "input_scale"):
-            if getattr(self, name).dtype != torch.float32:
-                setattr(self, name, getattr(self, name).float())
-        return self
 
     def fp8(self) -> torch.Tensor:
         return self.weight.view(torch.float8_e4m3fn)

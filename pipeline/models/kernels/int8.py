@@ -48,8 +48,23 @@ def fake_quantize(w: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale[:, None]).to(w.dtype)
 
 
-class Int8Linear(nn.Module):
+class Float32Buffers(nn.Module):
+    """A module whose ``float32_buffers`` (scales) stay float32 when ``module.to(dtype)`` casts its buffers."""
+
+    float32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self.float32_buffers:
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, getattr(self, name).float())
+        return self
+
+
+class Int8Linear(Float32Buffers):
     """``nn.Linear`` with int8 weights and per-output-channel scales; ``kernel`` picks the matmul."""
+
+    float32_buffers = ("scale",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -88,12 +103,6 @@ class Int8Linear(nn.Module):
             if path == "vnni":
                 self.weight_sums = self.weight.sum(1, dtype=torch.int32)
                 self.packed = native.pack_vnni(self.weight)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self.scale.dtype != torch.float32:  # module.to(bfloat16) casts buffers: the scales stay float32
-            self.scale = self.scale.float()
-        return self
 
     @torch.no_grad()
     def load_float(self, w: torch.Tensor, row: int = 0) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.kernels.int8 import median_times
+from pipeline.models.kernels.int8 import Float32Buffers, median_times
 from pipeline.models.kernels.kernel_table import KernelTable
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(Float32Buffers):
     """A projection with integer weights of ``bits`` bits in groups of ``group_size`` input columns.
 
     Built on the meta device with the shapes from the config, filled by :meth:`load`. Buffers:
     ``qweight`` (out, in * bits / 8) uint8, ``scales`` / ``zeros`` (out, groups) float32,
     ``perm`` (in,) long when act-order columns are stored sorted by group (else empty)."""
+
+    float32_buffers = ("scales", "zeros")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int):
         super().__init__()
@@ -99,13 +101,6 @@ class QuantLinear(nn.Module):
         self.kernel = "dequantize"
         self.packed: torch.Tensor | None = None  # the int4pack / int8pack kernel's operand
         self.packed_sz: torch.Tensor | None = None  # int4pack: (groups, out, 2) scales and offsets
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name in ("scales", "zeros"):  # module.to(bfloat16) casts buffers: scales stay float32
-            if getattr(self, name).dtype != torch.float32:
-                setattr(self, name, getattr(self, name).float())
-        return self
 
     @torch.no_grad()
     def load(self, w: IntWeight) -> None:
