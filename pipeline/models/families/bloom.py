@@ -47,9 +47,8 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = _P + "word_embeddings.weight"
     if name == "lm_head.weight":
-        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
+        return Source(["lm_head.weight"])
     module, kind = name.rsplit(".", 1)
     hf = {"embed": "word_embeddings", "embed_norm": "word_embeddings_layernorm", "final_norm": "ln_f"}[module]
     return Source([f"{_P}{hf}.{kind}"])

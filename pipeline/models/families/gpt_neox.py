@@ -55,10 +55,9 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = "gpt_neox.embed_in.weight"
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source(["gpt_neox.embed_in.weight"]),
         "final_norm.weight": Source(["gpt_neox.final_layer_norm.weight"]),
         "final_norm.bias": Source(["gpt_neox.final_layer_norm.bias"]),
-        "lm_head.weight": Source([embed if spec.tie_embeddings else "embed_out.weight"]),
+        "lm_head.weight": Source(["embed_out.weight"]),
     }[name]
