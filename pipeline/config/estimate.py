@@ -195,7 +195,7 @@ def calibrate(opts: RunOptions, argv: list[str], plan, counts: list[FileCount]) 
         sample = Path(tmp) / "sample.jsonl"
         picked: list[tuple[int, int]] = []
         with open(sample, "wb") as out:
-            for c in counts[:1] if len(counts) == 1 else counts:
+            for c in counts:
                 with open(c.path, "rb") as f:
                     lines = [x for x in f if x.strip()]
                 for i in sample_lines(len(lines)):

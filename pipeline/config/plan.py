@@ -288,10 +288,8 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
 
 def load_adapters(opts: RunOptions, config: dict, spec) -> list:
     """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
-    if not opts.lora:
-        return []
     adapters = []
-    for value in opts.lora:
+    for value in opts.lora or []:
         name, path = parse_lora_flag(value)
         adapter = read_adapter(name, resolve_adapter(path, opts.cache_dir).folder)
         check_adapter(adapter, config, spec, opts.model_type)
