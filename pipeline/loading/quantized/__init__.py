@@ -1,12 +1,9 @@
-"""Pre-quantized checkpoints: ``quantization_config`` in config.json read (:func:`checkpoint_format`),
-the stage's projections replaced by packed modules before loading (:func:`quantize_projections`) and
-filled from the packed tensors of this stage only (:func:`load_projections`).
-
-Formats, one module each: GPTQ (:mod:`.gptq`), AWQ GEMM (:mod:`.awq`), compressed-tensors
-``pack-quantized`` and ``float-quantized`` (:mod:`.compressed`). Kernels live in
-:mod:`pipeline.models.kernels.weight_only` (int4 / int8) and :mod:`pipeline.models.kernels.fp8`.
-Anything not understood raises :class:`UnsupportedQuantization` naming it, before any weight is read.
-Imports: models (kernels, families, decoder) and loading.tensor_store; nothing of ranks or options.
+"""Pre-quantized checkpoints: ``quantization_config`` read (:func:`checkpoint_format`), the stage's
+projections replaced by packed modules before loading (:func:`quantize_projections`) and filled from
+this stage's packed tensors (:func:`load_projections`). One module per format (GPTQ, AWQ GEMM,
+compressed-tensors); kernels in :mod:`pipeline.models.kernels.weight_only` and
+:mod:`~pipeline.models.kernels.fp8`. Anything not understood raises :class:`UnsupportedQuantization`
+naming it, before any weight is read.
 """
 
 from __future__ import annotations
