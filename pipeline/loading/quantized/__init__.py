@@ -3,7 +3,7 @@ projections replaced by packed modules before loading (:func:`quantize_projectio
 this stage's packed tensors (:func:`load_projections`). One module per format (GPTQ, AWQ GEMM,
 compressed-tensors); kernels in :mod:`pipeline.models.kernels.weight_only` and
 :mod:`~pipeline.models.kernels.fp8`. Anything not understood raises :class:`UnsupportedQuantization`
-naming it, before any weight is read.
+naming it, before any weight is read. Imports models and loading.tensor_store; nothing of ranks or options.
 """
 
 from __future__ import annotations
