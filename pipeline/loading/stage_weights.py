@@ -90,12 +90,9 @@ def build_stage(
     backend: str = "auto",
     quantize: str | None = None,
 ) -> tuple[StageModel | HFStageModel, TensorStore]:
-    """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
-
-    ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
-    stage built from transformers' own layers. ``quantize="int8"``: the layers' projections hold
-    int8 weights, quantized tensor by tensor as they are read (:mod:`pipeline.models.kernels.int8`; the
-    kernel is chosen afterwards by :func:`~pipeline.models.kernels.int8.choose_kernels`)."""
+    """Build a stage and fill it from the checkpoint, touching only the tensors it owns. ``backend``:
+    :mod:`pipeline.models.backends`. ``quantize="int8"``: the projections hold int8 weights, quantized
+    tensor by tensor as they are read (their kernel is chosen afterwards: ``int8.choose_kernels``)."""
     cfg = read_config(model_dir)
     if choose_backend(cfg, model_type, backend) == "transformers":
         _refuse_on_generic(quantize, batch_invariant)

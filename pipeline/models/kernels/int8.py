@@ -386,12 +386,10 @@ class DeferredNorm(nn.Module):
 
 
 def fuse_prologues(model: nn.Module) -> int:
-    """On a CPU stage with int8 projections (any kernel: they all take the quantized rows), move what feeds each projection
-    into its quantizing pass (one C loop, :func:`pipeline.models.kernels.native.quantize_rows_u8_fused`):
-    the input RMSNorm of ``attn.qkv`` and of ``mlp.up`` (pre-norm layers, where the norm's output has
-    no other reader) and SiLU(gate) * up of a gated MLP's ``down``. The float tensors in between
-    are never written, and four to six eager operators a projection go (decode micro-batches spend
-    about as long in them as in the product). Returns how many projections took a prologue."""
+    """On a CPU stage with int8 projections (whichever kernel), move what feeds a projection into its
+    quantizing C pass (:func:`pipeline.models.kernels.native.quantize_rows_u8_fused`): the input RMSNorm of
+    ``attn.qkv`` and ``mlp.up`` (pre-norm layers) and SiLU(gate) * up before a gated MLP's ``down``, so
+    the float tensors in between are never written. Returns how many projections took a prologue."""
 
     floats = [p for p in model.parameters() if p.is_floating_point()]
     if native.library() is None or not floats or floats[0].dtype not in (torch.float32, torch.bfloat16) \
