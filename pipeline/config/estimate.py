@@ -236,19 +236,14 @@ def calibration_args(argv: list[str], data: Path, output: Path) -> list[str]:
     """The user's flags for the sample: its own input and output, no status file or metrics."""
     out, i = [], 0
     while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if flag in DROP:
-            n = DROP[flag]
-            i += 1
-            if "=" in argv[i - 1]:
-                continue
-            if n == -1:  # every value up to the next flag
-                while i < len(argv) and not argv[i].startswith("--"):
-                    i += 1
-            else:
-                i += n
-            continue
-        out.append(argv[i])
-        i += 1
+        arg, i = argv[i], i + 1
+        flag = arg.split("=", 1)[0]
+        if flag not in DROP:
+            out.append(arg)
+        elif "=" not in arg and DROP[flag] == -1:  # every value up to the next flag
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        elif "=" not in arg:
+            i += DROP[flag]
     return [*out, "--infer-data", str(data), "--output-path", str(output), "--status-file", "none", "--overwrite",
             "--no-progress"]
