@@ -13,14 +13,10 @@ def stage_ranges(
     max_layers: int | None = None,
     sizes: list[int] | None = None,
 ) -> list[tuple[int, int]]:
-    """Half-open layer ranges ``[(first, last), ...]``, one per stage.
-
-    ``max_layers`` caps the model's depth (trailing layers are dropped). ``num_layers`` is the
-    seed's "layers per stage": stage i holds ``[i*num_layers, min((i+1)*num_layers, depth))``.
-    Without it layers are split as evenly as possible, earlier stages taking the extra ones.
-    ``sizes`` (``--layers-per-stage``) gives every stage's count explicitly.
-    Raises ValueError with what to change when the combination cannot work.
-    """
+    """Half-open layer ranges ``[(first, last), ...]``, one per stage. ``max_layers`` caps the depth
+    (trailing layers dropped); ``num_layers`` is the seed's layers per stage (the last takes the rest);
+    ``sizes`` (``--layers-per-stage``) gives each stage's count; else an even split, earlier stages taking
+    the extra ones. ValueError saying what to change when the combination cannot work."""
     if stages < 1:
         raise ValueError(f"pipeline size must be at least 1, got {stages}")
     if total_layers < 1:

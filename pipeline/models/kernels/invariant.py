@@ -86,12 +86,9 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     keys from position ``key_starts[i]`` (default 0) up to its last new token. Row i's first
     ``lens[i]`` queries sit at positions ``starts[i]..``; its padded queries get zeros. ``window``:
     a query sees only the last ``window`` positions (itself included). Returns (b, h, t, d).
-
-    A fresh prompt without ALiBi, soft-capping or a window shorter than it goes through SDPA's
-    causal kernel (it splits work by query blocks, whatever the threads); everything else (one
-    query, a mask or a bias) through plain matmuls: SDPA's CPU kernel splits a single query's keys
-    among threads, and its masked path differs with the thread count too (measured,
-    tests/unit/pipeline/models/kernels/test_invariant.py).
+    A fresh prompt (no ALiBi, soft-capping or shorter window) goes through SDPA's causal kernel, which
+    splits work by query blocks whatever the threads; everything else through plain matmuls (SDPA's CPU
+    kernel splits a single query's keys, and its masked path, by the thread count: test_invariant.py).
     """
     b, h, t, d = q.shape
     scale = d**-0.5 if scale is None else scale
