@@ -83,14 +83,9 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None, signals: bool = True, stopping: threading.Event | None = None) -> int:
     """Parse and plan (a flag that cannot work exits 2 here, before any process group or loading),
-    then execute.
-
-    A problem found before the ranks meet is the same on every rank: rank 0 prints it (and, under
-    torchrun, leaves it in the agent's error file so its failure report shows it), the other ranks
-    exit with the same code quietly. ``signals=False`` leaves signal handling to an in-process
-    caller (tests), who may stop the run with ``stopping``; otherwise SIGTERM and SIGINT are masked
-    before anything (torch's import included) can start a thread.
-    """
+    then execute. A problem found before the ranks meet is the same on every rank: rank 0 prints it,
+    the others exit with the same code quietly. ``signals=False`` leaves signal handling to an
+    in-process caller (tests), who may stop the run with ``stopping``."""
     rank = launch_rank(sys.argv[1:] if argv is None else argv)
     opts = parse_options(argv, quiet=rank != 0)  # exits 2 with a message on bad flags
     setup_logging(rank)
@@ -107,7 +102,10 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
 
     try:
         launch, opts, plan = plan_run(opts)
-        check_serve_dir(opts)
+        # --serve-dir is trusted only when it is this user's and closed to others: refused before anything loads
+        problem = serve_dir_problem(opts.serve_dir) if opts.serve is not None and opts.serve_dir is not None else None
+        if problem:
+            raise UsageError(problem)
     except UsageError as e:
         return usage_error(e, quiet=rank != 0)
     if rank == 0:
@@ -134,17 +132,6 @@ def main(argv: list[str] | None = None, signals: bool = True, stopping: threadin
         if not signals:  # an in-process caller: its process goes on
             return 1
         _hard_exit(1)
-
-
-def check_serve_dir(opts) -> None:
-    """--serve-dir is trusted only when it is this user's and closed to others (tasks.serve_dir): refused
-    before anything loads."""
-    if opts.serve is None or opts.serve_dir is None:
-        return
-
-    problem = serve_dir_problem(opts.serve_dir)
-    if problem:
-        raise UsageError(problem)
 
 
 def out_of_memory_advice(opts) -> str:
@@ -209,15 +196,10 @@ def _backstop(sig: int) -> None:
 
 def watch_signals(rank: int, serving: bool = False) -> None:
     """SIGTERM (preemption) and SIGINT stop every rank promptly, even inside a blocking receive: one
-    path for every launch style and face.
-
-    Python runs signal handlers only between bytecodes, never while the main thread waits in a
-    gloo/NCCL call, so the signals are blocked in every thread and a dedicated thread waits for them.
-    It sets :data:`STOP`: rank 0's engine stops admitting, lets the rows in flight finish (bounded),
-    and sends Stop down the pipeline, so every rank ends its loop and exits 128 + the signal. The
-    journal is flushed after every write, so what finished is kept; any rank still alive
-    :data:`BACKSTOP_S` seconds after the signal exits anyway.
-    """
+    path for every launch style and face. Python runs signal handlers only between bytecodes, never
+    while the main thread waits in a gloo/NCCL call, so the signals are blocked in every thread and a
+    dedicated thread waits for them and sets :data:`STOP` (rank 0's engine drains and sends Stop down
+    the pipeline; every rank exits 128 + the signal, or at :data:`BACKSTOP_S` seconds anyway)."""
     sigs = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 
@@ -334,13 +316,9 @@ def run_files(rank, stopping: threading.Event) -> tuple[str | None, int]:
         print_latency(reports[0], workload)
         for path in (dummy, reports[0].output, reports[0].output + ".summary.json"):
             Path(path).unlink(missing_ok=True)
-    failed = sum(r.errors for r in reports) + sum(starved_rows(r) for r in reports)
+    # errors, and choices a reasoning model left without an answer (the summary's reasoning.starved)
+    failed = sum(r.errors + (r.summary.reasoning.get("starved", 0) if r.summary is not None else 0) for r in reports)
     return files.last_output, 1 if (opts.strict and failed) else 0
-
-
-def starved_rows(report) -> int:
-    """Choices a file's reasoning model left without an answer (its summary's reasoning.starved)."""
-    return (report.summary.reasoning.get("starved", 0) if report.summary is not None else 0)
 
 
 def summarize(reports) -> None:

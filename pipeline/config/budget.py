@@ -1,17 +1,10 @@
 """``--budget auto``: the KV-cache budget from the memory left after loading.
 
-Each stage divides its free memory, less a reserve for activations, logits and the allocator's
-slack, by the bytes one token position of keys and values takes on it (all its layers); the run's
-budget is the smallest answer over every stage (a min-reduction on the CPU group), since every
-stage holds the same micro-batches. On a GPU the free memory is the device's; on the CPU it is the
-machine's available RAM divided among the node's processes, and the budget is at most
-:data:`CPU_MAX_BUDGET` and at least :data:`CPU_BUDGET` (when RAM is that tight, pass ``--budget N``).
-The CPU needs no collective: the processes of a node share its RAM, so each computes the answer for
-the stage with the most layers (only rank 0's scheduler uses it).
-
-The budget is a ceiling, not an allocation: a micro-batch takes the cells its rows need (at most
-``--max-micro-batch-size`` rows), so a large budget costs nothing while requests are few or short.
-On the CPU it is what lets a micro-batch hold its 32 rows (docs/performance-log.md).
+Each stage divides its free memory, less a reserve (activations, logits, the allocator's slack), by the
+bytes one token position of keys and values takes on it; every stage holds the same micro-batches, so
+the run's budget is the least answer over stages. A GPU's free memory is the device's; on the CPU it is
+the node's available RAM shared by its processes, within [:data:`CPU_BUDGET`, :data:`CPU_MAX_BUDGET`].
+The budget is a ceiling, not an allocation: a micro-batch takes only the cells its rows need.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Which feature runs with which model family, backend, device and other features: one table, one check.
 
-Each feature that changes what a stage computes says what it needs (:class:`Needs`): a native family
-(transformers' own layers, the generic stage, have no int8 layers, no fixed-shape kernels, no adapter
-path, and a cache of their own), a device, and which features it does not run with. :func:`refusals`
-reads the table. The flags are checked with it before anything is known of the model
-(pipeline.config.options, where ``--backend transformers`` names the generic stage already), and again
-by the plan once the model's config is read (pipeline.config.plan: the family, a checkpoint's format,
-the device). Each refusal says what to drop.
+Each feature that changes what a stage computes says what it needs (:class:`Needs`): a native family, a
+device, the features it does not run with. :func:`refusals` reads the table, once from the flags alone
+(pipeline.config.options) and again once the plan knows the model, its format and the device
+(pipeline.config.plan). Each refusal says what to drop.
 """
 
 from __future__ import annotations

@@ -12,28 +12,20 @@ PREFILL_TOKENS = 8192  # prompt tokens a pass admits; more wait for the slot's n
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Every size the scheduler (:class:`pipeline.scheduling.scheduler.Scheduler`) works with, and its mode.
+    """Every size the scheduler (:class:`pipeline.scheduling.scheduler.Scheduler`) works with, and its mode."""
 
-    ``budget``: KV cells (rows x columns over the micro-batches, plus the prefix pool); ``num_slots``:
-    micro-batches; ``max_rows``: rows a micro-batch takes; ``window``: queued groups it looks ahead
-    over (default max(64, 4 x max_rows)); ``prefill_tokens``: prompt tokens one pass computes (rows x
-    the longest part, at least one prompt's); ``scoring_tokens``: the same for a pass of scoring
-    prompts alone (default ``prefill_tokens``); ``chunk``: prompt tokens a pass computes of a
-    chunkable prompt (0: whole prompts); ``stages``: pipeline stages (P); ``serve``: requests arrive
-    over HTTP (the serve policy, :mod:`pipeline.scheduling.policy`), else they come from files;
-    ``turns``: the stages' threads add up to more than the node's cores (``RunPlan.turns``), so a
-    slot's decode rows are never split over passes for every stage (they would only contend)."""
-
-    budget: int
-    num_slots: int
-    max_rows: int
-    window: int | None = None
-    prefill_tokens: int = PREFILL_TOKENS
-    scoring_tokens: int | None = None
-    chunk: int = 0
-    stages: int = 1
-    serve: bool = False
-    turns: bool = False  # the stages share this node's cores and take turns with all of them: no tail split
+    budget: int  # KV cells (rows x columns over the micro-batches, plus the prefix pool)
+    num_slots: int  # micro-batches
+    max_rows: int  # rows a micro-batch takes
+    window: int | None = None  # queued groups it looks ahead over (default max(64, 4 x max_rows))
+    prefill_tokens: int = PREFILL_TOKENS  # prompt tokens a pass computes (rows x the longest part; >= a prompt)
+    scoring_tokens: int | None = None  # the same for a pass of scoring prompts alone (default prefill_tokens)
+    chunk: int = 0  # prompt tokens a pass computes of a chunkable prompt (0: whole prompts)
+    stages: int = 1  # pipeline stages (P)
+    serve: bool = False  # requests arrive over HTTP (the serve policy, pipeline.scheduling.policy), not from files
+    # the stages' threads add up to more than the node's cores (RunPlan.turns): they take turns with all of
+    # them, so a slot's decode rows are never split over passes (they would only contend)
+    turns: bool = False
 
     @property
     def look_ahead(self) -> int:

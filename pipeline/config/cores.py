@@ -1,9 +1,8 @@
-"""The CPU cores this process may use, which is not the machine's count: a Slurm or LSF job step, ``taskset``
-and ``numactl`` narrow the affinity mask (a job of 8 cores on a 128-core node), and a container's CPU quota
-(``docker --cpus``, a Kubernetes limit) caps the time its processes get whatever the mask says. The
-default ``--num-threads`` divides these among the host's ranks: counting the node's cores instead starts
-16 times too many OpenMP threads in that job, whose barriers then wait on descheduled workers.
-Imports nothing of the project."""
+"""The CPU cores this process may use, which is not the machine's count: a Slurm or LSF job step,
+``taskset`` and ``numactl`` narrow the affinity mask, and a container's CPU quota caps the time its
+processes get. The default ``--num-threads`` divides these among the host's ranks (counting the node's
+cores would start too many OpenMP threads, whose barriers wait on descheduled workers). Imports
+nothing of the project."""
 
 from __future__ import annotations
 

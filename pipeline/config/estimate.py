@@ -1,13 +1,9 @@
 """``--dry-run``: the plan and the run's cost before the run, without loading weights or writing outputs.
 
-:func:`dry_run` reads the request files and the model's config, counts prompt tokens with the
-tokenizer (chat templates applied), and prints the plan: layers and memory per stage (parameter shapes
-on the meta device, pipeline.config.sizing), the KV budget, micro-batches, the shared-prefix ratio
-(prompt tokens in whole prefix-cache blocks an earlier prompt already has), then an estimate of the
-run's time, from the last run's status file on the same model and pipeline size when there is one
-(tasks.status), else from a calibration run: the runner itself, on the real stages (torchrun with
-the planned P), over an evenly spaced sample of the lines, whose compute time is scaled by work
-(:func:`work`). bench/estimate.py compares the estimate with real runs.
+:func:`dry_run` counts the request files' prompt tokens with the tokenizer, prints the plan (layers and
+memory per stage, budget, micro-batches, shared-prefix ratio), then estimates the run's time: from the
+last run's status file on the same model and P when there is one, else by running the runner itself on
+an evenly spaced sample of the lines and scaling its compute time by :func:`work`.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ import torch
 
 from comm.dist import free_port
 from tasks.requests import parse_line
-from tasks.protocol import RequestError
 from tasks.status import read_status
 
-from pipeline.config.budget import CPU_BUDGET, CPU_MAX_BUDGET
+from pipeline.config.budget import cpu_budget
 from pipeline.config.options import RunOptions
 from pipeline.config.partition import gib
 from pipeline.config.plan import make_plan, output_for, resolve_dtype
@@ -71,7 +66,7 @@ def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = Fal
                 ids = [chat_ids(tok, p, req.template_kwargs) if req.kind == "chat" else
                        (list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p))
                        for p in req.prompts]
-            except (RequestError, Exception):  # noqa: BLE001 - the run answers it with an error object
+            except Exception:  # noqa: BLE001 - the run answers it with an error object (RequestError among them)
                 c.bad += 1
                 c.per_line.append((0, 0))
                 continue
@@ -116,8 +111,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
         budget, how = int(opts.budget), "--budget"
     elif device.type == "cpu":
         share = available_ram() // max(1, plan.local_world)
-        budget = min(CPU_MAX_BUDGET, max(CPU_BUDGET, (share - max(1 << 30, share // 10)) // max(1, cell)))
-        how = f"auto: {gib(share)} of RAM per process"
+        budget, how = cpu_budget(share, 1, cell), f"auto: {gib(share)} of RAM per process"
     else:
         budget, how = 0, "auto: what the GPU has left after loading"
     costs, first, last = model_costs(plan.config, plan.spec, opts.model_type, dtype, budget, None,
@@ -167,14 +161,13 @@ def previous_status(opts, plan, outputs: list[str]) -> dict | None:
     """A finished status file of an earlier run of the same model and pipeline size: --status-file, else
     the default one (pipeline.runtime.monitor.status_path) beside the output."""
     if opts.status_file not in (None, "none"):
-        paths = [opts.status_file]
+        path = opts.status_file
     else:
-        paths = [outputs[0] + ".status.json" if len(outputs) == 1 else str(Path(outputs[0]).parent / "status.json")]
-    for p in paths:
-        s = read_status(p) if p else None
-        if (s and s["state"] == "finished" and s["run"].get("model") == plan.fingerprint["model"]
-                and s["pipeline_size"] == plan.pipeline and s["generated_tokens"] + s["prompt_tokens"] > 0):
-            return s
+        path = outputs[0] + ".status.json" if len(outputs) == 1 else str(Path(outputs[0]).parent / "status.json")
+    s = read_status(path)
+    if (s and s["state"] == "finished" and s["run"].get("model") == plan.fingerprint["model"]
+            and s["pipeline_size"] == plan.pipeline and s["generated_tokens"] + s["prompt_tokens"] > 0):
+        return s
     return None
 
 
@@ -202,7 +195,7 @@ def calibrate(opts: RunOptions, argv: list[str], plan, counts: list[FileCount]) 
         sample = Path(tmp) / "sample.jsonl"
         picked: list[tuple[int, int]] = []
         with open(sample, "wb") as out:
-            for c in counts[:1] if len(counts) == 1 else counts:
+            for c in counts:
                 with open(c.path, "rb") as f:
                     lines = [x for x in f if x.strip()]
                 for i in sample_lines(len(lines)):
@@ -243,19 +236,14 @@ def calibration_args(argv: list[str], data: Path, output: Path) -> list[str]:
     """The user's flags for the sample: its own input and output, no status file or metrics."""
     out, i = [], 0
     while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if flag in DROP:
-            n = DROP[flag]
-            i += 1
-            if "=" in argv[i - 1]:
-                continue
-            if n == -1:  # every value up to the next flag
-                while i < len(argv) and not argv[i].startswith("--"):
-                    i += 1
-            else:
-                i += n
-            continue
-        out.append(argv[i])
-        i += 1
+        arg, i = argv[i], i + 1
+        flag = arg.split("=", 1)[0]
+        if flag not in DROP:
+            out.append(arg)
+        elif "=" not in arg and DROP[flag] == -1:  # every value up to the next flag
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        elif "=" not in arg:
+            i += DROP[flag]
     return [*out, "--infer-data", str(data), "--output-path", str(output), "--status-file", "none", "--overwrite",
             "--no-progress"]

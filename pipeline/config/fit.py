@@ -1,13 +1,9 @@
 """Whether a plan fits the memory it will run in, decided before anything is loaded (issue #46).
 
-Each stage needs its layers' weights in the run's dtype (or quantized), the embedding (first stage)
-and the head (last stage), its share of the KV cache for the planned budget, and its adapters, all
-from :func:`pipeline.config.sizing.model_costs` (config.json on the meta device: no weights read).
-On a GPU each stage is compared with its own device's free memory; on the CPU the stages of every
-process on this node share the node's available RAM, so their needs are summed. A stage also needs
-room for the process itself (Python, torch, the tokenizer) and for the allocator's slack, counted
-as :data:`PROCESS_BYTES` plus :data:`SLACK` of the rest. A plan that cannot fit is refused with the
-numbers and with changes that would make it fit: more stages, a smaller dtype, a smaller budget.
+Each stage needs its weights, embedding or head, KV cache and adapters (:mod:`pipeline.config.sizing`,
+on the meta device) plus :data:`PROCESS_BYTES` and :data:`SLACK`; a GPU stage is compared with its own
+device's free memory, the CPU stages of one node with the node's available RAM together. A plan that
+cannot fit is refused with the numbers and the changes that would make it fit.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 
@@ -12,14 +13,10 @@ def stage_ranges(
     max_layers: int | None = None,
     sizes: list[int] | None = None,
 ) -> list[tuple[int, int]]:
-    """Half-open layer ranges ``[(first, last), ...]``, one per stage.
-
-    ``max_layers`` caps the model's depth (trailing layers are dropped). ``num_layers`` is the
-    seed's "layers per stage": stage i holds ``[i*num_layers, min((i+1)*num_layers, depth))``.
-    Without it layers are split as evenly as possible, earlier stages taking the extra ones.
-    ``sizes`` (``--layers-per-stage``) gives every stage's count explicitly.
-    Raises ValueError with what to change when the combination cannot work.
-    """
+    """Half-open layer ranges ``[(first, last), ...]``, one per stage. ``max_layers`` caps the depth
+    (trailing layers dropped); ``num_layers`` is the seed's layers per stage (the last takes the rest);
+    ``sizes`` (``--layers-per-stage``) gives each stage's count; else an even split, earlier stages taking
+    the extra ones. ValueError saying what to change when the combination cannot work."""
     if stages < 1:
         raise ValueError(f"pipeline size must be at least 1, got {stages}")
     if total_layers < 1:
@@ -54,11 +51,7 @@ def stage_ranges(
                 f"(the model has {depth}): lower --num-layers to {-(-depth // stages)} or use fewer stages"
             )
         sizes = [min(num_layers, depth - i * num_layers) for i in range(stages)]
-    ranges, first = [], 0
-    for size in sizes:
-        ranges.append((first, first + size))
-        first += size
-    return ranges
+    return [(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def check_sizes(sizes: list[int], stages: int, depth: int, total_layers: int) -> None:
@@ -137,9 +130,7 @@ def memory_sizes(layer_cost: list[int], first_cost: int, last_cost: int, memory:
                          f"{gib(sum(memory))}: {gib(need - sum(memory))} short; add memory or stages, "
                          "or lower --budget / --max-layers")
     share = [max(r, 0) for r in room]
-    cum = [0]
-    for c in layer_cost:
-        cum.append(cum[-1] + c)
+    cum = list(itertools.accumulate(layer_cost, initial=0))
     sizes, i, target = [], 0, 0.0
     for s in range(stages - 1):  # cut where the layers so far best match the memory so far
         target += cum[n] * share[s] / max(1, sum(share))

@@ -59,21 +59,14 @@ def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
 
 
 def pass_prefill_tokens(pipeline_size: int, gpu: bool = False) -> int:
-    """Prompt tokens one pass computes (chunks of longer prompts included; at least one prompt's).
-
-    A pipeline of CPU stages wants passes of even length, so that no stage runs out of work while
-    another computes a long pass: 2048 there (measured against 512-8192: docs/design/chunked-prefill.md).
-    One stage has no one to wait for, and a GPU computes a few hundred tokens in about a decode step's
-    time: both keep :data:`~pipeline.config.components.PREFILL_TOKENS`."""
+    """Prompt tokens one pass computes (chunks of longer prompts included; at least one prompt's): 2048 for
+    a pipeline of CPU stages, whose passes should be of even length (docs/design/chunked-prefill.md); one
+    stage and GPUs keep :data:`~pipeline.config.components.PREFILL_TOKENS`."""
     return 2048 if pipeline_size > 1 and not gpu else PREFILL_TOKENS
 
 
 def pass_scoring_tokens(pipeline_size: int, gpu: bool = False) -> int:
-    """Prompt tokens a pass of scoring prompts alone computes (echo, ``max_tokens`` 0: no decode rows).
-
-    A scoring file is prefill passes only, and a pipeline pays about one pass at each end (the last
-    stage waits for the first pass, the first stage for the last pass to leave), so smaller passes
-    keep CPU stages busier (docs/design/chunked-prefill.md). Generation keeps
-    :func:`pass_prefill_tokens`, where smaller passes admit prompts more slowly; one stage and GPUs
-    keep their prefill cap."""
+    """Prompt tokens a pass of scoring prompts alone computes (echo, ``max_tokens`` 0: no decode rows): 256
+    for a pipeline of CPU stages, which pays about one pass at each end of a prefill-only file
+    (docs/design/chunked-prefill.md); one stage and GPUs keep their prefill cap."""
     return 256 if pipeline_size > 1 and not gpu else pass_prefill_tokens(pipeline_size, gpu)

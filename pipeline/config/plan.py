@@ -10,6 +10,7 @@ output counts as this run's, and is skipped, only when its record matches this r
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,11 +210,8 @@ BIG_STAGE_BYTES = 512 << 20
 
 def default_micro_batches(pipeline: int, device: torch.device, stage_bytes: int) -> int:
     """``--num-micro-batches 0``: P on a GPU and for one stage. A pipeline of CPU stages keeps P + 1 in
-    flight where a stage's pass is short: the extra one covers the ring's host work that P alone leaves
-    exposed (docs/performance-log.md). Where a stage's weights pass ``BIG_STAGE_BYTES`` its decode
-    passes are bound by reading them, once per micro-batch: P + 1 micro-batches of fewer rows each read
-    every weight (P + 1) / P times as often for the same tokens, so P (where they take turns with every core,
-    one: :func:`take_turns`)."""
+    flight (the extra one covers the ring's host work: docs/performance-log.md), but P where a stage's
+    weights pass ``BIG_STAGE_BYTES``: its decode passes read them once per micro-batch."""
     if pipeline == 1 or device.type != "cpu":
         return pipeline
     return pipeline if stage_bytes >= BIG_STAGE_BYTES else pipeline + 1
@@ -222,13 +220,9 @@ def default_micro_batches(pipeline: int, device: torch.device, stage_bytes: int)
 def take_turns(pipeline: int, data: int, world: int, local_world: int, device: torch.device, stage_bytes: int,
                cores: int) -> int:
     """The threads of each stage when the stages of a CPU pipeline should take turns with the cores by
-    default, else 0. That is where every rank runs on this node and a stage's weights pass
-    ``BIG_STAGE_BYTES``: a decode pass is then bound by reading them, and P stages of one thread each
-    re-read theirs once per micro-batch where P = 1 reads each once per step for all rows, while stages
-    taking turns with every core (one micro-batch; the waiting stage's threads sleep) read each once a
-    step on all the cores: as fast as P = 1, where one-thread stages side by side ran at 0.7-0.8x of it
-    (docs/benchmarks.md). On a node whose cores other work also takes, one-thread
-    stages hold up better (``--num-threads 1``), which the plan's note says."""
+    default, else 0: where every rank runs on this node and a stage's weights pass ``BIG_STAGE_BYTES``.
+    Stages taking turns with every core (one micro-batch) read each weight once a step, as fast as P = 1,
+    where one-thread stages side by side ran at 0.7-0.8x of it (docs/benchmarks.md)."""
     share = cores // max(1, data)
     if device.type != "cpu" or pipeline == 1 or world > local_world or stage_bytes < BIG_STAGE_BYTES or share < 2:
         return 0
@@ -294,10 +288,8 @@ def check_memory(opts: RunOptions, config: dict, spec, ranges: list[tuple[int, i
 
 def load_adapters(opts: RunOptions, config: dict, spec) -> list:
     """--lora adapters, their configs and tensor names checked against the model (nothing loaded)."""
-    if not opts.lora:
-        return []
     adapters = []
-    for value in opts.lora:
+    for value in opts.lora or []:
         name, path = parse_lora_flag(value)
         adapter = read_adapter(name, resolve_adapter(path, opts.cache_dir).folder)
         check_adapter(adapter, config, spec, opts.model_type)
@@ -361,9 +353,6 @@ def resolve_dtype(name: str, cfg: dict, device: torch.device, model_dir: str | N
 
 def stored_dtype(model_dir: str) -> str | None:
     """The dtype of the first floating-point tensor of the safetensors weights (None: not safetensors)."""
-    import json
-
-
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
     path = folder / json.loads(index.read_text())["weight_map"].popitem()[1] if index.is_file() else \

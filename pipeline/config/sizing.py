@@ -25,13 +25,9 @@ CPU_BUDGET = 8192  # the CPU's floor, and what --stage-memory sets aside for the
 def model_costs(config: dict, spec, model_type: str | None, dtype: torch.dtype, budget: int,
                 adapter_layers: list[int] | None = None, int8: bool = False,
                 kv_int8: bool = False) -> tuple[list[int], int, int]:
-    """(bytes per layer, embedding-side bytes, head-side bytes) in the run's dtype.
-
-    A layer's bytes are its weights, its keys and values for ``--budget`` cells (the micro-batch
-    caches and the prefix pool together never exceed the budget) and its adapters' factors. ``int8``
-    (--quantize int8): the projections' weights at one byte each plus a float32 scale per row; a
-    pre-quantized checkpoint (pipeline.loading.quantized): its projections at their packed sizes;
-    ``kv_int8`` (--kv-cache-dtype int8): a byte per key / value plus a float32 scale per head."""
+    """(bytes per layer, embedding-side bytes, head-side bytes) in the run's dtype: a layer's weights (int8
+    or a pre-quantized checkpoint's: their packed sizes), its keys and values for ``--budget`` cells (int8
+    records with ``kv_int8``) and its adapters' factors."""
     weights, kv, first, last = model_parts(config, spec, model_type, dtype, budget, adapter_layers, int8, kv_int8)
     return [w + k for w, k in zip(weights, kv)], first, last
 

@@ -1,23 +1,14 @@
 """PEFT LoRA adapter folders: read, check against the model, and slice per stage (without peft).
 
-A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``adapter_model.bin``)
-whose tensors are named ``base_model.model.<HF module>.lora_A.weight`` (r, in) and ``.lora_B.weight``
-(out, r). A row using the adapter gets ``scaling * B @ A @ x`` added to that module's output, with
-``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
+A module's factors ``lora_A`` (r, in) and ``lora_B`` (out, r) add ``scaling * B @ A @ x`` to its
+output (``scaling = lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``). Our projections fuse
+several HF modules in the family's own row layouts, so the factors reuse the family's
+:class:`~pipeline.models.families.Source`: the fused ``A`` stacks each module's ``A`` (ranks side by
+side) and the fused ``B`` is ``combine`` of each module's ``B`` in its own rank columns (zeros where the
+adapter skips a module); ``B_fused @ A_fused`` is then exactly ``combine`` of the per-module updates.
 
-Our projections fuse several HF modules (q/k/v into ``attn.qkv``, gate/up into ``mlp.up``) and
-families store fused ones in their own row layouts (Falcon's and NeoX's ``query_key_value``, GPT-2's
-transposed Conv1D ``c_attn``). The family's weight map already knows how to turn the HF tensors into
-our weight (:class:`~pipeline.models.families.Source`: names + a ``combine`` that rearranges rows), so the
-adapter's factors reuse it: the fused ``A`` stacks every module's ``A`` (ranks side by side), and the
-fused ``B`` is ``combine`` applied to each module's ``B`` placed in its own rank columns (zeros for a
-module the adapter leaves alone). Then ``B_fused @ A_fused`` is exactly ``combine`` of the per-module
-updates, and each row still costs two thin matmuls.
-
-:func:`read_adapter` (from the plan, on every rank, before loading) reads only the config and the
-tensor names and fails with a message on what it cannot run: DoRA, ``modules_to_save``, trained
-biases, embedding or head adapters, per-module alphas, unknown target modules.
-:func:`stage_adapters` then reads just the tensors of one stage's layers.
+:func:`read_adapter` (from the plan, before loading) reads only the config and tensor names and refuses
+what it cannot run; :func:`stage_adapters` reads just one stage's layers' tensors.
 """
 
 from __future__ import annotations
@@ -128,14 +119,15 @@ def _targets(spec: DecoderSpec, layer: int) -> list[str]:
     return [m for m in MODULES if dense_mlp or not m.startswith("mlp.")]
 
 
-def module_map(cfg: dict, spec: DecoderSpec, model_type: str | None = None) -> dict[str, tuple[int, str, int]]:
-    """HF module path -> (global layer, our projection, position among the projection's HF tensors)."""
+def module_map(cfg: dict, spec: DecoderSpec, model_type: str | None = None) -> dict[str, tuple[int, str, int, int]]:
+    """HF module path -> (global layer, our projection, position among the projection's HF tensors, their count)."""
     family = family_for(cfg, model_type)
     out = {}
     for i in range(spec.num_layers):
         for module in _targets(spec, i):
-            for j, name in enumerate(family.layer_source(spec, i, module + ".weight").names):
-                out[name.removesuffix(".weight")] = (i, module, j)
+            names = family.layer_source(spec, i, module + ".weight").names
+            for j, name in enumerate(names):
+                out[name.removesuffix(".weight")] = (i, module, j, len(names))
     return out
 
 
@@ -150,12 +142,9 @@ def check_adapter(adapter: Adapter, cfg: dict, spec: DecoderSpec, model_type: st
                            f"{spec.family} model cannot take an adapter on; supported target modules: "
                            f"{', '.join(known)}")
     for module, ab in adapter.modules.items():
-        _, ours, j = where[module]
-        want_in = _in_width(spec, ours)
-        got_in = adapter.shapes[ab["A"]][1]
-        got_out = adapter.shapes[ab["B"]][0]
-        want_out = _out_widths(spec, ours, len(family_for(cfg, model_type).layer_source(spec, where[module][0],
-                                                                                        ours + ".weight").names))[j]
+        _, ours, j, parts = where[module]
+        want_in, want_out = _in_width(spec, ours), _out_widths(spec, ours, parts)[j]
+        got_in, got_out = adapter.shapes[ab["A"]][1], adapter.shapes[ab["B"]][0]
         if (got_in, got_out) != (want_in, want_out):
             raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got_in} -> {got_out} features, but this "
                                f"model's maps {want_in} -> {want_out}: the adapter was trained on another model")

@@ -1,17 +1,8 @@
-"""The embedded default model: a tiny trained Llama that ships in ``examples/tiny-llama-default/``.
-
-When the runner is started without ``--model-name`` it uses this folder, so a newcomer can run the
-examples with no download and no training. The model (``LlamaForCausalLM``, 6 layers, hidden 128,
-1.41M parameters, float32 safetensors) was trained by ``examples/train_default_model.py``
-on synthetic tasks from ``examples/default_tasks.py``: bAbI-style path questions (zero- and
-few-shot), small sums and differences, copying and reversing short lists, "who has what" questions
-(also scored as multiple choice by echo logprobs) and short stories.
-
-The tokenizer is a byte-level BPE (vocab 1024, ``<s> </s> <pad>`` = ids 0, 1, 2, ``<s>`` prepended,
-exact decode round trip) with a plain-text chat template. ``build_tokenizer()`` loads it; tests and
-benchmarks use it to build tiny random models of any family.
-
-Importing this module is cheap: transformers is imported only inside the functions.
+"""The embedded default model: a tiny trained Llama that ships in ``examples/tiny-llama-default/``, used
+when the runner is started without ``--model-name`` (what it knows and how it was trained:
+docs/usage/default-model.md). Its tokenizer is a byte-level BPE (``<s> </s> <pad>`` = ids 0, 1, 2,
+``<s>`` prepended, exact decode round trip) with a plain-text chat template; :func:`build_tokenizer`
+loads it for tests and benchmarks. Importing this module is cheap: transformers loads inside functions.
 """
 
 from __future__ import annotations

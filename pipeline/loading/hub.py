@@ -1,19 +1,11 @@
 """Models named as users have them: a folder, or a HuggingFace hub id ``org/name`` (``@revision``).
 
-A hub id is resolved with ``huggingface_hub`` against its cache (``--cache-dir``, else ``HF_HUB_CACHE``
-or ``HF_HOME/hub``): :func:`resolve_model` looks the revision up (a branch, tag or commit; the cache's
-``refs/`` answer offline), then fetches the small files every rank needs (config, tokenizer, generation
-config, shard index, custom code) and returns a :class:`ModelSource` whose folder is the cached
-snapshot ``models--org--name/snapshots/<commit>/``. Weight files are not fetched here: each stage asks
-for the files it opens (:meth:`ModelSource.fetch`, called by the tensor store), so a stage holding two
-of eighty layers downloads the shards of those two layers only. Ranks sharing a cache download a
-file once (the library's per-file lock; the second rank finds the blob and links it), and a body cut
-off mid-way is resumed with a Range request (the library's retries).
-
-``HF_HUB_OFFLINE=1`` makes every lookup a cache lookup; ``HF_TOKEN`` (or ``hf auth login``) opens gated
-and private repositories; ``HF_ENDPOINT`` names a mirror. :func:`missing_weights` lets rank 0 refuse,
-before any process group or loading, a plan whose shards are neither cached nor fetchable.
-Everything that cannot work raises :class:`ModelUnavailable`, whose message says how to fix it.
+:func:`resolve_model` resolves a hub id against the ``huggingface_hub`` cache (offline: the cache's
+``refs/``), fetches the small files every rank needs and returns a :class:`ModelSource` on the cached
+snapshot; weight files are fetched by the stage that opens them (:meth:`ModelSource.fetch`), so a stage
+downloads only its own layers' shards. :func:`missing_weights` lets the plan refuse shards that are
+neither cached nor fetchable. Everything that cannot work raises :class:`ModelUnavailable` saying how to
+fix it (``HF_HUB_OFFLINE``, ``HF_TOKEN``, ``HF_ENDPOINT``: docs/usage/models.md).
 """
 
 from __future__ import annotations

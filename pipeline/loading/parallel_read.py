@@ -1,21 +1,11 @@
 """Checkpoint bytes read straight into a stage's parameters, in large positioned reads on a few threads.
 
-A stage's parameters are allocated once (empty, in the run's dtype) before anything is read; each
-stored tensor is then cut into chunks of :data:`CHUNK` bytes and every chunk is read by one of a
-few threads with ``os.preadv`` at its own file offset (no shared file position, no mmap), the
-threads taking chunks in submission order so the files are read front to back:
-
-- stored dtype == parameter dtype: the chunk is read directly into the parameter's bytes (no
-  temporary, no copy);
-- they differ (a bf16 checkpoint run in float32): the chunk is read into that thread's scratch
-  buffer (:data:`CHUNK` bytes, reused) and cast into its slice of the parameter, so a cast costs
-  one chunk of memory instead of a whole stored tensor.
-
-``os.preadv`` and torch's copy release the GIL, so the threads read (and fault in the parameters'
-fresh pages, the larger part of loading on a VM) in parallel with each other and with the main
-thread, which keeps submitting. Errors (a short read: the file shrank after its header was
-checked) surface from :meth:`ParallelReader.wait` as :class:`CheckpointError` naming the file and
-tensor.
+Each stored tensor is cut into :data:`CHUNK`-byte chunks, each read with ``os.preadv`` at its own offset
+(no shared file position, no mmap) by one of a few threads, in submission order: directly into the
+parameter's bytes when the dtypes match, else into that thread's scratch buffer and cast into place (a
+cast costs one chunk of memory, not a stored tensor). ``preadv`` and torch's copy release the GIL, so
+the reads (and the fresh pages' faults) overlap. A short read surfaces from :meth:`ParallelReader.wait`
+as a :class:`CheckpointError` naming the file and tensor.
 """
 
 from __future__ import annotations

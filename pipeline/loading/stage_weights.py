@@ -1,39 +1,26 @@
 """Read only this stage's tensors from a model folder (tokenizers: pipeline.loading.tokenizer).
 
-Weight layouts, tried in this order:
-
-- ``model.safetensors.index.json`` + shards, or ``model.safetensors``. Read with plain positioned
-  reads (no mmap): the header is parsed when a file is first needed; on a CPU stage each tensor is
-  then read in 32 MiB chunks on two threads straight into its parameter (a fused q/k/v or gate/up
-  piece into its row block; a stored dtype other than the run's cast chunk by chunk:
-  :mod:`pipeline.loading.parallel_read`), so a stage's resident memory is its own weights plus a
-  chunk per thread; on a GPU each tensor goes through a pinned buffer (:mod:`pipeline.loading.upload`).
-- ``pytorch_model.bin.index.json`` + shards, or ``pytorch_model.bin``: ``torch.load(mmap=True,
-  weights_only=True)``, so untouched tensors are never read (touched pages stay mapped until
-  :meth:`TensorStore.close`).
-- The seed's pre-split layout: ``pytorch_embs.pt`` (the embedding side: token embeddings, and the
-  position table of learned-position models), ``pytorch_{i}.pt`` (layer ``i``) and
-  ``pytorch_lm_head.pt`` (final norm + lm_head). Each file is a ``torch.save``'d dict holding the
-  **HF tensor names** of its part, e.g. ``model.layers.1.self_attn.q_proj.weight`` in
-  ``pytorch_1.pt``: what splitting an HF state dict by layer gives. With tied embeddings the
-  embedding table is stored in both end files, so the last stage needs no ``pytorch_embs.pt``.
-  A layer file may instead hold module-relative names (``self_attn.q_proj.weight``, as a
-  ``layer.state_dict()`` gives). A stage opens only the files of its parts.
-  :func:`split_checkpoint` writes this layout from any of the others.
-
-The stage model is built on the meta device and each parameter is filled key by key with a shape
-check: a missing, mis-shaped or unreadable tensor is a :class:`CheckpointError` naming the file
-and the tensor, never a silent random init. ``TensorStore.loaded`` / ``opened_files`` record what
-a stage actually read (tests assert on them).
+Layouts (docs/usage/models.md): safetensors (single or sharded), read with positioned reads straight
+into the parameters (:mod:`pipeline.loading.parallel_read` on a CPU, a pinned buffer on a GPU:
+:mod:`pipeline.loading.upload`), so a stage's resident memory is its own weights plus a chunk per
+thread; ``.bin`` (single or sharded) by ``torch.load(mmap=True, weights_only=True)``; and the seed's
+pre-split ``pytorch_embs.pt`` / ``pytorch_{i}.pt`` / ``pytorch_lm_head.pt`` holding HF tensor names
+(a layer file may hold module-relative names; tied embeddings may be stored in both end files), which
+:func:`split_checkpoint` writes from any other. The stage is built on the meta device and filled key by
+key with a shape check: a missing, mis-shaped or unreadable tensor is a :class:`CheckpointError` naming
+the file and tensor, never a silent random init. ``TensorStore.loaded`` / ``opened_files`` record what
+a stage read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -103,12 +90,9 @@ def build_stage(
     backend: str = "auto",
     quantize: str | None = None,
 ) -> tuple[StageModel | HFStageModel, TensorStore]:
-    """Build a stage and fill it from the checkpoint, touching only the tensors it owns.
-
-    ``backend`` (see :mod:`pipeline.models.backends`): native code for the family, or the generic
-    stage built from transformers' own layers. ``quantize="int8"``: the layers' projections hold
-    int8 weights, quantized tensor by tensor as they are read (:mod:`pipeline.models.kernels.int8`; the
-    kernel is chosen afterwards by :func:`~pipeline.models.kernels.int8.choose_kernels`)."""
+    """Build a stage and fill it from the checkpoint, touching only the tensors it owns. ``backend``:
+    :mod:`pipeline.models.backends`. ``quantize="int8"``: the projections hold int8 weights, quantized
+    tensor by tensor as they are read (their kernel is chosen afterwards: ``int8.choose_kernels``)."""
     cfg = read_config(model_dir)
     if choose_backend(cfg, model_type, backend) == "transformers":
         _refuse_on_generic(quantize, batch_invariant)
@@ -116,18 +100,16 @@ def build_stage(
     family = family_for(cfg, model_type)
     spec: DecoderSpec = family.to_spec(cfg)
     fmt = checkpoint_format(cfg)  # a pre-quantized checkpoint (pipeline.loading.quantized), or None
-    store, up = TensorStore(model_dir), Uploader(device)
-    with torch.device("meta"):
-        model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
-        if quantize == "int8":
-            quantize_linears(model)
-        packed = {} if fmt is None else quantize_projections(model, family, spec, fmt, store.has)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
-    model.tie()
-    embs = _embed_side(spec)
-    params = dict(model.named_parameters())
-    reader = None if up.cuda else ParallelReader()  # CPU: chunks read straight into the parameters
-    try:
+    with _filling(model_dir, device) as (store, up, reader):
+        with torch.device("meta"):
+            model = StageModel(spec, first, last, has_embed, has_head, ROW_TILE if batch_invariant else 0)
+            if quantize == "int8":
+                quantize_linears(model)
+            packed = {} if fmt is None else quantize_projections(model, family, spec, fmt, store.has)
+        model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
+        model.tie()
+        embs = _embed_side(spec)
+        params = dict(model.named_parameters())
         if packed:
             load_projections(model, packed, fmt, _packed_getter(store, device))
         for name, source in parameter_sources(family, spec, model).items():
@@ -137,6 +119,21 @@ def build_stage(
             if reader is not None and _fill(store, source, part, param.data, reader):
                 continue
             _load_param(store, up, model, spec.family, name, source, part, param)
+    model.init_buffers()
+    model.eval().requires_grad_(False)
+    log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
+             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
+    return model, store
+
+
+@contextlib.contextmanager
+def _filling(model_dir, device) -> Iterator[tuple[TensorStore, Uploader, ParallelReader | None]]:
+    """(the checkpoint, the uploader to ``device``, on a CPU the threaded reader that reads chunks straight
+    into the parameters); every queued read and upload is complete on leaving, and the files closed."""
+    store, up = TensorStore(model_dir), Uploader(device)
+    reader = None if up.cuda else ParallelReader()
+    try:
+        yield store, up, reader
         if reader is not None:
             reader.wait()
         up.finish()
@@ -144,11 +141,6 @@ def build_stage(
         if reader is not None:
             reader.close()  # before the files close: its threads read them
         store.close()
-    model.init_buffers()
-    model.eval().requires_grad_(False)
-    log.info("loaded %d tensors from %d files for layers [%d, %d) embed=%s head=%s",
-             len(store.loaded), len(store.opened_files), first, last, has_embed, has_head)
-    return model, store
 
 
 def _load_param(store: TensorStore, up: Uploader, model: torch.nn.Module, family: str, name: str, source: Source,
@@ -157,7 +149,7 @@ def _load_param(store: TensorStore, up: Uploader, model: torch.nn.Module, family
     read (straight into the target when stored as is), combine, check the shape, put or quantize."""
     if param.dtype == torch.int8 and source.combine in (_AS_IS, cat0):
         return _quantize_param(store, model, family, name, source, part, param)
-    if len(source.names) == 1 and source.combine is _AS_IS and param.dtype != torch.int8:
+    if len(source.names) == 1 and source.combine is _AS_IS:
         with torch.no_grad():  # the common case: no temporary when the stored dtype is the stage's
             target = up.target(param.data)
             tensors = [store.get(source.names[0], part, out=target)]
@@ -229,8 +221,8 @@ def _fill(store: TensorStore, source: Source, part: Part, param: torch.Tensor, r
 
 
 def _packed_getter(store: TensorStore, device):
-    """``get(name, layer, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
-    def get(name: str, part: int, optional: bool = False):
+    """``get(layer, name, optional=False)``: a packed checkpoint tensor of a decoder layer, on ``device``."""
+    def get(part: int, name: str, optional: bool = False):
         if optional and not store.has(name, part):
             return None
         return store.get(name, part).to(device)
@@ -254,11 +246,9 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
     """The generic stage (:class:`~pipeline.models.hf_stage.HFStageModel`), filled tensor by tensor."""
     model = HFStageModel(hf_config(cfg, model_type), first, last, has_embed, has_head)
     model = model.materialize(device, dtype)
-    store, up = TensorStore(model_dir), Uploader(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers())
-    reader = None if up.cuda else ParallelReader()  # CPU: chunks read straight into the parameters
-    try:
+    with _filling(model_dir, device) as (store, up, reader):
         for name, (candidates, kind) in model.checkpoint_names().items():
             param = params[name]
             part = {"embs": EMBS, "head": HEAD}.get(kind) or first + int(name.split(".")[1])
@@ -276,13 +266,6 @@ def _build_hf_stage(model_dir, cfg: dict, first: int, last: int, has_embed: bool
                                           f"{tuple(value.shape)}, but {cfg.get('model_type')} needs "
                                           f"{tuple(param.shape)}")
                 up.put(param.data, value)
-        if reader is not None:
-            reader.wait()
-        up.finish()
-    finally:
-        if reader is not None:
-            reader.close()
-        store.close()
     model.tie()
     model.init_buffers()
     model.eval().requires_grad_(False)

@@ -62,13 +62,14 @@ class SafetensorsFile:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def _entry(self, name: str) -> tuple[int, int, torch.dtype, list[int]]:
+    def locate(self, name: str) -> tuple[int, torch.dtype, list[int]]:
+        """(absolute byte offset, stored dtype, shape) of tensor ``name``, its entry checked."""
         e = self.entries[name]
         begin, end = e["data_offsets"]
         dtype = _ST_DTYPES.get(e["dtype"])
         if dtype is None or end - begin != math.prod(e["shape"]) * dtype.itemsize:
             raise CheckpointError(f"{self.path}: tensor {name!r} has a bad entry {e} (dtype or byte count)")
-        return self.base + begin, end - begin, dtype, e["shape"]
+        return self.base + begin, dtype, e["shape"]
 
     def _read(self, name: str, offset: int, buf: torch.Tensor) -> None:
         """Fill the contiguous CPU tensor ``buf`` with the bytes at ``offset``."""
@@ -77,20 +78,15 @@ class SafetensorsFile:
         if self.f.readinto(view) != len(view):
             raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
 
-    def locate(self, name: str) -> tuple[int, torch.dtype, list[int]]:
-        """(absolute byte offset, stored dtype, shape) of tensor ``name``, its entry checked."""
-        offset, _, dtype, shape = self._entry(name)
-        return offset, dtype, shape
-
     def __getitem__(self, name: str) -> torch.Tensor:
-        offset, nbytes, dtype, shape = self._entry(name)
+        offset, dtype, shape = self.locate(name)
         buf = torch.empty(shape, dtype=dtype)
         self._read(name, offset, buf)
         return buf
 
     def read_into(self, name: str, out: torch.Tensor) -> bool:
         """Read tensor ``name`` straight into ``out`` if it is a contiguous CPU tensor of its dtype and shape."""
-        offset, nbytes, dtype, shape = self._entry(name)
+        offset, dtype, shape = self.locate(name)
         if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype or list(out.shape) != shape:
             return False
         self._read(name, offset, out)

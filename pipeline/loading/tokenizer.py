@@ -5,6 +5,7 @@ sentencepiece ``tokenizer.model`` (read with sentencepiece directly when transfo
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -67,16 +68,12 @@ def sentencepiece_tokenizer(model_dir: str | os.PathLike):
 
         def _decode(self, token_ids, skip_special_tokens=False, **kwargs) -> str:
             ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-            special, out, run = set(self.all_special_ids), [], []
-            for i in ids + [None]:
-                if i is not None and i not in special:
-                    run.append(i)
-                    continue
-                if run:
-                    out.append(self.sp_model.decode(run))
-                    run = []
-                if i is not None and not skip_special_tokens:
-                    out.append(self.convert_ids_to_tokens(i))
+            specials, out = set(self.all_special_ids), []
+            for special, run in itertools.groupby(ids, specials.__contains__):  # text between special tokens
+                if not special:
+                    out.append(self.sp_model.decode(list(run)))
+                elif not skip_special_tokens:
+                    out += [self.convert_ids_to_tokens(i) for i in run]
             return "".join(out)
 
     d = Path(model_dir)

@@ -1,14 +1,10 @@
 """One compact decoder for every family, sliced into pipeline stages.
 
-A :class:`StageModel` holds ``embed?`` + ``layers[first:last]`` + ``head?`` of a model described by
-a :class:`~pipeline.models.spec.DecoderSpec`; modules a stage does not own are ``None``.
-Nothing here knows about ranks or processes: the engine hands it one *segment* at a time (a few
-rows of one micro-batch with their positions and cache columns, see :class:`Segment`).
-
-Cache layout: each row of a micro-batch keeps its own tokens at cache columns ``0..len-1``
-(right-ragged, no left padding), so a row's positions are simply its column indices, whatever the
-other rows hold. That makes rotary, learned and ALiBi positions per-row by construction and lets a
-finished row take a new request (continuous refill) without moving anybody else.
+A :class:`StageModel` holds ``embed?`` + ``layers[first:last]`` + ``head?`` of a model described by a
+:class:`~pipeline.models.spec.DecoderSpec` (modules a stage does not own are ``None``) and runs one
+*segment* at a time (:class:`Segment`). Each cache row keeps its own tokens at columns ``0..len-1``
+(right-ragged, no left padding), so a row's positions are its column indices whatever the other rows
+hold: positions are per-row by construction and a finished row can take a new request alone.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return map_rows(self._norm, x, self.tile) if self.tile else self._norm(x)
+        return map_rows(self._norm, x, self.tile)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
@@ -77,13 +73,10 @@ class Attention(nn.Module):
             self.q_norm = make_norm(spec, spec.head_dim if head else spec.q_dim, tile)
             self.k_norm = make_norm(spec, spec.head_dim if head else spec.kv_dim, tile)
 
-    def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return map_rows(layer, x, self.tile) if self.tile else layer(x)
-
     def forward(self, x, seg: Segment, ctx: "StageContext", layer: int) -> torch.Tensor:
         """x (b, t, hidden), or (real tokens, hidden) when ``ctx.real`` is set (unpadded prefill)."""
         s = self.spec
-        qkv = self._rows(self.qkv, x)
+        qkv = map_rows(self.qkv, x, self.tile)
         if ctx.lora is not None:
             qkv = ctx.lora.add(layer, "attn.qkv", x, qkv)
         if ctx.real is not None:  # unpadded prompts, row by row (see context)
@@ -113,7 +106,7 @@ class Attention(nn.Module):
                     k, v = cache.read(layer, sel, slice(seg.kv_len), q.dtype)
                 out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, t, s.q_dim)
-        y = self._rows(self.o, out)
+        y = map_rows(self.o, out, self.tile)
         return y if ctx.lora is None else ctx.lora.add(layer, "attn.o", out, y)
 
     def _prompt_rows(self, qkv: torch.Tensor, ctx: "StageContext", layer: int) -> torch.Tensor:
@@ -279,16 +272,13 @@ class StageModel(nn.Module):
         p = next(self.parameters())
         return KVCache(len(self.layers), rows, cols, self.spec, p.dtype, p.device, self.kv_int8)
 
-    def _rows(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return map_rows(layer, x, self.row_tile) if self.row_tile else layer(x)
-
     def embed_tokens(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(b, t) token ids -> (b, t, hidden)."""
         x = self.embed(ids)
         if self.spec.embed_scale:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.proj_in is not None:
-            x = self._rows(self.proj_in, x)
+            x = map_rows(self.proj_in, x, self.row_tile)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions + self.spec.learned_pos_offset)
         if self.embed_norm is not None:
@@ -374,7 +364,7 @@ class StageModel(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> float32 logits (..., vocab)."""
-        return map_rows(self._head, h, self.row_tile) if self.row_tile else self._head(h)
+        return map_rows(self._head, h, self.row_tile)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:

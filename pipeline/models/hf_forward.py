@@ -1,10 +1,7 @@
-"""What a HF ``*ForCausalLM`` forward does outside its decoder layers, read from its source.
-
-The generic stage (:mod:`pipeline.models.hf_stage`) runs transformers' own layers, but the steps
-around them (embedding multipliers, logit scaling, final soft-capping) live in the forwards of the
-base model and the CausalLM. :func:`forward_extras` reads those forwards statement by statement and
-returns the multipliers it recognizes; any other statement raises :class:`UnsupportedModel`, so a
-model either matches HF or does not load.
+"""What a HF ``*ForCausalLM`` forward does outside its decoder layers, read from its source: the
+generic stage (:mod:`pipeline.models.hf_stage`) runs transformers' own layers, and :func:`forward_extras`
+recognizes the multipliers around them (embedding scale, logit scaling, final soft-capping); any other
+statement raises :class:`UnsupportedModel`, so a model either matches HF or does not load.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The generic stage: any decoder-only HF ``*ForCausalLM`` run with transformers' own decoder layers.
 
-For a model with no native code (:mod:`pipeline.models`), a stage instantiates the HF CausalLM class
-on the meta device (no memory), keeps its own modules (embedding on the first stage, decoder layers
-``first..last-1`` with their global ``layer_idx``, final norm and ``lm_head`` on the last) and lets
-the loader fill just those from the checkpoint under their HF names. The runner's contract is the
-same as :class:`~pipeline.models.decoder.StageModel`'s:
-
-- **KV cache**: :class:`HFKVCache` holds the runner's preallocated keys/values, per layer (rows,
-  kv_heads, cols, head_dim); for one forward it is wrapped in a ``SegmentCache``
-  (:func:`segment_cache_class`), a transformers ``Cache`` whose ``update(k, v, layer_idx)`` writes
-  the new keys at the segment's rows/columns and returns what attention reads (a fresh prefill: the
-  new keys; otherwise the rows' cached columns).
-- **Positions**: per row (``seg.positions``, (b, t)) through the model's own rotary module.
-- **Masks**: 4-D (b, 1, t, kv) from those positions, causal, with the sliding window for layers
-  that have one (``config.layer_types`` / ``config.sliding_window``): boolean for transformers' SDPA
-  attention, additive for its eager attention (models whose attention SDPA cannot do, e.g. Gemma 2's
-  logit soft-capping).
-- **Multipliers**: what the HF forwards do outside the layers is read from their source at build
-  time (:func:`~pipeline.models.hf_forward.forward_extras`): embedding multipliers (Granite), logit scaling (Granite, Cohere),
-  final logit soft-capping. Anything else they do there is refused, so a model either matches HF
-  or does not load.
-
-Models that cannot run this way (encoder-decoder, bidirectional attention, multimodal inputs, no
-``layers`` stack, no rotary module) raise :class:`UnsupportedModel` saying why.
+A stage instantiates the HF CausalLM class on the meta device, keeps only its own modules (embedding,
+layers ``first..last-1`` with their global ``layer_idx``, final norm and ``lm_head``) and keeps
+:class:`~pipeline.models.decoder.StageModel`'s contract: the runner's preallocated KV cache
+(:class:`HFKVCache`, seen by attention as a transformers ``Cache``: :func:`segment_cache_class`),
+per-row positions through the model's own rotary module, 4-D causal masks (sliding windows per layer;
+additive for eager attention), and what the HF forwards do outside the layers
+(:func:`~pipeline.models.hf_forward.forward_extras`). Models that cannot run this way raise
+:class:`UnsupportedModel` saying why.
 """
 
 from __future__ import annotations
@@ -105,11 +90,9 @@ _META_USERS: list = []  # the threads inside _parameters_on_meta, and the regist
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Build modules with their parameters on the meta device but buffers real (on the CPU): buffers
-    such as an embedding scale are computed at construction and not saved in checkpoints.
-
-    ``nn.Module.register_parameter`` is replaced while any thread is inside (stages of one process,
-    ``--in-process``, load side by side) and acts only on those threads: the others' modules, and what
-    runs after the last thread leaves, keep real parameters."""
+    such as an embedding scale are computed at construction and not saved in checkpoints. The patched
+    ``nn.Module.register_parameter`` acts only on the threads inside (``--in-process`` stages load side
+    by side)."""
     with _META_LOCK:
         if not _META_USERS:
             _META_USERS.append(nn.Module.register_parameter)

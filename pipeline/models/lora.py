@@ -1,14 +1,10 @@
 """LoRA adapters applied per row, never merged into the base weights.
 
-A stage holds, for each of its layers and each projection an adapter targets (``attn.qkv``,
-``attn.o``, ``mlp.up``, ``mlp.down``: our fused layouts), the low-rank factors ``A`` (r, in) and
-``B`` (out, r) of every adapter, with the adapter's scaling folded into ``B``. Rows of one
-micro-batch may use different adapters (index 0 is the base model): a projection's output ``y``
-gets ``x[rows_k] @ A_k.T @ B_k.T`` added for each adapter ``k`` present in the segment, rows
-grouped by adapter, so a micro-batch costs one base matmul plus two thin matmuls per adapter.
-
-How PEFT's per-module factors become factors of our fused projections is the loader's business
-(:mod:`pipeline.loading.adapters`); nothing here knows about files or ranks.
+A stage holds every adapter's factors ``A`` (r, in) and ``B`` (out, r, the scaling folded in) for each
+projection an adapter targets, in our fused layouts (built by :mod:`pipeline.loading.adapters`). Rows
+of one micro-batch may use different adapters (index 0: the base model): a projection's output gets
+``x @ A_k.T @ B_k.T`` added for each adapter ``k``'s rows, grouped by adapter, so a micro-batch costs
+one base matmul plus two thin matmuls per adapter present.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), tokens grouped by expert.
 
-The router scores every token against every expert in float32 (as HF does), keeps the ``top_k``
-best (renormalized to sum to 1 with ``norm_topk_prob``), then the (token, expert) assignments are
-sorted by expert and each expert that received tokens runs one matmul pair over exactly its tokens
-(``index_select`` in, ``index_add_`` out, in ascending expert order like HF). Experts that receive
-no token in a pass cost nothing. Qwen2-MoE adds a shared expert, scaled per token by
-``sigmoid(shared_gate(x))``.
-
-Expert weights are stored fused, as transformers 5 holds them in memory: ``gate_up`` (E, 2I, H)
-with each expert's gate rows above its up rows, ``down`` (E, H, I). The family's loader sources
-build them from either the fused checkpoint tensors or the per-expert ones that ``save_pretrained``
-and hub checkpoints carry.
-
-Batch-invariant mode (``tile`` > 0): routing runs on fixed tiles of rows, and each expert's rows
-go through its matmuls in fixed tiles too (:func:`~.invariant.map_rows`), so a token's output
-depends only on its own hidden state, never on how many other tokens chose the same expert.
+The router scores tokens in float32 (as HF does) and keeps the ``top_k`` best; each expert that
+received tokens runs one matmul pair over exactly its tokens, in ascending expert order like HF
+(experts no token chose cost nothing). Qwen2-MoE adds a shared expert scaled by
+``sigmoid(shared_gate(x))``. Expert weights are fused as transformers 5 holds them: ``gate_up``
+(E, 2I, H), each expert's gate rows first, and ``down`` (E, H, I). With ``tile`` > 0 (batch-invariant)
+routing and every expert's rows run on fixed tiles, so a token's output depends only on itself.
 """
 
 from __future__ import annotations
@@ -56,7 +47,7 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(flat)  # (n, k) each
         out = self.experts(flat, weights, experts)
         if self.shared is not None:
-            out = out + (map_rows(self._shared, flat, self.tile) if self.tile else self._shared(flat))
+            out = out + map_rows(self._shared, flat, self.tile)
         return out.reshape(x.shape)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +84,7 @@ class SparseMoE(nn.Module):
                 continue
             rows = token[begin : begin + n]
             h = flat.index_select(0, rows)  # (n, H)
-            y = map_rows(partial(self._expert, e), h, self.tile) if self.tile else self._expert(e, h)
+            y = map_rows(partial(self._expert, e), h, self.tile)
             out.index_add_(0, rows, (y * scale[begin : begin + n]).to(out.dtype))
             begin += n
         return out

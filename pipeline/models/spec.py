@@ -1,12 +1,7 @@
-"""The config-driven description of a decoder-only transformer.
-
-Every native family (Llama/Mistral/Qwen2/Qwen3, Gemma 1-3, Phi-3/4, OLMo 2, OPT, BLOOM, GPT-2,
-GPT-NeoX, GPT-J, Falcon) is the same decoder block with a few switches: the norm kind and where the
-norms sit, how positions enter (learned table, rotary, ALiBi), whether attention and MLP run in
-parallel, the MLP kind, grouped-query attention, q/k norms, soft-capping, sliding-window layers, biases.
-A family module turns a HuggingFace ``config.json`` (read as a plain dict, so we do not depend on
-transformers' config classes) into a :class:`DecoderSpec` and tells which HF tensors fill which
-of our parameters.
+"""The config-driven description of a decoder-only transformer: every native family is the same decoder
+block with a few switches (norms and where they sit, positions, parallel residual, MLP kind, GQA, q/k
+norms, soft-capping, sliding windows, biases). A family module turns a ``config.json`` dict into a
+:class:`DecoderSpec` (pipeline.models.families).
 """
 
 from __future__ import annotations

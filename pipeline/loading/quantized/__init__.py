@@ -1,12 +1,9 @@
-"""Pre-quantized checkpoints: ``quantization_config`` in config.json read (:func:`checkpoint_format`),
-the stage's projections replaced by packed modules before loading (:func:`quantize_projections`) and
-filled from the packed tensors of this stage only (:func:`load_projections`).
-
-Formats, one module each: GPTQ (:mod:`.gptq`), AWQ GEMM (:mod:`.awq`), compressed-tensors
-``pack-quantized`` and ``float-quantized`` (:mod:`.compressed`). Kernels live in
-:mod:`pipeline.models.kernels.weight_only` (int4 / int8) and :mod:`pipeline.models.kernels.fp8`.
-Anything not understood raises :class:`UnsupportedQuantization` naming it, before any weight is read.
-Imports: models (kernels, families, decoder) and loading.tensor_store; nothing of ranks or options.
+"""Pre-quantized checkpoints: ``quantization_config`` read (:func:`checkpoint_format`), the stage's
+projections replaced by packed modules before loading (:func:`quantize_projections`) and filled from
+this stage's packed tensors (:func:`load_projections`). One module per format (GPTQ, AWQ GEMM,
+compressed-tensors); kernels in :mod:`pipeline.models.kernels.weight_only` and
+:mod:`~pipeline.models.kernels.fp8`. Anything not understood raises :class:`UnsupportedQuantization`
+naming it, before any weight is read. Imports models and loading.tensor_store; nothing of ranks or options.
 """
 
 from __future__ import annotations
@@ -71,18 +68,14 @@ def quantize_projections(model: nn.Module, family, spec, fmt: QuantFormat, has=N
 
 
 def load_projections(model: nn.Module, replaced: dict[str, tuple[int, list[str]]], fmt: QuantFormat, get) -> None:
-    """Fill every replaced projection from the packed tensors (``get(name, layer, optional=False)``)."""
+    """Fill every replaced projection from the packed tensors (``get(layer, name, optional=False)``)."""
     for name, (layer, bases) in replaced.items():
         module = model.get_submodule(name)
         rows = _rows(module.out_features, len(bases), model, name)
         try:
-            fmt.fill(module, functools.partial(_at, get, layer), bases, rows)
+            fmt.fill(module, functools.partial(get, layer), bases, rows)
         except (ValueError, RuntimeError) as e:
             raise UnsupportedQuantization(f"{fmt.name} tensors of {', '.join(bases)}: {e}") from e
-
-
-def _at(get, layer: int, name: str, optional: bool = False):
-    return get(name, layer, optional)
 
 
 def _rows(out_features: int, parts: int, model: nn.Module, name: str) -> list[int]:

@@ -39,9 +39,6 @@ class AWQ(QuantFormat):
         self.group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
         self.name = "awq-int4"
 
-    def packed_names(self, base: str) -> list[str]:
-        return [f"{base}.qweight", f"{base}.qzeros", f"{base}.scales"]
-
     def read(self, get, base: str, in_features: int, out_features: int) -> IntWeight:
         qweight, qzeros, scales = (get(n) for n in self.packed_names(base))
         group = in_features if self.group_size <= 0 else self.group_size

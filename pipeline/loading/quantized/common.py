@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from pipeline.loading.tensor_store import CheckpointError
-from pipeline.models.kernels.fp8 import FP8Linear
 from pipeline.models.kernels.weight_only import IntWeight, QuantLinear, cat_out
 
 Getter = Callable[..., torch.Tensor | None]  # get(name, optional=False) -> the stage's tensor
@@ -38,8 +37,8 @@ class QuantFormat:
     group_size: int
 
     def packed_names(self, base: str) -> list[str]:
-        """The tensors every quantized linear ``base`` (an HF module name) has."""
-        raise NotImplementedError
+        """The tensors every quantized linear ``base`` (an HF module name) has (GPTQ's and AWQ's names)."""
+        return [f"{base}.qweight", f"{base}.qzeros", f"{base}.scales"]
 
     def module(self, base: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return QuantLinear(in_features, out_features, bias, self.bits, self.group_size)
@@ -56,5 +55,3 @@ def module_bytes(m: nn.Module) -> int:
     """Bytes a quantized projection holds (buffers and bias)."""
     return sum(t.numel() * t.element_size() for t in [*m.buffers(), *m.parameters()])
 
-
-__all__ = ["FP8Linear", "QuantFormat", "QuantLinear", "UnsupportedQuantization", "module_bytes", "unpack_int32"]

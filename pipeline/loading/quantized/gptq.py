@@ -46,9 +46,6 @@ class GPTQ(QuantFormat):
         self.group_size = int(qc.get("group_size", 128))
         self.name = f"gptq-int{self.bits}"
 
-    def packed_names(self, base: str) -> list[str]:
-        return [f"{base}.qweight", f"{base}.qzeros", f"{base}.scales"]
-
     def read(self, get, base: str, in_features: int, out_features: int) -> IntWeight:
         qweight, qzeros, scales = (get(n) for n in self.packed_names(base))
         codes = unpack_int32(qweight, self.bits, dim=0)[:in_features].t()  # (out, in)

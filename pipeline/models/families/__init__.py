@@ -3,7 +3,8 @@
 A family module defines ``MODEL_TYPES`` (HF ``model_type`` values it reads), optionally ``ALIASES``
 (extra ``--model-type`` spellings, e.g. the seed's ``gptneox``), ``to_spec(cfg) -> DecoderSpec``,
 ``layer_source(spec, i, name) -> Source`` for parameter ``name`` of global layer ``i`` and
-``top_source(spec, name) -> Source`` for embedding/head parameters. The loader walks a stage's
+``top_source(spec, name) -> Source`` for embedding/head parameters (an untied head's: a tied head is the
+embedding's table, ``embed.weight``'s source). The loader walks a stage's
 parameters and asks the family where each one comes from, so a stage reads only its own tensors.
 """
 
@@ -42,6 +43,17 @@ class Source:
 
 def cat0(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0)
+
+
+def per_head_to_qkv(heads: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """Fused rows laid out [heads, 3, head_dim] (BLOOM, NeoX, Falcon without multi-query) -> our [q; k; v]."""
+
+    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+        w = ts[0]
+        rest = w.shape[1:]
+        return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
+
+    return combine
 
 
 def stack0(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -197,10 +209,11 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
             _, local, rest = name.split(".", 2)
             out[name] = family.layer_source(spec, model.first + int(local), rest)
         else:
-            out[name] = family.top_source(spec, name)
+            tied = name == "lm_head.weight" and spec.tie_embeddings
+            out[name] = family.top_source(spec, "embed.weight" if tied else name)
     return out
 
 
-__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "stack0", "stack_pairs", "activation_name",
-           "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
+__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "per_head_to_qkv", "stack0", "stack_pairs",
+           "activation_name", "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

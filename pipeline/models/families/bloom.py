@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from pipeline.models.families import DecoderSpec, Source, activation_name, config_value, layernorm_decoder
+from pipeline.models.families import (DecoderSpec, Source, activation_name, config_value, layernorm_decoder,
+                                      per_head_to_qkv)
 
 MODEL_TYPES = ("bloom",)
 
@@ -37,31 +36,19 @@ def to_spec(cfg: dict) -> DecoderSpec:
     )
 
 
-def _split_fused_qkv(spec: DecoderSpec):
-    """HF query_key_value rows are laid out (num_heads, 3, head_dim); ours are [q; k; v]."""
-
-    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
-        (w,) = ts  # (3 * hidden, hidden) or (3 * hidden,)
-        w = w.reshape(spec.num_heads, 3, spec.head_dim, *w.shape[1:])
-        return w.transpose(0, 1).reshape(3 * spec.q_dim, *w.shape[3:])
-
-    return combine
-
-
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"{_P}h.{i}."
     module, kind = name.rsplit(".", 1)
     if module == "attn.qkv":
-        return Source([f"{p}self_attention.query_key_value.{kind}"], _split_fused_qkv(spec))
+        return Source([f"{p}self_attention.query_key_value.{kind}"], per_head_to_qkv(spec.num_heads))
     hf = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.o": "self_attention.dense",
           "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}[module]
     return Source([f"{p}{hf}.{kind}"])
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = _P + "word_embeddings.weight"
     if name == "lm_head.weight":
-        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
+        return Source(["lm_head.weight"])
     module, kind = name.rsplit(".", 1)
     hf = {"embed": "word_embeddings", "embed_norm": "word_embeddings_layernorm", "final_norm": "ln_f"}[module]
     return Source([f"{_P}{hf}.{kind}"])

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
-from pipeline.models.families.gpt_neox import per_head_to_qkv
+from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
+                                      rope_from_config)
 
 MODEL_TYPES = ("falcon",)
 
@@ -102,10 +102,9 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = "transformer.word_embeddings.weight"
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source(["transformer.word_embeddings.weight"]),
         "final_norm.weight": Source(["transformer.ln_f.weight"]),
         "final_norm.bias": Source(["transformer.ln_f.bias"]),
-        "lm_head.weight": Source([embed if spec.tie_embeddings else "lm_head.weight"]),
+        "lm_head.weight": Source(["lm_head.weight"]),
     }[name]

@@ -74,11 +74,9 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = _P + "wte.weight"
-    if name == "lm_head.weight":
-        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source([_P + "wte.weight"]),
+        "lm_head.weight": Source(["lm_head.weight"]),
         "pos_embed.weight": Source([_P + "wpe.weight"]),
         "final_norm.weight": Source([_P + "ln_f.weight"]),
         "final_norm.bias": Source([_P + "ln_f.bias"]),

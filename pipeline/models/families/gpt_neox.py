@@ -3,9 +3,8 @@ sequential residual, fused per-head ``query_key_value``, untied ``embed_out``.""
 
 from __future__ import annotations
 
-import torch
-
-from pipeline.models.families import DecoderSpec, Source, activation_name, layernorm_decoder, rope_from_config
+from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
+                                      rope_from_config)
 
 MODEL_TYPES = ("gpt_neox",)
 ALIASES = ("gptneox",)  # the seed's --model-type spelling
@@ -39,17 +38,6 @@ def to_spec(cfg: dict) -> DecoderSpec:
     )
 
 
-def per_head_to_qkv(heads: int):
-    """Fused rows laid out [heads, 3, head_dim] (NeoX, Falcon without multi-query) -> our [q; k; v]."""
-
-    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
-        w = ts[0]
-        rest = w.shape[1:]
-        return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
-
-    return combine
-
-
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"gpt_neox.layers.{i}."
     kind = name.rsplit(".", 1)[1]  # weight | bias
@@ -67,10 +55,9 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = "gpt_neox.embed_in.weight"
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source(["gpt_neox.embed_in.weight"]),
         "final_norm.weight": Source(["gpt_neox.final_layer_norm.weight"]),
         "final_norm.bias": Source(["gpt_neox.final_layer_norm.bias"]),
-        "lm_head.weight": Source([embed if spec.tie_embeddings else "embed_out.weight"]),
+        "lm_head.weight": Source(["embed_out.weight"]),
     }[name]

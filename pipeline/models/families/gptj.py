@@ -45,11 +45,10 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = "transformer.wte.weight"
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source(["transformer.wte.weight"]),
         "final_norm.weight": Source(["transformer.ln_f.weight"]),
         "final_norm.bias": Source(["transformer.ln_f.bias"]),
-        "lm_head.weight": Source([embed if spec.tie_embeddings else "lm_head.weight"]),
+        "lm_head.weight": Source(["lm_head.weight"]),
         "lm_head.bias": Source(["lm_head.bias"]),
     }[name]

@@ -57,7 +57,5 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = "model.embed_tokens.weight"
-    if name == "lm_head.weight":
-        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
-    return {"embed.weight": Source([embed]), "final_norm.weight": Source(["model.norm.weight"])}[name]
+    return {"embed.weight": Source(["model.embed_tokens.weight"]), "final_norm.weight": Source(["model.norm.weight"]),
+            "lm_head.weight": Source(["lm_head.weight"])}[name]

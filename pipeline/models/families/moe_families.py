@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
 from pipeline.models.families import DecoderSpec, MoESpec, Source, cat0, config_value, llama, stack0, stack_pairs
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -80,6 +81,3 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
               "mlp.shared_gate.weight": Source([p + "mlp.shared_expert_gate.weight"])}
     return shared[name]
 
-
-def top_source(spec: DecoderSpec, name: str) -> Source:
-    return llama.top_source(spec, name)

@@ -65,13 +65,11 @@ def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    embed = _P + "embed_tokens.weight"
-    if name == "lm_head.weight":
-        return Source([embed] if spec.tie_embeddings else ["lm_head.weight"])
     if name.startswith("final_norm."):
         return _norm(spec, _P + "final_layer_norm", name.split(".", 1)[1])
     return {
-        "embed.weight": Source([embed]),
+        "embed.weight": Source([_P + "embed_tokens.weight"]),
+        "lm_head.weight": Source(["lm_head.weight"]),
         "pos_embed.weight": Source([_P + "embed_positions.weight"]),
         "proj_in.weight": Source([_P + "project_in.weight"]),
         "proj_out.weight": Source([_P + "project_out.weight"]),

@@ -1,15 +1,10 @@
 """FP8 projections of compressed-tensors ``float-quantized`` checkpoints: :class:`FP8Linear`.
 
-The weight is float8_e4m3fn ``q`` (out, in) with float32 scales ``s``: one for the tensor, one per
-output row (``channel``) or one per (rows x cols) block (``block``); ``W = q * s`` broadcast over
-the rows / blocks it covers. Activations, when the checkpoint quantizes them, are quantized to
-float8_e4m3fn before the product: dynamically per token (row), per group of input columns, or per
-tensor, with ``scale = max |x| / 448`` (448: e4m3's largest value), or with the stored static
-``input_scale``; values are ``x / scale`` clamped to +-448 and rounded by the cast.
-
-Kernels: ``dequantize`` (any device: the weight in the compute dtype, activations quantized and
-dequantized again where the checkpoint says so, then ``F.linear``); ``scaled_mm`` on CUDA devices
-that have it (``torch._scaled_mm``: fp8 x fp8 with per-token and per-row scales), tried at load.
+The weight is float8_e4m3fn ``q`` (out, in) with float32 scales per tensor, row or block: ``W = q * s``.
+Activations the checkpoint quantizes are quantized to e4m3 before the product (per token, group or
+tensor with ``scale = max |x| / 448``, or the static ``input_scale``). Kernels: ``dequantize`` (any
+device; activations quantized and dequantized again, then ``F.linear``) and, on CUDA where it runs and
+agrees on a probe, ``scaled_mm`` (``torch._scaled_mm``).
 """
 
 from __future__ import annotations
@@ -18,13 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.kernels.int8 import Float32Buffers
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(Float32Buffers):
     """``weight_scale`` shape by ``strategy``: tensor and channel (out, 1), block (ceil(out / br),
     ceil(in / bc)). ``act``: None (weights only), ``token``, ``group`` (``act_group`` columns),
     ``tensor`` (dynamic) or ``static`` (the stored ``input_scale``)."""
+
+    float32_buffers = ("weight_scale", "input_scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, strategy: str,
                  block: tuple[int, int] | None = None, act: str | None = None, act_group: int = 0):
@@ -42,13 +41,6 @@ class FP8Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty(1 if act == "static" else 0, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel = "dequantize"
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name in ("weight_scale", "input_scale"):
-            if getattr(self, name).dtype != torch.float32:
-                setattr(self, name, getattr(self, name).float())
-        return self
 
     def fp8(self) -> torch.Tensor:
         return self.weight.view(torch.float8_e4m3fn)

@@ -1,38 +1,12 @@
 """int8 weights for a stage's linear layers (``--quantize int8``), with the matmul kernel chosen by measurement.
 
-Each projection of a decoder layer (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``, a shared
-expert's too) becomes an :class:`Int8Linear`: int8 weights (out, in) with one symmetric float32
-scale per output channel (``scale = max |w_row| / 127``), computed from the checkpoint's tensor
-as it is loaded, so a stage never holds its layers in float. Embeddings, norms, the head, MoE
-routers and routed experts stay in the compute dtype.
-
-Every kernel computes the same thing: the activations quantized per token (one symmetric scale per
-row of ``x``, :func:`quantize_tokens`, or the fused prologue's pass), the exact int32 sums of the
-int8 x int8 products, and one :func:`epilogue` (``float32(acc) * weight scale * row scale + bias``,
-in that order). The kernels differ only in how they sum, and integer sums have one answer, so the
-choice between them, made by timing, changes speed and never a result:
-
-- ``int8``: ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, cuBLASLt on CUDA, the kernel
-  torchao's int8 dynamic-activation path calls);
-- ``onednn`` (CPU): the same integer products against int8 weights reordered once into oneDNN's blocked
-  layout (``torch.ops.onednn.qlinear_prepack``, the pair PyTorch's compiler uses for its x86 int8
-  models). ``torch._int_mm`` re-reads the plain (out, in) weight on every call; the prepacked product
-  measured ~2x faster at 1-32 rows on an AMX Xeon. The activations go in as uint8 with zero point 128
-  (``q + 128``: exactly the int8 values; oneDNN's u8 x s8 path is its fastest at prefill sizes) with
-  unit weight scales, so oneDNN returns ``float32(acc)``; the packed copy replaces the plain weight. Not
-  offered where oneDNN's u8 x s8 product saturates int16 pair sums (CPUs without VNNI / AMX,
-  :func:`onednn_saturates`);
-- ``native`` (CPU, the C loops built): :func:`native_mm`, AVX512-VNNI on the weight repacked once into
-  16-output blocks (a decode step reads each weight once), else AVX2 on the plain weight;
-- ``dequantize``: the int8 activations and weights as float32 matmuls over 1024 input features at
-  a time (every partial sum an integer below 2^24, so exact whatever the BLAS's order), the pieces
-  added in int32: float GEMM speed where int8 products are slow.
-
-Which is faster depends on the machine: on AVX-512 VNNI / AMX CPUs and on GPUs the int8 product
-is several times a float one; on CPUs without VNNI ``torch._int_mm`` is ~30x slower than float. So
-:func:`choose_kernels` times them on the stage's own shapes when the stage is loaded (the median of
-interleaved rounds: robust to a busy neighbour) and keeps the fastest for each shape; the choice is
-logged and reported in the run summary.
+Each decoder-layer projection becomes an :class:`Int8Linear`: int8 weights (out, in) with one float32
+scale per output channel, quantized from the checkpoint's tensor as it loads (embeddings, norms, the
+head, MoE routers and routed experts stay in the compute dtype). Every kernel (``int8``:
+``torch._int_mm``; ``onednn``: oneDNN's prepacked product; ``native``: the C loops; ``dequantize``: exact
+float32 matmuls over ``EXACT_K`` features) computes the same per-token-quantized activations, the same
+exact int32 sums and one :func:`epilogue`, so :func:`choose_kernels`'s timing changes speed, never a
+result. The kernels, their speeds and the choice: docs/usage/quantization.md.
 """
 
 from __future__ import annotations
@@ -74,8 +48,23 @@ def fake_quantize(w: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale[:, None]).to(w.dtype)
 
 
-class Int8Linear(nn.Module):
+class Float32Buffers(nn.Module):
+    """A module whose ``float32_buffers`` (scales) stay float32 when ``module.to(dtype)`` casts its buffers."""
+
+    float32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self.float32_buffers:
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, getattr(self, name).float())
+        return self
+
+
+class Int8Linear(Float32Buffers):
     """``nn.Linear`` with int8 weights and per-output-channel scales; ``kernel`` picks the matmul."""
+
+    float32_buffers = ("scale",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -97,6 +86,13 @@ class Int8Linear(nn.Module):
             if kernel != self.kernel:
                 raise ValueError(f"this layer's int8 weight lives in the {self.kernel} kernel's packed layout only")
             return
+        self._pack(kernel)
+        if self.packed is not None:
+            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8, device=self.weight.device), requires_grad=False)
+        self.kernel = kernel
+
+    def _pack(self, kernel: str) -> None:
+        """Set ``packed`` (and ``weight_sums``) to ``kernel``'s layout of the plain weight, if it has one."""
         if kernel == "onednn":
             self.packed = onednn_prepack(self.weight)
         elif kernel == "native":
@@ -107,15 +103,6 @@ class Int8Linear(nn.Module):
             if path == "vnni":
                 self.weight_sums = self.weight.sum(1, dtype=torch.int32)
                 self.packed = native.pack_vnni(self.weight)
-        if self.packed is not None:
-            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8, device=self.weight.device), requires_grad=False)
-        self.kernel = kernel
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self.scale.dtype != torch.float32:  # module.to(bfloat16) casts buffers: the scales stay float32
-            self.scale = self.scale.float()
-        return self
 
     @torch.no_grad()
     def load_float(self, w: torch.Tensor, row: int = 0) -> None:
@@ -163,11 +150,8 @@ def epilogue(acc: torch.Tensor, s: torch.Tensor, m: Int8Linear, dtype: torch.dty
 
 
 def dequantized_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): the int8 products as float32 matmuls (any device, any BLAS): the
-    per-token int8 activations and the weights cast to float32, ``EXACT_K`` input features at a time,
-    so every partial sum is an integer below 2^24 (exact in any summation order), the pieces added
-    in int32. Float GEMMs where the CPU has no fast int8 product (no VNNI: there ``torch._int_mm`` is
-    ~30x slower than float), bit for bit the integer kernels' sums."""
+    """(rows, in) -> (rows, out): the int8 products as float32 matmuls over ``EXACT_K`` input features at
+    a time (every partial sum an integer below 2^24: exact in any order), the pieces added in int32."""
     xu, s = _activations(x, quantized)
     xf = xu.float().sub_(128.0)  # the int8 values, exactly
     k = xf.shape[1]
@@ -196,15 +180,8 @@ def int8_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) 
 def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, in) float -> (rows, in) int8 values and float32 scales (rows, 1): one symmetric scale per
     row (``max |x_row| / 127``), each value rounded to the nearest step. ``unsigned``: the values + 128
-    as uint8 instead (zero point 128: what oneDNN's u8 x s8 product takes).
-
-    Five passes over the activations in eager mode, the fewest found (this runs before every int8
-    product): the row's range from two reductions
-    (no ``abs`` copy), then ``x / scale + 128.5`` truncated by the cast to uint8, which rounds to
-    nearest in one step (ties upward) where ``round`` + ``clamp`` + ``add`` took three; int8 values
-    are the same bytes with the top bit flipped (``u ^ 128`` viewed as int8 is ``u - 128``).
-
-    On a CPU with a C compiler, one pass of :mod:`pipeline.models.kernels.native` instead, bit for bit the same."""
+    as uint8 instead (zero point 128: what oneDNN's u8 x s8 product takes). One C pass where the native
+    loops are built, else :func:`eager_quantize_tokens`, bit for bit the same."""
     if native.usable(x):
         u, scale = native.quantize_rows_u8(x)
         return (u if unsigned else u.bitwise_xor_(128).view(torch.int8)), scale
@@ -212,7 +189,9 @@ def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tens
 
 
 def eager_quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_tokens` in PyTorch operators (any device and dtype)."""
+    """:func:`quantize_tokens` in PyTorch operators (any device and dtype), in the fewest passes found: the
+    range from two reductions (no ``abs`` copy); ``x / scale + 128.5`` truncated by the uint8 cast rounds to
+    nearest (ties upward) in one step; ``u ^ 128`` viewed as int8 is ``u - 128``."""
     xf = x.float()
     top = torch.maximum(xf.amax(1, keepdim=True), xf.amin(1, keepdim=True).neg_())
     top = top.clamp_(min=1e-30)  # an all-zero row: values 0 (127 / top stays finite: 0 * inf would be NaN)
@@ -256,15 +235,9 @@ def _qlinear(xu: torch.Tensor, x_zero: int, packed: torch.Tensor, n: int) -> tor
 
 @functools.cache
 def onednn_saturates() -> bool:
-    """Whether oneDNN's u8 x s8 product loses sums on this CPU. Without VNNI or AMX (AVX2 / AVX-512
-    only) it multiplies with ``vpmaddubsw``, which adds each pair of u8 x s8 products into an int16
-    and saturates: 2 x 255 x 127 = 64770 > 32767, so a row of large activations against large weights
-    of one sign comes out wrong (an AVX2 EPYC measured logits off by 0.25 and single products by 4).
-    Measured, not read from the CPU flags, on the products that saturate there (all 127, every pair
-    at the limit), at a decode and a prefill row count. When true the ``onednn`` kernel is not offered
-    (:func:`onednn_prepack` refuses): splitting the activations into two exact products gives sums
-    that float32 no longer holds exactly past 2,064 input features, and a kernel that may be chosen
-    must give the other kernels' results bit for bit."""
+    """Whether oneDNN's u8 x s8 product loses sums on this CPU: without VNNI or AMX its ``vpmaddubsw``
+    saturates int16 pair sums (2 x 255 x 127 > 32767). Measured, not read from the CPU flags, on products
+    at that limit at a decode and a prefill row count; when true the ``onednn`` kernel is not offered."""
     w = torch.full((32, 64), QMAX, dtype=torch.int8)
     packed = _prepack(w)
     exact = float(QMAX * QMAX * 64)  # each output: 64 products of 127 x 127, exact in float32
@@ -333,17 +306,10 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
                    table: KernelTable | None = None, release: Callable[[], object] | None = None) -> dict[str, dict]:
     """Choose the kernel of each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
     and set it on every layer of that shape; returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms":
-    {kernel: [median ms at each size timed]}}}``. Every kernel gives the same results bit for bit
-    (the same integer sums, one :func:`epilogue`), so the choice decides speed only, never an answer.
-
-    The choice is ``table``'s (:class:`~pipeline.models.kernels.kernel_table.KernelTable`: measured
-    once per kind of machine, then read) when given, else measured now: each kernel timed with
-    ``rows`` token rows (a decode micro-batch, a prefill chunk), the least sum of times relative to the
-    fastest at each size wins. A kernel
-    that fails (e.g. no int8 GEMM for this device or shape) is dropped; one over 3x slower than the
-    fastest at a size is not timed at the larger sizes (it lost already: on a CPU without VNNI a big
-    prefill product in int8 would take seconds) and cannot be chosen. ``release``: called after each
-    layer's weight is repacked and after the timing (the caller hands freed memory back)."""
+    {kernel: [median ms at each size timed]}}}``. The choice is ``table``'s
+    (:class:`~pipeline.models.kernels.kernel_table.KernelTable`) when given, else measured now by
+    :func:`_measure`. ``release``: called after each layer's weight is repacked and after the timing
+    (the caller hands freed memory back)."""
     by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
     for m in model.modules():
         if isinstance(m, Int8Linear):
@@ -369,7 +335,9 @@ def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] =
 def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str], dtype: torch.dtype,
              rows: tuple[int, ...]) -> dict:
     """Time ``alive`` kernels (each on its copy of ``probe`` from :func:`_available`) at each size of
-    ``rows``: ``{"kernel": the least total time, "rows": rows, "ms": {kernel: [median ms per size]}}``."""
+    ``rows``: ``{"kernel": the least total time, "rows": rows, "ms": {kernel: [median ms per size]}}``.
+    A kernel over 3x slower than the fastest at a size is not timed at the larger sizes and cannot win
+    (on a CPU without VNNI a big prefill product in int8 would take seconds)."""
     gen = torch.Generator().manual_seed(0)
     ms: dict[str, list[float]] = {kernel: [] for kernel in alive}  # per size of rows
     for m_rows in rows:
@@ -387,38 +355,22 @@ def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str],
 
 def _available(probe: Int8Linear) -> tuple[list[str], dict[str, Int8Linear]]:
     """The kernels that run on ``probe``'s device and shape (one call each on a row of zeros; those that
-    fail are logged and left out), each with a shallow copy of the probe to time it on: the packed
-    kernels' copies hold their own layout of the weight (the layers pack theirs if the kernel wins;
-    the probe's plain weight stays)."""
+    fail are logged and left out), each with a shallow copy of the probe to time it on: the copies share
+    the probe's parameters and hold their own packed layout (the probe's plain weight stays)."""
     alive, copies = [], {}
     x = torch.zeros(1, probe.in_features, device=probe.weight.device)
     for kernel in KERNELS:
         try:
-            copies[kernel] = _timing_copy(probe, kernel)
-            PRODUCTS[kernel](x, copies[kernel])
+            copies[kernel] = other = copy.copy(probe)
+            other.packed, other.weight_sums, other.kernel = None, None, kernel
+            other._pack(kernel)
+            PRODUCTS[kernel](x, other)
             alive.append(kernel)
         except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the op
             copies.pop(kernel, None)
             log.info("int8 kernel %s unavailable for %dx%d: %s", kernel, probe.in_features, probe.out_features,
                      str(e).splitlines()[0])
     return alive, copies
-
-
-def _timing_copy(probe: Int8Linear, kernel: str) -> Int8Linear:
-    """A shallow copy of ``probe`` set up for ``kernel`` without touching the probe (its parameters are
-    shared: the copy's own attributes hold any packed layout)."""
-    other = copy.copy(probe)
-    other.packed, other.weight_sums, other.kernel = None, None, kernel
-    if kernel == "onednn":
-        other.packed = onednn_prepack(probe.weight)
-    elif kernel == "native":
-        path = native.int8_products_path(probe.in_features) if probe.weight.device.type == "cpu" else None
-        if path is None:
-            raise RuntimeError(f"no native int8 product for {probe.in_features} input features here")
-        if path == "vnni":
-            other.weight_sums = probe.weight.sum(1, dtype=torch.int32)
-            other.packed = native.pack_vnni(probe.weight)
-    return other
 
 
 class DeferredNorm(nn.Module):
@@ -434,12 +386,10 @@ class DeferredNorm(nn.Module):
 
 
 def fuse_prologues(model: nn.Module) -> int:
-    """On a CPU stage with int8 projections (any kernel: they all take the quantized rows), move what feeds each projection
-    into its quantizing pass (one C loop, :func:`pipeline.models.kernels.native.quantize_rows_u8_fused`):
-    the input RMSNorm of ``attn.qkv`` and of ``mlp.up`` (pre-norm layers, where the norm's output has
-    no other reader) and SiLU(gate) * up of a gated MLP's ``down``. The float tensors in between
-    are never written, and four to six eager operators a projection go (decode micro-batches spend
-    about as long in them as in the product). Returns how many projections took a prologue."""
+    """On a CPU stage with int8 projections (whichever kernel), move what feeds a projection into its
+    quantizing C pass (:func:`pipeline.models.kernels.native.quantize_rows_u8_fused`): the input RMSNorm of
+    ``attn.qkv`` and ``mlp.up`` (pre-norm layers) and SiLU(gate) * up before a gated MLP's ``down``, so
+    the float tensors in between are never written. Returns how many projections took a prologue."""
 
     floats = [p for p in model.parameters() if p.is_floating_point()]
     if native.library() is None or not floats or floats[0].dtype not in (torch.float32, torch.bfloat16) \

@@ -1,34 +1,10 @@
-"""Batch-invariant kernels: a row's numbers never depend on what else shares its micro-batch.
-
-By default a matmul over a micro-batch of ``m`` rows picks its blocking (and, with several
-threads, its split of the work) from ``m``; a row's logits then move by float rounding (~1e-7)
-when its neighbours, the budget or the pipeline size change, and a sampled token that sits on a
-cumulative-probability boundary (or a greedy near-tie) can flip. ``--batch-invariant`` removes
-every such dependence, at a measured cost (bench/determinism.py):
-
-- **Row-wise ops run on fixed tiles** (:func:`map_rows`): linear layers, norms and the MLP see
-  exactly ``ROW_TILE`` rows per call, zero-padded, so every call has the same shape whatever the
-  batch.
-- **Matmuls reduce over fixed pieces of their inputs** (:func:`fixed_linear`): a BLAS may split a
-  long reduction (the input features) among its threads, and then the sum's order, and its last
-  bits, depend on the thread count. MKL on an AVX-512 Xeon does so from K = 1024 at 16 rows
-  (1024x4096, 2048x768, the head's 4096x32000 all differ between 1 and 2 threads), MKL on an AVX2
-  EPYC did not. So the product is summed, in order, over pieces of ``K_PIECE`` input features,
-  each too short to be split; measured bit-identical for 1-4 threads on every shape from 256x768
-  to 2048x151936, at 1.2-1.5x the plain product's time (tests/unit/pipeline/models/kernels/test_invariant.py).
-- **Transcendental element-wise ops** (SiLU, GELU) run in pieces small enough that ATen computes
-  each on one thread, cut at row boundaries (:func:`fixed_elementwise`): ATen splits a large
-  element-wise op among threads at arbitrary offsets and handles each piece's tail with scalar
-  code, whose last bit can differ from the vector code.
-- **Attention runs one row at a time** (:func:`attend_rows`) with exactly that row's query and key
-  lengths, so the kernel's blocking over keys depends on the row alone, not on the longest row
-  of the micro-batch. A row resumed mid-generation (its tokens so far prefilled again after a stop)
-  computes those tokens' queries one at a time with the keys a decode step reads
-  (``Attention._attend_rows``, ``Segment.replay``), so it goes on with the decode steps' bits.
-- Rotary tables come from :class:`RopeTable` in both modes (fixed-shape blocks of positions).
-
-On GPUs the same structure applies (cuBLAS picks its algorithm, split-K included, from the
-shape, so fixed tiles fix it); the per-row attention loop is the costly part there.
+"""Batch-invariant kernels (``--batch-invariant``): a row's numbers never depend on what else shares its
+micro-batch, the budget, the pipeline size or the thread count. Row-wise ops run on fixed tiles of
+``ROW_TILE`` rows (:func:`map_rows`); matmuls sum over fixed ``K_PIECE``-wide pieces in order
+(:func:`fixed_linear`: a BLAS may split a long reduction among threads); SiLU/GELU run in pieces one
+thread computes (:func:`fixed_elementwise`); attention runs one row at a time (:func:`attend_rows`);
+rotary tables are built in fixed blocks (:class:`RopeTable`). Why each, and what is measured:
+docs/design/determinism.md.
 """
 
 from __future__ import annotations
@@ -39,14 +15,17 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16  # rows per call in batch-invariant mode
-K_PIECE = 256  # input features per matmul piece (512 measured invariant too, 1024 not: see above)
+K_PIECE = 256  # input features per matmul piece (512 measured invariant too, 1024 not: fixed_linear)
 PIECE = 16384  # elements per element-wise call: below ATen's parallel grain (32768), so one thread
 VEC_ALIGN = 64  # elements per step of ATen's widest vector loop (2 x 32 bf16 lanes on AVX-512)
 ROPE_BLOCK = 64  # positions per rotary-table block
 
 
 def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """``fn`` over the rows of ``x`` (..., w) in calls of exactly ``tile`` rows (zero-padded)."""
+    """``fn`` over the rows of ``x`` (..., w) in calls of exactly ``tile`` rows (zero-padded); ``tile`` 0:
+    ``fn(x)`` (not batch-invariant)."""
+    if not tile:
+        return fn(x)
     lead, w = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, w)
     n = flat.shape[0]
@@ -59,7 +38,8 @@ def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: 
 
 def fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for x (..., k), summed over ``K_PIECE`` input features at a time, in
-    order: the same reduction whatever the thread count (see the module docstring)."""
+    order: the same reduction whatever the thread count (MKL on an AVX-512 Xeon splits K >= 1024 among
+    threads; pieces this short never are: measured bit-identical for 1-4 threads, test_invariant.py)."""
     k = x.shape[-1]
     y = F.linear(x[..., :K_PIECE], weight[:, :K_PIECE])
     for c in range(K_PIECE, k, K_PIECE):
@@ -85,9 +65,10 @@ def fix_linears(model: torch.nn.Module) -> None:
 def fixed_elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An element-wise ``fn`` over x (n, w) computed the same way for every row whatever n and the threads.
 
-    Rows whose width is a multiple of the vector step go in groups (no scalar tail anywhere);
-    other rows go one at a time (each has the same tail); rows wider than a piece are cut into
-    pieces at the same columns.
+    ATen splits a large element-wise op among threads at arbitrary offsets and computes each piece's tail
+    with scalar code, whose last bit can differ: rows whose width is a multiple of the vector step go in
+    groups of at most ``PIECE`` elements (no scalar tail); other rows go one at a time (each has the same
+    tail); rows wider than a piece are cut at the same columns.
     """
     n, w = x.shape
     if w % VEC_ALIGN == 0 and w <= PIECE:
@@ -105,12 +86,9 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     keys from position ``key_starts[i]`` (default 0) up to its last new token. Row i's first
     ``lens[i]`` queries sit at positions ``starts[i]..``; its padded queries get zeros. ``window``:
     a query sees only the last ``window`` positions (itself included). Returns (b, h, t, d).
-
-    A fresh prompt without ALiBi, soft-capping or a window shorter than it goes through SDPA's
-    causal kernel (it splits work by query blocks, whatever the threads); everything else (one
-    query, a mask or a bias) through plain matmuls: SDPA's CPU kernel splits a single query's keys
-    among threads, and its masked path differs with the thread count too (measured,
-    tests/unit/pipeline/models/kernels/test_invariant.py).
+    A fresh prompt (no ALiBi, soft-capping or shorter window) goes through SDPA's causal kernel, which
+    splits work by query blocks whatever the threads; everything else through plain matmuls (SDPA's CPU
+    kernel splits a single query's keys, and its masked path, by the thread count: test_invariant.py).
     """
     b, h, t, d = q.shape
     scale = d**-0.5 if scale is None else scale

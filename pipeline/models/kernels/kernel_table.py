@@ -1,18 +1,9 @@
 """Kernel choices kept per machine: a JSON table keyed by the kind of CPU (or GPU), torch's version and
 each layer shape, so a choice made by timing is made once and every later run on that kind of machine
-reads it (``--kernel-table PATH`` pins a table of one's own: shared by the nodes of a cluster, or
-copied between runs).
-
-Why: kernels chosen by timing at load are a lottery on a busy machine, and where the candidates round
-differently (a pre-quantized checkpoint's ``dequantize`` against ``int4pack``: :mod:`.weight_only`) a
-different pick is a different answer. ``--quantize int8``'s kernels give identical results
-(:mod:`.int8`), so for them the table keeps the speed and the load time (no timing after the first run),
-not the answers.
-
-The table is one file per machine key, ``cache_dir() / kernel-table-<key>.json``; the first run that
-needs a shape measures it while holding a lock beside the file (ranks of one node that load at once
-wait, then read the entry the first one wrote), the others read it. An entry whose kernel no longer
-runs (another torch build) is measured again. Delete the file to measure afresh.
+reads it (``--kernel-table PATH`` pins a table of one's own). Timing at load is a lottery on a busy
+machine, and where candidates round differently (:mod:`.weight_only`) a different pick is a different
+answer. The first run that needs a shape measures it under a lock beside the file (ranks loading at
+once then read its entry); an entry whose kernel no longer runs is measured again.
 """
 
 from __future__ import annotations

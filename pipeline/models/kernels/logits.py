@@ -1,15 +1,8 @@
-"""The head's matmul with float32 output for any weight dtype.
-
-A bf16/fp16 ``lm_head`` rounds every logit to 8 (or 11) bits before the float32 log-softmax; the
-logprobs of bf16 runs would carry that rounding. Here the products accumulate in float32 and the
-logits stay float32: on CUDA through ``torch.mm(..., out_dtype=torch.float32)`` (the GEMM accumulates
-in float32 anyway; only the output's rounding goes); on a CPU with the AVX512-BF16 dot product or AVX2,
-a bfloat16 head multiplies bfloat16 hidden states in C (:func:`.native.bf16_products`: exact products
-summed in float32, the table read once as it is stored, faster than the cast below); elsewhere by
-casting the weight to float32 a block of vocabulary rows at a time (never a float32 copy of the whole
-table) into one block buffer kept per thread and device, and the products written into one output
-tensor (a fresh tensor per block fragments a CPU stage's heap, whose freed memory the process keeps:
-pipeline.runtime.host_memory).
+"""The head's matmul with float32 output for any weight dtype: a bf16/fp16 ``lm_head`` would round every
+logit before the float32 log-softmax. Products accumulate in float32: on CUDA by ``torch.mm(...,
+out_dtype=torch.float32)``; on a CPU with the native bf16 loop by :func:`.native.bf16_products`; elsewhere
+by casting the weight a block of vocabulary rows at a time into one float32 buffer kept per thread
+(a fresh tensor per block fragments a CPU stage's heap: pipeline.runtime.host_memory).
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
-"""CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes; PyTorch operators
-when they cannot be: the element-wise loops around the int8 product, the exact int8 products of the
-``native`` int8 kernel (AVX512-VNNI on a 16-output blocked layout, else AVX2), decode attention over
-per-row lengths (float32, and bfloat16 with AVX512-BF16) and bfloat16 products in float32 (a bfloat16
-head's logits; the projections of bfloat16 stages on CPUs without bf16 instructions) with AVX512-BF16,
-else AVX2 and FMA (threads from the OpenMP runtime PyTorch has loaded: ``-fopenmp`` links
-``libgomp.so.1``, the soname of the copy PyTorch's wheel bundles, so the process keeps one pool).
-
-Why: per projection, the int8 path quantizes its input per token and rescales the product per row.
-In eager PyTorch that is a dozen operators, each a dispatch and a fresh tensor; on decode-sized
-inputs they took as long as oneDNN's int8 product itself. One C loop each does the same arithmetic
-in one pass (same float32 operations, same order, no FMA contraction: bit-for-bit the eager results,
-which ``tests/unit/pipeline/models/kernels/test_int8.py`` asserts). torch.compile's fused kernel is as
-fast, but its guards and wrappers cost more per call than it saves at these sizes (docs/performance-log.md).
-
-The shared object is built with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``, or
-the level PyTorch's kernels are held to, :func:`_march`) into :func:`cache_dir` under a name from a hash
-of the source, the flags and the CPU's feature flags (so a home directory shared by different nodes
-keeps one build per kind of CPU), written to a temporary name and renamed (ranks that build at once do
-not collide). A compiler without OpenMP: built again without it, and decode attention stays with
-PyTorch's kernels (single-threaded it is unmeasured against them). No compiler, or a failed build: logged
-once, and every caller falls back to its PyTorch code. ``DIST_RUNNER_NATIVE=0`` turns the loops off.
+"""CPU loops in C (``native.c``), compiled once per machine and loaded with ctypes: the element-wise
+loops around the int8 product, the ``native`` int8 products (AVX512-VNNI, else AVX2), decode attention
+over per-row lengths and bfloat16 products in float32. Each computes its PyTorch fallback's float32
+operations in the same order (no FMA contraction: bit for bit, ``test_int8.py`` asserts it); callers
+fall back to PyTorch when the library is None (no compiler, a failed build: logged once;
+``DIST_RUNNER_NATIVE=0``). Why, and how it is built and cached: docs/usage/quantization.md.
 """
 
 from __future__ import annotations
@@ -57,7 +41,18 @@ def flags(march: str) -> tuple[str, ...]:
     return ("-O3", march, *(("-mtune=native", "-mprefer-vector-width=512") if _X86 else ()), "-ffp-contract=off",
             "-fopenmp", "-std=c11", "-fPIC", "-shared")  # 512-bit vectors: gcc's AVX-512 default is 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_VOID_FUNCTIONS = {  # name -> argument types, of native.c's functions that return nothing
+    "quantize_rows_u8": [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR],
+    "quantize_rows_u8_fused": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, ctypes.c_float, _PTR, _PTR],
+    "scale_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _PTR],
+    "decode_attention": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
+                         ctypes.c_float, _INT, _INT, _PTR],
+    "kv_store_i8": [_PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _PTR],
+    "pack_vnni": [_PTR, _I64, _I64, _PTR],
+    "int8_products_vnni": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR],
+    "bf16_products": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
+}
 
 
 def cache_dir() -> Path:
@@ -117,29 +112,10 @@ def library(march: str | None = None) -> ctypes.CDLL | None:
         log.warning("could not build the native CPU loops (int8 helpers, decode attention) with %s (%s): using "
                     "PyTorch operators", compiler, error)
         return None
-    lib.quantize_rows_u8.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR]
-    lib.quantize_rows_u8.restype = None
-    lib.quantize_rows_u8_fused.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR, ctypes.c_float,
-                                           _PTR, _PTR]
-    lib.quantize_rows_u8_fused.restype = None
-    lib.scale_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR]
-    lib.scale_rows.restype = None
-    lib.decode_attention.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
-                                     ctypes.c_float, ctypes.c_int, ctypes.c_int, _PTR]
-    lib.decode_attention.restype = None
-    lib.kv_store_i8.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, _PTR, _PTR]
-    lib.kv_store_i8.restype = None
-    lib.int8_products.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
-    lib.int8_products.restype = lib.int8_products_path.restype = ctypes.c_int
+    for name, args in _VOID_FUNCTIONS.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    lib.int8_products.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]  # these and has_*: ctypes' int result
     lib.int8_products_path.argtypes = [_I64]
-    lib.pack_vnni.argtypes = [_PTR, _I64, _I64, _PTR]
-    lib.pack_vnni.restype = None
-    lib.int8_products_vnni.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]
-    lib.int8_products_vnni.restype = None
-    lib.has_vnni.restype = ctypes.c_int
-    lib.bf16_products.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
-    lib.bf16_products.restype = None
-    lib.has_bf16_dot.restype = lib.has_openmp.restype = lib.bf16_path.restype = ctypes.c_int
     return lib
 
 

@@ -1,24 +1,8 @@
-"""oneDNN-prepacked weights for a CPU stage's linear layers (``--cpu-linear onednn``); bfloat16 ones on CPUs
-without bf16 instructions through ``native.py``'s AVX2 loop.
-
-On the CPU, ``F.linear`` runs MKL's sgemm, which re-reads the (out, in) weight in its row-major
-layout on every call. oneDNN can reorder a weight once into the blocked layout its kernels stream
-(``torch.ops.mkldnn._reorder_linear_weight``) and multiply against it
-(``torch.ops.mkldnn._linear_pointwise``): the pair PyTorch's own compiler uses when it freezes a CPU
-model (inductor's weight prepacking): faster at decode sizes, about even at prefill sizes, results
-within float rounding of ``F.linear`` (a different summation order; figures: docs/performance-log.md).
-
-The decoder layers' projections (``attn.qkv``, ``attn.o``, ``mlp.up``, ``mlp.down``) are packed,
-once, after the stage is loaded; the packed copy replaces the weight (no second copy in memory). So is
-a float32 head with a table of its own that is a small share of the stage (:func:`own_float32_head`),
-under ``--quantize int8`` too, whose layers keep their int8 kernels. Float32, and bfloat16 on CPUs with
-native bf16 instructions (avx512_bf16 or AMX), where bf16 packed is bit-identical to bf16 ``F.linear``
-and faster up to a few hundred rows; float16 gains nothing and keeps ``F.linear``. On CPUs without bf16
-instructions (where oneDNN would emulate them) bfloat16 projections take :class:`NativeBf16Linear`, the
-project's AVX2 loop. The GPU keeps cuBLAS, int8 weights have their own kernels, and
-``--batch-invariant`` keeps the plain product (its guarantee is about one kernel's reduction order). If
-the op is missing from the torch build (no oneDNN) or fails on a probe, the stage keeps ``F.linear`` and
-says so.
+"""The faster CPU products of a stage's linear layers (``--cpu-linear onednn``): weights reordered once into
+oneDNN's blocked layout (:class:`PackedLinear`; float32, and bfloat16 on CPUs with bf16 instructions),
+or bfloat16 on CPUs without them through the project's AVX2 loop (:class:`NativeBf16Linear`). The packed
+copy replaces the weight; results are within float rounding of ``F.linear``. :func:`why_not` says when a
+stage keeps ``F.linear``. Measurements: docs/design/attention-and-cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -55,11 +39,9 @@ class PackedLinear(nn.Module):
 
 
 class NativeBf16Linear(nn.Module):
-    """``nn.Linear`` in bfloat16 on a CPU without bf16 instructions: from two rows on, the project's C loop
-    (:func:`.native.bf16_products`, AVX2 and FMA) on the weight as it is (no copy), the products summed
-    in float32 and the bias added before the one rounding to bfloat16, as ``F.linear`` rounds. There,
-    PyTorch's bf16 product converts per multiply and collapses beyond one row; one row keeps its
-    matrix-vector product, which reads the weight faster than the loop (docs/performance-log.md)."""
+    """``nn.Linear`` in bfloat16 on a CPU without bf16 instructions (where PyTorch's bf16 product collapses
+    beyond one row): from two rows on, :func:`.native.bf16_products` on the weight as it is, summed in
+    float32, the bias added before the one rounding to bfloat16; one row keeps ``F.linear``."""
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -168,13 +150,9 @@ HEAD_SHARE = 0.1  # the most of a stage's weights a head may be for its packed c
 
 
 def own_float32_head(model: StageModel) -> bool:
-    """Whether ``model`` holds a float32 head of its own (not the embedding's table: the embedding reads
-    its rows), which :func:`pack_stage` packs like the projections: float32 stages and ``--quantize
-    int8``'s float32 head, which oneDNN's packed product reads faster than MKL's (docs/performance-log.md).
-
-    Only a head of at most ``HEAD_SHARE`` of the stage's weights: the table is one tensor, so its plain
-    and packed copies exist at once while it packs, and a stage's peak (loading included) stays within
-    1.1x its weights only if that moment does."""
+    """Whether ``model`` holds a float32 head of its own (not the embedding's table), which :func:`pack_stage`
+    packs like the projections. Only a head of at most ``HEAD_SHARE`` of the stage's weights: its plain and
+    packed copies exist at once while it packs, and the stage's peak must stay within 1.1x its weights."""
     head, embed = model.lm_head, model.embed
     if not (type(head) is nn.Linear and head.weight.dtype == torch.float32
             and (embed is None or embed.weight.data_ptr() != head.weight.data_ptr())):

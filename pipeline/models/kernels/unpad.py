@@ -1,14 +1,8 @@
-"""Prefill without padding: the new prompts of a pass are right-padded to the longest for
-attention's (b, t) layout, but a layer's projections and MLP run on the real tokens only.
-
-Prompts of different lengths share a prefill: a pass of prompts of 9..241 tokens is about half
-padding, which every projection and MLP would otherwise compute. Attention goes row by row over each
-prompt's own keys (:func:`attend_by_row`, views: its new tokens, or its cache row when it resumes
-after cached tokens; a sliding layer's row with its window's mask, an ALiBi model's with its biases;
-causal attention costs a row its length squared, so the padded batch paid ~2.5x). On a GPU, a
-prefill of fresh prompts attending causally (within a window) is one call of PyTorch's
-variable-length FlashAttention over the packed tokens instead (:func:`packed_layout`), not a kernel
-launch per row and layer.
+"""Prefill without padding: the new prompts of a pass are right-padded to the longest for attention's
+(b, t) layout, but a layer's projections and MLP run on the real tokens only, and attention goes row by
+row over each prompt's own keys (:func:`attend_by_row`), or on a GPU in one variable-length
+FlashAttention call over the packed tokens (:func:`packed_layout`). Why and measurements:
+docs/design/attention-and-cpu-kernels.md.
 """
 
 from __future__ import annotations

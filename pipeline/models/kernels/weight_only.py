@@ -1,21 +1,11 @@
 """Weight-only integer projections of pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors
 ``pack-quantized``): :class:`IntWeight` (what a format's reader decodes) and :class:`QuantLinear`.
 
-A weight is stored as unsigned codes ``q`` (0 .. 2^bits - 1; int4 two to a byte) with a float32
-scale ``s`` and zero point ``z`` (in code units) per output row and group of input columns:
-``W[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)]``, where ``g(i) = i // group_size`` or, for
-GPTQ's act-order (``desc_act``) checkpoints, the stored ``g_idx[i]``. Every format this runner reads
-is that formula with its own packing (pipeline/loading/quantized/).
-
-Kernels (chosen per (in, out) shape by timing, once per kind of machine and kept: :func:`choose_kernels`):
-
-- ``dequantize``: the codes dequantized to the compute dtype, then ``F.linear`` (any device).
-- ``int4pack`` (int4, groups of 32..256 columns, CPU): torch's ``_weight_int4pack_mm_for_cpu``,
-  which computes ``x @ ((q - 8) * s + b)^T`` per group; so ``b = (8 - z) * s``. Act-order weights
-  are stored with their columns sorted by group (then every group is contiguous) and the input's
-  columns are gathered into that order first.
-- ``int4pack`` on CUDA: torch's ``_weight_int4pack_mm`` (tinygemm: bfloat16, same formula).
-- ``int8pack`` (8-bit, one group per row, symmetric, CPU): ``_weight_int8pack_mm``: ``x @ (q - 128)^T * s``.
+Every format is ``W[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)]``: unsigned codes (int4 two to a byte),
+float32 scales and zero points (code units) per output row and group, ``g(i) = i // group_size`` or
+GPTQ act-order's ``g_idx[i]``. Kernels (``dequantize``; torch's packed ``int4pack``, whose offsets are
+``(8 - z) * s``, act-order columns stored sorted by group; ``int8pack``) round differently, so
+:func:`choose_kernels` times them once per kind of machine and keeps the choice (docs/usage/quantization.md).
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.kernels.int8 import median_times
+from pipeline.models.kernels.int8 import Float32Buffers, median_times
 from pipeline.models.kernels.kernel_table import KernelTable
 
 log = logging.getLogger(__name__)
@@ -85,12 +75,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(Float32Buffers):
     """A projection with integer weights of ``bits`` bits in groups of ``group_size`` input columns.
 
     Built on the meta device with the shapes from the config, filled by :meth:`load`. Buffers:
     ``qweight`` (out, in * bits / 8) uint8, ``scales`` / ``zeros`` (out, groups) float32,
     ``perm`` (in,) long when act-order columns are stored sorted by group (else empty)."""
+
+    float32_buffers = ("scales", "zeros")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int):
         super().__init__()
@@ -109,13 +101,6 @@ class QuantLinear(nn.Module):
         self.kernel = "dequantize"
         self.packed: torch.Tensor | None = None  # the int4pack / int8pack kernel's operand
         self.packed_sz: torch.Tensor | None = None  # int4pack: (groups, out, 2) scales and offsets
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name in ("scales", "zeros"):  # module.to(bfloat16) casts buffers: scales stay float32
-            if getattr(self, name).dtype != torch.float32:
-                setattr(self, name, getattr(self, name).float())
-        return self
 
     @torch.no_grad()
     def load(self, w: IntWeight) -> None:
@@ -246,9 +231,7 @@ def _runs(probe: QuantLinear, kernel: str) -> bool:
 def _measure(probe: QuantLinear, alive: list[str], dtype: torch.dtype, rows: tuple[int, ...]) -> dict:
     """Median ms of each kernel of ``alive`` at each size of ``rows`` (interleaved): the least total wins."""
     gen = torch.Generator().manual_seed(0)
-    ms: dict[str, list[float]] = {}
-    for kernel in alive:
-        ms[kernel] = []
+    ms: dict[str, list[float]] = {kernel: [] for kernel in alive}
     for m_rows in rows:
         x = torch.randn(m_rows, probe.in_features, generator=gen).to(device=probe.qweight.device, dtype=dtype)
         fns = {}
