@@ -80,9 +80,9 @@ def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = Fal
     return c
 
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
+def chat_ids(tok, messages: list[dict], kwargs: dict | None = None) -> list[int]:
     """A chat request's prompt ids (as pipeline.scheduling.intake.chat_ids, errors aside: counted as bad)."""
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(kwargs or {}))
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 from pipeline.config.estimate import RUNNER
-from pipeline.config.estimate import (FileCount, calibration_args, calibration_command, from_status, sample_lines,
-                                      shared_blocks, work)
+from pipeline.config.estimate import (FileCount, calibration_args, calibration_command, count_file, from_status,
+                                      sample_lines, shared_blocks, work)
+from pipeline.loading.default_model import default_model_dir
+from pipeline.loading.tokenizer import load_tokenizer
+from pipeline.scheduling.intake import chat_ids
+from tasks.requests import parse_line
 
 
 def test_shared_blocks_counts_leading_blocks_seen_before():
@@ -14,6 +20,28 @@ def test_shared_blocks_counts_leading_blocks_seen_before():
     assert shared_blocks(a[:32] + [99] * 8, 16, seen) == 2  # the same first two blocks
     assert shared_blocks([7] + a[1:], 16, seen) == 0  # chained: a different first block changes every digest
     assert shared_blocks(a[:10], 16, seen) == 0  # no whole block
+
+
+def test_a_file_counts_chat_and_completion_lines_as_the_run_tokenizes_them(tmp_path):
+    """--dry-run's counts: each line's prompt tokens as the driver would encode them (chat lines with their
+    chat_template_kwargs), lines the run answers with an error counted as bad."""
+    tok = load_tokenizer(default_model_dir())
+    chats = [{"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3},
+             {"messages": [{"role": "user", "content": "Think"}], "chat_template_kwargs": {"enable_thinking": True},
+              "max_tokens": 2, "n": 2}]
+    lines = [*({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+               for i, body in enumerate(chats)),
+             {"prompt": "Once upon a time", "max_tokens": 4},
+             {"prompt": [5, 6, 7], "max_tokens": 1},
+             {"prompt": 3}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + "not json\n")
+    c = count_file(str(path), tok, 16, set())
+    ids = [chat_ids(tok, x["messages"], x.get("chat_template_kwargs")) for x in chats]
+    text = list(tok("Once upon a time", add_special_tokens=True)["input_ids"])
+    assert c.lines == 6 and c.bad == 2
+    assert c.per_line == [(len(ids[0]), 3), (len(ids[1]), 4), (len(text), 4), (3, 1), (0, 0), (0, 0)]
+    assert parse_line(json.dumps(lines[1]).encode(), 1).template_kwargs == {"enable_thinking": True}
 
 
 def test_sample_lines():
