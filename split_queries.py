@@ -49,10 +49,6 @@ class Shard:
     path: str  # relative to the output dir, e.g. "opt-66b/request_0.jsonl"
     records: list[Record] = field(default_factory=list)
 
-    @property
-    def tokens(self) -> int:
-        return sum(r.cost for r in self.records)
-
 
 def sanitize_engine(name: object) -> str:
     """Turn an engine/model value into a safe directory name ("a/b" -> "a_b")."""
@@ -208,11 +204,9 @@ def write_manifest(out_dir: Path, args: argparse.Namespace, records, blank, shar
         "invalid_lines": sum(r.group[0] == INVALID for r in records),
         "options": {k: v for k, v in vars(args).items() if k not in skip},
     }
-    rows = [
-        orjson.dumps({"path": s.path, "engine": s.engine, "lines": len(s.records),
-                      "estimated_tokens": s.tokens, "line_numbers": [r.line_no for r in s.records]})
-        for s in shards
-    ]
+    rows = [orjson.dumps({"path": s.path, "engine": s.engine, "lines": len(s.records),
+                          "estimated_tokens": sum(r.cost for r in s.records),
+                          "line_numbers": [r.line_no for r in s.records]}) for s in shards]
     text = orjson.dumps(head)[:-1] + b',"shards":[\n' + b",\n".join(rows) + b"\n]}\n"
     write_atomic(out_dir / MANIFEST, text)
 

@@ -104,10 +104,7 @@ async def receive_upload(content_type: str, chunks: AsyncIterator[bytes], folder
         parser.finalize()
         if up._file is None or not up._file.closed:
             raise StoreError("'file' is required (a JSONL file of Batch API requests)", param="file")
-    except StoreError:
-        up.discard()
-        raise
-    except Exception as e:
+    except Exception as e:  # a StoreError (or any other error) goes on as it is, a parser's is this form's 400
         up.discard()
         if type(e).__name__ in ("MultipartParseError", "FormParserError", "ValueError"):
             raise StoreError(f"expected a multipart/form-data body with 'file' and 'purpose': {e}") from None

@@ -32,9 +32,7 @@ def thinking_budget(body: dict, max_tokens: int) -> int | None:
             raise RequestError(f"'thinking_token_budget' must be an integer of 0 or more, got {str(budget)[:40]}",
                                "thinking_token_budget")
         return budget
-    if effort is not None:
-        return math.floor(EFFORT[effort] * max_tokens)
-    return None
+    return None if effort is None else math.floor(EFFORT[effort] * max_tokens)
 
 
 def template_kwargs(body: dict) -> dict | None:

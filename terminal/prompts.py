@@ -82,8 +82,6 @@ def run_prompts(engine: LocalEngine, opts, out=None) -> int:
               f"{'' if reason is None else f' (finish_reason: {reason})'} ----\n{text}", file=out)
     lat = Latency(len(prompts), [u["prompt_tokens"] for _, u in usage], [u["completion_tokens"] for _, u in usage],
                   sum(t.encode_seconds for t, _ in usage), finished - started, decode)
-    print("---- latency ----", file=out)
-    for line in lat.lines():
-        print(line, file=out)
+    print("---- latency ----", *lat.lines(), sep="\n", file=out)
     out.flush()
     return 1 if len(usage) < len(texts) else 0
