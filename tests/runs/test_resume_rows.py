@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,29 +26,35 @@ REQUESTS = [{"prompt": f"Once upon a time {i}", "max_tokens": 40 + (i % 4) * 15,
             for i in range(16)]
 
 
+class StopAfter(threading.Event):
+    """Set (as SIGTERM sets the runner's stop) ``steps`` steps of the engine's loop after ``journal`` holds
+    ``lines`` more lines than at the start (lines finished meanwhile wait in the checkpoint behind a row
+    still in flight). The engine asks at each step, so where a run stops depends on its progress alone,
+    not on how soon a watcher would see the file on a loaded machine."""
+
+    def __init__(self, journal, lines: int, steps: int = 4):
+        super().__init__()
+        self.journal, self.lines, self.steps = journal, lines, steps
+        self.start = self.count()
+
+    def count(self) -> int:
+        return self.journal.read_bytes().count(b"\n") if self.journal.exists() else 0
+
+    def is_set(self) -> bool:
+        if not super().is_set() and self.count() >= self.start + self.lines:
+            self.steps -= 1
+            if self.steps < 0:
+                self.set()
+        return super().is_set()
+
+
 def stopped_run(args: list[str], stages: int, journal, lines: int):
     """A run whose engine is told to stop (as SIGTERM would) once ``journal`` holds ``lines`` more lines
     than when it started."""
     import dist_inference_runner
 
-    def count() -> int:
-        return journal.read_bytes().count(b"\n") if journal.exists() else 0
-
-    stop, done, start = threading.Event(), threading.Event(), count()
-
-    def watch():
-        while not done.is_set() and count() < start + lines:
-            time.sleep(0.005)
-        stop.set()
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        argv = [*args, "--in-process", "--pipeline-group-size", str(stages)]
-        return dist_inference_runner.main(argv, signals=False, stopping=stop)
-    finally:
-        done.set()
-        watcher.join()
+    argv = [*args, "--in-process", "--pipeline-group-size", str(stages)]
+    return dist_inference_runner.main(argv, signals=False, stopping=StopAfter(journal, lines))
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -113,8 +118,7 @@ def test_generated_files_stopped_mid_run_end_bit_identical_under_batch_invariant
     """Request files drawn by Hypothesis (prompt lengths, temperatures, top_p, top_k, logprobs, seeds, n, echo,
     penalties), stopped after every journaled line and resumed, end byte for byte as the uninterrupted run."""
     tmp = tmp_path_factory.mktemp("generated")
-    # a first line answered at once stops the first run with a plain row beside it in flight (resumed for sure:
-    # 120 tokens without EOS outlast the stop watcher's latency on a loaded machine, where 30 once finished first),
+    # a first line answered at once stops the first run with a plain row beside it in flight (resumed for sure),
     # the drawn rows long enough to be cut mid-way by the later stops
     long_row = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
     reqs = [{"prompt": "Hi", "max_tokens": 1}, long_row] + [
