@@ -1,17 +1,10 @@
 """Ranks end with their launcher: a rank whose torchrun (or legacy launch script) is gone exits.
 
-``kill -9`` of torchrun (``timeout -s KILL``, an OOM kill of the launcher, a crashed shell) would
-otherwise leave every rank running with parent 1, each in its own session: rank 0 of a server keeps
-answering on its port, GPUs stay held. On Linux each rank asks the kernel for SIGTERM when its parent
-dies (``prctl(PR_SET_PDEATHSIG)``), then checks that the parent is still the launcher it expects, which
-closes the race with a launcher that died first; a watchdog thread polling ``os.getppid()`` does the
-same elsewhere (and backs the kernel up). SIGTERM then takes the usual way out (file mode: exit 143
-with the journal kept; serve mode: in-flight requests finish, bounded).
-
-Who the launcher is: under torchrun the process that started this one (torchrun's agent starts each
-rank itself); under ``launch/legacy_per_rank.sh`` the script, which exports its pid as
-``DIST_INFER_LAUNCHER_PID``. A rank started by hand (``nohup python dist_inference_runner.py ... &``)
-has no launcher and is left alone: its shell may exit on purpose.
+On Linux the kernel sends SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``), after which the
+parent is checked once (the launcher may have died first); a thread polling ``os.getppid()`` backs it
+up (and does it elsewhere). The launcher: torchrun's agent (this process's parent), or the pid that
+``launch/legacy_per_rank.sh`` exports as ``DIST_INFER_LAUNCHER_PID``; a rank started by hand has none
+and is left alone (docs/usage/recovery.md, "A launcher killed").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Point-to-point messages between pipeline ranks: a small encoded header plus an optional tensor.
 
-Every directed link ``src -> dst`` is a :class:`Channel` of its own, carrying traffic one way only:
-
-- the **message** (a fixed block of sizes, the encoded header, and on CPU the payload's bytes) goes
-  over a CPU group (gloo) created for this link alone, as one transfer, so a header never touches
-  the GPU and a closed socket is seen at once;
-- on GPU the **payload** tensor goes over a second group of this link alone (NCCL). NCCL creates one
-  communicator per group for a pair of ranks, so no NCCL pair ever carries traffic both ways (rank
-  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups,
-  nor do GPU runs over gloo (``--dist-backend gloo``): there the payload is copied to the host and
-  travels inline, as on the CPU, and the receiving stage copies it to its GPU.
-
-Sends are asynchronous (``isend``) and their buffers kept until they complete, so no two ranks
-block sending to each other. The receiver keeps a receive posted for the link's next message
-(:meth:`Messenger.expect`, called once a message is handled, before the stage computes): a gloo
-transfer is a rendezvous between the two ranks' transport threads, and with a receive already
-posted it completes while both ranks compute, instead of waiting for the receiver to ask while its
-cores are busy. A message longer than the posted buffer (:data:`_FIRST`: a prefill's activations)
-sends its rest as a second transfer of the exact size. Messages on a link arrive in the order they were sent.
+Every directed link ``src -> dst`` is a :class:`Channel` carrying traffic one way only: the message
+(sizes, header and, on CPU or over gloo, the payload's bytes) in one gloo transfer on a group of its
+own; on GPU under NCCL the payload on a second group of that link alone, so no NCCL pair carries
+traffic both ways. Sends are asynchronous; the receiver keeps a receive posted for the link's next
+message (:meth:`Messenger.expect`) so it lands while the stage computes. Why, and what was measured:
+docs/design/gpu-notes.md. Messages on a link arrive in the order they were sent.
 """
 
 from __future__ import annotations
