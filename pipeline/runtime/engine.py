@@ -1,24 +1,15 @@
 """Rank 0's engine: the one loop behind every face.
 
-It is fed by sources (:mod:`pipeline.runtime.sources`): a file source hands out request files (file
-mode's inputs, the Batch API's jobs, the Python API's ``generate_file``), a request source hands in
-requests one by one (HTTP clients, Python calls, the terminal). Each turn the engine takes the new
-requests (they go ahead of file lines), steps the open file (opens the next, reads lines into the
-driver's window, closes it once every line is answered), launches a pass for every slot that is
-ready, then handles one answer from the last rank. Admission, passes, replies, cancellation, draining
-and stopping are written here once, for every face.
+Fed by sources (:mod:`pipeline.runtime.sources`), each turn it takes the new requests (ahead of file
+lines), steps the open file (opens, reads lines into the driver's window, closes once every line is
+answered), launches a pass for every ready slot, then handles one answer from the last rank.
+Readiness is by event: a slot is tried when its answer comes back, the idle ones when work is queued.
 
-**Readiness by event**: the engine counts each slot's passes in flight. A slot is tried when its
-answer comes back; the idle ones when new work is queued (a request, a file's lines) or a reply came
-while requests wait. Nothing asks every slot after every reply.
-
-**Stopping** (``stopping`` set: SIGTERM, SIGINT, a face closing): nothing new is admitted, queued
-work leaves (a file's lines come back from its journal on the next run; an HTTP request gets 503),
-the passes in flight come back, and rows that a checkpoint cannot keep (live requests, several rows
-or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop` goes down the pipeline and the
-last rank checkpoints the file's rows in flight, which the next run resumes where they stopped.
-
-With one stage (P = 1) the last rank is in this process: messages go straight to its handler.
+**Stopping** (``stopping`` set): nothing new is admitted, queued work leaves (a file's lines come back
+from its journal on the next run; an HTTP request gets 503), and rows that a checkpoint cannot keep
+(live requests, several rows or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop`
+goes down and the last rank checkpoints the rows in flight. With P = 1 the last rank is in this
+process: messages go straight to its handler.
 """
 
 from __future__ import annotations
