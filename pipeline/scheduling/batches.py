@@ -21,11 +21,6 @@ class Group:
     request: int | None = None  # the request's input index (serve mode: what a cancelled request drops)
 
     @property
-    def key(self) -> bytes | None:
-        """Digest of the prompt's first block: prompts sharing it share a prefix."""
-        return self.digests[0] if self.digests else None
-
-    @property
     def need(self) -> int:
         """Cache columns a row of this group may fill."""
         return self.prompt_len + self.max_tokens

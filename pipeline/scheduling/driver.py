@@ -388,10 +388,6 @@ class Driver:
     def slot_ids(self) -> range:
         return range(len(self.sched.slots))
 
-    def busy(self, sid: int) -> bool:
-        """Slot ``sid`` has a pass in flight."""
-        return self.sched.busy(sid)
-
     def take_released(self) -> list[int]:
         """Slots emptied since the last pass was built."""
         return self.sched.take_released()
@@ -413,11 +409,6 @@ class Driver:
     def running_rows(self) -> int:
         """Rows holding a group, over every micro-batch."""
         return self.sched.running_rows
-
-    @property
-    def cells_in_use(self) -> int:
-        """KV cells allocated: micro-batches and the prefix pool (what --budget bounds)."""
-        return self.sched.cells_in_use
 
 
 class ModelNames:

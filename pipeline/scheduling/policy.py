@@ -1,9 +1,6 @@
-"""The scheduler's two policies (its sizes are a :class:`~pipeline.config.components.SchedulerConfig`,
-resolved once from the options by :mod:`pipeline.config.pass_sizes`): :class:`FilePolicy` for a request file
-(all of it known ahead: even tails, scoring work spread, drain everything for a long request) and
-:class:`ServePolicy` for the HTTP server (requests arrive one by one: free rows for those to come,
-drain one micro-batch for a long request). The :class:`~pipeline.scheduling.scheduler.Scheduler` is
-given both and asks the policy where the modes differ."""
+"""The scheduler's two policies, where a request file and the HTTP server differ: :class:`FilePolicy`
+(all of the file known ahead) and :class:`ServePolicy` (requests arrive one by one). The scheduler's
+sizes are a :class:`~pipeline.config.components.SchedulerConfig` (:mod:`pipeline.config.pass_sizes`)."""
 
 from __future__ import annotations
 

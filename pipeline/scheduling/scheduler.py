@@ -1,20 +1,12 @@
 """Which sequences run in which micro-batch, under the KV-cache token budget. Pure CPU logic.
 
-A *group* is one prompt of one request with ``width`` = best_of candidate rows; its rows share
-one prefill (the lead row's cache is forked to the others). A *slot* is one micro-batch: a KV
-cache of ``rows x cols`` tokens on every stage. ``--budget`` bounds the sum of ``rows x cols``
-over allocated slots. A new slot is packed with groups of similar length (prompt + max_tokens)
-from a look-ahead window, and a slot whose rows finish takes new groups into those rows at once
-(continuous refill) instead of waiting for the whole micro-batch to end.
-
-The scheduler owns the decision: :meth:`Scheduler.next_pass` returns a complete, immutable
-:class:`~pipeline.scheduling.batches.Pass` (rows, segments, prefix loads and saves, chunk ends,
-adapters, releases, drops: :meth:`Scheduler._assemble`) and :meth:`Scheduler.on_reply` is
-told the outcome. Its sizes come in a :class:`~pipeline.config.components.SchedulerConfig`, what
-differs between a file and the server in a policy object (:mod:`pipeline.scheduling.policy`).
-Nothing outside it edits its queue or slots.
-
-Nothing here imports torch.distributed or runs a model (tests/unit/pipeline/scheduling/test_scheduler.py).
+A *group* is one prompt of one request with ``width`` = best_of rows sharing one prefill (the lead
+row's cache is forked to the others); a *slot* is one micro-batch, a KV cache of ``rows x cols`` on
+every stage; ``--budget`` bounds the sum of ``rows x cols`` over allocated slots. A new slot is packed
+with groups of similar length from a look-ahead window, and a row whose sequence finished takes a new
+group at once (continuous refill). :meth:`Scheduler.next_pass` returns a complete, immutable
+:class:`~pipeline.scheduling.batches.Pass`, :meth:`Scheduler.on_reply` is told its outcome, and nothing
+outside edits the queue or slots (docs/design/scheduler.md).
 """
 
 from __future__ import annotations
@@ -29,20 +21,15 @@ from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # no
 class Scheduler:
     """``config``: the sizes (:class:`SchedulerConfig`); ``prefix`` (a
     :class:`~pipeline.cache.prefix.PrefixCache`): its pool counts against the budget, a slot gets one
-    spare column (a prefill that resumes after cached tokens pads its shorter rows past their length:
-    those writes land there), and two groups whose first block is not resident yet do not enter the
-    same pass: the second waits a pass and then finds the block computed; ``policy``:
-    :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode, :func:`policy_for`).
+    spare column (a prefill resuming after cached tokens pads its shorter rows into it), and two groups
+    whose first block is not resident yet do not enter one pass (the second then finds it computed);
+    ``policy``: :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode).
 
-    ``prefill_tokens``: the prompt tokens one pass computes. A new micro-batch gets rows for every group
-    packed into it, but its first pass computes only the prompts that fit rows x the longest prompt
-    <= this many tokens (at least one); the rest stay queued and join its free rows in the next
-    passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
-    first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
-    the others (:func:`pipeline.config.pass_sizes.pass_prefill_tokens`); a pass of scoring
-    prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.pass_sizes.pass_scoring_tokens`).
-    Bigger passes hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's
-    alone 262 MB in float32).
+    ``prefill_tokens`` caps the prompt tokens one pass computes, rows x the longest part (at least one
+    prompt; ``scoring_tokens`` for scoring prompts alone): a new micro-batch gets rows for every group
+    packed into it, its first pass admits those that fit and the rest join its free rows later; a
+    chunked prompt counts its chunk, the chunks a pass continues first (:meth:`_resume`). Bigger passes
+    hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's alone 262 MB).
     """
 
     def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
@@ -81,11 +68,6 @@ class Scheduler:
     def running_rows(self) -> int:
         """Rows holding a group, over every micro-batch."""
         return sum(s.live_rows for s in self.slots)
-
-    @property
-    def cells_in_use(self) -> int:
-        """KV cells allocated: micro-batches and the prefix pool (what ``--budget`` bounds)."""
-        return self.used
 
     @property
     def padding_ratio(self) -> float:
@@ -160,6 +142,7 @@ class Scheduler:
 
     @property
     def used(self) -> int:
+        """KV cells allocated: micro-batches and the prefix pool (what ``--budget`` bounds)."""
         return sum(s.rows * s.cols for s in self.slots) + (self.prefix.cells if self.prefix is not None else 0)
 
     def cells(self, g: Group) -> int:
