@@ -1,10 +1,8 @@
 """The last stage after its layers: which rows need logits, each row's state from admission to its
 end (EOS, stop strings, length, a grammar that is complete), and finished requests.
 
-By role: the rows' state is pipeline.output.head_state's; the device work (logits -> tokens and
-logprobs for the whole micro-batch, echo scoring) and structured outputs' masks are
-pipeline.sampling's (step, scoring, constraints); a finished request's result and a stream's deltas
-are assembled by pipeline.output.answers.
+The device work and the grammars' masks are pipeline.sampling's; results and deltas are assembled by
+pipeline.output.answers.
 """
 
 from __future__ import annotations
@@ -123,8 +121,7 @@ class Head:
 
     def checkpoint(self) -> dict[int, dict]:
         """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo, not
-        thinking):
-        line -> its generated tokens, their logprobs and top logprobs."""
+        thinking): line -> its generated tokens, their logprobs and top logprobs."""
         out = {}
         for rows in self.slots.values():
             for st in rows.values():
@@ -177,8 +174,8 @@ class Head:
             n = item.len - item.cached
             if g.params.echo and self._request_error(item.gid) is None:
                 try:
-                    g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
-                                                pool)
+                    g.echo = self.scorer.score(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
+                                               pool)
                 except Exception as e:
                     self._failed(self.requests.get((g.meta.live, g.meta.req)), "scoring its prompt (echo)", e)
             if g.params.max_tokens == 0:
@@ -293,11 +290,6 @@ class Head:
             finished.append(r)
             return
         feed[r] = tok
-
-    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
-                      pool=None) -> dict:
-        """Echo scores of a prompt (pipeline.sampling.scoring)."""
-        return self.scorer.score(h, ids, k, item, pool)
 
     # -- finishing --------------------------------------------------------------------------
     def _end_row(self, slot: int, row: int):

@@ -1,27 +1,12 @@
 """Reasoning models on the last rank: each row's thinking (where it starts and ends in the row's
 text), its budget (at the budget the end of the thinking is forced, one token a step, through the
-sampling mask: batched, whatever shares the micro-batch), a structured output's grammar held until
-the answer starts, and a finished row's text split into reasoning and answer (chat results), its
-``reasoning_tokens``, and whether the thinking starved its answer (docs/usage/reasoning.md).
+sampling mask), a structured output's grammar held until the answer starts, and a finished row's text
+split into reasoning and answer, its ``reasoning_tokens``, and whether the thinking starved its answer.
 
-Formats (``--reasoning-parser``; ``auto`` reads the chat template):
-
-- ``qwen3`` (``auto`` for any template that writes ``<think>``: Qwen3, QwQ, DeepSeek-R1 and its
-  distills, the default model): ``<think> thinking </think> answer``. A row starts inside the thinking
-  when its prompt ends with ``<think>`` (DeepSeek-R1's templates, Qwen3-Thinking-2507's, the default
-  model's with ``enable_thinking``); a chat row whose prompt does not may open its answer with
-  ``<think>`` (Qwen3's hybrid template); a completion row thinks only when its prompt ends inside the
-  thinking. An empty thinking in the prompt (``<think>\\n\\n</think>``, Qwen3 with enable_thinking
-  false) is no thinking.
-- ``deepseek_r1``: as qwen3, but every chat row starts inside the thinking (DeepSeek-R1's first
-  templates left ``<think>`` to the model, which sometimes did not write it).
-- ``gpt_oss`` (harmony channels) is refused (:func:`choose`): its channels are special tokens, which the
-  results' text leaves out.
-
-Markers are found in the row's text, so a marker of several tokens (the default model's) works as
-one of a single token (Qwen3's). The budget counts the tokens the model chose inside the thinking; at
-the budget the format's closing text (``"\\n</think>\\n\\n"`` as token ids) is forced, then the answer
-goes on within ``max_tokens``.
+The formats (``--reasoning-parser``: ``qwen3``, ``deepseek_r1``; ``gpt_oss`` refused; ``auto`` reads the
+chat template) and when a row thinks: docs/usage/reasoning.md. Markers are found in the row's text, so a
+marker of several tokens works as one of a single token; the budget counts the tokens the model chose
+inside the thinking, and at the budget CLOSE is forced as token ids.
 """
 
 from __future__ import annotations
