@@ -1,9 +1,7 @@
 """One sampling step of a micro-batch on the device: hidden states -> logits -> tokens and logprobs.
 
-Everything is batched: one head matmul for the rows that need logits, the processors (bias, min_tokens,
-penalties: pipeline.sampling.processors), one sampling call,
-one log-softmax/top-k and one device->host copy. The caller (pipeline.output.head) keeps the rows'
-state; this module only turns tensors and per-row parameters into host lists.
+Batched: one head matmul, the processors, one sampling call, one log-softmax/top-k and one
+device->host copy. The caller (pipeline.output.head) keeps the rows' state.
 """
 
 from __future__ import annotations
