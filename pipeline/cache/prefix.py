@@ -1,27 +1,16 @@
 """Shared-prefix KV cache: a prompt prefix computed once serves every later request that starts with it.
 
-Prompts are cut into blocks of ``block_size`` tokens; block ``b`` is named by a digest chained over
-blocks ``0..b`` (so equal digests mean equal prefixes). Two halves:
+Prompts are cut into blocks of ``block_size`` tokens, block ``b`` named by a digest chained over blocks
+``0..b``. :class:`PrefixCache`, on rank 0, keeps the books (resident digests, their pool blocks, least
+recently used first) and plans each prefill's loads and saves; :class:`PrefixStore` is every stage's pool
+(keys and values; on the last stage also hidden states and echo scores), filled and read as the pass
+headers say (docs/design/prefix-cache.md).
 
-- :class:`PrefixCache`, on rank 0, pure bookkeeping: which digests are resident, in which block of
-  the stages' pools, least recently used first. When a group prefills, :meth:`PrefixCache.plan`
-  says which resident blocks its row copies in (its leading *hits*), how many prompt tokens that
-  covers, and which of its freshly computed blocks the stages keep (only blocks another queued or
-  recent prompt shares: a file without shared prefixes keeps nothing and pays nothing).
-- :class:`PrefixStore`, on every stage, the pool: keys and values of its own layers per block (and,
-  on the last stage, the final hidden states and, once an echo request has scored a block, each
-  position's logprob of the next token in the block and its top logprobs, so that echo scoring of a
-  cached prefix runs the head over one position per block, not over every cached position),
-  filled and read as the pass headers say.
-
-Copy, not paging: a row's cache stays contiguous (the decoder's layout); an admitted row copies its
-hit blocks into its first columns before its prefill runs and then never reads the pool again. A
-block is therefore in use only within the pass that loads it, and every stage applies passes in the
-order rank 0 built them, so rank 0 may evict and reuse a block id in any later pass: the stages see
-the load first. Blocks loaded by the pass being built are pinned until it is built.
-
-Memory: the pool grows in steps that rank 0 announces (``PassHeader.prefix_grow``) and counts
-against ``--budget`` (the scheduler's ``used``), at most half of it; it never shrinks.
+Copy, not paging: an admitted row copies its hit blocks into its first columns before its prefill and
+never reads the pool again, so a block is in use only within the pass that loads it, and since every
+stage applies passes in rank 0's order, rank 0 may reuse a block id in any later pass. The pool grows in
+steps announced in ``PassHeader.prefix_grow``, counts against ``--budget`` (at most half of it) and never
+shrinks (it may be dropped whole).
 """
 
 from __future__ import annotations
@@ -29,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
+from itertools import takewhile
 
 import torch
 
@@ -85,12 +75,7 @@ class PrefixCache:
 
     def hits(self, digests) -> int:
         """Leading blocks of a prompt that are resident now."""
-        n = 0
-        for d in digests:
-            if d not in self.blocks:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.blocks.__contains__, digests))
 
     def reset(self) -> None:
         """Drop every block and the pools themselves (announced as a capacity of 0)."""
