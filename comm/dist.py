@@ -1,11 +1,9 @@
 """Start torch.distributed once: torchrun's environment or the seed's legacy per-rank flags.
 
-NCCL when CUDA is available, gloo otherwise (``backend="gloo"`` on GPUs: every message through host
-memory, and ranks may share a GPU); an explicit timeout; world size 1 needs no process group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
-grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``, with this rank's one-way pipeline links
-(:func:`comm.p2p.open_channels`, created here, before loading, so a rank that dies while loading is
-seen by its neighbours' header receives) and a CPU (gloo) group over every rank for the barrier
-at shutdown.
+NCCL when CUDA is available, gloo otherwise (or on GPUs with ``backend="gloo"``); an explicit timeout;
+world size 1 needs no process group. Ranks ``d*P .. d*P + P-1`` form pipeline ``d``. The pipeline links
+(:func:`comm.p2p.open_channels`) are made here, before loading, so a rank that dies while loading is
+seen by its neighbours.
 """
 
 from __future__ import annotations

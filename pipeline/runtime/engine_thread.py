@@ -1,11 +1,6 @@
 """Rank 0's engine on a thread of its own, for the faces that live in this process (the Python API,
-the terminal): they call from their thread, the engine runs on this one.
-
-:class:`EngineThread` builds the engine on its thread (``build(requests, files, stopping)``: loading
-included, so a face can wait for :attr:`ready` or a :attr:`failure`), feeds it a
-:class:`~pipeline.runtime.sources.Requests` and a :class:`~pipeline.runtime.sources.QueuedFiles`, and
-when the engine ends, however it ends, answers every request still waiting with the reason
-(``Answer(dead=...)``), so no caller waits forever.
+the terminal): they call from their thread; when the engine ends, however it ends, every request still
+waiting is answered with the reason (``Answer(dead=...)``), so no caller waits forever.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The last stage's answers: what it does with each message after its layers ran.
-
-:class:`OpenFile` opens the output (tasks.output_file) and answers :class:`Opened`; a
-:class:`PassHeader` admits the groups that enter, samples with the :class:`~pipeline.output.head.Head`
-and answers a :class:`Reply` with the tokens rank 0 feeds next; :class:`CloseFile` publishes
-the output and answers :class:`Closed` with the file's summary. Error lines carried by any
-message are written in their input position.
+"""The last stage's answers: what it does with each message after its layers ran (:meth:`LastRank.handle`:
+a file's output opened and closed, a pass's groups admitted and sampled with the
+:class:`~pipeline.output.head.Head`, error lines written in their input position).
 """
 
 from __future__ import annotations

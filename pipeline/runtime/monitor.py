@@ -1,9 +1,8 @@
 """Seeing a file-mode run from outside: the status file and ``--metrics-port`` on the writing rank.
 
-The last rank of each pipeline writes the status (tasks.status); the stages' own figures reach it in
-band: every ``--status-interval`` seconds rank 0 marks a pass (``PassHeader.stats``), each stage
-appends its busy seconds, KV cells and peak memory after its forward, and the last rank reads them
-(pipeline.runtime.last_rank) and sends them back to rank 0 in the reply (serve mode's /metrics).
+The stages' figures reach it in band: every ``--status-interval`` seconds rank 0 marks a pass
+(``PassHeader.stats``), each stage appends its figures after its forward, and the last rank reads them
+and sends them back to rank 0 in the reply (serve mode's /metrics).
 """
 
 from __future__ import annotations
@@ -68,12 +67,8 @@ def start_status(plan, opts, info) -> RunStatus | None:
 def run_flags(opts) -> dict:
     """The options that differ from their defaults (the run record's ``flags``), keys hidden."""
     defaults = RunOptions()
-    out = {}
-    for f in dataclasses.fields(RunOptions):
-        value = getattr(opts, f.name)
-        if value != getattr(defaults, f.name):
-            out[f.name] = "<hidden>" if "key" in f.name else value
-    return out
+    return {f.name: "<hidden>" if "key" in f.name else value for f in dataclasses.fields(RunOptions)
+            if (value := getattr(opts, f.name)) != getattr(defaults, f.name)}
 
 
 def start_metrics(opts, status: RunStatus | None):

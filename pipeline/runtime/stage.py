@@ -1,11 +1,9 @@
 """The stage step: receive a pass, run this stage's layers over it, send it on.
 
-A pass (:class:`~pipeline.runtime.messages.PassHeader`) carries up to two segments of one micro-batch:
-a decode segment (one token for each ``decode_layout`` row) and a prefill segment (the new
-prompts, right-padded to ``prefill_len``). :func:`pack` puts both into one tensor, token ids on
-the first stage and hidden states after it; :func:`unpack` takes them apart from the header.
-Every rank but the first runs :func:`serve`: receive, step, pass it on (the last rank hands it to
-its :class:`~pipeline.runtime.last_rank.LastRank`, whose reply rings back to rank 0).
+A pass carries up to two segments of one micro-batch, a decode segment (one token per ``decode_layout``
+row) then a prefill segment (new prompts right-padded to ``prefill_len``), packed into one tensor
+(:func:`pack` / :func:`unpack`): token ids on the first stage, hidden states after it. Every rank but
+the first runs :func:`serve`.
 """
 
 from __future__ import annotations
