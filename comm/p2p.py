@@ -182,7 +182,12 @@ class Messenger:
         if tensor is None and meta[1]:  # NCCL: the payload follows on its own group
             dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
             nbytes = meta[1] * dtype.itemsize
-            tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)
+            # the link's reusable GPU buffer: valid until the next receive from ``src`` (the stage consumes
+            # it in between; under NCCL that receive is queued behind the compute already on the stream)
+            buf = self._buffers.get(src)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._buffers[src] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            tensor = buf[:nbytes].view(dtype).view(shape)
             try:  # returns once the receive is queued; the current stream waits for it
                 dist.recv(tensor, src, group=ch.payload)
             except RuntimeError as e:
@@ -190,15 +195,6 @@ class Messenger:
         if self.trace is not None:
             self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
         return header, tensor
-
-    def _buffer(self, src: int, nbytes: int) -> torch.Tensor:
-        """The reusable GPU payload buffer of link ``src ->``, at least ``nbytes`` long. A received
-        tensor is valid until the next receive from ``src`` (the stage consumes it in between; under
-        NCCL the next receive is queued behind the compute already queued on the current stream)."""
-        buf = self._buffers.get(src)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[src] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
 
     def _reap(self) -> None:
         """Forget finished sends. A gloo send reports completion only through ``wait()``, so beyond

@@ -118,10 +118,7 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.idle(self.stage.kv_cells)
         if self.metrics is not None and self._load_at >= 0:
-            self._load_at = -1.0  # at rest: measured again with the next pass's answer
-            d, prefix = self.driver, self.driver.prefix
-            self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
-                                  prefix.prompt_tokens if prefix else 0)
+            self._set_load(-1.0)  # at rest: measured again with the next pass's answer
         if self.requests is not None:
             self._take(self.requests.take(timeout=0.05))
         elif self.job is not None and self.job.opened and not self.job.closing:
@@ -407,7 +404,10 @@ class Engine:
         now = time.monotonic()
         if 0 <= now - self._load_at < 0.5:
             return
-        self._load_at = now
-        d, prefix = self.driver, self.driver.prefix
+        self._set_load(now)
+
+    def _set_load(self, at: float) -> None:
+        """/metrics' load gauges from the scheduler now; ``at``: when (-1: at rest)."""
+        self._load_at, d, prefix = at, self.driver, self.driver.prefix
         self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
                               prefix.prompt_tokens if prefix else 0)

@@ -1,11 +1,9 @@
 """Rank 0's side: stream request lines, validate and tokenize them, and decide what runs.
 
-The driver turns each prompt of a request into a scheduler :class:`Group` (``best_of`` rows),
-keeps the scheduler's queue filled from the input stream (never the whole file in memory), and
-turns each pass the scheduler decides (complete: :class:`~pipeline.scheduling.batches.Pass`) into its
-header and input token ids, adding what the scheduler does not hold: prompt ids, admissions, the
-tokens to feed, error lines. Lines that cannot run become error records, passed along to the writer
-in their input position. Rank 0's loops talk to the driver only; it alone talks to the scheduler.
+Each prompt of a request becomes a scheduler :class:`Group`; the driver keeps the scheduler's queue
+filled from the input stream (never the whole file in memory) and turns each pass it decides into a
+header and input token ids, adding what the scheduler does not hold (prompt ids, admissions, tokens to
+feed, error lines). Rank 0's loops talk to the driver only; it alone talks to the scheduler.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Rank 0's structured-output intake: every distinct constraint compiled once, as its line is read, on
 a worker thread with a time limit (``--grammar-timeout``); one that fails or runs out of time becomes
-that request's error and the rest of the file runs.
-
-The compiled grammars are pipeline.sampling.grammar's :class:`Grammars` (with P = 1 the same object the
-last rank samples with, so nothing compiles twice; with P > 1 the last rank compiles each spec again
-once, from the spec its admission message carries, which rank 0 has already proven to compile in time).
+that request's error and the rest of the file runs. With P = 1 the compiled :class:`Grammars` are the
+ones the last rank samples with; with P > 1 the last rank compiles each spec once more.
 """
 
 from __future__ import annotations
