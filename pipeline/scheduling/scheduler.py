@@ -12,6 +12,7 @@ outside edits the queue or slots (docs/design/scheduler.md).
 from __future__ import annotations
 
 from collections import deque
+from itertools import takewhile
 
 from pipeline.scheduling.batches import Group, Outcome, Pass, PromptPart, Slot  # noqa: F401  (Group is imported from here across the package)
 from pipeline.config.components import SchedulerConfig  # noqa: F401  (re-exported)
@@ -102,13 +103,10 @@ class Scheduler:
         """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
         self.policy.submitted(g)
-        if not g.priority:
+        if g.priority:
+            self._queue.insert(sum(1 for _ in takewhile(lambda x: x.priority, self._queue)), g)
+        else:
             self._queue.append(g)
-            return
-        i = 0
-        while i < len(self._queue) and self._queue[i].priority:
-            i += 1
-        self._queue.insert(i, g)
 
     def cancel(self, gids: set[int], request: int) -> tuple[list[Group], list[int]]:
         """Serve mode, a client left: its queued groups leave the queue (returned), and each slot
@@ -251,9 +249,8 @@ class Scheduler:
         return not any(s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def _refill_limit(self, slot: Slot) -> int | None:
-        """Most new tokens a group may have to join this allocated slot now (None: any). While the
-        oldest queued group is blocked, file mode: every slot drains for it (0); serve mode: only the
-        slot with the fewest rows in use, taking groups that end before its longest row (backfill)."""
+        """Most new tokens a group may have to join this allocated slot now (None: any): while the oldest
+        queued group is blocked, the policy's limit (:meth:`FilePolicy.blocked_limit`)."""
         if not self._head_blocked():
             self.policy.unblocked()
             return None
@@ -261,20 +258,16 @@ class Scheduler:
 
     @property
     def slot_share(self) -> int:
-        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget,
-        but no more than the prefix pool leaves at its largest (one micro-batch took the whole budget,
-        and the pool never had room to grow)."""
+        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget but
+        no more than the prefix pool leaves at its largest (else the pool never had room to grow)."""
         share = self.budget // len(self.slots)
         if self.prefix is not None:
             share = min(share, self.budget - self.prefix.max_blocks * self.prefix.block_size)
         return share
 
     def _pool_yields(self) -> None:
-        """Drop the prefix pool when it stands between the budget and the oldest request (with no
-        slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
-        drain there, and a pool grown while traffic was light would keep every new slot small). The
-        share (:attr:`slot_share`) leaves the pool room: with one micro-batch (P = 1) it was the whole
-        budget, and the pool was dropped before every request that came alone."""
+        """Drop the prefix pool when it stands between the free cells and what the policy wants for the
+        oldest request (:meth:`FilePolicy.pool_want`, :meth:`ServePolicy.pool_want`)."""
         if self.prefix is None or not self.prefix.cells:
             return
         free, want = self.budget - self.used, self.policy.pool_want(self, self.cells(self._queue[0]))
@@ -369,11 +362,9 @@ class Scheduler:
         return g.prompt_len - min(hits, g.prompt_len - 1)
 
     def _scoring_share(self, window: list[Group]) -> int | None:
-        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
-        new slot may compute: half an even share of the window's scoring work (a prompt counts only
-        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
-        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
-        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
+        """File mode, several micro-batches: the prompt tokens of scoring-only groups a new slot may
+        compute, half an even share of the window's scoring work (a prompt counts only what an earlier one
+        does not compute), so that the stages work at once (docs/design/scheduler.md); None: no limit."""
         if not self.policy.even_tail(self):
             return None
         total, seen = 0, set()
@@ -381,11 +372,7 @@ class Scheduler:
         for g in window:
             if g.max_tokens:
                 continue
-            shared = 0
-            for d in g.digests:
-                if d not in seen and not self.prefix.resident(d):
-                    break
-                shared += 1
+            shared = sum(1 for _ in takewhile(lambda d: d in seen or self.prefix.resident(d), g.digests))
             seen.update(g.digests)
             total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
         return -(-total // (2 * len(self.slots)))
