@@ -84,19 +84,15 @@ class PrefixCache:
 
     def plan(self, prompt_len: int, digests: list[bytes], room: int, pinned: set[int],
              saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]], int]:
-        """For a group entering now (a prompt of ``prompt_len`` tokens): (cached tokens, block ids to load, [block index, block id] to save,
-        shared blocks).
+        """For a group entering now (a prompt of ``prompt_len`` tokens): (cached tokens, block ids to load,
+        [block index, block id] to save, how many leading blocks are worth keeping: another prompt showed them).
 
-        At least the last prompt token is always computed (its hidden state samples the first
-        token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
-        ids the pass being built loads or writes, which must not be reused within it; ``saving``
-        (updated): the ones it writes, which its own groups cannot load yet (stages load before
-        the prefill and write after it). ``chunk``: the pass computes only this many tokens after the
-        cached ones (chunked prefill); blocks past them are saved by the passes that compute them
-        (:meth:`plan_chunk`: a block is registered only with its contents written by the pass that
-        registers it). Shared blocks: how many of the prompt's leading blocks are worth keeping
-        (another prompt has shown them), for those later passes. A block already registered (another
-        group of this pass saves it, or it outlived an evicted block before it) is not saved twice.
+        The last prompt token is always computed (its hidden state samples the first token). ``room``:
+        budget cells free for the pool to grow into; ``pinned`` (updated): block ids the pass being built
+        loads or writes, not to be reused within it; ``saving`` (updated): those it writes, which its own
+        groups cannot load yet (stages load before the prefill and write after it); ``chunk``: the pass
+        computes only this many tokens after the cached ones, later blocks are saved by the passes that
+        compute them (:meth:`plan_chunk`). A block already registered is not saved twice.
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
@@ -132,12 +128,10 @@ class PrefixCache:
 
     def plan_chunk(self, digests: list[bytes], start: int, end: int, shared: int, room: int, pinned: set[int],
                    saving: set[int]) -> list[list[int]]:
-        """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id]
-        to save for each block that this pass completes (its last token lies in that range; its first
-        ones may lie in an earlier chunk: chunk ends need not be block ends) and that is shared: one of
-        the prompt's first ``shared`` blocks (see :meth:`plan`) or one a prompt queued since shows. A
-        block registered meanwhile (another prompt computed it) is not saved twice. ``room``,
-        ``pinned``, ``saving``: as for :meth:`plan`."""
+        """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id] to save
+        for each shared block it completes (one of the prompt's first ``shared`` blocks, or one a prompt
+        queued since shows; chunk ends need not be block ends). ``room``, ``pinned``, ``saving``: as for
+        :meth:`plan`."""
         self._room = room
         saves = []
         for b in range(start // self.block_size, min(len(digests), end // self.block_size)):

@@ -119,14 +119,10 @@ class Stage:
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None, ahead: bool = False) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output. ``ahead``
-        (rank 0, for the trace): the slot's previous pass is still in flight.
-
-        A forward that raises does not end the process: the pass is marked ``failed`` (None goes on
-        instead of activations) and rank 0 computes its groups again one at a time
-        (:mod:`pipeline.runtime.retry`). The later stages skip a failed pass, and every stage skips the
-        slot's later passes until that retry (their cache rows miss this pass's keys here); the
-        bookkeeping (release, allocation, prefix pool size) runs in any case, so that every stage
-        keeps the same caches."""
+        (rank 0, for the trace): the slot's previous pass is still in flight. A forward that raises marks
+        the pass ``failed`` (None goes on) and the slot's later passes are skipped until rank 0's retry
+        (:mod:`pipeline.runtime.retry`: their rows miss this pass's keys); the bookkeeping (release,
+        allocation, prefix pool size) runs in any case, so that every stage keeps the same caches."""
         t0 = self.mark()
         if self.fault.armed:
             self.fault.watch(hdr)
