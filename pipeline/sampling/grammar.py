@@ -289,11 +289,9 @@ class MasksAhead:
 def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
                  device: torch.device, ahead: MasksAhead | None = None) -> torch.Tensor:
     """(R, vocab) bool: the tokens each row's matcher allows next (a row whose matcher is None: every
-    token). Ids the tokenizer does not know (``tok_vocab`` and beyond) are never allowed in a
-    constrained row; the end of the output (any of ``eos_ids``) is allowed exactly where the grammar
-    may end. Masks come from ``ahead`` when it started them; unpacked on the host in numpy for the
-    constrained rows only, with no per-row work beyond the matchers' own calls (a handful of small
-    torch ops cost more than the masks themselves), one copy to the device."""
+    token; ids from ``tok_vocab`` on: none). ``eos_ids`` are allowed exactly where the grammar may end.
+    Masks come from ``ahead`` when it started them, unpacked on the host in numpy (a handful of small
+    torch ops per row cost more than the masks themselves), then one copy to the device."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     ms = [matchers[i] for i in rows]
     if not ms:
