@@ -31,7 +31,6 @@ class Answers:
         # not yet taken: each as :class:`Taken`'s field of its name
         self.results, self.live, self.deltas, self.retries = [], [], [], []
         self.format_seconds = 0.0  # detokenizing and formatting results
-        self.failed = 0  # requests answered with an error because computing them raised (the run went on)
 
     def finish(self, live: bool, index: int, req: RequestState) -> None:
         """A finished request: a file's line (the writer's), or for a live request its answer for rank 0,
@@ -46,8 +45,6 @@ class Answers:
                 result = self._result(req)
             except Exception as e:
                 req.failed("formatting its result", e)
-        if req.error is not None:
-            self.failed += 1
         if live:
             self.live.append((index, {"result": result} if req.error is None else {"error": req.error}))
         else:

@@ -83,10 +83,6 @@ class EngineThread:
             self.requests.resolve(live, dead)
         self.files.fail_all(dead.dead)
 
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive() and not self.finished.is_set()
-
     def submit(self, req: Request, channel: Channel, prompt_ids: list[list[int]] | None = None,
                numbered: bool = False) -> Live:
         """Queue one request (``prompt_ids``: its prompts tokenized on the caller's thread, else the
