@@ -148,12 +148,8 @@ class Head:
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
                 pool=None) -> tuple[dict, list[int]]:
         """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
-
-        h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
-        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``, from each one's first
-        uncached token; pool: this stage's :class:`~pipeline.cache.prefix.PrefixStore` (echo scoring of
-        cached prompt tokens reads it).
-        """
+        h_decode: (len(decode_rows), hidden); h_prefill: (b, t, hidden) for the prefill leads listed in
+        ``prefill``, from each one's first uncached token; pool: this stage's prefix pool (echo scoring)."""
         states = self.slots[slot]
         feed, finished = {}, []
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
