@@ -190,11 +190,9 @@ class Scheduler:
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
     def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
-        """``g`` joins this pass's prefill within its cap: the pass computes every new prompt to the
-        longest one's length, so the cost is rows x the longest; ``held``: (rows, longest) of the
-        chunked prompts the pass continues; ``decoding``: the slot has rows decoding in this pass. A
-        pass of scoring prompts alone is capped by ``scoring_tokens``, any other by ``prefill_tokens``.
-        Always true for the first prompt."""
+        """``g`` joins this pass's prefill within its cap (rows x the longest part: the pass computes every
+        new prompt to that length; ``held``: (rows, longest) of the chunked prompts it continues;
+        ``decoding``: the slot has rows decoding in it); always true for the first prompt."""
         if not chosen and not held[0]:
             return True
         groups = (*chosen, g)
@@ -321,10 +319,9 @@ class Scheduler:
         return (rows, cols), self._admit(new)
 
     def parts(self) -> int:
-        """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
-        queued) with fewer micro-batches holding rows than there are stages: enough that every stage
-        has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time). Not
-        when the stages take turns with the node's cores (``SchedulerConfig.turns``): two passes then
+        """Passes a slot's decode rows split over: 1, except at the end of a file with fewer micro-batches
+        holding rows than there are stages: enough that every stage has a pass (docs/design/scheduler.md).
+        Not when the stages take turns with the node's cores (``SchedulerConfig.turns``): two passes then
         contend for the same cores, and each re-reads the stage's weights."""
         active = sum(s.rows > 0 for s in self.slots)
         if not self.policy.splits_tail or self.config.turns or self._queue or not active or active >= self.stages:
