@@ -27,6 +27,7 @@ class FaultPoint:
         self.name, self.after, self.calls = name, after, 0
         self.armed = os.environ.get("DIST_INFER_FAULT") == name
         self.rank = os.environ.get("DIST_INFER_FAULT_RANK")
+        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))  # the line of ``line`` and ``forward-*``
 
     def set_rank(self, rank: int) -> None:
         """Disarm on every rank but ``DIST_INFER_FAULT_RANK`` (when it is set)."""
@@ -47,7 +48,6 @@ class LinePoint(FaultPoint):
 
     def __init__(self):
         super().__init__("line")
-        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
 
     def admit(self, indices) -> None:
         if self.armed and self.line in indices:
@@ -62,7 +62,6 @@ class ForwardPoint(FaultPoint):
         super().__init__("forward-raise")
         self.kills = os.environ.get("DIST_INFER_FAULT") == "forward-kill"
         self.armed |= self.kills
-        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
         self.rows: set[tuple[int, int]] = set()  # (slot, row) holding the line
         self.from_pass = int(os.environ.get("DIST_INFER_FAULT_PASS", "1"))
         self.passes = 0  # passes of this stage that computed the line's rows

@@ -398,10 +398,12 @@ class Scheduler:
         column = {r: slot.row_len[r] for r in decode_rows}
         prompts, forks, admitted = [], [], []
         free = slot.free_rows() if new else []
+        if alloc:
+            slot.adapters = [0] * slot.rows
         for g in new:
             rows, free = free[: g.width], free[g.width :]
             for r in rows:
-                slot.row_group[r], slot.row_len[r] = g.gid, g.prompt_len
+                slot.row_group[r], slot.row_len[r], slot.adapters[r] = g.gid, g.prompt_len, g.adapter
             self.groups[g.gid] = g
             prompts.append((g, rows[0]))
             if len(rows) > 1:
@@ -418,11 +420,6 @@ class Scheduler:
         layout = decode_layout(decode_rows, slot.rows, not slot.prefilling and not split) if decode_rows else []
         planned = self._plan_prompts(slot, prompts, resume)
         grow = self.prefix.take_grow() if prompts and self.prefix is not None else None
-        if alloc:
-            slot.adapters = [0] * slot.rows
-        for g in new:
-            for r in dict(admitted)[g.gid]:
-                slot.adapters[r] = g.adapter
         drop, cancel, release = tuple(sorted(slot.drops)), tuple(sorted(slot.cancels)), tuple(self.released)
         slot.drops.clear()
         slot.cancels.clear()
@@ -474,7 +471,7 @@ class Scheduler:
             gids.append(gid)
             self.shared.pop(gid, None)
             slot.row_group[r] = None
-            if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
+            if gid is not None and gid in self.groups and gid not in slot.row_group:
                 del self.groups[gid]
         if all(g is None for g in slot.row_group) and not slot.fed:
             slot.rows = slot.cols = 0
