@@ -381,17 +381,15 @@ class Driver:
             return True
         return out.released or out.waiting
 
-    # -- what the loops and status read -----------------------------------------------------
+    # -- what the loops and status read: the scheduler's (each documented there) ----------------
     @property
     def slot_ids(self) -> range:
         return range(len(self.sched.slots))
 
     def take_released(self) -> list[int]:
-        """Slots emptied since the last pass was built."""
         return self.sched.take_released()
 
     def group_of(self, sid: int, row: int) -> int | None:
-        """The group slot ``sid``'s ``row`` holds (None: a free row)."""
         return self.sched.group_of(sid, row)
 
     @property
@@ -400,12 +398,10 @@ class Driver:
 
     @property
     def queued(self) -> int:
-        """Groups waiting for rows (status and metrics read these; nothing here changes them)."""
         return self.sched.queued
 
     @property
     def running_rows(self) -> int:
-        """Rows holding a group, over every micro-batch."""
         return self.sched.running_rows
 
 
