@@ -36,35 +36,35 @@ def launcher_pid(env: Mapping[str, str], start_ppid: int) -> int | None:
     return None
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Linux: the kernel sends ``sig`` to this process when its parent exits. False where unavailable."""
+def set_parent_death_signal() -> bool:
+    """Linux: the kernel sends SIGTERM to this process when its parent exits. False where unavailable."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
-def watch_launcher(expected: int, sig: int = signal.SIGTERM, poll_s: float = POLL_S, kernel: bool = True) -> None:
-    """Exit (by ``sig`` to this process) once the parent is no longer ``expected``: the kernel's
-    parent-death signal where there is one, then a check (the launcher may have died already), and a
-    watchdog thread polling the parent every ``poll_s`` seconds."""
+def watch_launcher(expected: int, poll_s: float = POLL_S, kernel: bool = True) -> None:
+    """Exit (by SIGTERM to this process) once the parent is no longer ``expected``: the kernel's
+    parent-death signal where there is one (``kernel``), then a check (the launcher may have died
+    already), and a watchdog thread polling the parent every ``poll_s`` seconds."""
     if kernel:
-        set_parent_death_signal(sig)
+        set_parent_death_signal()
     if os.getppid() != expected:
-        _orphaned(expected, sig)
+        _orphaned(expected)
         return
 
     def watch() -> None:
         while os.getppid() == expected:
             time.sleep(poll_s)
-        _orphaned(expected, sig)
+        _orphaned(expected)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def _orphaned(expected: int, sig: int) -> None:
+def _orphaned(expected: int) -> None:
     log.error("the launcher (pid %d) is gone: this rank stops", expected)
-    os.kill(os.getpid(), sig)
+    os.kill(os.getpid(), signal.SIGTERM)

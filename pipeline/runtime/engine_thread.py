@@ -37,13 +37,12 @@ class EngineStopped(RuntimeError):
 
 class EngineThread:
     def __init__(self, build: Callable[[Requests, QueuedFiles, threading.Event], Engine],
-                 stopping: threading.Event | None = None, max_pending: int = 1 << 62,
-                 cleanup: Callable[[bool], None] | None = None):
+                 stopping: threading.Event | None = None, cleanup: Callable[[bool], None] | None = None):
         """``build``: the engine, made on the engine's thread; ``stopping``: what stops it besides
         :meth:`stop` (the process's signals); ``cleanup(clean)``: after the engine ended (clean: it
         stopped as asked)."""
         self.stopping = Stopping(stopping)
-        self.requests = Requests(max_pending, stopping=self.stopping)
+        self.requests = Requests(stopping=self.stopping)
         self.files = QueuedFiles()
         self.engine: Engine | None = None
         self.failure: str | None = None  # why the engine stopped on its own (a traceback's last line)
