@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from itertools import islice
 
 import torch
 
@@ -33,14 +34,8 @@ log = logging.getLogger(__name__)
 
 def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
     """(index, line) for each non-blank line, split on b"\\n" only (a JSON string may hold U+2028)."""
-    index = 0
     with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if index >= skip:
-                yield index, line
-            index += 1
+        yield from islice(enumerate(line for line in f if line.strip()), skip, None)
 
 
 class Driver:
