@@ -366,9 +366,4 @@ class Head:
 def _find_stop(text: str, stops: list[str], since: int, floor: int = 0) -> int | None:
     """Earliest index of any stop string that ends after ``since`` (so spans across tokens count) and
     starts at ``floor`` or later (a thinking row: its answer's start)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(floor, since - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
+    return min((i for s in stops if (i := text.find(s, max(floor, since - len(s) + 1))) >= 0), default=None)
