@@ -297,11 +297,8 @@ class Driver:
         self.lines = None
         self.isolation.aside.clear()
         gone, started = self.sched.cancel_lines()
-        raws = {}
-        for g in gone:
-            meta = self.unqueue(g)
-            if meta is not None and meta.raw is not None:
-                raws[g.request] = meta.raw
+        # every group unqueued; a request's line is the one its first prompt's admission carries
+        raws = {g.request: m.raw for g in gone if (m := self.unqueue(g)) is not None and m.raw is not None}
         for index in sorted({g.request for g in gone}):
             self.error_line(index, raws.get(index), CANCELLED)
         return len(started)
