@@ -113,8 +113,8 @@ def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
     return list(itertools.accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
 
 
-def completion_choice(detok: Detokenizer, cand: Candidate, index: int, want_top: int | None, echo: dict | None = None,
-                      token_ids: bool = False, prompt_ids: list[int] | None = None) -> dict:
+def completion_choice(detok: Detokenizer, cand: Candidate, index: int, want_top: int | None,
+                      echo: dict | None = None, token_ids: bool = False, prompt_ids: list[int] | None = None) -> dict:
     """One OpenAI completion choice. ``echo`` = {"ids", "logprobs", "top"} of the prompt (first entry None);
     ``token_ids`` (vLLM's return_token_ids): also the ids of ``logprobs.tokens`` (the prompt's first with
     echo), ``prompt_ids`` as ``prompt_token_ids``, and with top logprobs each position's alternatives by
