@@ -39,19 +39,13 @@ class ReasoningFormat:
     end: str = END
 
 
-def template_text(tokenizer) -> str:
-    t = getattr(tokenizer, "chat_template", None)
-    if isinstance(t, dict):  # named templates
-        return "\n".join(str(v) for v in t.values())
-    return t if isinstance(t, str) else ""
-
-
 def choose(tokenizer, name: str) -> ReasoningFormat | None:
     """The run's format: ``name`` (``--reasoning-parser``); ``auto``: qwen3 when the chat template
     writes ``<think>``, else none. Raises :class:`ReasoningError` for one that cannot work here."""
     if name == "none":
         return None
-    text = template_text(tokenizer)
+    t = getattr(tokenizer, "chat_template", None)  # a text, or named templates
+    text = "\n".join(map(str, t.values())) if isinstance(t, dict) else t if isinstance(t, str) else ""
     if name == "gpt_oss" or (name == "auto" and "<|channel|>" in text):
         if name == "auto":
             log.warning("this model's chat template writes gpt-oss's harmony channels, which the runner does not "

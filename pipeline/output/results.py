@@ -22,10 +22,8 @@ class Detokenizer:
         self._single: dict[int, str] = {}
         # Incremental detokenization decodes short windows of ids; prompts that share a prefix (few-shot,
         # multiple choice) repeat the same windows, so their texts are remembered (bounded).
-        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_window)
-
-    def _decode_window(self, ids: tuple[int, ...]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self.decode = functools.lru_cache(maxsize=1 << 16)(
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def pieces(self, ids: list[int], context: list[int] = ()) -> list[str]:
         """Text contributed by each token of ``ids`` (after ``context``), joining to the decoded text."""

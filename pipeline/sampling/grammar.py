@@ -133,7 +133,8 @@ class Grammars:
                     self.tok = from_tokenizer(self._hf_tok)
                 m = llguidance.LLMatcher(self.tok, grammar_text(spec, self.max_string), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
-                mask_words(m, self.tok.vocab_size)
+                words = np.zeros((self.tok.vocab_size + 31) // 32, dtype=np.int32)
+                m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
                 got = GrammarError(m.get_error()[:500]) if m.is_error() else m
             except GrammarError as e:
                 got = e
@@ -156,14 +157,6 @@ class Grammars:
     def known(self, spec: dict) -> bool:
         with self._lock:
             return spec_key(spec) in self._ready
-
-
-def mask_words(matcher, tok_vocab: int) -> np.ndarray:
-    """The next-token bitmask of one matcher: int32 words, bit j of word w = token 32w + j allowed.
-    llguidance drops the GIL while it computes, so a thread may run this beside the forward pass."""
-    words = np.zeros((tok_vocab + 31) // 32, dtype=np.int32)
-    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-    return words
 
 
 class _Batch:

@@ -37,8 +37,8 @@ class GrammarIntake:
         try:
             self.grammars.compile(spec)
         except GrammarError as e:
-            raise RequestError(f"the output constraint cannot be compiled: {e}", _param(spec),
-                               reason="grammar") from None
+            param = "response_format" if spec["kind"] == "json_object" else "structured_outputs"
+            raise RequestError(f"the output constraint cannot be compiled: {e}", param, reason="grammar") from None
         self.constrained += 1
 
     def _compile_quietly(self, spec: dict) -> None:
@@ -51,7 +51,3 @@ class GrammarIntake:
         return RequestError(f"the output constraint did not compile within {self.timeout:g} s "
                             "(--grammar-timeout); simplify the schema or raise the limit", "response_format",
                             reason="grammar_timeout")
-
-
-def _param(spec: dict) -> str:
-    return "response_format" if spec["kind"] == "json_object" else "structured_outputs"
