@@ -43,11 +43,6 @@ class Slot:
     cancels: set[int] = field(default_factory=set)  # a cancelled file's lines whose rows end with the next pass
 
     @property
-    def inflight(self) -> int:
-        """Passes sent and not answered yet."""
-        return len(self.fed)
-
-    @property
     def live_rows(self) -> int:
         """Rows holding a group."""
         return sum(g is not None for g in self.row_group)

@@ -80,10 +80,6 @@ class Scheduler:
         """Nothing queued, no row live, no pass in flight."""
         return not self._queue and not any(s.fed or s.live_rows for s in self.slots)
 
-    def busy(self, sid: int) -> bool:
-        """Slot ``sid`` has a pass in flight."""
-        return bool(self.slots[sid].fed)
-
     def group_of(self, sid: int, row: int) -> int | None:
         """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
         groups = self.slots[sid].row_group

@@ -108,7 +108,7 @@ def test_counters_for_status():
         s.submit(Group(gid, 5, 5))
     assert s.queued == 3 and s.wants_more
     ps = s.next_pass(0)
-    assert s.running_rows == 3 and s.used == ps.alloc[0] * ps.alloc[1] and s.busy(0)
+    assert s.running_rows == 3 and s.used == ps.alloc[0] * ps.alloc[1] and s.slots[0].fed
 
 
 def test_helpers():
