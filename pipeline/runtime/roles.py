@@ -1,7 +1,6 @@
-"""Ranks assembled from a plan: the one start-up (:func:`start_rank`: the process group, this stage's
-layers with adapters, int8 kernels and the prefix block size, the KV budget), then rank 0's engine
-(:func:`make_engine`: the driver, the scheduler and, at P = 1, the head) or every other rank's loop
-(:func:`serve_rank`). Every face starts its ranks through these.
+"""Ranks assembled from a plan, for every face: the one start-up (:func:`start_rank`: process group,
+this stage's layers and kernels, the KV budget), then rank 0's engine (:func:`make_engine`) or every
+other rank's loop (:func:`serve_rank`).
 """
 
 from __future__ import annotations

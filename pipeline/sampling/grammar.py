@@ -229,10 +229,9 @@ class MasksAhead:
             self.flushed.append(batch)
 
     def idle(self) -> None:
-        """Without a thread: compute the flushed masks now, on the caller's thread, which calls this
-        once its pass's answer has left and before it waits for its next input (at P > 1 the other
-        stages then compute; at P = 1 the next pass waits, as it would for masks on the step). A row
-        forgotten meanwhile is skipped; one whose mask raises is left to :meth:`take`."""
+        """Without a thread: compute the flushed masks now, once the pass's answer has left and before the
+        next input is awaited (at P > 1 while the other stages compute). A row forgotten meanwhile is
+        skipped; one whose mask raises is left to :meth:`take`."""
         if self.flushed:
             t0 = time.perf_counter()
             self._drain()

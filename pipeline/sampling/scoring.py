@@ -1,8 +1,7 @@
 """Echo scoring on the device: the logprob of every prompt token given the ones before it.
 
-The head runs over the prompt in chunks so a (prompt length x vocabulary) float32 tensor never exists
-beyond one chunk; prompt positions the prefix cache served are scored from the pool (its stored scores
-or its hidden states), and the blocks a prompt saves keep its scores for the next echo request.
+The head runs over the prompt in chunks (no prompt x vocabulary float32 tensor beyond one chunk); the
+positions the prefix cache served are scored from the pool, and the blocks a prompt saves keep its scores.
 """
 
 from __future__ import annotations
