@@ -69,7 +69,6 @@ class Engine:
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
         self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
-        self.ahead = link is not None  # several stages: a slot may have a second pass in flight
         self.flight = [0] * len(driver.slot_ids)  # passes in flight per slot
         self.ready: set[int] = set(driver.slot_ids)  # slots to try at the next launch
         self.owed = 0  # answers the last rank owes: passes, OpenFile, CloseFile
@@ -297,7 +296,7 @@ class Engine:
             while True:  # a pass, then while several stages compute a second one ahead of its answer
                 # (Scheduler.next_pass(ahead=True): prompts only, or a file's last decode rows split)
                 busy = self.flight[sid] > 0
-                if busy and not self.ahead:
+                if busy and self.link is None:  # one stage: no second pass in flight
                     break
                 built = d.next_pass(sid, busy)
                 if built is None:

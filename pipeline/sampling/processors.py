@@ -51,14 +51,10 @@ def _min_tokens(logits: torch.Tensor, early: list[int], ps: list, stop_ids: set[
     mask would leave with nothing (a grammar that can only end) keeps its logits: it ends, as its
     constraint says; raw logits are finite, so elsewhere a row always keeps the rest of the vocabulary."""
     vocab, dev = logits.shape[-1], logits.device
-    rows, toks = [], []
-    for i in early:
-        for t in stop_ids.union(ps[i].stop_token_ids):
-            if t < vocab:
-                rows.append(i)
-                toks.append(t)
-    if not rows:
+    pairs = [(i, t) for i in early for t in stop_ids.union(ps[i].stop_token_ids) if t < vocab]
+    if not pairs:
         return logits
+    rows, toks = (list(x) for x in zip(*pairs))
     if masked:
         idx = to_device(early, dev, torch.long)
         before = logits[idx]
