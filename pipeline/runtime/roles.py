@@ -146,10 +146,10 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
         log.info("stage %d: --cpu-linear onednn not used: %s", info.stage, reason)
 
 
-def run_budget(opts, info, stage, plan=None) -> int:
+def run_budget(opts, info, stage, plan) -> int:
     """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
     try:
-        most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
+        most = max((b - a for a, b in plan.ranges), default=0)
         budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
                                 info.gpu_sharers)
     except ValueError as e:
