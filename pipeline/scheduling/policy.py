@@ -79,8 +79,7 @@ class ServePolicy:
         """Only the slot with the fewest rows in use drains, taking groups that end before its longest
         row (backfill); the others take requests as usual (None)."""
         if self.draining is None or not sched.slots[self.draining].rows:
-            held = [s for s in sched.slots if s.rows]
-            self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
+            self.draining = min((s for s in sched.slots if s.rows), key=lambda s: (s.live_rows, s.sid)).sid
         if slot.sid != self.draining:
             return None
         left = [sched.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in sched.groups]
