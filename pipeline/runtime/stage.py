@@ -65,10 +65,6 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def gpu_peak_mb(self) -> list[float]:
-        """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
-        return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
-
     def memory_mb(self) -> dict:
         """The stage's memory breakdown in MiB for the run summary (pipeline.runtime.memory); {} for a
         stage built without a ledger."""
@@ -81,7 +77,8 @@ class Stage:
         """This stage's figures for the file's summary, appended to its CloseFile on the way down:
         compute seconds, peak GPU memory, precision, memory breakdown."""
         msg.busy.append(self.busy)
-        msg.gpu_peak_mb += self.gpu_peak_mb()
+        if self.device.type == "cuda":  # its peak allocated MiB since the file opened
+            msg.gpu_peak_mb.append(round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1))
         msg.precision.append(self.precision())
         msg.memory.append(self.memory_mb())
 
