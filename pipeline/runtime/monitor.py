@@ -32,10 +32,7 @@ def status_path(opts, inputs: list[str], data_rank: int = 0, data_size: int = 1)
     if path is None:
         first = output_for(inputs[0], opts.output_path, len(inputs) > 1)
         path = first + ".status.json" if len(inputs) == 1 else str(Path(first).parent / "status.json")
-    if data_size > 1:
-        stem = path.removesuffix(".json")
-        path = f"{stem}-{data_rank}-of-{data_size}.json"
-    return path
+    return f"{path.removesuffix('.json')}-{data_rank}-of-{data_size}.json" if data_size > 1 else path
 
 
 def start_status(plan, opts, info) -> RunStatus | None:
