@@ -62,9 +62,10 @@ class Head:
         req.batch_size = max(req.batch_size, slot_rows)
         if meta.note:
             req.notes.append(meta.note)
-        req.prompt_tokens += len(meta.prompt_ids) - meta.resumed
-        if p.return_token_ids:  # the prompt's own ids (a resumed row's tokens so far follow them)
-            req.prompt_ids[meta.prompt_i] = list(meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed])
+        prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]  # (a resumed row's tokens so far follow)
+        req.prompt_tokens += len(prompt)
+        if p.return_token_ids:
+            req.prompt_ids[meta.prompt_i] = list(prompt)
         g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
@@ -73,7 +74,6 @@ class Head:
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
             stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
             rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
-            prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]
             try:
                 if self.reasoning is not None:
                     rows[r].thinking = cand.reasoning = self.reasoning.admit(prompt, p.thinking_budget,
