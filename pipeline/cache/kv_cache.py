@@ -1,12 +1,8 @@
 """The KV cache of one micro-batch on one stage, preallocated: each row keeps its tokens at columns
-``0..len-1`` (see :mod:`pipeline.models.decoder`).
-
-``--kv-cache-dtype int8`` (CPU): each (token, kv head) is a record of ``head_dim + 4`` int8 bytes, its
-values quantized symmetrically to [-127, 127] then its float32 scale in the last four bytes, so keys,
-values and scales move together (forks, the prefix pool and every copy of columns handle records as
-float rows). Decode attention reads the records directly (``native.decode_attention``); every other
-reader gets a dequantized copy from :meth:`KVCache.read`. New tokens are attended in the compute dtype
-before they are stored, so prompt scoring (echo logprobs) is unchanged.
+``0..len-1`` (see :mod:`pipeline.models.decoder`). ``--kv-cache-dtype int8`` (CPU) keeps records of
+``head_dim + 4`` int8 bytes, the values then their float32 scale, so that keys, values and scales move
+together; decode attention reads them directly, every other reader gets a dequantized copy from
+:meth:`KVCache.read` (docs/usage/quantization.md, "int8 KV cache").
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@ Prompts are cut into blocks of ``block_size`` tokens, block ``b`` named by a dig
 ``0..b``. :class:`PrefixCache`, on rank 0, keeps the books (resident digests, their pool blocks, least
 recently used first) and plans each prefill's loads and saves; :class:`PrefixStore` is every stage's pool
 (keys and values; on the last stage also hidden states and echo scores), filled and read as the pass
-headers say (docs/design/prefix-cache.md).
-
-Copy, not paging: an admitted row copies its hit blocks into its first columns before its prefill and
-never reads the pool again, so a block is in use only within the pass that loads it, and since every
-stage applies passes in rank 0's order, rank 0 may reuse a block id in any later pass. The pool grows in
-steps announced in ``PassHeader.prefix_grow``, counts against ``--budget`` (at most half of it) and never
-shrinks (it may be dropped whole).
+headers say. Copy, not paging: a row copies its hit blocks when it enters and never reads the pool
+again, so rank 0 may reuse a block id in any later pass (docs/design/prefix-cache.md). The pool grows in
+steps announced in ``PassHeader.prefix_grow``, at most half of ``--budget``, and never shrinks (it may be
+dropped whole).
 """
 
 from __future__ import annotations

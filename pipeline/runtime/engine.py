@@ -1,15 +1,11 @@
 """Rank 0's engine: the one loop behind every face.
 
 Fed by sources (:mod:`pipeline.runtime.sources`), each turn it takes the new requests (ahead of file
-lines), steps the open file (opens, reads lines into the driver's window, closes once every line is
-answered), launches a pass for every ready slot, then handles one answer from the last rank.
-Readiness is by event: a slot is tried when its answer comes back, the idle ones when work is queued.
-
-**Stopping** (``stopping`` set): nothing new is admitted, queued work leaves (a file's lines come back
-from its journal on the next run; an HTTP request gets 503), and rows that a checkpoint cannot keep
-(live requests, several rows or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop`
-goes down and the last rank checkpoints the rows in flight. With P = 1 the last rank is in this
-process: messages go straight to its handler.
+lines), steps the open file, launches a pass for every ready slot (readiness by event: a slot is tried
+when its answer comes back, the idle ones when work is queued), then handles one answer from the last
+rank. Stopping (``stopping`` set) takes one path (docs/design/architecture.md): nothing new is admitted,
+queued work leaves, rows a checkpoint cannot keep get ``grace`` seconds, then :class:`Stop` goes down.
+With P = 1 the last rank is in this process: messages go straight to its handler.
 """
 
 from __future__ import annotations

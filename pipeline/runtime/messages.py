@@ -156,9 +156,7 @@ class Reply:
     deltas: list[tuple] = field(default_factory=list)  # streaming: (request, choice, new text, its logprobs or None)
     stats: list[list[float]] | None = None  # the pass's per-stage figures (PassHeader.stats), back to rank 0
     failed: str | None = None  # the pass was not computed (a stage's forward raised): nothing sampled
-    # --retry-starved: requests to run once more, [live, index, the request (a file's line), thinking
-    # budget, max_tokens, tokens the answer keeps] (pipeline.output.answers, Driver.rerun)
-    retry: list[list] = field(default_factory=list)
+    retry: list[list] = field(default_factory=list)  # --retry-starved: pipeline.output.answers.Taken.retries
 
 
 @dataclass
