@@ -334,14 +334,9 @@ class Head:
     def cancel(self, slot: int, lines: set[int], error: dict) -> list[int]:
         """A cancelled file's ``lines`` in ``slot``: their requests are answered with ``error``, their rows
         end now; returns the rows."""
-        rows = [r for r, st in self.slots.get(slot, {}).items() if not self.groups[st.gid].meta.live
-                and self.groups[st.gid].meta.req in lines]
-        for r in rows:
-            req = self._request_of(self.slots[slot][r].gid)
-            if req is not None and req.error is None:
-                req.error = dict(error)
-            self._finish_row(slot, r)
-        return rows
+        rows = [r for r, st in self.slots.get(slot, {}).items()
+                if not (meta := self.groups[st.gid].meta).live and meta.req in lines]
+        return self._end_rows(slot, rows, error)
 
     def rows_of(self, gid: int) -> list[int]:
         """The slot rows of group ``gid`` (none once it finished)."""
@@ -351,14 +346,16 @@ class Head:
     def fail_rows(self, slot: int, rows: list[int], cause: str) -> list[int]:
         """A stage's forward raised (``cause``) computing ``rows`` alone (pipeline.runtime.retry): their
         requests are answered with an error, the rows finish; returns those that did."""
-        rows = [r for r in rows if r in self.slots.get(slot, {})]
+        error = {"message": f"a stage's forward raised while computing this request alone ({cause}); the other "
+                            "requests of its micro-batch were answered", "type": "server_error", "param": None}
+        return self._end_rows(slot, [r for r in rows if r in self.slots.get(slot, {})], error)
+
+    def _end_rows(self, slot: int, rows: list[int], error: dict) -> list[int]:
+        """``rows`` end now, their requests answered with ``error`` (unless they have one already)."""
         for r in rows:
             req = self._request_of(self.slots[slot][r].gid)
             if req is not None and req.error is None:
-                req.error = {"message": f"a stage's forward raised while computing this request alone ({cause}); "
-                                        "the other requests of its micro-batch were answered",
-                             "type": "server_error", "param": None}
-        for r in rows:
+                req.error = dict(error)
             self._finish_row(slot, r)
         return rows
 

@@ -1,12 +1,9 @@
 """Reasoning models on the last rank: each row's thinking (where it starts and ends in the row's
-text), its budget (at the budget the end of the thinking is forced, one token a step, through the
-sampling mask), a structured output's grammar held until the answer starts, and a finished row's text
-split into reasoning and answer, its ``reasoning_tokens``, and whether the thinking starved its answer.
-
-The formats (``--reasoning-parser``: ``qwen3``, ``deepseek_r1``; ``gpt_oss`` refused; ``auto`` reads the
-chat template) and when a row thinks: docs/usage/reasoning.md. Markers are found in the row's text, so a
-marker of several tokens works as one of a single token; the budget counts the tokens the model chose
-inside the thinking, and at the budget CLOSE is forced as token ids.
+text), its budget (then the end of the thinking is forced, one token a step, through the sampling
+mask), a structured output's grammar held until the answer starts, and a finished row's reasoning
+apart from its answer, its ``reasoning_tokens`` and whether the thinking starved its answer. Markers
+are found in the row's text, so a marker of several tokens works as one of a single token. The formats
+(``--reasoning-parser``) and when a row thinks: docs/usage/reasoning.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Every message that crosses ranks, as a dataclass, and its one wire encoding.
-
-Down the pipeline (rank 0 -> ... -> P-1, with activations where a message has any): :class:`OpenFile`,
-:class:`Allocate`, :class:`Admitting`, :class:`PassHeader`, :class:`CloseFile`, :class:`Release`,
-:class:`Stop`; back from the last rank to rank 0: :class:`Reply`, :class:`Opened`, :class:`Closed`
-(who sends what, and why: docs/design/architecture.md). Error lines ride along to reach the writer in
-their input position.
+"""Every message that crosses ranks, as a dataclass, and its one wire encoding (who sends what, and
+why: docs/design/architecture.md). Error lines ride along to reach the writer in their input position.
 
 On the wire a message is ``orjson.dumps([kind, message])``; :func:`decode` rebuilds the dataclasses
 and fails on a missing or unknown field, naming it, so a mistake shows where the message is read.
