@@ -22,8 +22,7 @@ class FilePolicy:
         """A group was queued (the file policy keeps no history)."""
 
     def even_tail(self, sched: Scheduler) -> bool:
-        """Several micro-batches share the file's rest evenly (rows, scoring work) and, at its very end,
-        a slot's decode rows split over passes for every stage (:meth:`Scheduler.parts`)."""
+        """Several micro-batches share the file's rest evenly (rows, scoring work)."""
         return len(sched.slots) > 1
 
     splits_tail = True  # at a file's end a slot's decode rows split over passes for every stage (Scheduler.parts)

@@ -108,8 +108,7 @@ class Scheduler:
         """Serve mode, a client left: its queued groups leave the queue (returned), and each slot
         holding rows of ``gids`` drops ``request`` with its next pass (the slots are returned)."""
         gone = [g for g in self._queue if g.gid in gids]
-        for g in gone:
-            self._queue.remove(g)
+        self._queue = deque(g for g in self._queue if g.gid not in gids)
         held = [s.sid for s in self.slots if gids.intersection(x for x in s.row_group if x is not None)]
         for sid in held:
             self.slots[sid].drops.add(request)
@@ -121,8 +120,7 @@ class Scheduler:
         them). Returns (the groups that left, the lines in flight)."""
         started = {g.request for g in self.groups.values() if not g.priority}
         gone = [g for g in self._queue if not g.priority and g.request not in started]
-        for g in gone:
-            self._queue.remove(g)
+        self._queue = deque(g for g in self._queue if g.priority or g.request in started)
         for s in self.slots:
             held = {self.groups[x].request for x in s.row_group if x is not None and not self.groups[x].priority}
             s.cancels |= held
