@@ -1,11 +1,9 @@
 """Point-to-point messages between pipeline ranks: a small encoded header plus an optional tensor.
 
-Every directed link ``src -> dst`` is a :class:`Channel` carrying traffic one way only: the message
-(sizes, header and, on CPU or over gloo, the payload's bytes) in one gloo transfer on a group of its
-own; on GPU under NCCL the payload on a second group of that link alone, so no NCCL pair carries
-traffic both ways. Sends are asynchronous; the receiver keeps a receive posted for the link's next
-message (:meth:`Messenger.expect`) so it lands while the stage computes. Why, and what was measured:
-docs/design/gpu-notes.md. Messages on a link arrive in the order they were sent.
+Every directed link ``src -> dst`` is a :class:`Channel` of its own, one way only: the message (sizes,
+header and, over gloo, the payload's bytes) in one gloo transfer; under NCCL the payload on a second group
+of that link alone. Sends are asynchronous; the receiver keeps a receive posted for the link's next
+message (:meth:`Messenger.expect`). Why: docs/design/gpu-notes.md. Messages on a link arrive in order.
 """
 
 from __future__ import annotations

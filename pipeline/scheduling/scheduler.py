@@ -26,11 +26,10 @@ class Scheduler:
     whose first block is not resident yet do not enter one pass (the second then finds it computed);
     ``policy``: :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode).
 
-    ``prefill_tokens`` caps the prompt tokens one pass computes, rows x the longest part (at least one
-    prompt; ``scoring_tokens`` for scoring prompts alone): a new micro-batch gets rows for every group
-    packed into it, its first pass admits those that fit and the rest join its free rows later; a
-    chunked prompt counts its chunk, the chunks a pass continues first (:meth:`_resume`). Bigger passes
-    hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's alone 262 MB).
+    ``prefill_tokens`` caps the prompt tokens one pass computes (:meth:`_fits_pass`; ``scoring_tokens``
+    for scoring prompts alone): a new micro-batch gets rows for every group packed into it, its first pass
+    admits those that fit and the rest join its free rows later. Bigger passes hold activations far beyond
+    the CPU's caches (32 prompts of 500 tokens: the MLP's alone 262 MB).
     """
 
     def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
