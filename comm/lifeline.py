@@ -1,10 +1,6 @@
-"""Ranks end with their launcher: a rank whose torchrun (or legacy launch script) is gone exits.
-
-On Linux the kernel sends SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``), after which the
-parent is checked once (the launcher may have died first); a thread polling ``os.getppid()`` backs it
-up (and does it elsewhere). The launcher: torchrun's agent (this process's parent), or the pid that
-``launch/legacy_per_rank.sh`` exports as ``DIST_INFER_LAUNCHER_PID``; a rank started by hand has none
-and is left alone (docs/usage/recovery.md, "A launcher killed").
+"""Ranks end with their launcher: a rank whose torchrun (or legacy launch script) is gone exits, by the
+kernel's parent-death signal and a watchdog thread (:func:`watch_launcher`); a rank started by hand has
+no launcher (:func:`launcher_pid`) and is left alone (docs/usage/recovery.md, "A launcher killed").
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ POLL_S = 1.0
 
 
 def launcher_pid(env: Mapping[str, str], start_ppid: int) -> int | None:
-    """The launcher this rank must not outlive: ``DIST_INFER_LAUNCHER_PID``, else under torchrun the
-    parent this process had when it started (``start_ppid``), else None (started by hand)."""
+    """The launcher this rank must not outlive: ``DIST_INFER_LAUNCHER_PID`` (launch/legacy_per_rank.sh's),
+    else under torchrun the parent this process had when it started (``start_ppid``), else None (by hand)."""
     pid = env.get(LAUNCHER_ENV, "")
     if pid.isdigit():
         return int(pid)
