@@ -248,15 +248,13 @@ def serve(link, stage: Stage, last=None) -> str | None:
             else:
                 last.record(msg)
             continue
-        if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
+        if isinstance(msg, (Allocate, Release)):  # on at once: the next ranks allocate (zero) or free meanwhile
             if last is None:
                 link.send_next(msg)
-            stage.prepare(msg)
-            continue
-        if isinstance(msg, Release):  # rank 0 is idle: no pass carries these slots' release
-            stage.release(msg.slots)
-            if last is None:
-                link.send_next(msg)
+            if isinstance(msg, Allocate):
+                stage.prepare(msg)
+            else:  # rank 0 is idle: no pass carries these slots' release
+                stage.release(msg.slots)
             continue
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)
