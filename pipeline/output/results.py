@@ -162,9 +162,7 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
     c = completion_choice(detok, cand, index, params.logprobs, token_ids=params.return_token_ids)
     choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
               "finish_reason": cand.finish_reason, "logprobs": None}
-    for key in ("token_ids", "top_token_logprobs"):
-        if key in c:
-            choice[key] = c[key]
+    choice |= {key: c[key] for key in ("token_ids", "top_token_logprobs") if key in c}
     if params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(c["logprobs"])
     return choice
