@@ -10,8 +10,7 @@ itself at a named point, as a crash or an OOM kill would:
 - ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE``;
 - ``forward-raise`` / ``forward-kill``: a stage's forward raises (or SIGKILLs its process) whenever it
   computes a row of line ``DIST_INFER_FAULT_LINE``, from the ``DIST_INFER_FAULT_PASS``-th such pass on
-  (default 1). Each stage holds its own point (read when it is built), so that stages in one process
-  (``--in-process``) each know their rank.
+  (default 1); each stage holds its own point, so that stages in one process each know their rank.
 
 Unset in normal runs, where each call costs one attribute test.
 """

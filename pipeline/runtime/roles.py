@@ -5,6 +5,7 @@ other rank's loop (:func:`serve_rank`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -215,11 +216,9 @@ def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
 def load_ahead(plan, opts, info) -> None:
     """What this rank uses later, loaded before its stage's memory account starts: the libraries count in
     its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server's)."""
-    if info.is_first or info.is_last:
-        try:
+    if info.is_first or info.is_last:  # a failure is reported where the role loads it, after the weights' checks
+        with contextlib.suppress(Exception):
             load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
-        except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
-            pass
     if opts.serve is not None and info.is_first:
         import fastapi  # noqa: F401  # lazy: serve mode's HTTP libraries, no other rank's
         import uvicorn  # noqa: F401
