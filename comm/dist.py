@@ -1,11 +1,9 @@
 """Start torch.distributed once: torchrun's environment or the seed's legacy per-rank flags.
 
-NCCL when CUDA is available, gloo otherwise (``backend="gloo"`` on GPUs: every message through host
-memory, and ranks may share a GPU); an explicit timeout; world size 1 needs no process group at all. Returns a :class:`DistInfo` describing this process's place in the (data x pipeline)
-grid: ranks ``d*P .. d*P + P-1`` form pipeline ``d``, with this rank's one-way pipeline links
-(:func:`comm.p2p.open_channels`, created here, before loading, so a rank that dies while loading is
-seen by its neighbours' header receives) and a CPU (gloo) group over every rank for the barrier
-at shutdown.
+NCCL when CUDA is available, gloo otherwise (or on GPUs with ``backend="gloo"``); an explicit timeout;
+world size 1 needs no process group. Ranks ``d*P .. d*P + P-1`` form pipeline ``d``. The pipeline links
+(:func:`comm.p2p.open_channels`) are made here, before loading, so a rank that dies while loading is
+seen by its neighbours.
 """
 
 from __future__ import annotations
@@ -153,17 +151,12 @@ def local_infos(pipeline: int, data: int = 1) -> list[DistInfo]:
     """Every rank of a ``data`` x ``pipeline`` grid in this process (``--in-process``), joined by one
     :class:`comm.local.LocalWorld`: stage ``s`` on GPU ``s % device_count`` (several stages may share a
     GPU here), else on the CPU."""
-    world = pipeline * data
-    local = LocalWorld(world)
-    infos = []
-    for rank in range(world):
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-        sharers = len(range(rank % torch.cuda.device_count(), world, torch.cuda.device_count())) if cuda else 1
-        infos.append(DistInfo(rank, world, rank, world, pipeline, data, device, "local" if world > 1 else None,
-                              cpu_group=local.group if world > 1 else None, local=local if world > 1 else None,
-                              gpu_sharers=sharers))
-    return infos
+    world, gpus = pipeline * data, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = LocalWorld(world) if world > 1 else None
+    return [DistInfo(rank, world, rank, world, pipeline, data,
+                     torch.device("cuda", rank % gpus) if gpus else torch.device("cpu"), "local" if local else None,
+                     cpu_group=local.group if local else None, local=local,
+                     gpu_sharers=len(range(rank % gpus, world, gpus)) if gpus else 1) for rank in range(world)]
 
 
 def agree_min(value: int, group) -> int:

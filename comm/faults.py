@@ -1,20 +1,16 @@
-"""Fault injection for the reliability tests: ``DIST_INFER_FAULT=point`` (and optionally
-``DIST_INFER_FAULT_RANK=r``, default every rank) makes this process SIGKILL itself at a named
-point, exactly like a crash or an OOM kill would. The points:
+"""Fault injection for the reliability tests (docs/usage/recovery.md, "Testing faults"):
+``DIST_INFER_FAULT=point`` (``DIST_INFER_FAULT_RANK=r``: on that rank only) makes this process SIGKILL
+itself at a named point, as a crash or an OOM kill would:
 
 - ``load``: after this rank loaded its weights;
 - ``prefill``: last rank, its first pass with a prefill, nothing written yet;
 - ``midgen``: last rank, once 3 lines are journaled;
 - ``drive``: rank 0, at its 10th reply;
 - ``finalize``: the journal is complete and synced, not yet published;
-- ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE`` (a request that
-  kills the process each time it runs: tasks.inflight);
-- ``forward-raise`` (each stage's own point, read when the stage is built, so that stages in one
-  process (``--in-process``) each know their rank): a stage's forward raises whenever its pass computes a row of input line
-  ``DIST_INFER_FAULT_LINE`` (on the rank ``DIST_INFER_FAULT_RANK``, default every rank), as a kernel
-  failing on that request would (pipeline.runtime.retry); ``forward-kill``: SIGKILL there instead
-  (a segfault on that request, at any stage). ``DIST_INFER_FAULT_PASS=k``: only from the k-th pass
-  computing that line on (k > 1: while it decodes).
+- ``line``: last rank, whenever a pass admits input line ``DIST_INFER_FAULT_LINE``;
+- ``forward-raise`` / ``forward-kill``: a stage's forward raises (or SIGKILLs its process) whenever it
+  computes a row of line ``DIST_INFER_FAULT_LINE``, from the ``DIST_INFER_FAULT_PASS``-th such pass on
+  (default 1); each stage holds its own point, so that stages in one process each know their rank.
 
 Unset in normal runs, where each call costs one attribute test.
 """
@@ -30,6 +26,7 @@ class FaultPoint:
         self.name, self.after, self.calls = name, after, 0
         self.armed = os.environ.get("DIST_INFER_FAULT") == name
         self.rank = os.environ.get("DIST_INFER_FAULT_RANK")
+        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))  # the line of ``line`` and ``forward-*``
 
     def set_rank(self, rank: int) -> None:
         """Disarm on every rank but ``DIST_INFER_FAULT_RANK`` (when it is set)."""
@@ -50,7 +47,6 @@ class LinePoint(FaultPoint):
 
     def __init__(self):
         super().__init__("line")
-        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
 
     def admit(self, indices) -> None:
         if self.armed and self.line in indices:
@@ -65,7 +61,6 @@ class ForwardPoint(FaultPoint):
         super().__init__("forward-raise")
         self.kills = os.environ.get("DIST_INFER_FAULT") == "forward-kill"
         self.armed |= self.kills
-        self.line = int(os.environ.get("DIST_INFER_FAULT_LINE", "-1"))
         self.rows: set[tuple[int, int]] = set()  # (slot, row) holding the line
         self.from_pass = int(os.environ.get("DIST_INFER_FAULT_PASS", "1"))
         self.passes = 0  # passes of this stage that computed the line's rows

@@ -1,17 +1,6 @@
-"""Ranks end with their launcher: a rank whose torchrun (or legacy launch script) is gone exits.
-
-``kill -9`` of torchrun (``timeout -s KILL``, an OOM kill of the launcher, a crashed shell) would
-otherwise leave every rank running with parent 1, each in its own session: rank 0 of a server keeps
-answering on its port, GPUs stay held. On Linux each rank asks the kernel for SIGTERM when its parent
-dies (``prctl(PR_SET_PDEATHSIG)``), then checks that the parent is still the launcher it expects, which
-closes the race with a launcher that died first; a watchdog thread polling ``os.getppid()`` does the
-same elsewhere (and backs the kernel up). SIGTERM then takes the usual way out (file mode: exit 143
-with the journal kept; serve mode: in-flight requests finish, bounded).
-
-Who the launcher is: under torchrun the process that started this one (torchrun's agent starts each
-rank itself); under ``launch/legacy_per_rank.sh`` the script, which exports its pid as
-``DIST_INFER_LAUNCHER_PID``. A rank started by hand (``nohup python dist_inference_runner.py ... &``)
-has no launcher and is left alone: its shell may exit on purpose.
+"""Ranks end with their launcher: a rank whose torchrun (or legacy launch script) is gone exits, by the
+kernel's parent-death signal and a watchdog thread (:func:`watch_launcher`); a rank started by hand has
+no launcher (:func:`launcher_pid`) and is left alone (docs/usage/recovery.md, "A launcher killed").
 """
 
 from __future__ import annotations
@@ -33,8 +22,8 @@ POLL_S = 1.0
 
 
 def launcher_pid(env: Mapping[str, str], start_ppid: int) -> int | None:
-    """The launcher this rank must not outlive: ``DIST_INFER_LAUNCHER_PID``, else under torchrun the
-    parent this process had when it started (``start_ppid``), else None (started by hand)."""
+    """The launcher this rank must not outlive: ``DIST_INFER_LAUNCHER_PID`` (launch/legacy_per_rank.sh's),
+    else under torchrun the parent this process had when it started (``start_ppid``), else None (by hand)."""
     pid = env.get(LAUNCHER_ENV, "")
     if pid.isdigit():
         return int(pid)
@@ -43,35 +32,35 @@ def launcher_pid(env: Mapping[str, str], start_ppid: int) -> int | None:
     return None
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Linux: the kernel sends ``sig`` to this process when its parent exits. False where unavailable."""
+def set_parent_death_signal() -> bool:
+    """Linux: the kernel sends SIGTERM to this process when its parent exits. False where unavailable."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
-def watch_launcher(expected: int, sig: int = signal.SIGTERM, poll_s: float = POLL_S, kernel: bool = True) -> None:
-    """Exit (by ``sig`` to this process) once the parent is no longer ``expected``: the kernel's
-    parent-death signal where there is one, then a check (the launcher may have died already), and a
-    watchdog thread polling the parent every ``poll_s`` seconds."""
+def watch_launcher(expected: int, poll_s: float = POLL_S, kernel: bool = True) -> None:
+    """Exit (by SIGTERM to this process) once the parent is no longer ``expected``: the kernel's
+    parent-death signal where there is one (``kernel``), then a check (the launcher may have died
+    already), and a watchdog thread polling the parent every ``poll_s`` seconds."""
     if kernel:
-        set_parent_death_signal(sig)
+        set_parent_death_signal()
     if os.getppid() != expected:
-        _orphaned(expected, sig)
+        _orphaned(expected)
         return
 
     def watch() -> None:
         while os.getppid() == expected:
             time.sleep(poll_s)
-        _orphaned(expected, sig)
+        _orphaned(expected)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def _orphaned(expected: int, sig: int) -> None:
+def _orphaned(expected: int) -> None:
     log.error("the launcher (pid %d) is gone: this rank stops", expected)
-    os.kill(os.getpid(), sig)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,15 +1,10 @@
 """Every rank of a pipeline in one process (``--in-process``): threads joined by in-memory links.
 
-The ranks run the same loops as under torchrun; only the bottom layer differs. :class:`LocalWorld`
-stands for the process group: one FIFO per directed link (``src -> dst``), and a group that agrees on
-a value (:meth:`LocalGroup.agree_min`, the ``--budget auto`` collective). :class:`LocalMessenger` has
-:class:`comm.p2p.Messenger`'s interface and carries the same framed bytes (:func:`comm.p2p.frame`: the
-block of sizes, the encoded header, a CPU payload's bytes inline), so the wire format is exercised
-as it is between processes. A CUDA payload is handed over as a tensor (a copy on the receiver's
-device): several stages may then share one GPU, which NCCL refuses to two processes.
-
-A rank that fails is marked dead (:meth:`LocalWorld.fail`): its neighbours' receives raise
-:class:`comm.p2p.PeerLost`, as a closed gloo connection does, so no rank waits forever.
+:class:`LocalWorld` stands for the process group (one FIFO per directed link, a group that agrees on a
+value); :class:`LocalMessenger` has :class:`comm.p2p.Messenger`'s interface and carries the same framed
+bytes, so the wire format is exercised as between processes (a CUDA payload goes as a tensor: stages
+may then share a GPU). A rank that fails is marked dead (:meth:`LocalWorld.fail`): its neighbours'
+receives raise :class:`comm.p2p.PeerLost`, as a closed gloo connection does.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Point-to-point messages between pipeline ranks: a small encoded header plus an optional tensor.
 
-Every directed link ``src -> dst`` is a :class:`Channel` of its own, carrying traffic one way only:
-
-- the **message** (a fixed block of sizes, the encoded header, and on CPU the payload's bytes) goes
-  over a CPU group (gloo) created for this link alone, as one transfer, so a header never touches
-  the GPU and a closed socket is seen at once;
-- on GPU the **payload** tensor goes over a second group of this link alone (NCCL). NCCL creates one
-  communicator per group for a pair of ranks, so no NCCL pair ever carries traffic both ways (rank
-  0 -> 1 and the ring back 1 -> 0 at P = 2 are different groups). CPU runs create no payload groups,
-  nor do GPU runs over gloo (``--dist-backend gloo``): there the payload is copied to the host and
-  travels inline, as on the CPU, and the receiving stage copies it to its GPU.
-
-Sends are asynchronous (``isend``) and their buffers kept until they complete, so no two ranks
-block sending to each other. The receiver keeps a receive posted for the link's next message
-(:meth:`Messenger.expect`, called once a message is handled, before the stage computes): a gloo
-transfer is a rendezvous between the two ranks' transport threads, and with a receive already
-posted it completes while both ranks compute, instead of waiting for the receiver to ask while its
-cores are busy. A message longer than the posted buffer (:data:`_FIRST`: a prefill's activations)
-sends its rest as a second transfer of the exact size. Messages on a link arrive in the order they were sent.
+Every directed link ``src -> dst`` is a :class:`Channel` of its own, one way only: the message (sizes,
+header and, over gloo, the payload's bytes) in one gloo transfer; under NCCL the payload on a second group
+of that link alone. Sends are asynchronous; the receiver keeps a receive posted for the link's next
+message (:meth:`Messenger.expect`). Why: docs/design/gpu-notes.md. Messages on a link arrive in order.
 """
 
 from __future__ import annotations
@@ -194,7 +180,12 @@ class Messenger:
         if tensor is None and meta[1]:  # NCCL: the payload follows on its own group
             dtype, shape = _DTYPES[meta[2]], meta[4 : 4 + meta[3]]
             nbytes = meta[1] * dtype.itemsize
-            tensor = self._buffer(src, nbytes)[:nbytes].view(dtype).view(shape)
+            # the link's reusable GPU buffer: valid until the next receive from ``src`` (the stage consumes
+            # it in between; under NCCL that receive is queued behind the compute already on the stream)
+            buf = self._buffers.get(src)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._buffers[src] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            tensor = buf[:nbytes].view(dtype).view(shape)
             try:  # returns once the receive is queued; the current stream waits for it
                 dist.recv(tensor, src, group=ch.payload)
             except RuntimeError as e:
@@ -202,15 +193,6 @@ class Messenger:
         if self.trace is not None:
             self.trace.add("recv", t0, time.perf_counter(), tid=1, args={"from": src})
         return header, tensor
-
-    def _buffer(self, src: int, nbytes: int) -> torch.Tensor:
-        """The reusable GPU payload buffer of link ``src ->``, at least ``nbytes`` long. A received
-        tensor is valid until the next receive from ``src`` (the stage consumes it in between; under
-        NCCL the next receive is queued behind the compute already queued on the current stream)."""
-        buf = self._buffers.get(src)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[src] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
 
     def _reap(self) -> None:
         """Forget finished sends. A gloo send reports completion only through ``wait()``, so beyond

@@ -1,15 +1,8 @@
 """The KV cache of one micro-batch on one stage, preallocated: each row keeps its tokens at columns
-``0..len-1`` (see :mod:`pipeline.models.decoder`).
-
-``--kv-cache-dtype int8`` (CPU): each (token, kv head) is a record of ``head_dim + 4`` int8 bytes,
-its values quantized symmetrically to [-127, 127] then its float32 scale (max |x| / 127) in the
-last four bytes, so a record reads a quarter of a float32 one's bytes (+6% for the scale at head
-dim 64) and keys, values and scales move together: forks, the prefix pool and every copy of cache
-columns handle records as they handle float rows. Decode attention reads the records directly
-(``native.decode_attention``: the key's scale multiplies its score, the value's its softmax
-weight); every other reader (a prompt resuming after cached tokens, padded attention) gets a
-dequantized copy from :meth:`KVCache.read`. New tokens' own keys and values are attended in the
-compute dtype before they are stored, so prompt scoring (echo logprobs) is unchanged.
+``0..len-1`` (see :mod:`pipeline.models.decoder`). ``--kv-cache-dtype int8`` (CPU) keeps records of
+``head_dim + 4`` int8 bytes, the values then their float32 scale, so that keys, values and scales move
+together; decode attention reads them directly, every other reader gets a dequantized copy from
+:meth:`KVCache.read` (docs/usage/quantization.md, "int8 KV cache").
 """
 
 from __future__ import annotations
@@ -25,12 +18,8 @@ from pipeline.models.spec import DecoderSpec
 
 def zeroed(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.zeros(shape)``; on the CPU, large tensors in fresh anonymous memory instead, which the
-    kernel hands out already zero and maps page by page as it is first written.
-
-    A micro-batch's cache is sized for its longest possible rows, and most rows end well short of
-    that: ``torch.zeros`` touches every page up front (slow where first-touch is: docs/performance-log.md),
-    where fresh memory costs only the pages rows write or attention reads. The memory goes back to the
-    system when the tensor is freed. GPUs keep ``torch.zeros`` (a memset at device bandwidth)."""
+    kernel hands out already zero and maps page by page as it is first written: a cache is sized for its
+    longest possible rows, and ``torch.zeros`` would touch every page up front (docs/performance-log.md)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < 1 << 20:
         return torch.zeros(shape, dtype=dtype, device=device)

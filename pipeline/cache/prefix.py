@@ -1,27 +1,13 @@
 """Shared-prefix KV cache: a prompt prefix computed once serves every later request that starts with it.
 
-Prompts are cut into blocks of ``block_size`` tokens; block ``b`` is named by a digest chained over
-blocks ``0..b`` (so equal digests mean equal prefixes). Two halves:
-
-- :class:`PrefixCache`, on rank 0, pure bookkeeping: which digests are resident, in which block of
-  the stages' pools, least recently used first. When a group prefills, :meth:`PrefixCache.plan`
-  says which resident blocks its row copies in (its leading *hits*), how many prompt tokens that
-  covers, and which of its freshly computed blocks the stages keep (only blocks another queued or
-  recent prompt shares: a file without shared prefixes keeps nothing and pays nothing).
-- :class:`PrefixStore`, on every stage, the pool: keys and values of its own layers per block (and,
-  on the last stage, the final hidden states and, once an echo request has scored a block, each
-  position's logprob of the next token in the block and its top logprobs, so that echo scoring of a
-  cached prefix runs the head over one position per block, not over every cached position),
-  filled and read as the pass headers say.
-
-Copy, not paging: a row's cache stays contiguous (the decoder's layout); an admitted row copies its
-hit blocks into its first columns before its prefill runs and then never reads the pool again. A
-block is therefore in use only within the pass that loads it, and every stage applies passes in the
-order rank 0 built them, so rank 0 may evict and reuse a block id in any later pass: the stages see
-the load first. Blocks loaded by the pass being built are pinned until it is built.
-
-Memory: the pool grows in steps that rank 0 announces (``PassHeader.prefix_grow``) and counts
-against ``--budget`` (the scheduler's ``used``), at most half of it; it never shrinks.
+Prompts are cut into blocks of ``block_size`` tokens, block ``b`` named by a digest chained over blocks
+``0..b``. :class:`PrefixCache`, on rank 0, keeps the books (resident digests, their pool blocks, least
+recently used first) and plans each prefill's loads and saves; :class:`PrefixStore` is every stage's pool
+(keys and values; on the last stage also hidden states and echo scores), filled and read as the pass
+headers say. Copy, not paging: a row copies its hit blocks when it enters and never reads the pool
+again, so rank 0 may reuse a block id in any later pass (docs/design/prefix-cache.md). The pool grows in
+steps announced in ``PassHeader.prefix_grow``, at most half of ``--budget``, and never shrinks (it may be
+dropped whole).
 """
 
 from __future__ import annotations
@@ -29,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
+from itertools import takewhile
 
 import torch
 
@@ -85,12 +72,7 @@ class PrefixCache:
 
     def hits(self, digests) -> int:
         """Leading blocks of a prompt that are resident now."""
-        n = 0
-        for d in digests:
-            if d not in self.blocks:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.blocks.__contains__, digests))
 
     def reset(self) -> None:
         """Drop every block and the pools themselves (announced as a capacity of 0)."""
@@ -99,19 +81,15 @@ class PrefixCache:
 
     def plan(self, prompt_len: int, digests: list[bytes], room: int, pinned: set[int],
              saving: set[int] | None = None, chunk: int = 0) -> tuple[int, list[int], list[list[int]], int]:
-        """For a group entering now (a prompt of ``prompt_len`` tokens): (cached tokens, block ids to load, [block index, block id] to save,
-        shared blocks).
+        """For a group entering now (a prompt of ``prompt_len`` tokens): (cached tokens, block ids to load,
+        [block index, block id] to save, how many leading blocks are worth keeping: another prompt showed them).
 
-        At least the last prompt token is always computed (its hidden state samples the first
-        token). ``room``: budget cells free for the pool to grow into. ``pinned`` (updated): block
-        ids the pass being built loads or writes, which must not be reused within it; ``saving``
-        (updated): the ones it writes, which its own groups cannot load yet (stages load before
-        the prefill and write after it). ``chunk``: the pass computes only this many tokens after the
-        cached ones (chunked prefill); blocks past them are saved by the passes that compute them
-        (:meth:`plan_chunk`: a block is registered only with its contents written by the pass that
-        registers it). Shared blocks: how many of the prompt's leading blocks are worth keeping
-        (another prompt has shown them), for those later passes. A block already registered (another
-        group of this pass saves it, or it outlived an evicted block before it) is not saved twice.
+        The last prompt token is always computed (its hidden state samples the first token). ``room``:
+        budget cells free for the pool to grow into; ``pinned`` (updated): block ids the pass being built
+        loads or writes, not to be reused within it; ``saving`` (updated): those it writes, which its own
+        groups cannot load yet (stages load before the prefill and write after it); ``chunk``: the pass
+        computes only this many tokens after the cached ones, later blocks are saved by the passes that
+        compute them (:meth:`plan_chunk`). A block already registered is not saved twice.
         """
         saving = set() if saving is None else saving
         self._room = room  # what growing may still take, during this call
@@ -147,12 +125,10 @@ class PrefixCache:
 
     def plan_chunk(self, digests: list[bytes], start: int, end: int, shared: int, room: int, pinned: set[int],
                    saving: set[int]) -> list[list[int]]:
-        """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id]
-        to save for each block that this pass completes (its last token lies in that range; its first
-        ones may lie in an earlier chunk: chunk ends need not be block ends) and that is shared: one of
-        the prompt's first ``shared`` blocks (see :meth:`plan`) or one a prompt queued since shows. A
-        block registered meanwhile (another prompt computed it) is not saved twice. ``room``,
-        ``pinned``, ``saving``: as for :meth:`plan`."""
+        """A later pass of a chunked prompt computes tokens ``start..end-1``: [block index, block id] to save
+        for each shared block it completes (one of the prompt's first ``shared`` blocks, or one a prompt
+        queued since shows; chunk ends need not be block ends). ``room``, ``pinned``, ``saving``: as for
+        :meth:`plan`."""
         self._room = room
         saves = []
         for b in range(start // self.block_size, min(len(digests), end // self.block_size)):

@@ -19,22 +19,18 @@ class Taken(NamedTuple):
     results: list[tuple[int, dict]]  # (input index, the file's line)
     live: list[tuple[int, dict]]  # (request index, {"result"} | {"error"})
     deltas: list[tuple]  # (request index, choice index, new text, its logprobs or None, new reasoning text)
-    retries: list[list]  # [live, request index, the request, thinking budget, max_tokens, tokens the answer keeps]
+    # --retry-starved: [live, request index, the request (a file's line; None: live), thinking budget,
+    # max_tokens, tokens the answer keeps] of requests whose thinking starved an answer, to run again
+    retries: list[list]
 
 
 class Answers:
     def __init__(self, detok, model_name: str, reasoning: Reasoning | None = None, retry_starved: bool = False):
         self.detok, self.model_name = detok, model_name
         self.reasoning, self.retry_starved = reasoning, retry_starved  # a reasoning run (else None)
-        self.results: list[tuple[int, dict]] = []  # (input index, the file's line), not yet taken
-        self.live: list[tuple[int, dict]] = []  # (request index, {"result"} | {"error"}) for rank 0
-        # streaming: (request index, choice index, new text, its logprobs or None, new reasoning text)
-        self.deltas: list[tuple] = []
-        # --retry-starved: [live, request index, the request (a file's line; None: live), thinking budget,
-        # max_tokens, tokens the answer keeps] of requests whose thinking starved an answer, to run again
-        self.retries: list[list] = []
+        # not yet taken: each as :class:`Taken`'s field of its name
+        self.results, self.live, self.deltas, self.retries = [], [], [], []
         self.format_seconds = 0.0  # detokenizing and formatting results
-        self.failed = 0  # requests answered with an error because computing them raised (the run went on)
 
     def finish(self, live: bool, index: int, req: RequestState) -> None:
         """A finished request: a file's line (the writer's), or for a live request its answer for rank 0,
@@ -49,8 +45,6 @@ class Answers:
                 result = self._result(req)
             except Exception as e:
                 req.failed("formatting its result", e)
-        if req.error is not None:
-            self.failed += 1
         if live:
             self.live.append((index, {"result": result} if req.error is None else {"error": req.error}))
         else:

@@ -1,10 +1,8 @@
 """The last stage after its layers: which rows need logits, each row's state from admission to its
 end (EOS, stop strings, length, a grammar that is complete), and finished requests.
 
-By role: the rows' state is pipeline.output.head_state's; the device work (logits -> tokens and
-logprobs for the whole micro-batch, echo scoring) and structured outputs' masks are
-pipeline.sampling's (step, scoring, constraints); a finished request's result and a stream's deltas
-are assembled by pipeline.output.answers.
+The device work and the grammars' masks are pipeline.sampling's; results and deltas are assembled by
+pipeline.output.answers.
 """
 
 from __future__ import annotations
@@ -64,9 +62,10 @@ class Head:
         req.batch_size = max(req.batch_size, slot_rows)
         if meta.note:
             req.notes.append(meta.note)
-        req.prompt_tokens += len(meta.prompt_ids) - meta.resumed
-        if p.return_token_ids:  # the prompt's own ids (a resumed row's tokens so far follow them)
-            req.prompt_ids[meta.prompt_i] = list(meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed])
+        prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]  # (a resumed row's tokens so far follow)
+        req.prompt_tokens += len(prompt)
+        if p.return_token_ids:
+            req.prompt_ids[meta.prompt_i] = list(prompt)
         g = GroupState(meta, time.perf_counter())
         self.groups[meta.gid] = g
         rows = self.slots.setdefault(slot, {})
@@ -75,7 +74,6 @@ class Head:
             cand = Candidate(choice=j, top=[] if p.logprobs else None)
             stream = meta.stream and not p.echo  # echoed prompts come whole with the final chunk
             rows[r] = RowState(meta.gid, cand, key, None, sent=0 if stream else -1)
-            prompt = meta.prompt_ids[: len(meta.prompt_ids) - meta.resumed]
             try:
                 if self.reasoning is not None:
                     rows[r].thinking = cand.reasoning = self.reasoning.admit(prompt, p.thinking_budget,
@@ -123,8 +121,7 @@ class Head:
 
     def checkpoint(self) -> dict[int, dict]:
         """The open file's rows in flight that can resume mid-generation (one prompt, one row, no echo, not
-        thinking):
-        line -> its generated tokens, their logprobs and top logprobs."""
+        thinking): line -> its generated tokens, their logprobs and top logprobs."""
         out = {}
         for rows in self.slots.values():
             for st in rows.values():
@@ -151,12 +148,8 @@ class Head:
     def on_pass(self, slot: int, decode_rows: list[int], h_decode, prefill: list[Prefill], h_prefill,
                 pool=None) -> tuple[dict, list[int]]:
         """Sample for every row that produced logits; returns ({row: token} to feed, finished rows).
-
-        h_decode: (len(decode_rows), hidden) last hidden state of each decoding row;
-        h_prefill: (b, t, hidden) for the prefill leads listed in ``prefill``, from each one's first
-        uncached token; pool: this stage's :class:`~pipeline.cache.prefix.PrefixStore` (echo scoring of
-        cached prompt tokens reads it).
-        """
+        h_decode: (len(decode_rows), hidden); h_prefill: (b, t, hidden) for the prefill leads listed in
+        ``prefill``, from each one's first uncached token; pool: this stage's prefix pool (echo scoring)."""
         states = self.slots[slot]
         feed, finished = {}, []
         hiddens, targets = [], []  # targets: the rows each logits row serves (a prefill lead serves its group)
@@ -177,8 +170,8 @@ class Head:
             n = item.len - item.cached
             if g.params.echo and self._request_error(item.gid) is None:
                 try:
-                    g.echo = self._score_prompt(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
-                                                pool)
+                    g.echo = self.scorer.score(h_prefill[i, :n], g.meta.prompt_ids, g.params.logprobs or 0, item,
+                                               pool)
                 except Exception as e:
                     self._failed(self.requests.get((g.meta.live, g.meta.req)), "scoring its prompt (echo)", e)
             if g.params.max_tokens == 0:
@@ -294,11 +287,6 @@ class Head:
             return
         feed[r] = tok
 
-    def _score_prompt(self, h: torch.Tensor, ids: list[int], k: int, item: Prefill | None = None,
-                      pool=None) -> dict:
-        """Echo scores of a prompt (pipeline.sampling.scoring)."""
-        return self.scorer.score(h, ids, k, item, pool)
-
     # -- finishing --------------------------------------------------------------------------
     def _end_row(self, slot: int, row: int):
         """A row leaves: its state and grammars go, its group counts it done (and goes after its last
@@ -346,14 +334,9 @@ class Head:
     def cancel(self, slot: int, lines: set[int], error: dict) -> list[int]:
         """A cancelled file's ``lines`` in ``slot``: their requests are answered with ``error``, their rows
         end now; returns the rows."""
-        rows = [r for r, st in self.slots.get(slot, {}).items() if not self.groups[st.gid].meta.live
-                and self.groups[st.gid].meta.req in lines]
-        for r in rows:
-            req = self._request_of(self.slots[slot][r].gid)
-            if req is not None and req.error is None:
-                req.error = dict(error)
-            self._finish_row(slot, r)
-        return rows
+        rows = [r for r, st in self.slots.get(slot, {}).items()
+                if not (meta := self.groups[st.gid].meta).live and meta.req in lines]
+        return self._end_rows(slot, rows, error)
 
     def rows_of(self, gid: int) -> list[int]:
         """The slot rows of group ``gid`` (none once it finished)."""
@@ -363,14 +346,16 @@ class Head:
     def fail_rows(self, slot: int, rows: list[int], cause: str) -> list[int]:
         """A stage's forward raised (``cause``) computing ``rows`` alone (pipeline.runtime.retry): their
         requests are answered with an error, the rows finish; returns those that did."""
-        rows = [r for r in rows if r in self.slots.get(slot, {})]
+        error = {"message": f"a stage's forward raised while computing this request alone ({cause}); the other "
+                            "requests of its micro-batch were answered", "type": "server_error", "param": None}
+        return self._end_rows(slot, [r for r in rows if r in self.slots.get(slot, {})], error)
+
+    def _end_rows(self, slot: int, rows: list[int], error: dict) -> list[int]:
+        """``rows`` end now, their requests answered with ``error`` (unless they have one already)."""
         for r in rows:
             req = self._request_of(self.slots[slot][r].gid)
             if req is not None and req.error is None:
-                req.error = {"message": f"a stage's forward raised while computing this request alone ({cause}); "
-                                        "the other requests of its micro-batch were answered",
-                             "type": "server_error", "param": None}
-        for r in rows:
+                req.error = dict(error)
             self._finish_row(slot, r)
         return rows
 
@@ -378,9 +363,4 @@ class Head:
 def _find_stop(text: str, stops: list[str], since: int, floor: int = 0) -> int | None:
     """Earliest index of any stop string that ends after ``since`` (so spans across tokens count) and
     starts at ``floor`` or later (a thinking row: its answer's start)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(floor, since - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
+    return min((i for s in stops if (i := text.find(s, max(floor, since - len(s) + 1))) >= 0), default=None)

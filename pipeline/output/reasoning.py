@@ -1,27 +1,9 @@
 """Reasoning models on the last rank: each row's thinking (where it starts and ends in the row's
-text), its budget (at the budget the end of the thinking is forced, one token a step, through the
-sampling mask: batched, whatever shares the micro-batch), a structured output's grammar held until
-the answer starts, and a finished row's text split into reasoning and answer (chat results), its
-``reasoning_tokens``, and whether the thinking starved its answer (docs/usage/reasoning.md).
-
-Formats (``--reasoning-parser``; ``auto`` reads the chat template):
-
-- ``qwen3`` (``auto`` for any template that writes ``<think>``: Qwen3, QwQ, DeepSeek-R1 and its
-  distills, the default model): ``<think> thinking </think> answer``. A row starts inside the thinking
-  when its prompt ends with ``<think>`` (DeepSeek-R1's templates, Qwen3-Thinking-2507's, the default
-  model's with ``enable_thinking``); a chat row whose prompt does not may open its answer with
-  ``<think>`` (Qwen3's hybrid template); a completion row thinks only when its prompt ends inside the
-  thinking. An empty thinking in the prompt (``<think>\\n\\n</think>``, Qwen3 with enable_thinking
-  false) is no thinking.
-- ``deepseek_r1``: as qwen3, but every chat row starts inside the thinking (DeepSeek-R1's first
-  templates left ``<think>`` to the model, which sometimes did not write it).
-- ``gpt_oss`` (harmony channels) is refused (:func:`choose`): its channels are special tokens, which the
-  results' text leaves out.
-
-Markers are found in the row's text, so a marker of several tokens (the default model's) works as
-one of a single token (Qwen3's). The budget counts the tokens the model chose inside the thinking; at
-the budget the format's closing text (``"\\n</think>\\n\\n"`` as token ids) is forced, then the answer
-goes on within ``max_tokens``.
+text), its budget (then the end of the thinking is forced, one token a step, through the sampling
+mask), a structured output's grammar held until the answer starts, and a finished row's reasoning
+apart from its answer, its ``reasoning_tokens`` and whether the thinking starved its answer. Markers
+are found in the row's text, so a marker of several tokens works as one of a single token. The formats
+(``--reasoning-parser``) and when a row thinks: docs/usage/reasoning.md.
 """
 
 from __future__ import annotations
@@ -54,19 +36,13 @@ class ReasoningFormat:
     end: str = END
 
 
-def template_text(tokenizer) -> str:
-    t = getattr(tokenizer, "chat_template", None)
-    if isinstance(t, dict):  # named templates
-        return "\n".join(str(v) for v in t.values())
-    return t if isinstance(t, str) else ""
-
-
 def choose(tokenizer, name: str) -> ReasoningFormat | None:
     """The run's format: ``name`` (``--reasoning-parser``); ``auto``: qwen3 when the chat template
     writes ``<think>``, else none. Raises :class:`ReasoningError` for one that cannot work here."""
     if name == "none":
         return None
-    text = template_text(tokenizer)
+    t = getattr(tokenizer, "chat_template", None)  # a text, or named templates
+    text = "\n".join(map(str, t.values())) if isinstance(t, dict) else t if isinstance(t, str) else ""
     if name == "gpt_oss" or (name == "auto" and "<|channel|>" in text):
         if name == "auto":
             log.warning("this model's chat template writes gpt-oss's harmony channels, which the runner does not "

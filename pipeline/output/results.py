@@ -22,10 +22,8 @@ class Detokenizer:
         self._single: dict[int, str] = {}
         # Incremental detokenization decodes short windows of ids; prompts that share a prefix (few-shot,
         # multiple choice) repeat the same windows, so their texts are remembered (bounded).
-        self.decode = functools.lru_cache(maxsize=1 << 16)(self._decode_window)
-
-    def _decode_window(self, ids: tuple[int, ...]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self.decode = functools.lru_cache(maxsize=1 << 16)(
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def pieces(self, ids: list[int], context: list[int] = ()) -> list[str]:
         """Text contributed by each token of ``ids`` (after ``context``), joining to the decoded text."""
@@ -113,15 +111,8 @@ def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
     return list(itertools.accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
 
 
-def completion_choice(
-    detok: Detokenizer,
-    cand: Candidate,
-    index: int,
-    want_top: int | None,
-    echo: dict | None = None,
-    token_ids: bool = False,
-    prompt_ids: list[int] | None = None,
-) -> dict:
+def completion_choice(detok: Detokenizer, cand: Candidate, index: int, want_top: int | None,
+                      echo: dict | None = None, token_ids: bool = False, prompt_ids: list[int] | None = None) -> dict:
     """One OpenAI completion choice. ``echo`` = {"ids", "logprobs", "top"} of the prompt (first entry None);
     ``token_ids`` (vLLM's return_token_ids): also the ids of ``logprobs.tokens`` (the prompt's first with
     echo), ``prompt_ids`` as ``prompt_token_ids``, and with top logprobs each position's alternatives by
@@ -171,9 +162,7 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
     c = completion_choice(detok, cand, index, params.logprobs, token_ids=params.return_token_ids)
     choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
               "finish_reason": cand.finish_reason, "logprobs": None}
-    for key in ("token_ids", "top_token_logprobs"):
-        if key in c:
-            choice[key] = c[key]
+    choice |= {key: c[key] for key in ("token_ids", "top_token_logprobs") if key in c}
     if params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(c["logprobs"])
     return choice

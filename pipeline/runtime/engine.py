@@ -1,24 +1,11 @@
 """Rank 0's engine: the one loop behind every face.
 
-It is fed by sources (:mod:`pipeline.runtime.sources`): a file source hands out request files (file
-mode's inputs, the Batch API's jobs, the Python API's ``generate_file``), a request source hands in
-requests one by one (HTTP clients, Python calls, the terminal). Each turn the engine takes the new
-requests (they go ahead of file lines), steps the open file (opens the next, reads lines into the
-driver's window, closes it once every line is answered), launches a pass for every slot that is
-ready, then handles one answer from the last rank. Admission, passes, replies, cancellation, draining
-and stopping are written here once, for every face.
-
-**Readiness by event**: the engine counts each slot's passes in flight. A slot is tried when its
-answer comes back; the idle ones when new work is queued (a request, a file's lines) or a reply came
-while requests wait. Nothing asks every slot after every reply.
-
-**Stopping** (``stopping`` set: SIGTERM, SIGINT, a face closing): nothing new is admitted, queued
-work leaves (a file's lines come back from its journal on the next run; an HTTP request gets 503),
-the passes in flight come back, and rows that a checkpoint cannot keep (live requests, several rows
-or prompts, echo) get ``grace`` seconds to finish; then :class:`Stop` goes down the pipeline and the
-last rank checkpoints the file's rows in flight, which the next run resumes where they stopped.
-
-With one stage (P = 1) the last rank is in this process: messages go straight to its handler.
+Fed by sources (:mod:`pipeline.runtime.sources`), each turn it takes the new requests (ahead of file
+lines), steps the open file, launches a pass for every ready slot (readiness by event: a slot is tried
+when its answer comes back, the idle ones when work is queued), then handles one answer from the last
+rank. Stopping (``stopping`` set) takes one path (docs/design/architecture.md): nothing new is admitted,
+queued work leaves, rows a checkpoint cannot keep get ``grace`` seconds, then :class:`Stop` goes down.
+With P = 1 the last rank is in this process: messages go straight to its handler.
 """
 
 from __future__ import annotations
@@ -78,7 +65,6 @@ class Engine:
         self.data_rank, self.data_size = data_rank, data_size
         self.local: deque[Message] = deque()  # P = 1: the last stage's answers
         self.retry = Retry(self._compute, self._receive, driver.group_of, driver.prefix)  # a pass whose forward raised
-        self.ahead = link is not None  # several stages: a slot may have a second pass in flight
         self.flight = [0] * len(driver.slot_ids)  # passes in flight per slot
         self.ready: set[int] = set(driver.slot_ids)  # slots to try at the next launch
         self.owed = 0  # answers the last rank owes: passes, OpenFile, CloseFile
@@ -127,10 +113,7 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.idle(self.stage.kv_cells)
         if self.metrics is not None and self._load_at >= 0:
-            self._load_at = -1.0  # at rest: measured again with the next pass's answer
-            d, prefix = self.driver, self.driver.prefix
-            self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
-                                  prefix.prompt_tokens if prefix else 0)
+            self._set_load(-1.0)  # at rest: measured again with the next pass's answer
         if self.requests is not None:
             self._take(self.requests.take(timeout=0.05))
         elif self.job is not None and self.job.opened and not self.job.closing:
@@ -309,7 +292,7 @@ class Engine:
             while True:  # a pass, then while several stages compute a second one ahead of its answer
                 # (Scheduler.next_pass(ahead=True): prompts only, or a file's last decode rows split)
                 busy = self.flight[sid] > 0
-                if busy and not self.ahead:
+                if busy and self.link is None:  # one stage: no second pass in flight
                     break
                 built = d.next_pass(sid, busy)
                 if built is None:
@@ -416,7 +399,10 @@ class Engine:
         now = time.monotonic()
         if 0 <= now - self._load_at < 0.5:
             return
-        self._load_at = now
-        d, prefix = self.driver, self.driver.prefix
+        self._set_load(now)
+
+    def _set_load(self, at: float) -> None:
+        """/metrics' load gauges from the scheduler now; ``at``: when (-1: at rest)."""
+        self._load_at, d, prefix = at, self.driver, self.driver.prefix
         self.metrics.set_load(d.queued, d.running_rows, len(self.live), prefix.hit_tokens if prefix else 0,
                               prefix.prompt_tokens if prefix else 0)

@@ -1,11 +1,6 @@
 """Rank 0's engine on a thread of its own, for the faces that live in this process (the Python API,
-the terminal): they call from their thread, the engine runs on this one.
-
-:class:`EngineThread` builds the engine on its thread (``build(requests, files, stopping)``: loading
-included, so a face can wait for :attr:`ready` or a :attr:`failure`), feeds it a
-:class:`~pipeline.runtime.sources.Requests` and a :class:`~pipeline.runtime.sources.QueuedFiles`, and
-when the engine ends, however it ends, answers every request still waiting with the reason
-(``Answer(dead=...)``), so no caller waits forever.
+the terminal): they call from their thread; when the engine ends, however it ends, every request still
+waiting is answered with the reason (``Answer(dead=...)``), so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -42,13 +37,12 @@ class EngineStopped(RuntimeError):
 
 class EngineThread:
     def __init__(self, build: Callable[[Requests, QueuedFiles, threading.Event], Engine],
-                 stopping: threading.Event | None = None, max_pending: int = 1 << 62,
-                 cleanup: Callable[[bool], None] | None = None):
+                 stopping: threading.Event | None = None, cleanup: Callable[[bool], None] | None = None):
         """``build``: the engine, made on the engine's thread; ``stopping``: what stops it besides
         :meth:`stop` (the process's signals); ``cleanup(clean)``: after the engine ended (clean: it
         stopped as asked)."""
         self.stopping = Stopping(stopping)
-        self.requests = Requests(max_pending, stopping=self.stopping)
+        self.requests = Requests(stopping=self.stopping)
         self.files = QueuedFiles()
         self.engine: Engine | None = None
         self.failure: str | None = None  # why the engine stopped on its own (a traceback's last line)
@@ -87,10 +81,6 @@ class EngineThread:
         for live in lives:
             self.requests.resolve(live, dead)
         self.files.fail_all(dead.dead)
-
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive() and not self.finished.is_set()
 
     def submit(self, req: Request, channel: Channel, prompt_ids: list[list[int]] | None = None,
                numbered: bool = False) -> Live:

@@ -1,14 +1,10 @@
 """``--in-process``: every rank of a run as a thread of this process, joined by in-memory links.
 
-Each rank plans, loads its stage and plays its role exactly as it would as a process under torchrun
-(the same start-up, rank loops and messages, :mod:`comm.local` in place of the process group); rank 0
-runs on the calling thread, so its exit code and its output are this process's. What it is for:
-contributors' tests of several stages without starting processes (docs/testing.md), a debugger that
-sees every stage, and several stages on one GPU (NCCL refuses two processes on one device).
-
-A rank that raises is marked dead in the :class:`comm.local.LocalWorld`, so the others stop at their
-next receive (PeerLost); once every thread has ended, the first failure that is not a lost peer is
-raised here, as the process's own error.
+Each rank plans, starts and plays its role as under torchrun, with :mod:`comm.local` in place of the
+process group; rank 0 runs on the calling thread, so its exit code and output are this process's. For
+tests of several stages without processes (docs/testing.md), a debugger that sees every stage, and
+several stages on one GPU. A rank that raises is marked dead, so the others stop at their next
+receive; the first failure that is not a lost peer is raised here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The last stage's answers: what it does with each message after its layers ran.
-
-:class:`OpenFile` opens the output (tasks.output_file) and answers :class:`Opened`; a
-:class:`PassHeader` admits the groups that enter, samples with the :class:`~pipeline.output.head.Head`
-and answers a :class:`Reply` with the tokens rank 0 feeds next; :class:`CloseFile` publishes
-the output and answers :class:`Closed` with the file's summary. Error lines carried by any
-message are written in their input position.
+"""The last stage's answers: what it does with each message after its layers ran (:meth:`LastRank.handle`:
+a file's output opened and closed, a pass's groups admitted and sampled with the
+:class:`~pipeline.output.head.Head`, error lines written in their input position).
 """
 
 from __future__ import annotations
@@ -150,7 +146,7 @@ class LastRank:
         return reply
 
     def _reply(self, hdr: PassHeader, feed: dict, finished: list[int], dropped: list[int], t0: float) -> Reply:
-        written, taken = 0, self.head.answers.take()
+        taken = self.head.answers.take()
         for index, line in taken.results:
             failed = line.get("error") is not None  # a row whose computation raised (pipeline.output.head)
             self.file.put(index, line, error=failed)
@@ -158,7 +154,6 @@ class LastRank:
                 err = line["error"]
                 kind = err.get("param") or ("cancelled" if err.get("type") == CANCELLED.kind else "computation")
                 self.file.kinds[kind] = self.file.kinds.get(kind, 0) + 1
-            written += 1
         if PREFILL.armed:
             PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:
@@ -170,7 +165,7 @@ class LastRank:
             self.status.progress(f.answered, f.errors, f.prompt_tokens, f.cached_tokens, self.head.generated_tokens,
                                  hdr.stats, f.writer.written)
         return Reply(hdr.slot, sorted(feed.items()), finished + [r for r in dropped if r not in finished],
-                     taken.live, written, taken.deltas, stats=hdr.stats, retry=taken.retries)
+                     taken.live, len(taken.results), taken.deltas, stats=hdr.stats, retry=taken.retries)
 
     def _close(self, msg: CloseFile) -> Closed:
         self.file.structured = self.head.constraints.figures()

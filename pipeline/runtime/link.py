@@ -1,8 +1,6 @@
-"""Typed messages between this rank and its pipeline neighbours, and the ring back to rank 0.
-
-Activations go down the pipeline (``send_next`` / ``recv_prev``); the last rank's answers go
-straight back to rank 0 (``send_first`` / ``recv_last``). Headers are encoded here
-(:mod:`pipeline.runtime.messages`); ``comm.p2p.Messenger`` moves bytes and tensors.
+"""Typed messages between this rank and its pipeline neighbours: activations down the pipeline
+(``send_next`` / ``recv_prev``), the last rank's answers straight back to rank 0 (``send_first`` /
+``recv_last``); headers encoded here (:mod:`pipeline.runtime.messages`), bytes moved by ``comm.p2p``.
 """
 
 from __future__ import annotations

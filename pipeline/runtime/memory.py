@@ -1,22 +1,9 @@
 """What a stage holds, measured: the run summary's per-stage memory breakdown (``stage_memory_mb``).
 
-Each stage keeps a :class:`MemoryLedger`: the process's resident memory (RSS, /proc/self/statm)
-right before the stage starts loading (with the tokenizer, which the first and last ranks load
-first, and the server's libraries), the bytes of its weights as loaded, and the most bytes of KV
-cells it has held; at a file's close :meth:`MemoryLedger.breakdown` adds what the model's kernels
-hold beyond the loaded weights (prepacked or quantized copies), the tables and buffers that can be
-counted, and the process's peak RSS (VmHWM: :func:`tasks.status.peak_rss_bytes`). ``other`` is the
-peak minus every named part: what no tensor account sees (activations of the largest pass and the
-heap the process keeps after them (pipeline.runtime.host_memory), allocator slack, the
-head's per-row state, temporary copies made while loading). Tensor bytes are counted per storage: a tied table (the
-embedding and the head sharing one tensor) or two views of one buffer count once.
-
-On the CPU every part is host memory. On CUDA the weights, caches and buffers are device memory:
-the breakdown says so (``"device"``), ``other`` is then the host peak minus ``process``, and
-``device_peak`` / ``device_other`` (torch.cuda.max_memory_allocated since the file opened, minus the
-device parts) account for the GPU.
-
-The figures are MiB (2**20 bytes), as the summary's other ``_mb`` fields.
+Each stage keeps a :class:`MemoryLedger`: the process's RSS right before it loads, its weights' bytes
+as loaded and the most KV bytes it held; :meth:`MemoryLedger.breakdown` adds the kernels' copies, the
+tables and buffers, and the peak RSS, whose rest is ``other`` (every field: docs/usage/scale.md,
+"Memory per stage"). Tensor bytes count per storage: a tied table or two views of one buffer count once.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
-"""Every message that crosses ranks, as a dataclass, and its one wire encoding.
+"""Every message that crosses ranks, as a dataclass, and its one wire encoding (who sends what, and
+why: docs/design/architecture.md). Error lines ride along to reach the writer in their input position.
 
-Down the pipeline (rank 0 -> 1 -> ... -> P-1), each with its activations where it has any:
-
-- :class:`OpenFile`   a request file starts; the last rank opens its writer and answers :class:`Opened`.
-- :class:`Allocate`   ahead of a pass that allocates a micro-batch's KV cache: each rank forwards
-  it at once and allocates, so the ranks zero their caches at the same time instead of one after
-  another as the pass reaches them (zeroing a CPU cache of a few GB takes seconds).
-- :class:`Admitting` ahead of a pass that admits the open file's lines (P > 1): forwarded at once, the
-  last rank records them before any stage computes them (tasks.inflight).
-- :class:`PassHeader` one micro-batch's trip: which slot, which rows decode (the layout computed
-  once, here), which groups prefill, each row's LoRA adapter, cache forks and releases, and the :class:`Admission` of every
-  group that enters (parameters, prompt ids, the original request), which the middle ranks forward
-  unread. Error lines ride along to reach the writer in their input position.
-- :class:`CloseFile`  the file's last pass has returned; each stage appends its compute seconds
-  to ``busy`` on the way; the last rank publishes the output and answers :class:`Closed`.
-- :class:`Release`    rank 0 is idle: every stage frees the caches of the slots that emptied.
-- :class:`Stop`       the run ends.
-
-Back from the last rank to rank 0: :class:`Reply` (the tokens to feed next, finished rows) after
-each pass, and :class:`Opened` / :class:`Closed`.
-
-On the wire a message is ``orjson.dumps([kind, message])`` (orjson serializes dataclasses
-natively). :func:`decode` rebuilds the dataclasses and fails on a missing or unknown field, naming
-it, so a mistake shows where the message is read, not as a wrong value further on.
+On the wire a message is ``orjson.dumps([kind, message])``; :func:`decode` rebuilds the dataclasses
+and fails on a missing or unknown field, naming it, so a mistake shows where the message is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import orjson
 
@@ -137,7 +117,8 @@ class PassHeader:
 @dataclass
 class Allocate:
     """The next pass of ``slot`` allocates its cache of ``rows`` x ``cols`` on every stage, after
-    freeing the caches of the slots that pass releases (so a stage never holds more than the budget)."""
+    freeing the caches of the slots that pass releases (so a stage never holds more than the budget).
+    Each rank forwards it before allocating, so the ranks zero their caches at the same time."""
 
     KIND: ClassVar[str] = "alloc"
     slot: int
@@ -170,9 +151,7 @@ class Reply:
     deltas: list[tuple] = field(default_factory=list)  # streaming: (request, choice, new text, its logprobs or None)
     stats: list[list[float]] | None = None  # the pass's per-stage figures (PassHeader.stats), back to rank 0
     failed: str | None = None  # the pass was not computed (a stage's forward raised): nothing sampled
-    # --retry-starved: requests to run once more, [live, index, the request (a file's line), thinking
-    # budget, max_tokens, tokens the answer keeps] (pipeline.output.answers, Driver.rerun)
-    retry: list[list] = field(default_factory=list)
+    retry: list[list] = field(default_factory=list)  # --retry-starved: pipeline.output.answers.Taken.retries
 
 
 @dataclass
@@ -236,8 +215,7 @@ class Stop:
 
 
 Message = PassHeader | Allocate | Admitting | Reply | OpenFile | Opened | CloseFile | Closed | Release | Stop
-_KINDS: dict[str, type] = {c.KIND: c for c in (PassHeader, Allocate, Admitting, Reply, OpenFile, Opened, CloseFile,
-                                               Closed, Release, Stop)}
+_KINDS: dict[str, type] = {c.KIND: c for c in get_args(Message)}
 
 
 class MessageError(ValueError):

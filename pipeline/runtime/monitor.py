@@ -1,9 +1,8 @@
 """Seeing a file-mode run from outside: the status file and ``--metrics-port`` on the writing rank.
 
-The last rank of each pipeline writes the status (tasks.status); the stages' own figures reach it in
-band: every ``--status-interval`` seconds rank 0 marks a pass (``PassHeader.stats``), each stage
-appends its busy seconds, KV cells and peak memory after its forward, and the last rank reads them
-(pipeline.runtime.last_rank) and sends them back to rank 0 in the reply (serve mode's /metrics).
+The stages' figures reach it in band: every ``--status-interval`` seconds rank 0 marks a pass
+(``PassHeader.stats``), each stage appends its figures after its forward, and the last rank reads them
+and sends them back to rank 0 in the reply (serve mode's /metrics).
 """
 
 from __future__ import annotations
@@ -33,10 +32,7 @@ def status_path(opts, inputs: list[str], data_rank: int = 0, data_size: int = 1)
     if path is None:
         first = output_for(inputs[0], opts.output_path, len(inputs) > 1)
         path = first + ".status.json" if len(inputs) == 1 else str(Path(first).parent / "status.json")
-    if data_size > 1:
-        stem = path.removesuffix(".json")
-        path = f"{stem}-{data_rank}-of-{data_size}.json"
-    return path
+    return f"{path.removesuffix('.json')}-{data_rank}-of-{data_size}.json" if data_size > 1 else path
 
 
 def start_status(plan, opts, info) -> RunStatus | None:
@@ -68,12 +64,8 @@ def start_status(plan, opts, info) -> RunStatus | None:
 def run_flags(opts) -> dict:
     """The options that differ from their defaults (the run record's ``flags``), keys hidden."""
     defaults = RunOptions()
-    out = {}
-    for f in dataclasses.fields(RunOptions):
-        value = getattr(opts, f.name)
-        if value != getattr(defaults, f.name):
-            out[f.name] = "<hidden>" if "key" in f.name else value
-    return out
+    return {f.name: "<hidden>" if "key" in f.name else value for f in dataclasses.fields(RunOptions)
+            if (value := getattr(opts, f.name)) != getattr(defaults, f.name)}
 
 
 def start_metrics(opts, status: RunStatus | None):

@@ -1,25 +1,14 @@
 """Rank 0: a pass whose forward raised on some stage is computed again one group at a time.
 
-A stage whose forward raises marks the pass ``failed`` and sends it on without activations; the
-later stages skip it, and every stage skips the slot's later passes until rank 0 retries
-(:meth:`pipeline.runtime.stage.Stage.step`). The last rank samples nothing for it and answers a
-:class:`~pipeline.runtime.messages.Reply` with ``failed`` set. When that reply comes back here,
-:class:`Retry`:
-
-1. waits for the answers of the slot's other passes in flight (they failed too: sent after it), and
-   keeps every other message that arrives meanwhile, to hand out in its place afterwards;
-2. computes each failed pass again as one pass per group (a prompt's rows with its best_of forks,
-   or a group's decoding rows), one after the other, each marked ``retry``: a prompt from its first
-   token (no prefix pool blocks, none saved), a decode row at its column. Rewriting a row's columns
-   is idempotent, so what the failed pass wrote on the stages before the failing one does no harm;
-3. a group whose pass fails alone is the culprit: the last rank answers its request with an error
-   (``server_error``) and its rows finish; its other passes are not retried;
-4. hands the slot's answers to the driver as if each pass had succeeded, merged from its groups.
-
-Rank 0 then drops its prefix index (blocks the failed pass was to write are missing on some
-stages; a stage refuses to load such a block, so a pass in flight that would fails and is retried
-without it). Every rank stays in step: the failure travels as a message down the pipeline and
-round the ring like any pass, so nothing waits on a rank that stopped.
+The failed pass travels on and round the ring like any other (docs/design/architecture.md), and its
+:class:`~pipeline.runtime.messages.Reply` comes back with ``failed`` set. :class:`Retry` then waits for
+the slot's later passes in flight (they failed too), holding every other message meanwhile, and
+computes each failed pass again as one pass per group (a prompt with its best_of forks from its first
+token, or a group's decoding rows at their column), each marked ``retry``. Rewriting a row's columns is
+idempotent, so what the failed pass wrote before the failing stage does no harm. A group whose pass
+fails alone is the culprit: its request is answered with an error. The groups' answers are merged into
+the reply the driver sees; rank 0's prefix index is dropped (the failed pass's blocks are missing on
+some stages).
 """
 
 from __future__ import annotations

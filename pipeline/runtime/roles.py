@@ -1,11 +1,11 @@
-"""Ranks assembled from a plan: the one start-up (:func:`start_rank`: the process group, this stage's
-layers with adapters, int8 kernels and the prefix block size, the KV budget), then rank 0's engine
-(:func:`make_engine`: the driver, the scheduler and, at P = 1, the head) or every other rank's loop
-(:func:`serve_rank`). Every face starts its ranks through these.
+"""Ranks assembled from a plan, for every face: the one start-up (:func:`start_rank`: process group,
+this stage's layers and kernels, the KV budget), then rank 0's engine (:func:`make_engine`) or every
+other rank's loop (:func:`serve_rank`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -147,10 +147,10 @@ def pack_cpu_linears(model, dtype, opts, info) -> None:
         log.info("stage %d: --cpu-linear onednn not used: %s", info.stage, reason)
 
 
-def run_budget(opts, info, stage, plan=None) -> int:
+def run_budget(opts, info, stage, plan) -> int:
     """--budget in tokens (auto: from the memory left after loading, the least over stages)."""
     try:
-        most = max((b - a for a, b in plan.ranges), default=0) if plan is not None else 0
+        most = max((b - a for a, b in plan.ranges), default=0)
         budget = resolve_budget(opts.budget, stage.model, info.device, info.cpu_group, info.local_world_size, most,
                                 info.gpu_sharers)
     except ValueError as e:
@@ -216,11 +216,9 @@ def start_rank(plan, opts, info: DistInfo | None = None) -> Rank:
 def load_ahead(plan, opts, info) -> None:
     """What this rank uses later, loaded before its stage's memory account starts: the libraries count in
     its "process" (with torch), not in "other" (the tokenizer of the first and last ranks, the server's)."""
-    if info.is_first or info.is_last:
-        try:
+    if info.is_first or info.is_last:  # a failure is reported where the role loads it, after the weights' checks
+        with contextlib.suppress(Exception):
             load_tokenizer(plan.model_dir, opts.trust_remote_code)  # kept: the roles take this one
-        except Exception:  # noqa: BLE001 (reported where the role loads it, after the weights' own checks)
-            pass
     if opts.serve is not None and info.is_first:
         import fastapi  # noqa: F401  # lazy: serve mode's HTTP libraries, no other rank's
         import uvicorn  # noqa: F401

@@ -1,17 +1,10 @@
 """What rank 0's engine runs, and where its answers go: the request sources of every face.
 
-Two kinds, both fed to one :class:`~pipeline.runtime.engine.Engine`:
-
-- a **file source** hands out request files one at a time (:class:`Job`); the driver reads a file's
-  lines, the last rank writes their results in order through its journal. File mode's list of inputs
-  (:class:`FileList`), the Batch API's jobs (serve's store) and the Python API's ``generate_file``
-  (:class:`QueuedFiles`) are file sources.
-- a **request source** (:class:`Requests`) takes requests one by one from another thread (HTTP
-  clients, Python calls, the terminal) and answers each through the channel its :class:`Live` came
-  with (an asyncio future for HTTP, a queue or a future in process): its :class:`~tasks.protocol.Answer`,
-  and while it runs the text of a stream.
-
-A source says what to run and receives answers; it never runs the loop.
+A **file source** hands out request files one at a time (:class:`Job`): file mode's inputs
+(:class:`FileList`), the Batch API's jobs, the Python API's ``generate_file`` (:class:`QueuedFiles`).
+A **request source** (:class:`Requests`) takes requests one by one from other threads and answers
+each through its :class:`Live`'s :class:`Channel`. A source says what to run and receives answers; it
+never runs the loop.
 """
 
 from __future__ import annotations

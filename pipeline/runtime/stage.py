@@ -1,11 +1,9 @@
 """The stage step: receive a pass, run this stage's layers over it, send it on.
 
-A pass (:class:`~pipeline.runtime.messages.PassHeader`) carries up to two segments of one micro-batch:
-a decode segment (one token for each ``decode_layout`` row) and a prefill segment (the new
-prompts, right-padded to ``prefill_len``). :func:`pack` puts both into one tensor, token ids on
-the first stage and hidden states after it; :func:`unpack` takes them apart from the header.
-Every rank but the first runs :func:`serve`: receive, step, pass it on (the last rank hands it to
-its :class:`~pipeline.runtime.last_rank.LastRank`, whose reply rings back to rank 0).
+A pass carries up to two segments of one micro-batch, a decode segment (one token per ``decode_layout``
+row) then a prefill segment (new prompts right-padded to ``prefill_len``), packed into one tensor
+(:func:`pack` / :func:`unpack`): token ids on the first stage, hidden states after it. Every rank but
+the first runs :func:`serve`.
 """
 
 from __future__ import annotations
@@ -67,10 +65,6 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def gpu_peak_mb(self) -> list[float]:
-        """[peak allocated MiB since the file opened] on CUDA, [] on the CPU."""
-        return [round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)] if self.device.type == "cuda" else []
-
     def memory_mb(self) -> dict:
         """The stage's memory breakdown in MiB for the run summary (pipeline.runtime.memory); {} for a
         stage built without a ledger."""
@@ -83,7 +77,8 @@ class Stage:
         """This stage's figures for the file's summary, appended to its CloseFile on the way down:
         compute seconds, peak GPU memory, precision, memory breakdown."""
         msg.busy.append(self.busy)
-        msg.gpu_peak_mb += self.gpu_peak_mb()
+        if self.device.type == "cuda":  # its peak allocated MiB since the file opened
+            msg.gpu_peak_mb.append(round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1))
         msg.precision.append(self.precision())
         msg.memory.append(self.memory_mb())
 
@@ -121,14 +116,10 @@ class Stage:
 
     def step(self, hdr: PassHeader, x: torch.Tensor | None, ahead: bool = False) -> torch.Tensor | None:
         """Forward one pass; ``x`` is what :func:`pack` made of the previous stage's output. ``ahead``
-        (rank 0, for the trace): the slot's previous pass is still in flight.
-
-        A forward that raises does not end the process: the pass is marked ``failed`` (None goes on
-        instead of activations) and rank 0 computes its groups again one at a time
-        (:mod:`pipeline.runtime.retry`). The later stages skip a failed pass, and every stage skips the
-        slot's later passes until that retry (their cache rows miss this pass's keys here); the
-        bookkeeping (release, allocation, prefix pool size) runs in any case, so that every stage
-        keeps the same caches."""
+        (rank 0, for the trace): the slot's previous pass is still in flight. A forward that raises marks
+        the pass ``failed`` (None goes on) and the slot's later passes are skipped until rank 0's retry
+        (:mod:`pipeline.runtime.retry`: their rows miss this pass's keys); the bookkeeping (release,
+        allocation, prefix pool size) runs in any case, so that every stage keeps the same caches."""
         t0 = self.mark()
         if self.fault.armed:
             self.fault.watch(hdr)
@@ -257,15 +248,13 @@ def serve(link, stage: Stage, last=None) -> str | None:
             else:
                 last.record(msg)
             continue
-        if isinstance(msg, Allocate):  # on at once, then allocate: the next ranks zero theirs meanwhile
+        if isinstance(msg, (Allocate, Release)):  # on at once: the next ranks allocate (zero) or free meanwhile
             if last is None:
                 link.send_next(msg)
-            stage.prepare(msg)
-            continue
-        if isinstance(msg, Release):  # rank 0 is idle: no pass carries these slots' release
-            stage.release(msg.slots)
-            if last is None:
-                link.send_next(msg)
+            if isinstance(msg, Allocate):
+                stage.prepare(msg)
+            else:  # rank 0 is idle: no pass carries these slots' release
+                stage.release(msg.slots)
             continue
         if isinstance(msg, PassHeader):
             x = stage.step(msg, x)

@@ -1,10 +1,9 @@
 """Structured outputs on the last rank: each constrained row's matcher, its next-token mask for the
 sampling step, and the figures a file's summary reports.
 
-The Head hands a pass's rows over here: :meth:`Constraints.matcher` when a constrained row enters,
-:meth:`Constraints.ahead` once it was fed a token (its next mask is computed while the stages run the
-next pass: :class:`~pipeline.sampling.grammar.MasksAhead`), :meth:`Constraints.mask` at the sampling
-step, :meth:`Constraints.forget` when it finishes.
+The Head calls :meth:`Constraints.matcher` when a constrained row enters, :meth:`Constraints.ahead`
+once it was fed a token (its next mask computed while the stages run), :meth:`Constraints.mask` at the
+sampling step and :meth:`Constraints.forget` when it finishes.
 """
 
 from __future__ import annotations

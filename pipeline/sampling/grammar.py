@@ -1,15 +1,9 @@
 """Structured outputs on the device side: grammars compiled with llguidance, one matcher per row,
 the next token's mask for a micro-batch.
 
-A request's constraint travels as a small JSON spec (``Params.structured``: ``{"kind", "value"}``,
-see tasks.requests) in the message that admits it, so any rank can compile it. :class:`Grammars`
-compiles each distinct spec once per process (cached by its canonical text) and hands each row a
-copy of the compiled matcher. Rank 0 compiles at intake with a time limit (pipeline.scheduling.grammars);
-the last rank then finds the spec in its own cache (the same object at P = 1) or compiles it once.
-
-Why llguidance (measured on this CPU, docs/usage/structured-outputs.md): it compiles a JSON schema in
-~2 ms (xgrammar ~10-25 ms here) because it builds the lexer lazily, takes Lark (and GBNF through its
-converter), regexes and JSON schemas as one grammar format, and bounds its own work per token.
+A request's constraint travels as a small JSON spec (``Params.structured``: ``{"kind", "value"}``) in
+the message that admits it, so any rank can compile it; :class:`Grammars` compiles each distinct spec
+once per process. Why llguidance, and how masks are computed ahead: docs/usage/structured-outputs.md.
 """
 
 from __future__ import annotations
@@ -139,7 +133,8 @@ class Grammars:
                     self.tok = from_tokenizer(self._hf_tok)
                 m = llguidance.LLMatcher(self.tok, grammar_text(spec, self.max_string), log_level=0)
                 # the first mask builds the lexer's start states: part of compiling, bounded with it
-                mask_words(m, self.tok.vocab_size)
+                words = np.zeros((self.tok.vocab_size + 31) // 32, dtype=np.int32)
+                m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
                 got = GrammarError(m.get_error()[:500]) if m.is_error() else m
             except GrammarError as e:
                 got = e
@@ -164,14 +159,6 @@ class Grammars:
             return spec_key(spec) in self._ready
 
 
-def mask_words(matcher, tok_vocab: int) -> np.ndarray:
-    """The next-token bitmask of one matcher: int32 words, bit j of word w = token 32w + j allowed.
-    llguidance drops the GIL while it computes, so a thread may run this beside the forward pass."""
-    words = np.zeros((tok_vocab + 31) // 32, dtype=np.int32)
-    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-    return words
-
-
 class _Batch:
     """Masks of several matchers computed in one call: row i of ``words`` is ``matchers[i]``'s."""
 
@@ -184,35 +171,23 @@ class _Batch:
 
 def masks_on_thread(device: torch.device, ranks_here: int, cores: int) -> bool:
     """Whether a thread should compute masks ahead: only where a core would otherwise idle while it
-    works. On a GPU the host waits for the device. On a CPU, only where torch's threads, times the
-    ``ranks_here`` processes on this host, leave one of the ``cores`` it may use free
-    (:func:`pipeline.config.cores.usable_cores`): otherwise the thread contends with the
-    forward passes' OpenMP workers (whose barriers then wait for a descheduled worker) and with the
-    other stages' processes (measured on 2 cores: docs/usage/structured-outputs.md, Cost). Where no
-    core is free, the last rank computes them on its own thread, one matcher after another: in its
-    idle time between passes at P > 1, at the step at P = 1 (:meth:`MasksAhead.idle`)."""
+    works: on a GPU, or on a CPU where torch's threads, times the ``ranks_here`` processes on this host,
+    leave one of the ``cores`` free (else the thread contends with the forward passes' OpenMP workers:
+    docs/usage/structured-outputs.md, Cost; the last rank then computes them itself, :meth:`MasksAhead.idle`)."""
     if device.type != "cpu":
         return True
     return torch.get_num_threads() * max(1, ranks_here) < cores
 
 
 class MasksAhead:
-    """Next-token masks for the sampling step, computed on a thread while the stages compute
-    (structured outputs), or where no core is free for a thread (:func:`masks_on_thread`) on the last
-    rank's own thread, in its idle time between passes (:meth:`idle`).
-
-    A row's next mask depends only on the tokens it has taken, so the last rank starts computing it
-    as soon as it feeds the row its token (or admits the row) and the pipeline runs the row's next
-    forward pass meanwhile: on a GPU the device's work, on a CPU the cores torch's threads leave free.
-    :meth:`start` queues a row's matcher; :meth:`flush` sends every queued one to the thread as one
-    batch, computed by llguidance's executor in a single native call with the GIL dropped (one
-    hand-off per pass, not one per row: per-row jobs cost the sampling step more in thread wake-ups
-    and GIL switches than the masks themselves). :meth:`take` returns a micro-batch's masks, waiting
-    for their batch if still running; those never started (a row admitted in this very pass) are
-    computed then, on the caller's thread. A row that finishes is :meth:`forget`-ten. Keyed by matcher
-    object (a row's own copy), which each entry holds, so a key is never reused while its computation
-    is pending. ``tok_vocab``: the tokenizer's vocabulary size (llguidance's mask width). The thread
-    starts with the first batch."""
+    """Next-token masks for the sampling step, computed while the stages compute: on a thread, or where
+    no core is free for one (:func:`masks_on_thread`) on the last rank's own thread between passes
+    (:meth:`idle`). :meth:`start` queues a row's matcher as soon as the row is fed (or admitted);
+    :meth:`flush` sends the queued ones to the thread as one batch (one native llguidance call with the
+    GIL dropped: one hand-off per pass, not per row); :meth:`take` returns a micro-batch's masks, those
+    never started computed then; :meth:`forget` drops a finished row's. Keyed by matcher object (a row's
+    own copy), which each entry holds, so a key is never reused while its computation is pending.
+    ``tok_vocab``: the tokenizer's vocabulary size (llguidance's mask width)."""
 
     def __init__(self, on_thread: bool = True):
         self.on_thread = on_thread
@@ -254,10 +229,9 @@ class MasksAhead:
             self.flushed.append(batch)
 
     def idle(self) -> None:
-        """Without a thread: compute the flushed masks now, on the caller's thread, which calls this
-        once its pass's answer has left and before it waits for its next input (at P > 1 the other
-        stages then compute; at P = 1 the next pass waits, as it would for masks on the step). A row
-        forgotten meanwhile is skipped; one whose mask raises is left to :meth:`take`."""
+        """Without a thread: compute the flushed masks now, once the pass's answer has left and before the
+        next input is awaited (at P > 1 while the other stages compute). A row forgotten meanwhile is
+        skipped; one whose mask raises is left to :meth:`take`."""
         if self.flushed:
             t0 = time.perf_counter()
             self._drain()
@@ -307,11 +281,9 @@ class MasksAhead:
 def allowed_mask(matchers: list, eos_ids: set[int], tok_vocab: int, vocab: int,
                  device: torch.device, ahead: MasksAhead | None = None) -> torch.Tensor:
     """(R, vocab) bool: the tokens each row's matcher allows next (a row whose matcher is None: every
-    token). Ids the tokenizer does not know (``tok_vocab`` and beyond) are never allowed in a
-    constrained row; the end of the output (any of ``eos_ids``) is allowed exactly where the grammar
-    may end. Masks come from ``ahead`` when it started them; unpacked on the host in numpy for the
-    constrained rows only, with no per-row work beyond the matchers' own calls (a handful of small
-    torch ops cost more than the masks themselves), one copy to the device."""
+    token; ids from ``tok_vocab`` on: none). ``eos_ids`` are allowed exactly where the grammar may end.
+    Masks come from ``ahead`` when it started them, unpacked on the host in numpy (a handful of small
+    torch ops per row cost more than the masks themselves), then one copy to the device."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     ms = [matchers[i] for i in rows]
     if not ms:

@@ -1,14 +1,9 @@
 """The logits processors a row's parameters ask for, for a whole micro-batch at once: ``logit_bias``,
 ``min_tokens`` (EOS and ``stop_token_ids`` masked until then), ``repetition_penalty`` (over the prompt's
-and the generated tokens) and OpenAI's ``frequency_penalty`` / ``presence_penalty`` (over the generated
-tokens), in vLLM's order: logit_bias and min_tokens first, then the penalties.
-
-Each is one sparse tensor operation over the (row, token) pairs that need it (index_put for bias,
-counts and the min_tokens mask; a gather, a ``where`` and a scatter for the repetition penalty over
-the tokens each row has seen); Python only lists each row's entries (its bias, its distinct generated
-tokens), never the vocabulary. tests/unit/pipeline/sampling/
-test_processors.py checks each against transformers' logits processors on the same logits.
-Reported logprobs never see any of this (pipeline.sampling.sampler).
+and the generated tokens) and ``frequency_penalty`` / ``presence_penalty`` (over the generated tokens),
+in vLLM's order. Each is one sparse tensor operation over the (row, token) pairs that need it, never a
+loop over the vocabulary; each is checked against transformers' own (tests/unit/pipeline/sampling/
+test_processors.py). Reported logprobs never see any of this (pipeline.sampling.sampler).
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ def process(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], genera
     with nothing."""
     out = logits
     if any(p.logit_bias for p in ps):
-        out = _bias(out.clone(), ps)
+        out = _add_at(out.clone(), [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()])
     early = [i for i, (p, n) in enumerate(zip(ps, generated)) if n < p.min_tokens]
     if early:
         out = _min_tokens(out if out is not logits else out.clone(), early, ps, stop_ids, masked)
@@ -39,10 +34,6 @@ def process(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], genera
     if any(p.presence_penalty or p.frequency_penalty for p in ps):
         out = _frequency_presence(out if out is not logits else out.clone(), ps, counts)
     return out
-
-
-def _bias(logits: torch.Tensor, ps: list) -> torch.Tensor:
-    return _add_at(logits, [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()])
 
 
 def _add_at(logits: torch.Tensor, triples: list[tuple[int, int, float]]) -> torch.Tensor:
@@ -60,14 +51,10 @@ def _min_tokens(logits: torch.Tensor, early: list[int], ps: list, stop_ids: set[
     mask would leave with nothing (a grammar that can only end) keeps its logits: it ends, as its
     constraint says; raw logits are finite, so elsewhere a row always keeps the rest of the vocabulary."""
     vocab, dev = logits.shape[-1], logits.device
-    rows, toks = [], []
-    for i in early:
-        for t in stop_ids.union(ps[i].stop_token_ids):
-            if t < vocab:
-                rows.append(i)
-                toks.append(t)
-    if not rows:
+    pairs = [(i, t) for i in early for t in stop_ids.union(ps[i].stop_token_ids) if t < vocab]
+    if not pairs:
         return logits
+    rows, toks = (list(x) for x in zip(*pairs))
     if masked:
         idx = to_device(early, dev, torch.long)
         before = logits[idx]

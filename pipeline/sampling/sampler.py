@@ -1,10 +1,9 @@
 """Logprobs and token choice for a whole micro-batch at once, with per-row parameters.
 
-Reported logprobs are ``log_softmax`` of the raw float32 logits (before penalties, temperature,
-top-k, top-p and min-p; pipeline.sampling.processors applies the penalties), as OpenAI reports them. Sampling draws from a counter-based random stream:
-the uniform used for a row's step ``t`` is a hash of (row key, t), where the key comes from the
-run seed, the request's own ``seed`` (or its position in the file) and the choice index. So a
-request's sampled output never depends on the micro-batch it shared, the budget or pipeline size.
+Reported logprobs are ``log_softmax`` of the raw float32 logits, as OpenAI reports them. Sampling draws
+from a counter-based random stream: a row's uniform at step ``t`` hashes (row key, t), the key from the
+run seed, the request's ``seed`` (or its position in the file) and the choice index, so a request's
+output never depends on the micro-batch it shared, the budget or pipeline size.
 """
 
 from __future__ import annotations
@@ -36,11 +35,10 @@ def truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
                     min_p: torch.Tensor | None = None):
     """Sorted candidate ids and their probabilities after temperature, top-k, top-p and min-p.
 
-    logits (R, V) float32; temperature/top_p/min_p (R,) float; top_k (R,) long (0 = off).
-    Returns (ids (R, V) sorted by descending logit, probs (R, V) renormalized, zero outside the
-    kept set). As transformers' warpers (Temperature, TopK, TopP, MinP in that order) and vLLM
-    compute them: top-p's mass is counted within the top-k, min-p keeps the tokens at least min_p
-    times as likely as the likeliest. The top token is always kept.
+    logits (R, V) float32; temperature/top_p/min_p (R,) float; top_k (R,) long (0 = off). Returns (ids
+    (R, V) by descending logit, probs (R, V) renormalized, zero outside the kept set), as transformers'
+    warpers (in that order) and vLLM compute them: top-p's mass is counted within the top-k, min-p keeps
+    the tokens at least min_p times as likely as the likeliest; the top token is always kept.
     """
     sorted_logits, ids = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits / temperature[:, None], dim=-1)

@@ -1,8 +1,7 @@
 """Echo scoring on the device: the logprob of every prompt token given the ones before it.
 
-The head runs over the prompt in chunks so a (prompt length x vocabulary) float32 tensor never exists
-beyond one chunk; prompt positions the prefix cache served are scored from the pool (its stored scores
-or its hidden states), and the blocks a prompt saves keep its scores for the next echo request.
+The head runs over the prompt in chunks (no prompt x vocabulary float32 tensor beyond one chunk); the
+positions the prefix cache served are scored from the pool, and the blocks a prompt saves keep its scores.
 """
 
 from __future__ import annotations
@@ -22,10 +21,8 @@ class PromptScorer:
         """Logprob of every prompt token given the ones before it (the first is None) and the top ``k``.
 
         ``h``: final hidden states of the positions this pass computed (from ``item.cached`` on; ``item``:
-        the prompt's pipeline.runtime.messages.Prefill, None when nothing was cached). The
-        cached positions' scores come from the pool when an earlier echo request left them there
-        (the head then runs only over each cached block's last position, whose next token is not the
-        block's), else from the pool's hidden states; the blocks this prompt saves keep its scores."""
+        the prompt's pipeline.runtime.messages.Prefill, None when nothing was cached). Cached positions
+        are scored from the pool (:meth:`_cached_scores`); the blocks this prompt saves keep its scores."""
         cached = item.cached if item is not None else 0
         parts = [self._cached_scores(ids, k, item, pool)] if cached else []
         if len(ids) - 1 > cached:
@@ -47,7 +44,9 @@ class PromptScorer:
         return tuple(torch.cat([o[j] for o in out]) if k or j == 0 else None for j in range(3))
 
     def _cached_scores(self, ids: list[int], k: int, item, pool):
-        """Scores of the first ``item.cached`` positions, which the pool holds."""
+        """Scores of the first ``item.cached`` positions, which the pool holds: its stored scores (the head
+        then runs only over each block's last position, whose next token is the next block's), else the
+        head over its hidden states, kept."""
         cached, bs = item.cached, pool.block_size
         stored = pool.scores(item.load, cached, k)
         if stored is None:  # first echo over these blocks: the head over their hidden states, kept

@@ -1,9 +1,7 @@
 """One sampling step of a micro-batch on the device: hidden states -> logits -> tokens and logprobs.
 
-Everything is batched: one head matmul for the rows that need logits, the processors (bias, min_tokens,
-penalties: pipeline.sampling.processors), one sampling call,
-one log-softmax/top-k and one device->host copy. The caller (pipeline.output.head) keeps the rows'
-state; this module only turns tensors and per-row parameters into host lists.
+Batched: one head matmul, the processors, one sampling call, one log-softmax/top-k and one
+device->host copy. The caller (pipeline.output.head) keeps the rows' state.
 """
 
 from __future__ import annotations
@@ -40,15 +38,10 @@ def draw(logits: torch.Tensor, ps: list, counts: list[dict[int, int]], uniforms:
          allowed: torch.Tensor | None = None, generated: list[int] | None = None,
          prompt_ids: list[torch.Tensor | None] | None = None, stop_ids: set[int] = frozenset()) -> Draw:
     """Choose one token per row of ``logits`` (R, V) with each row's parameters ``ps`` (tasks.requests'
-    Params: temperature, top_p, top_k, min_p, logprobs, penalties, logit_bias, min_tokens, stop_token_ids).
-
-    counts: each row's generated-token counts (penalties); uniforms: each row's random number for this
-    step (ignored where temperature is 0); allowed: an optional (R, V) bool mask (structured outputs),
-    applied to the logits before the processors (pipeline.sampling.processors), top-k/top-p/min-p and
-    sampling; generated: each row's tokens so far (min_tokens); prompt_ids: each row's distinct prompt
-    tokens on the device where its repetition_penalty is on (processors.prompt_tokens); stop_ids: the
-    model's EOS ids.
-    Raises before returning anything, so a caller may retry rows one by one.
+    Params). ``uniforms``: each row's random number for this step (ignored at temperature 0);
+    ``allowed``: an optional (R, V) bool mask (structured outputs), applied before everything else;
+    ``counts``, ``generated``, ``prompt_ids``, ``stop_ids``: as :func:`pipeline.sampling.processors.process`
+    takes them. Raises before returning anything, so a caller may retry rows one by one.
     """
     vocab = logits.shape[-1]
     raw = logits  # reported logprobs: the model's own distribution, before any mask or penalty

@@ -21,11 +21,6 @@ class Group:
     request: int | None = None  # the request's input index (serve mode: what a cancelled request drops)
 
     @property
-    def key(self) -> bytes | None:
-        """Digest of the prompt's first block: prompts sharing it share a prefix."""
-        return self.digests[0] if self.digests else None
-
-    @property
     def need(self) -> int:
         """Cache columns a row of this group may fill."""
         return self.prompt_len + self.max_tokens
@@ -46,11 +41,6 @@ class Slot:
     adapters: list[int] = field(default_factory=list)  # LoRA adapter per row (set when its group enters)
     drops: set[int] = field(default_factory=set)  # serve mode: requests to forget with the slot's next pass
     cancels: set[int] = field(default_factory=set)  # a cancelled file's lines whose rows end with the next pass
-
-    @property
-    def inflight(self) -> int:
-        """Passes sent and not answered yet."""
-        return len(self.fed)
 
     @property
     def live_rows(self) -> int:

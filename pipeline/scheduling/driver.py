@@ -1,11 +1,9 @@
 """Rank 0's side: stream request lines, validate and tokenize them, and decide what runs.
 
-The driver turns each prompt of a request into a scheduler :class:`Group` (``best_of`` rows),
-keeps the scheduler's queue filled from the input stream (never the whole file in memory), and
-turns each pass the scheduler decides (complete: :class:`~pipeline.scheduling.batches.Pass`) into its
-header and input token ids, adding what the scheduler does not hold: prompt ids, admissions, the
-tokens to feed, error lines. Lines that cannot run become error records, passed along to the writer
-in their input position. Rank 0's loops talk to the driver only; it alone talks to the scheduler.
+Each prompt of a request becomes a scheduler :class:`Group`; the driver keeps the scheduler's queue
+filled from the input stream (never the whole file in memory) and turns each pass it decides into a
+header and input token ids, adding what the scheduler does not hold (prompt ids, admissions, tokens to
+feed, error lines). Rank 0's loops talk to the driver only; it alone talks to the scheduler.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from itertools import islice
 
 import torch
 
@@ -35,14 +34,8 @@ log = logging.getLogger(__name__)
 
 def read_lines(path: str, skip: int = 0) -> Iterator[tuple[int, bytes]]:
     """(index, line) for each non-blank line, split on b"\\n" only (a JSON string may hold U+2028)."""
-    index = 0
     with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if index >= skip:
-                yield index, line
-            index += 1
+        yield from islice(enumerate(line for line in f if line.strip()), skip, None)
 
 
 class Driver:
@@ -304,11 +297,8 @@ class Driver:
         self.lines = None
         self.isolation.aside.clear()
         gone, started = self.sched.cancel_lines()
-        raws = {}
-        for g in gone:
-            meta = self.unqueue(g)
-            if meta is not None and meta.raw is not None:
-                raws[g.request] = meta.raw
+        # every group unqueued; a request's line is the one its first prompt's admission carries
+        raws = {g.request: m.raw for g in gone if (m := self.unqueue(g)) is not None and m.raw is not None}
         for index in sorted({g.request for g in gone}):
             self.error_line(index, raws.get(index), CANCELLED)
         return len(started)
@@ -383,21 +373,15 @@ class Driver:
             return True
         return out.released or out.waiting
 
-    # -- what the loops and status read -----------------------------------------------------
+    # -- what the loops and status read: the scheduler's (each documented there) ----------------
     @property
     def slot_ids(self) -> range:
         return range(len(self.sched.slots))
 
-    def busy(self, sid: int) -> bool:
-        """Slot ``sid`` has a pass in flight."""
-        return self.sched.busy(sid)
-
     def take_released(self) -> list[int]:
-        """Slots emptied since the last pass was built."""
         return self.sched.take_released()
 
     def group_of(self, sid: int, row: int) -> int | None:
-        """The group slot ``sid``'s ``row`` holds (None: a free row)."""
         return self.sched.group_of(sid, row)
 
     @property
@@ -406,18 +390,11 @@ class Driver:
 
     @property
     def queued(self) -> int:
-        """Groups waiting for rows (status and metrics read these; nothing here changes them)."""
         return self.sched.queued
 
     @property
     def running_rows(self) -> int:
-        """Rows holding a group, over every micro-batch."""
         return self.sched.running_rows
-
-    @property
-    def cells_in_use(self) -> int:
-        """KV cells allocated: micro-batches and the prefix pool (what --budget bounds)."""
-        return self.sched.cells_in_use
 
 
 class ModelNames:

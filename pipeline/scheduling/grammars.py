@@ -1,10 +1,7 @@
 """Rank 0's structured-output intake: every distinct constraint compiled once, as its line is read, on
 a worker thread with a time limit (``--grammar-timeout``); one that fails or runs out of time becomes
-that request's error and the rest of the file runs.
-
-The compiled grammars are pipeline.sampling.grammar's :class:`Grammars` (with P = 1 the same object the
-last rank samples with, so nothing compiles twice; with P > 1 the last rank compiles each spec again
-once, from the spec its admission message carries, which rank 0 has already proven to compile in time).
+that request's error and the rest of the file runs. With P = 1 the compiled :class:`Grammars` are the
+ones the last rank samples with; with P > 1 the last rank compiles each spec once more.
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ class GrammarIntake:
         try:
             self.grammars.compile(spec)
         except GrammarError as e:
-            raise RequestError(f"the output constraint cannot be compiled: {e}", _param(spec),
-                               reason="grammar") from None
+            param = "response_format" if spec["kind"] == "json_object" else "structured_outputs"
+            raise RequestError(f"the output constraint cannot be compiled: {e}", param, reason="grammar") from None
         self.constrained += 1
 
     def _compile_quietly(self, spec: dict) -> None:
@@ -54,7 +51,3 @@ class GrammarIntake:
         return RequestError(f"the output constraint did not compile within {self.timeout:g} s "
                             "(--grammar-timeout); simplify the schema or raise the limit", "response_format",
                             reason="grammar_timeout")
-
-
-def _param(spec: dict) -> str:
-    return "response_format" if spec["kind"] == "json_object" else "structured_outputs"

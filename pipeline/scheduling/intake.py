@@ -49,11 +49,9 @@ def chat_ids(tok, messages: list[dict], kwargs: dict | None = None, add_generati
 def template_reason(e: Exception) -> str:
     """The template author's own words when it called ``raise_exception`` (a bare jinja2
     TemplateError); otherwise only the kind of failure (a library's wording is not ours to pass on)."""
-    try:
-        from jinja2.exceptions import TemplateError
-    except ImportError:  # pragma: no cover (transformers needs jinja2 for chat templates)
-        TemplateError = None
-    if TemplateError is not None and type(e) is TemplateError and str(e):
+    from jinja2.exceptions import TemplateError  # (jinja2 is a requirement: chat templates)
+
+    if type(e) is TemplateError and str(e):
         return str(e)[:500]
     return f"the template raised {type(e).__name__}"
 

@@ -1,14 +1,10 @@
 """Rank 0: the suspects of an earlier crash, found by bisection while the rest of the file runs.
 
-When a process dies while computing a file, the lines it had in flight and not journaled are the
-*suspects* of the next run (tasks.inflight). Running each alone, one after the other with nothing else
-in flight, would find a poison line but crawl through the file. Instead the suspects are *probed* in
-halves: a half runs together, as one probe group, beside the rest of the file at full speed. A half that
-is answered is innocent; when a run dies while a probe group is in flight, the next run blames that
-group alone (tasks.inflight.replay) and probes its halves. So a poison line among k suspects is cornered
-in about log2(k) runs, and only a single line is run *alone*: it waits until the pipeline is empty, and
-nothing else enters while it runs. A line that dies alone is the *culprit*: the run after answers it
-with an error instead of running it again. A run stopped by a signal blames nobody.
+The lines a dead process had in flight are the next run's *suspects* (tasks.inflight), probed in halves
+beside the rest of the file: a half that is answered is innocent; a run that dies with a probe group in
+flight blames that group alone, whose halves the next run probes. A single suspect runs *alone*
+(nothing else in flight); one that dies alone is the *culprit*, answered with an error by the run
+after (docs/usage/recovery.md). A run stopped by a signal blames nobody.
 """
 
 from __future__ import annotations

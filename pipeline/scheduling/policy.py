@@ -1,9 +1,6 @@
-"""The scheduler's two policies (its sizes are a :class:`~pipeline.config.components.SchedulerConfig`,
-resolved once from the options by :mod:`pipeline.config.pass_sizes`): :class:`FilePolicy` for a request file
-(all of it known ahead: even tails, scoring work spread, drain everything for a long request) and
-:class:`ServePolicy` for the HTTP server (requests arrive one by one: free rows for those to come,
-drain one micro-batch for a long request). The :class:`~pipeline.scheduling.scheduler.Scheduler` is
-given both and asks the policy where the modes differ."""
+"""The scheduler's two policies, where a request file and the HTTP server differ: :class:`FilePolicy`
+(all of the file known ahead) and :class:`ServePolicy` (requests arrive one by one). The scheduler's
+sizes are a :class:`~pipeline.config.components.SchedulerConfig` (:mod:`pipeline.config.pass_sizes`)."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class FilePolicy:
         """A group was queued (the file policy keeps no history)."""
 
     def even_tail(self, sched: Scheduler) -> bool:
-        """Several micro-batches share the file's rest evenly (rows, scoring work) and, at its very end,
-        a slot's decode rows split over passes for every stage (:meth:`Scheduler.parts`)."""
+        """Several micro-batches share the file's rest evenly (rows, scoring work)."""
         return len(sched.slots) > 1
 
     splits_tail = True  # at a file's end a slot's decode rows split over passes for every stage (Scheduler.parts)
@@ -82,8 +78,7 @@ class ServePolicy:
         """Only the slot with the fewest rows in use drains, taking groups that end before its longest
         row (backfill); the others take requests as usual (None)."""
         if self.draining is None or not sched.slots[self.draining].rows:
-            held = [s for s in sched.slots if s.rows]
-            self.draining = min(held, key=lambda s: (len(s.row_group) - len(s.free_rows()), s.sid)).sid
+            self.draining = min((s for s in sched.slots if s.rows), key=lambda s: (s.live_rows, s.sid)).sid
         if slot.sid != self.draining:
             return None
         left = [sched.groups[g].need - n for g, n in zip(slot.row_group, slot.row_len) if g in sched.groups]

@@ -1,25 +1,18 @@
 """Which sequences run in which micro-batch, under the KV-cache token budget. Pure CPU logic.
 
-A *group* is one prompt of one request with ``width`` = best_of candidate rows; its rows share
-one prefill (the lead row's cache is forked to the others). A *slot* is one micro-batch: a KV
-cache of ``rows x cols`` tokens on every stage. ``--budget`` bounds the sum of ``rows x cols``
-over allocated slots. A new slot is packed with groups of similar length (prompt + max_tokens)
-from a look-ahead window, and a slot whose rows finish takes new groups into those rows at once
-(continuous refill) instead of waiting for the whole micro-batch to end.
-
-The scheduler owns the decision: :meth:`Scheduler.next_pass` returns a complete, immutable
-:class:`~pipeline.scheduling.batches.Pass` (rows, segments, prefix loads and saves, chunk ends,
-adapters, releases, drops: :meth:`Scheduler._assemble`) and :meth:`Scheduler.on_reply` is
-told the outcome. Its sizes come in a :class:`~pipeline.config.components.SchedulerConfig`, what
-differs between a file and the server in a policy object (:mod:`pipeline.scheduling.policy`).
-Nothing outside it edits its queue or slots.
-
-Nothing here imports torch.distributed or runs a model (tests/unit/pipeline/scheduling/test_scheduler.py).
+A *group* is one prompt of one request with ``width`` = best_of rows sharing one prefill (the lead
+row's cache is forked to the others); a *slot* is one micro-batch, a KV cache of ``rows x cols`` on
+every stage; ``--budget`` bounds the sum of ``rows x cols`` over allocated slots. A new slot is packed
+with groups of similar length from a look-ahead window, and a row whose sequence finished takes a new
+group at once (continuous refill). :meth:`Scheduler.next_pass` returns a complete, immutable
+:class:`~pipeline.scheduling.batches.Pass`, :meth:`Scheduler.on_reply` is told its outcome, and nothing
+outside edits the queue or slots (docs/design/scheduler.md).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from itertools import takewhile
 
 from pipeline.scheduling.batches import Group, Outcome, Pass, PromptPart, Slot  # noqa: F401  (Group is imported from here across the package)
 from pipeline.config.components import SchedulerConfig  # noqa: F401  (re-exported)
@@ -29,20 +22,14 @@ from pipeline.scheduling.policy import FilePolicy, ServePolicy, policy_for  # no
 class Scheduler:
     """``config``: the sizes (:class:`SchedulerConfig`); ``prefix`` (a
     :class:`~pipeline.cache.prefix.PrefixCache`): its pool counts against the budget, a slot gets one
-    spare column (a prefill that resumes after cached tokens pads its shorter rows past their length:
-    those writes land there), and two groups whose first block is not resident yet do not enter the
-    same pass: the second waits a pass and then finds the block computed; ``policy``:
-    :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode, :func:`policy_for`).
+    spare column (a prefill resuming after cached tokens pads its shorter rows into it), and two groups
+    whose first block is not resident yet do not enter one pass (the second then finds it computed);
+    ``policy``: :class:`FilePolicy` or :class:`ServePolicy` (default: the config's mode).
 
-    ``prefill_tokens``: the prompt tokens one pass computes. A new micro-batch gets rows for every group
-    packed into it, but its first pass computes only the prompts that fit rows x the longest prompt
-    <= this many tokens (at least one); the rest stay queued and join its free rows in the next
-    passes. A chunked prompt (``chunk``) counts its chunk, and the chunks a pass continues count
-    first, oldest first (:meth:`_resume`), so that with several stages no pass is far longer than
-    the others (:func:`pipeline.config.pass_sizes.pass_prefill_tokens`); a pass of scoring
-    prompts alone, by ``scoring_tokens`` (:func:`~pipeline.config.pass_sizes.pass_scoring_tokens`).
-    Bigger passes hold activations far beyond the CPU's caches (32 prompts of 500 tokens: the MLP's
-    alone 262 MB in float32).
+    ``prefill_tokens`` caps the prompt tokens one pass computes (:meth:`_fits_pass`; ``scoring_tokens``
+    for scoring prompts alone): a new micro-batch gets rows for every group packed into it, its first pass
+    admits those that fit and the rest join its free rows later. Bigger passes hold activations far beyond
+    the CPU's caches (32 prompts of 500 tokens: the MLP's alone 262 MB).
     """
 
     def __init__(self, config: SchedulerConfig, prefix=None, policy: FilePolicy | ServePolicy | None = None):
@@ -83,11 +70,6 @@ class Scheduler:
         return sum(s.live_rows for s in self.slots)
 
     @property
-    def cells_in_use(self) -> int:
-        """KV cells allocated: micro-batches and the prefix pool (what ``--budget`` bounds)."""
-        return self.used
-
-    @property
     def padding_ratio(self) -> float:
         """Allocated cells never needed by the groups packed into them, over every cell allocated."""
         return self.padding_waste / max(1, self.allocated_cells)
@@ -96,10 +78,6 @@ class Scheduler:
     def empty(self) -> bool:
         """Nothing queued, no row live, no pass in flight."""
         return not self._queue and not any(s.fed or s.live_rows for s in self.slots)
-
-    def busy(self, sid: int) -> bool:
-        """Slot ``sid`` has a pass in flight."""
-        return bool(self.slots[sid].fed)
 
     def group_of(self, sid: int, row: int) -> int | None:
         """The group slot ``sid``'s ``row`` holds (None: a free row, or past the slot's rows)."""
@@ -120,20 +98,16 @@ class Scheduler:
         """Queue a group: after the other priority groups if it has priority, else at the end."""
         assert self.fits(g), "caller must reject groups larger than the budget"
         self.policy.submitted(g)
-        if not g.priority:
+        if g.priority:
+            self._queue.insert(sum(1 for _ in takewhile(lambda x: x.priority, self._queue)), g)
+        else:
             self._queue.append(g)
-            return
-        i = 0
-        while i < len(self._queue) and self._queue[i].priority:
-            i += 1
-        self._queue.insert(i, g)
 
     def cancel(self, gids: set[int], request: int) -> tuple[list[Group], list[int]]:
         """Serve mode, a client left: its queued groups leave the queue (returned), and each slot
         holding rows of ``gids`` drops ``request`` with its next pass (the slots are returned)."""
         gone = [g for g in self._queue if g.gid in gids]
-        for g in gone:
-            self._queue.remove(g)
+        self._queue = deque(g for g in self._queue if g.gid not in gids)
         held = [s.sid for s in self.slots if gids.intersection(x for x in s.row_group if x is not None)]
         for sid in held:
             self.slots[sid].drops.add(request)
@@ -145,8 +119,7 @@ class Scheduler:
         them). Returns (the groups that left, the lines in flight)."""
         started = {g.request for g in self.groups.values() if not g.priority}
         gone = [g for g in self._queue if not g.priority and g.request not in started]
-        for g in gone:
-            self._queue.remove(g)
+        self._queue = deque(g for g in self._queue if g.priority or g.request in started)
         for s in self.slots:
             held = {self.groups[x].request for x in s.row_group if x is not None and not self.groups[x].priority}
             s.cancels |= held
@@ -160,6 +133,7 @@ class Scheduler:
 
     @property
     def used(self) -> int:
+        """KV cells allocated: micro-batches and the prefix pool (what ``--budget`` bounds)."""
         return sum(s.rows * s.cols for s in self.slots) + (self.prefix.cells if self.prefix is not None else 0)
 
     def cells(self, g: Group) -> int:
@@ -209,11 +183,9 @@ class Scheduler:
         return min(work, self.chunk) if self.chunk and g.chunkable else work
 
     def _fits_pass(self, chosen: list[Group], g: Group, held: tuple[int, int] = (0, 0), decoding: bool = False) -> bool:
-        """``g`` joins this pass's prefill within its cap: the pass computes every new prompt to the
-        longest one's length, so the cost is rows x the longest; ``held``: (rows, longest) of the
-        chunked prompts the pass continues; ``decoding``: the slot has rows decoding in this pass. A
-        pass of scoring prompts alone is capped by ``scoring_tokens``, any other by ``prefill_tokens``.
-        Always true for the first prompt."""
+        """``g`` joins this pass's prefill within its cap (rows x the longest part: the pass computes every
+        new prompt to that length; ``held``: (rows, longest) of the chunked prompts it continues;
+        ``decoding``: the slot has rows decoding in it); always true for the first prompt."""
         if not chosen and not held[0]:
             return True
         groups = (*chosen, g)
@@ -268,9 +240,8 @@ class Scheduler:
         return not any(s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
 
     def _refill_limit(self, slot: Slot) -> int | None:
-        """Most new tokens a group may have to join this allocated slot now (None: any). While the
-        oldest queued group is blocked, file mode: every slot drains for it (0); serve mode: only the
-        slot with the fewest rows in use, taking groups that end before its longest row (backfill)."""
+        """Most new tokens a group may have to join this allocated slot now (None: any): while the oldest
+        queued group is blocked, the policy's limit (:meth:`FilePolicy.blocked_limit`)."""
         if not self._head_blocked():
             self.policy.unblocked()
             return None
@@ -278,20 +249,16 @@ class Scheduler:
 
     @property
     def slot_share(self) -> int:
-        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget,
-        but no more than the prefix pool leaves at its largest (one micro-batch took the whole budget,
-        and the pool never had room to grow)."""
+        """Serve mode: the cells a new micro-batch sizes its free rows to, an even share of the budget but
+        no more than the prefix pool leaves at its largest (else the pool never had room to grow)."""
         share = self.budget // len(self.slots)
         if self.prefix is not None:
             share = min(share, self.budget - self.prefix.max_blocks * self.prefix.block_size)
         return share
 
     def _pool_yields(self) -> None:
-        """Drop the prefix pool when it stands between the budget and the oldest request (with no
-        slot allocated) or, in serve mode, a new micro-batch's share of the budget (slots rarely all
-        drain there, and a pool grown while traffic was light would keep every new slot small). The
-        share (:attr:`slot_share`) leaves the pool room: with one micro-batch (P = 1) it was the whole
-        budget, and the pool was dropped before every request that came alone."""
+        """Drop the prefix pool when it stands between the free cells and what the policy wants for the
+        oldest request (:meth:`FilePolicy.pool_want`, :meth:`ServePolicy.pool_want`)."""
         if self.prefix is None or not self.prefix.cells:
             return
         free, want = self.budget - self.used, self.policy.pool_want(self, self.cells(self._queue[0]))
@@ -345,10 +312,9 @@ class Scheduler:
         return (rows, cols), self._admit(new)
 
     def parts(self) -> int:
-        """Passes a slot's decode rows split over: 1, except at the end of a file (file mode, nothing
-        queued) with fewer micro-batches holding rows than there are stages: enough that every stage
-        has a pass (one micro-batch decoding alone at P = 2 left each stage idle half the time). Not
-        when the stages take turns with the node's cores (``SchedulerConfig.turns``): two passes then
+        """Passes a slot's decode rows split over: 1, except at the end of a file with fewer micro-batches
+        holding rows than there are stages: enough that every stage has a pass (docs/design/scheduler.md).
+        Not when the stages take turns with the node's cores (``SchedulerConfig.turns``): two passes then
         contend for the same cores, and each re-reads the stage's weights."""
         active = sum(s.rows > 0 for s in self.slots)
         if not self.policy.splits_tail or self.config.turns or self._queue or not active or active >= self.stages:
@@ -386,11 +352,9 @@ class Scheduler:
         return g.prompt_len - min(hits, g.prompt_len - 1)
 
     def _scoring_share(self, window: list[Group]) -> int | None:
-        """File mode, several micro-batches: the prompt tokens of scoring-only groups (max_tokens 0) a
-        new slot may compute: half an even share of the window's scoring work (a prompt counts only
-        what an earlier one does not compute), so it spreads over 2+ passes per slot and the stages
-        work at once, instead of one slot taking 22 of 24 multiple-choice contexts while the others
-        wait for its blocks. Generating groups are not limited here (fewer rows: slower decode steps)."""
+        """File mode, several micro-batches: the prompt tokens of scoring-only groups a new slot may
+        compute, half an even share of the window's scoring work (a prompt counts only what an earlier one
+        does not compute), so that the stages work at once (docs/design/scheduler.md); None: no limit."""
         if not self.policy.even_tail(self):
             return None
         total, seen = 0, set()
@@ -398,11 +362,7 @@ class Scheduler:
         for g in window:
             if g.max_tokens:
                 continue
-            shared = 0
-            for d in g.digests:
-                if d not in seen and not self.prefix.resident(d):
-                    break
-                shared += 1
+            shared = sum(1 for _ in takewhile(lambda d: d in seen or self.prefix.resident(d), g.digests))
             seen.update(g.digests)
             total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
         return -(-total // (2 * len(self.slots)))
@@ -431,10 +391,12 @@ class Scheduler:
         column = {r: slot.row_len[r] for r in decode_rows}
         prompts, forks, admitted = [], [], []
         free = slot.free_rows() if new else []
+        if alloc:
+            slot.adapters = [0] * slot.rows
         for g in new:
             rows, free = free[: g.width], free[g.width :]
             for r in rows:
-                slot.row_group[r], slot.row_len[r] = g.gid, g.prompt_len
+                slot.row_group[r], slot.row_len[r], slot.adapters[r] = g.gid, g.prompt_len, g.adapter
             self.groups[g.gid] = g
             prompts.append((g, rows[0]))
             if len(rows) > 1:
@@ -451,11 +413,6 @@ class Scheduler:
         layout = decode_layout(decode_rows, slot.rows, not slot.prefilling and not split) if decode_rows else []
         planned = self._plan_prompts(slot, prompts, resume)
         grow = self.prefix.take_grow() if prompts and self.prefix is not None else None
-        if alloc:
-            slot.adapters = [0] * slot.rows
-        for g in new:
-            for r in dict(admitted)[g.gid]:
-                slot.adapters[r] = g.adapter
         drop, cancel, release = tuple(sorted(slot.drops)), tuple(sorted(slot.cancels)), tuple(self.released)
         slot.drops.clear()
         slot.cancels.clear()
@@ -507,7 +464,7 @@ class Scheduler:
             gids.append(gid)
             self.shared.pop(gid, None)
             slot.row_group[r] = None
-            if gid is not None and gid in self.groups and all(x != gid for x in slot.row_group):
+            if gid is not None and gid in self.groups and gid not in slot.row_group:
                 del self.groups[gid]
         if all(g is None for g in slot.row_group) and not slot.fed:
             slot.rows = slot.cols = 0

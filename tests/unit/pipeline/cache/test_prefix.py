@@ -276,12 +276,12 @@ def test_echo_over_cached_blocks_reads_stored_scores_and_runs_the_head_once_per_
 
     first = torch.cat([shared, torch.randn(5, 8)])  # 13 tokens: blocks 0 and 1 are kept in pool blocks 2, 3
     pool.h[8:16] = shared
-    check(head._score_prompt(first, ids, 2, Prefill(1, 0, 13, save=[[0, 2], [1, 3]]), pool), first, ids, 2)
+    check(head.scorer.score(first, ids, 2, Prefill(1, 0, 13, save=[[0, 2], [1, 3]]), pool), first, ids, 2)
     assert head_rows == [12] and pool.scored == [-1, -1, 2, 2]
     for k, rows in ((2, [2, 2]), (1, [2, 2]), (3, [8, 2]), (3, [2, 2])):  # k = 3: wider than stored, once
         head_rows.clear()
         new, toks = torch.randn(3, 8), ids[:8] + [30 + k, 31, 32]
-        out = head._score_prompt(new, toks, k, Prefill(2, 0, 11, cached=8, load=[2, 3]), pool)
+        out = head.scorer.score(new, toks, k, Prefill(2, 0, 11, cached=8, load=[2, 3]), pool)
         check(out, torch.cat([shared, new]), toks, k)
         assert head_rows == rows, (k, head_rows)
 

@@ -103,12 +103,12 @@ def test_cancel_takes_queued_groups_and_shed_empties_the_queue():
 
 def test_counters_for_status():
     s = Scheduler(SchedulerConfig(budget=1000, num_slots=1, max_rows=4))
-    assert (s.queued, s.running_rows, s.cells_in_use, s.empty) == (0, 0, 0, True)
+    assert (s.queued, s.running_rows, s.used, s.empty) == (0, 0, 0, True)
     for gid in range(3):
         s.submit(Group(gid, 5, 5))
     assert s.queued == 3 and s.wants_more
     ps = s.next_pass(0)
-    assert s.running_rows == 3 and s.cells_in_use == ps.alloc[0] * ps.alloc[1] and s.busy(0)
+    assert s.running_rows == 3 and s.used == ps.alloc[0] * ps.alloc[1] and s.slots[0].fed
 
 
 def test_helpers():

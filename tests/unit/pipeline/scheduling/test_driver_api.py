@@ -51,7 +51,7 @@ def test_a_file_runs_through_the_driver_alone():
                 left[(hdr.slot, r)] -= 1
             d.on_reply(Reply(hdr.slot, [(r, 5) for r in out if r not in fin], fin))
     assert passes >= 4  # 20-token prompts in chunks of 8: three passes each, then a decode step
-    assert sorted(released + d.take_released()) == [0, 1] and d.cells_in_use == 0
+    assert sorted(released + d.take_released()) == [0, 1] and d.sched.used == 0
 
 
 def test_cancel_and_shed_through_the_driver():

@@ -12,7 +12,7 @@ def drain(s: Scheduler, lengths_of: dict[int, int], max_steps: int = 10_000) -> 
         assert steps < max_steps, "scheduler stalled"
         ran = False
         for slot in s.slots:
-            if slot.inflight:
+            if slot.fed:
                 continue
             ps = s.next_pass(slot.sid)
             if ps is None:
@@ -149,7 +149,7 @@ def drain_from(s: Scheduler, lengths_of: dict[int, int], produced: dict) -> list
         steps += 1
         assert steps < 1000, "scheduler stalled"
         for slot in s.slots:
-            ps = None if slot.inflight else s.next_pass(slot.sid)
+            ps = None if slot.fed else s.next_pass(slot.sid)
             if ps is None:
                 continue
             cont, fin = [], []
