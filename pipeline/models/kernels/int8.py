@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.kernels import native
-from pipeline.models.kernels.kernel_table import KernelTable
+from pipeline.models.kernels.kernel_table import KernelTable, set_per_shape
 from pipeline.models.decoder import projections
 from pipeline.models.decoder import MLP, Block, Norm
 
@@ -305,31 +305,18 @@ def median_times(fns: dict[str, Callable[[], object]], rounds: int = 7, budget_s
 def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
                    table: KernelTable | None = None, release: Callable[[], object] | None = None) -> dict[str, dict]:
     """Choose the kernel of each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
-    and set it on every layer of that shape; returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms":
-    {kernel: [median ms at each size timed]}}}``. The choice is ``table``'s
-    (:class:`~pipeline.models.kernels.kernel_table.KernelTable`) when given, else measured now by
-    :func:`_measure`. ``release``: called after each layer's weight is repacked and after the timing
-    (the caller hands freed memory back)."""
-    by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
-    for m in model.modules():
-        if isinstance(m, Int8Linear):
-            by_shape.setdefault((m.in_features, m.out_features), []).append(m)
-    chosen = {}
-    for (k, n), mods in by_shape.items():
-        probe = mods[0]
+    (:func:`~pipeline.models.kernels.kernel_table.set_per_shape`: ``table``'s choice when given, else
+    measured now by :func:`_measure`); returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms": {kernel:
+    [median ms at each size timed]}}}``."""
+
+    def plan(probe: Int8Linear) -> tuple[str, list[str], Callable[[], dict]]:
         alive, copies = _available(probe)
-        measure = functools.partial(_measure, probe, copies, alive, dtype, rows)
-        key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}"
-        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
-        del copies
-        for m in mods:
-            m.set_kernel(entry["kernel"])
-            if release is not None and m.packed is not None:  # the plain weight's pages, before the next copy
-                release()
-        chosen[f"{k}x{n}"] = entry
-    if release is not None:
-        release()  # the timing's temporaries
-    return chosen
+        shape = f"{probe.in_features}x{probe.out_features}"
+        key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{shape}"
+        return key, alive, functools.partial(_measure, probe, copies, alive, dtype, rows)
+
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    return set_per_shape(layers, lambda m: (m.in_features, m.out_features), plan, table, release)
 
 
 def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str], dtype: torch.dtype,
