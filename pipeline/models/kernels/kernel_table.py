@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.models.kernels.native import cpuinfo
 from pipeline.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,11 @@ def machine() -> dict[str, str]:
     instructions PyTorch's kernels (and so the C loops) are held to (``ATEN_CPU_CAPABILITY``), the GPU's
     name when there is one, torch's version."""
     cpu = {"model": platform.processor() or platform.machine(), "flags": ""}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "Model") and not cpu["flags"]:
-                cpu["model"] = value.strip()
-            elif key in ("flags", "Features"):
-                cpu["flags"] = value.strip()
-                break
-    except OSError:
-        pass
+    for key, _, value in (line.partition(":") for line in cpuinfo()):
+        if key.strip() in ("model name", "Model"):
+            cpu["model"] = value.strip()
+        elif key.strip() in ("flags", "Features"):
+            cpu["flags"] = value.strip()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     return {"cpu": cpu["model"], "cpu_flags": cpu["flags"], "isa": torch.backends.cpu.get_cpu_capability(),
             "gpu": gpu, "torch": torch.__version__, "arch": platform.machine()}
