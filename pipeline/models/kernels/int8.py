@@ -215,21 +215,15 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def zero_points(n: int) -> torch.Tensor:
-    """The weights' zero points for oneDNN (symmetric: all 0), one shared tensor per width."""
-    return torch.zeros(n, dtype=torch.long)
-
-
-@functools.cache
-def unit_scales(n: int) -> torch.Tensor:
-    """Weight scales of 1 for oneDNN, one shared tensor per width: its output is then float32(acc), the
-    weight scales applied by :func:`epilogue` like every kernel's."""
-    return torch.ones(n, dtype=torch.float32)
+def unit_weights(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """oneDNN's weight scales and zero points, one shared pair per width: scales of 1, so its output is
+    float32(acc) and :func:`epilogue` applies the weight scales like every kernel's; zero points 0 (symmetric)."""
+    return torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.long)
 
 
 def _qlinear(xu: torch.Tensor, x_zero: int, packed: torch.Tensor, n: int) -> torch.Tensor:
     """oneDNN's ``float32((xu - x_zero) @ W.T)``: (rows, in) uint8 -> (rows, n) float32."""
-    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, x_zero, packed, unit_scales(n), zero_points(n), None,
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, x_zero, packed, *unit_weights(n), None,
                                               1.0, 0, torch.float32, "none", [], "")
 
 
