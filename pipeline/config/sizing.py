@@ -13,6 +13,7 @@ import torch
 
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.loading.quantized import checkpoint_format, quantize_projections, quantized_bytes
+from pipeline.loading.stage_weights import embed_side
 from pipeline.models.families import DecoderSpec, family_for
 from pipeline.config.partition import gib, memory_sizes, parse_stage_memory
 from pipeline.models.hf_stage import HFStageModel, hf_config
@@ -60,8 +61,8 @@ def _parameters(config: dict, spec, model_type: str | None, int8: bool = False):
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
         fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
+        embs = embed_side(spec)
         with torch.device("meta"):
-            embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
             model = StageModel(spec, 0, spec.num_layers, True, True)
             if int8:
                 quantize_linears(model)
