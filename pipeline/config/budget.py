@@ -15,6 +15,7 @@ from comm.dist import agree_min
 from comm.p2p import PeerLost
 
 from pipeline.cache.kv_cache import int8_layer_bytes
+from pipeline.models.hf_stage import kv_dim
 from pipeline.models.spec import DecoderSpec
 from pipeline.config.sizing import CPU_BUDGET, available_ram
 
@@ -28,13 +29,8 @@ def kv_cell_bytes(model) -> int:
     spec = getattr(model, "spec", None)
     if isinstance(spec, DecoderSpec) and getattr(model, "kv_int8", False):  # --kv-cache-dtype int8 records
         return len(model.layers) * int8_layer_bytes(spec)
-    if isinstance(spec, DecoderSpec):
-        kv_dim = spec.kv_dim
-    else:  # the generic stage: transformers' config
-        cfg = model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        kv_dim = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    return 2 * len(model.layers) * kv_dim * itemsize
+    width = spec.kv_dim if isinstance(spec, DecoderSpec) else kv_dim(model.config)  # else the generic stage
+    return 2 * len(model.layers) * width * itemsize
 
 
 def budget_from_memory(free: int, total: int, cell_bytes: int) -> int:

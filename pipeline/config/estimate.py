@@ -30,7 +30,7 @@ from pipeline.config.budget import cpu_budget
 from pipeline.config.options import RunOptions
 from pipeline.config.partition import gib
 from pipeline.config.plan import make_plan, output_for, resolve_dtype
-from pipeline.config.sizing import _kv_width, available_ram, model_costs
+from pipeline.config.sizing import available_ram, model_costs
 from pipeline.loading.tokenizer import load_tokenizer
 
 PROMPT_WEIGHT = 0.1  # a prompt token's compute against a generated token's (prefill is batched: measured ~0.05-0.15 on CPU)
@@ -106,7 +106,7 @@ def plan_lines(plan, opts: RunOptions) -> list[str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(opts.torch_dtype_name, plan.config, device, plan.model_dir)
     most = max(b - a for a, b in plan.ranges)
-    cell = 2 * most * _kv_width(plan.config, plan.spec) * dtype.itemsize
+    cell = 2 * most * plan.spec.kv_dim * dtype.itemsize
     if opts.budget != "auto":
         budget, how = int(opts.budget), "--budget"
     elif device.type == "cpu":

@@ -34,11 +34,15 @@ def prefix_block(plan, opts) -> int:
     --batch-invariant (a cached prefix would make a row's numbers depend on what ran before it), for
     longrope models (a prefix's keys depend on the length of the prompt that computed them) and on
     the generic transformers stage."""
-    if opts.prefix_cache != "on" or opts.batch_invariant or not isinstance(plan.spec, DecoderSpec):
-        return 0  # the generic stage keeps its cache its own way: no prefix pool there (yet)
-    if plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope":
+    if opts.prefix_cache != "on" or opts.batch_invariant or not resumable(plan.spec):
         return 0
     return opts.prefix_block_size
+
+
+def resumable(spec) -> bool:
+    """Whether a prompt can resume after tokens already in the cache: a native family (the generic stage
+    keeps its cache its own way) without longrope."""
+    return isinstance(spec, DecoderSpec) and not (spec.rope is not None and spec.rope.scaling_type == "longrope")
 
 
 def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
@@ -48,9 +52,7 @@ def prefill_chunk(plan, opts, pipeline_size: int, gpu: bool = False) -> int:
     chunk = opts.prefill_chunk
     if chunk == "auto":
         chunk = AUTO_PREFILL_CHUNK["cuda" if gpu else "cpu"] if pipeline_size > 1 and not opts.batch_invariant else 0
-    resumable = isinstance(plan.spec, DecoderSpec) and not (
-        plan.spec.rope is not None and plan.spec.rope.scaling_type == "longrope")
-    if chunk and not resumable:
+    if chunk and not resumable(plan.spec):
         if opts.prefill_chunk != "auto":
             log.warning("--prefill-chunk %d ignored: this model's stage computes whole prompts only (the generic "
                         "transformers stage, or longrope)", chunk)

@@ -46,7 +46,7 @@ class RunPlan:
     model_dir: str
     model_name: str  # the "model" of every result
     config: dict
-    spec: DecoderSpec | ModelShape  # num_layers, vocab_size, max_positions of either backend
+    spec: DecoderSpec | ModelShape  # num_layers, vocab_size, max_positions, kv_dim of either backend
     ranges: list[tuple[int, int]]  # layers of each stage
     inputs: list[str]  # request files (rank 0 of each pipeline only)
     threads: int  # CPU threads of this process

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.cache.kv_cache import int8_layer_bytes
 from pipeline.loading.quantized import checkpoint_format, quantize_projections, quantized_bytes
+from pipeline.loading.stage_weights import embed_side
 from pipeline.models.families import DecoderSpec, family_for
 from pipeline.config.partition import gib, memory_sizes, parse_stage_memory
 from pipeline.models.hf_stage import HFStageModel, hf_config
@@ -48,7 +49,7 @@ def model_parts(config: dict, spec, model_type: str | None, dtype: torch.dtype, 
             first += nbytes
         else:
             last += nbytes
-    kv = 2 * budget * _kv_width(config, spec) * size
+    kv = 2 * budget * spec.kv_dim * size
     if kv_int8:  # the plan allows it only for native families (a DecoderSpec)
         kv = budget * int8_layer_bytes(spec)
     extra = adapter_layers or [0] * spec.num_layers
@@ -60,8 +61,8 @@ def _parameters(config: dict, spec, model_type: str | None, int8: bool = False):
     parameter of the whole model, on meta."""
     if isinstance(spec, DecoderSpec):
         fmt = checkpoint_format(config)  # pre-quantized: the projections at their packed sizes
+        embs = embed_side(spec)
         with torch.device("meta"):
-            embs = {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
             model = StageModel(spec, 0, spec.num_layers, True, True)
             if int8:
                 quantize_linears(model)
@@ -82,15 +83,6 @@ def _parameters(config: dict, spec, model_type: str | None, int8: bool = False):
             yield name, params[name].numel(), part, None
     if "lm_head.weight" not in model.checkpoint_names():  # tied: the head stage holds its own copy
         yield "lm_head.weight", params["lm_head.weight"].numel(), "head", None
-
-
-def _kv_width(config: dict, spec) -> int:
-    """Key (= value) features per token of one layer."""
-    if isinstance(spec, DecoderSpec):
-        return spec.kv_dim
-    heads = config.get("num_attention_heads") or 1
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return (config.get("num_key_value_heads") or heads) * head_dim
 
 
 def stage_memory(value: str, pipeline: int, local_world: int, device: torch.device) -> tuple[list[int], str]:

@@ -55,7 +55,7 @@ def read_config(model_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: cannot read config: {e}") from e
 
 
-def _embed_side(spec: DecoderSpec) -> set[str]:
+def embed_side(spec: DecoderSpec) -> set[str]:
     """Names of the embedding-side parameters of a StageModel (the rest of the non-layer ones are the head's)."""
     with torch.device("meta"):
         return {n for n, _ in StageModel(spec, 0, 0, True, False).named_parameters()}
@@ -108,7 +108,7 @@ def build_stage(
             packed = {} if fmt is None else quantize_projections(model, family, spec, fmt, store.has)
         model = model.to(dtype).to_empty(device=device)  # cast on meta: storage only ever in the run's dtype
         model.tie()
-        embs = _embed_side(spec)
+        embs = embed_side(spec)
         params = dict(model.named_parameters())
         if packed:
             load_projections(model, packed, fmt, _packed_getter(store, device))

@@ -35,6 +35,7 @@ class ModelShape:
     vocab_size: int
     num_layers: int
     max_positions: int
+    kv_dim: int  # key (= value) features per token of one layer
 
 
 def hf_config(cfg: dict, model_type: str | None = None):
@@ -79,7 +80,13 @@ def _converted_at_load(*keys: str) -> bool:
 def model_shape(cfg: dict, model_type: str | None = None) -> ModelShape:
     config = hf_config(cfg, model_type)
     return ModelShape(config.model_type, config.vocab_size, config.num_hidden_layers,
-                      getattr(config, "max_position_embeddings", None) or 2048)
+                      getattr(config, "max_position_embeddings", None) or 2048, kv_dim(config))
+
+
+def kv_dim(config) -> int:
+    """Key (= value) features per token of one layer of a transformers config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 _META = threading.local()  # .on: this thread builds modules with their parameters on meta

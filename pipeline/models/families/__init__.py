@@ -72,6 +72,17 @@ def stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def by_module(prefix: str, table: dict[str, str | list[str]], name: str, combine=None) -> Source:
+    """Parameter ``name`` (``module.weight`` / ``module.bias``) from the HF module ``table[module]`` under
+    ``prefix``, the same kind; a list of modules: their tensors concatenated (``cat0``, [q; k; v] or
+    [gate; up]). ``combine``: a single tensor's conversion instead of the default (as is)."""
+    module, kind = name.rsplit(".", 1)
+    hf = table[module]
+    if isinstance(hf, list):
+        return Source([f"{prefix}{h}.{kind}" for h in hf], cat0)
+    return Source([f"{prefix}{hf}.{kind}"]) if combine is None else Source([f"{prefix}{hf}.{kind}"], combine)
+
+
 def config_value(cfg: dict, *keys: str, default=None):
     """The first of ``keys`` present in a config (families spell sizes differently: n_embd,
     hidden_size, n_embed...); ``default`` if none is, else a ValueError naming them."""
@@ -214,6 +225,6 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
     return out
 
 
-__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "cat0", "per_head_to_qkv", "stack0", "stack_pairs",
-           "activation_name", "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
+__all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "by_module", "cat0", "per_head_to_qkv", "stack0",
+           "stack_pairs", "activation_name", "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
            "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

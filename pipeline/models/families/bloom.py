@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.models.families import (DecoderSpec, Source, activation_name, config_value, layernorm_decoder,
-                                      per_head_to_qkv)
+from pipeline.models.families import (DecoderSpec, Source, activation_name, by_module, config_value,
+                                      layernorm_decoder, per_head_to_qkv)
 
 MODEL_TYPES = ("bloom",)
 
@@ -38,17 +38,14 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"{_P}h.{i}."
-    module, kind = name.rsplit(".", 1)
-    if module == "attn.qkv":
-        return Source([f"{p}self_attention.query_key_value.{kind}"], per_head_to_qkv(spec.num_heads))
-    hf = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.o": "self_attention.dense",
-          "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}[module]
-    return Source([f"{p}{hf}.{kind}"])
+    if name.startswith("attn.qkv."):
+        return by_module(p, {"attn.qkv": "self_attention.query_key_value"}, name, per_head_to_qkv(spec.num_heads))
+    table = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.o": "self_attention.dense",
+             "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
+    return by_module(p, table, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    if name == "lm_head.weight":
-        return Source(["lm_head.weight"])
-    module, kind = name.rsplit(".", 1)
-    hf = {"embed": "word_embeddings", "embed_norm": "word_embeddings_layernorm", "final_norm": "ln_f"}[module]
-    return Source([f"{_P}{hf}.{kind}"])
+    table = {"embed": _P + "word_embeddings", "embed_norm": _P + "word_embeddings_layernorm",
+             "final_norm": _P + "ln_f", "lm_head": "lm_head"}
+    return by_module("", table, name)

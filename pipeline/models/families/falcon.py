@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
-                                      rope_from_config)
+from pipeline.models.families import (DecoderSpec, Source, activation_name, by_module, layernorm_decoder,
+                                      per_head_to_qkv, rope_from_config)
 
 MODEL_TYPES = ("falcon",)
 
@@ -89,22 +89,17 @@ def _qkv_combine(spec: DecoderSpec):
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"transformer.h.{i}."
-    module, kind = name.rsplit(".", 1)
-    if module == "attn.qkv":
-        return Source([p + f"self_attention.query_key_value.{kind}"], _qkv_combine(spec))
+    if name.startswith("attn.qkv."):
+        return by_module(p, {"attn.qkv": "self_attention.query_key_value"}, name, _qkv_combine(spec))
     if spec.parallel_residual and not spec.shared_norm:
         norms = {"n1": "ln_attn", "n2": "ln_mlp"}
     else:
         norms = {"n1": "input_layernorm", "n2": "post_attention_layernorm"}
     table = {**norms, "attn.o": "self_attention.dense", "mlp.up": "mlp.dense_h_to_4h",
              "mlp.down": "mlp.dense_4h_to_h"}
-    return Source([p + f"{table[module]}.{kind}"])
+    return by_module(p, table, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    return {
-        "embed.weight": Source(["transformer.word_embeddings.weight"]),
-        "final_norm.weight": Source(["transformer.ln_f.weight"]),
-        "final_norm.bias": Source(["transformer.ln_f.bias"]),
-        "lm_head.weight": Source(["lm_head.weight"]),
-    }[name]
+    table = {"embed": "transformer.word_embeddings", "final_norm": "transformer.ln_f", "lm_head": "lm_head"}
+    return by_module("", table, name)

@@ -13,9 +13,8 @@ sqrt(hidden_size), GeGLU (tanh GELU), tied head.
 
 from __future__ import annotations
 
-from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import (DecoderSpec, Source, activation_name, layer_kinds, llama, rope_from_config,
-                                      rotary_decoder)
+from pipeline.models.families.llama import layer_source, top_source  # noqa: F401 (Llama's tensor names)
+from pipeline.models.families import DecoderSpec, activation_name, layer_kinds, rope_from_config, rotary_decoder
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 
@@ -80,16 +79,3 @@ def to_spec(cfg: dict) -> DecoderSpec:
         layer_kinds=kinds,
         sliding_window=window,
     )
-
-
-def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
-    """Llama's names (pipeline.models.families.llama), but for the norms around the MLP."""
-    p = f"model.layers.{i}."
-    norms = {
-        # Gemma 1 names its pre-MLP norm post_attention_layernorm (Llama's naming)
-        "n2.weight": Source([p + ("pre_feedforward_layernorm.weight" if spec.post_branch_norm
-                                  else "post_attention_layernorm.weight")]),
-        "post_attn_norm.weight": Source([p + "post_attention_layernorm.weight"]),
-        "post_mlp_norm.weight": Source([p + "post_feedforward_layernorm.weight"]),
-    }
-    return norms[name] if name in norms else llama.layer_source(spec, i, name)

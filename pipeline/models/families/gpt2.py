@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, config_value, layernorm_decoder
+from pipeline.models.families import DecoderSpec, Source, activation_name, by_module, config_value, layernorm_decoder
 
 MODEL_TYPES = ("gpt2",)
 
@@ -66,18 +66,12 @@ def _qkv(spec: DecoderSpec, i: int):
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"{_P}h.{i}."
-    module, kind = name.rsplit(".", 1)
-    if module == "attn.qkv":
-        return Source([f"{p}attn.c_attn.{kind}"], _qkv(spec, i))
-    hf = {"n1": "ln_1", "n2": "ln_2", "attn.o": "attn.c_proj", "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"}[module]
-    return Source([f"{p}{hf}.{kind}"], _t)
+    if name.startswith("attn.qkv."):
+        return by_module(p, {"attn.qkv": "attn.c_attn"}, name, _qkv(spec, i))
+    table = {"n1": "ln_1", "n2": "ln_2", "attn.o": "attn.c_proj", "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"}
+    return by_module(p, table, name, _t)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    return {
-        "embed.weight": Source([_P + "wte.weight"]),
-        "lm_head.weight": Source(["lm_head.weight"]),
-        "pos_embed.weight": Source([_P + "wpe.weight"]),
-        "final_norm.weight": Source([_P + "ln_f.weight"]),
-        "final_norm.bias": Source([_P + "ln_f.bias"]),
-    }[name]
+    table = {"embed": _P + "wte", "lm_head": "lm_head", "pos_embed": _P + "wpe", "final_norm": _P + "ln_f"}
+    return by_module("", table, name)

@@ -3,8 +3,8 @@ sequential residual, fused per-head ``query_key_value``, untied ``embed_out``.""
 
 from __future__ import annotations
 
-from pipeline.models.families import (DecoderSpec, Source, activation_name, layernorm_decoder, per_head_to_qkv,
-                                      rope_from_config)
+from pipeline.models.families import (DecoderSpec, Source, activation_name, by_module, layernorm_decoder,
+                                      per_head_to_qkv, rope_from_config)
 
 MODEL_TYPES = ("gpt_neox",)
 ALIASES = ("gptneox",)  # the seed's --model-type spelling
@@ -40,24 +40,13 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"gpt_neox.layers.{i}."
-    kind = name.rsplit(".", 1)[1]  # weight | bias
-    table = {
-        "n1": "input_layernorm",
-        "n2": "post_attention_layernorm",
-        "attn.o": "attention.dense",
-        "mlp.up": "mlp.dense_h_to_4h",
-        "mlp.down": "mlp.dense_4h_to_h",
-    }
-    module = name.rsplit(".", 1)[0]
-    if module == "attn.qkv":
-        return Source([p + f"attention.query_key_value.{kind}"], per_head_to_qkv(spec.num_heads))
-    return Source([p + f"{table[module]}.{kind}"])
+    if name.startswith("attn.qkv."):
+        return by_module(p, {"attn.qkv": "attention.query_key_value"}, name, per_head_to_qkv(spec.num_heads))
+    table = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.o": "attention.dense",
+             "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
+    return by_module(p, table, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    return {
-        "embed.weight": Source(["gpt_neox.embed_in.weight"]),
-        "final_norm.weight": Source(["gpt_neox.final_layer_norm.weight"]),
-        "final_norm.bias": Source(["gpt_neox.final_layer_norm.bias"]),
-        "lm_head.weight": Source(["embed_out.weight"]),
-    }[name]
+    table = {"embed": "gpt_neox.embed_in", "final_norm": "gpt_neox.final_layer_norm", "lm_head": "embed_out"}
+    return by_module("", table, name)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipeline.models.families import DecoderSpec, RopeSpec, Source, activation_name, cat0, layernorm_decoder
+from pipeline.models.families import DecoderSpec, RopeSpec, Source, activation_name, by_module, layernorm_decoder
 
 MODEL_TYPES = ("gptj",)
 
@@ -31,24 +31,10 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
-    p = f"transformer.h.{i}."
-    return {
-        "n1.weight": Source([p + "ln_1.weight"]),
-        "n1.bias": Source([p + "ln_1.bias"]),
-        "attn.qkv.weight": Source([p + f"attn.{x}_proj.weight" for x in "qkv"], cat0),
-        "attn.o.weight": Source([p + "attn.out_proj.weight"]),
-        "mlp.up.weight": Source([p + "mlp.fc_in.weight"]),
-        "mlp.up.bias": Source([p + "mlp.fc_in.bias"]),
-        "mlp.down.weight": Source([p + "mlp.fc_out.weight"]),
-        "mlp.down.bias": Source([p + "mlp.fc_out.bias"]),
-    }[name]
+    table = {"n1": "ln_1", "attn.qkv": [f"attn.{x}_proj" for x in "qkv"], "attn.o": "attn.out_proj",
+             "mlp.up": "mlp.fc_in", "mlp.down": "mlp.fc_out"}
+    return by_module(f"transformer.h.{i}.", table, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    return {
-        "embed.weight": Source(["transformer.wte.weight"]),
-        "final_norm.weight": Source(["transformer.ln_f.weight"]),
-        "final_norm.bias": Source(["transformer.ln_f.bias"]),
-        "lm_head.weight": Source(["lm_head.weight"]),
-        "lm_head.bias": Source(["lm_head.bias"]),
-    }[name]
+    return by_module("", {"embed": "transformer.wte", "final_norm": "transformer.ln_f", "lm_head": "lm_head"}, name)

@@ -7,7 +7,7 @@ only with ``use_sliding_window``, on the layers from ``max_window_layers`` on (o
 
 from __future__ import annotations
 
-from pipeline.models.families import DecoderSpec, Source, cat0, layer_kinds, rotary_decoder
+from pipeline.models.families import DecoderSpec, Source, by_module, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -37,25 +37,18 @@ def to_spec(cfg: dict) -> DecoderSpec:
     )
 
 
+_LAYER = {"n1": "input_layernorm", "n2": "post_attention_layernorm",
+          "attn.qkv": [f"self_attn.{x}_proj" for x in "qkv"], "attn.o": "self_attn.o_proj", "mlp.up": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down": "mlp.down_proj",
+          "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
+          "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+# with norms on the branch outputs too (Gemma 2/3; OLMo 2 has no input norms) the pre-MLP norm is renamed
+# (Gemma 1 keeps Llama's naming)
+_BRANCH_NORMED = _LAYER | {"n2": "pre_feedforward_layernorm"}
+
+
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
-    p = f"model.layers.{i}."
-    table = {
-        "n1.weight": Source([p + "input_layernorm.weight"]),
-        "n2.weight": Source([p + "post_attention_layernorm.weight"]),
-        "attn.o.weight": Source([p + "self_attn.o_proj.weight"]),
-        "attn.o.bias": Source([p + "self_attn.o_proj.bias"]),
-        "mlp.up.weight": Source([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], cat0),
-        "mlp.up.bias": Source([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], cat0),
-        "mlp.down.weight": Source([p + "mlp.down_proj.weight"]),
-        "mlp.down.bias": Source([p + "mlp.down_proj.bias"]),
-        "attn.q_norm.weight": Source([p + "self_attn.q_norm.weight"]),
-        "attn.k_norm.weight": Source([p + "self_attn.k_norm.weight"]),
-    }
-    for kind in ("weight", "bias"):
-        table[f"attn.qkv.{kind}"] = Source([p + f"self_attn.{x}_proj.{kind}" for x in "qkv"], cat0)
-    return table[name]
+    return by_module(f"model.layers.{i}.", _BRANCH_NORMED if spec.post_branch_norm else _LAYER, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
-    return {"embed.weight": Source(["model.embed_tokens.weight"]), "final_norm.weight": Source(["model.norm.weight"]),
-            "lm_head.weight": Source(["lm_head.weight"])}[name]
+    return by_module("", {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}, name)

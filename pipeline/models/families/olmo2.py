@@ -5,8 +5,8 @@ projections before rotary. RMSNorms multiply by their weight in float32, then ca
 
 from __future__ import annotations
 
-from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import DecoderSpec, Source, llama, rotary_decoder
+from pipeline.models.families.llama import layer_source, top_source  # noqa: F401 (Llama's tensor names)
+from pipeline.models.families import DecoderSpec, rotary_decoder
 
 MODEL_TYPES = ("olmo2",)
 
@@ -22,11 +22,3 @@ def to_spec(cfg: dict) -> DecoderSpec:
         post_branch_norm=True,
         qk_norm="full",
     )
-
-
-def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
-    """Llama's names (pipeline.models.families.llama) for attention and MLP; the norms on the branch outputs."""
-    p = f"model.layers.{i}."
-    norms = {"post_attn_norm.weight": Source([p + "post_attention_layernorm.weight"]),
-             "post_mlp_norm.weight": Source([p + "post_feedforward_layernorm.weight"])}
-    return norms[name] if name in norms else llama.layer_source(spec, i, name)

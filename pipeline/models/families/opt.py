@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.families import DecoderSpec, Source, activation_name, cat0, layernorm_decoder
+from pipeline.models.families import DecoderSpec, Source, activation_name, by_module, layernorm_decoder
 
 MODEL_TYPES = ("opt",)
 
@@ -56,21 +56,16 @@ def _norm(spec: DecoderSpec, hf: str, kind: str) -> Source:
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
     p = f"{_P}layers.{i}."
     module, kind = name.rsplit(".", 1)
-    if module == "attn.qkv":
-        return Source([f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"], cat0)
     if module in ("n1", "n2"):
         return _norm(spec, p + ("self_attn_layer_norm" if module == "n1" else "final_layer_norm"), kind)
-    hf = {"attn.o": "self_attn.out_proj", "mlp.up": "fc1", "mlp.down": "fc2"}[module]
-    return Source([f"{p}{hf}.{kind}"])
+    table = {"attn.qkv": [f"self_attn.{x}_proj" for x in "qkv"], "attn.o": "self_attn.out_proj", "mlp.up": "fc1",
+             "mlp.down": "fc2"}
+    return by_module(p, table, name)
 
 
 def top_source(spec: DecoderSpec, name: str) -> Source:
     if name.startswith("final_norm."):
         return _norm(spec, _P + "final_layer_norm", name.split(".", 1)[1])
-    return {
-        "embed.weight": Source([_P + "embed_tokens.weight"]),
-        "lm_head.weight": Source(["lm_head.weight"]),
-        "pos_embed.weight": Source([_P + "embed_positions.weight"]),
-        "proj_in.weight": Source([_P + "project_in.weight"]),
-        "proj_out.weight": Source([_P + "project_out.weight"]),
-    }[name]
+    table = {"embed": _P + "embed_tokens", "lm_head": "lm_head", "pos_embed": _P + "embed_positions",
+             "proj_in": _P + "project_in", "proj_out": _P + "project_out"}
+    return by_module("", table, name)

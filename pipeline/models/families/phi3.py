@@ -7,9 +7,11 @@ window on every layer when ``sliding_window`` is set.
 from __future__ import annotations
 
 from pipeline.models.families.llama import top_source  # noqa: F401 (same embedding / norm / head names)
-from pipeline.models.families import DecoderSpec, Source, layer_kinds, rotary_decoder
+from pipeline.models.families import DecoderSpec, Source, by_module, layer_kinds, rotary_decoder
 
 MODEL_TYPES = ("phi3",)
+_LAYER = {"n1": "input_layernorm", "n2": "post_attention_layernorm", "attn.qkv": "self_attn.qkv_proj",
+          "attn.o": "self_attn.o_proj", "mlp.up": "mlp.gate_up_proj", "mlp.down": "mlp.down_proj"}
 
 
 def to_spec(cfg: dict) -> DecoderSpec:
@@ -18,12 +20,4 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 
 def layer_source(spec: DecoderSpec, i: int, name: str) -> Source:
-    p = f"model.layers.{i}."
-    return {
-        "n1.weight": Source([p + "input_layernorm.weight"]),
-        "n2.weight": Source([p + "post_attention_layernorm.weight"]),
-        "attn.qkv.weight": Source([p + "self_attn.qkv_proj.weight"]),
-        "attn.o.weight": Source([p + "self_attn.o_proj.weight"]),
-        "mlp.up.weight": Source([p + "mlp.gate_up_proj.weight"]),
-        "mlp.down.weight": Source([p + "mlp.down_proj.weight"]),
-    }[name]
+    return by_module(f"model.layers.{i}.", _LAYER, name)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.kernels import native
-from pipeline.models.kernels.kernel_table import KernelTable
+from pipeline.models.kernels.kernel_table import KernelTable, set_per_shape
 from pipeline.models.decoder import projections
 from pipeline.models.decoder import MLP, Block, Norm
 
@@ -120,7 +120,7 @@ class Int8Linear(Float32Buffers):
         quantized = None
         if self.prologue is not None:  # the library is loaded (fuse_prologues): norm / activation and quantization
             quantized = native.quantize_rows_u8_fused(flat, self.prologue, self.norm_weight, self.norm_eps)
-        y = PRODUCTS[self.kernel](flat, self, quantized)
+        y = product(self.kernel, flat, self, quantized)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -131,9 +131,12 @@ Quantized = tuple[torch.Tensor, torch.Tensor]  # (rows, in) uint8 values + 128, 
 EXACT_K = 1024  # input features whose int8 x int8 sum float32 holds exactly: 1024 x 127 x 127 < 2^24
 
 
-def _activations(x: torch.Tensor, quantized: Quantized | None) -> Quantized:
-    """x's per-token uint8 values (zero point 128) and scales: ``quantized`` when the prologue computed them."""
-    return quantize_tokens(x, unsigned=True) if quantized is None else quantized
+def product(kernel: str, x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
+    """(rows, in) -> (rows, out): x's per-token uint8 values (zero point 128) and scales (``quantized`` when the
+    prologue computed them), ``kernel``'s exact integer sums against ``m``'s weight (:data:`SUMS`), then
+    :func:`epilogue`."""
+    xu, s = quantize_tokens(x, unsigned=True) if quantized is None else quantized
+    return epilogue(SUMS[kernel](xu, m), s, m, x.dtype)
 
 
 def epilogue(acc: torch.Tensor, s: torch.Tensor, m: Int8Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -149,32 +152,28 @@ def epilogue(acc: torch.Tensor, s: torch.Tensor, m: Int8Linear, dtype: torch.dty
     return y.to(dtype)
 
 
-def dequantized_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): the int8 products as float32 matmuls over ``EXACT_K`` input features at
-    a time (every partial sum an integer below 2^24: exact in any order), the pieces added in int32."""
-    xu, s = _activations(x, quantized)
+def dequantized_sums(xu: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """(rows, in) uint8 -> (rows, out) float32 sums: float32 matmuls over ``EXACT_K`` input features at a
+    time (every partial sum an integer below 2^24: exact in any order), the pieces added in int32."""
     xf = xu.float().sub_(128.0)  # the int8 values, exactly
     k = xf.shape[1]
     if k <= EXACT_K:
-        acc = F.linear(xf, m.weight.float())
-    else:
-        total = None
-        for c in range(0, k, EXACT_K):
-            part = F.linear(xf[:, c : c + EXACT_K], m.weight[:, c : c + EXACT_K].float()).to(torch.int32)
-            total = part if total is None else total.add_(part)
-        acc = total.float()
-    return epilogue(acc, s, m, x.dtype)
+        return F.linear(xf, m.weight.float())
+    total = None
+    for c in range(0, k, EXACT_K):
+        part = F.linear(xf[:, c : c + EXACT_K], m.weight[:, c : c + EXACT_K].float()).to(torch.int32)
+        total = part if total is None else total.add_(part)
+    return total.float()
 
 
-def int8_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): rows quantized to int8 with one scale each, int8 x int8 -> int32."""
-    xu, s = _activations(x, quantized)
+def int8_sums(xu: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """(rows, in) uint8 -> (rows, out) float32 sums: int8 x int8 -> int32 (``torch._int_mm``)."""
     xq = xu.bitwise_xor(128).view(torch.int8)  # u - 128, the same bytes with the top bit flipped
     rows = xq.shape[0]
     if xq.is_cuda and rows <= 16:  # cuBLASLt's int8 GEMM needs more than 16 rows: pad
         xq = F.pad(xq, (0, 0, 0, 17 - rows))
     acc = torch._int_mm(xq, m.weight.t())[:rows]  # (rows, out) int32; weight.t(): the (in, out) operand, column-major
-    return epilogue(acc.float(), s, m, x.dtype)
+    return acc.float()
 
 
 def quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +200,7 @@ def eager_quantize_tokens(x: torch.Tensor, unsigned: bool = False) -> tuple[torc
 
 
 def onednn_prepack(weight: torch.Tensor) -> torch.Tensor:
-    """int8 (out, in) -> oneDNN's prepacked int8 weight for :func:`onednn_mm` (CPU only, where oneDNN's
+    """int8 (out, in) -> oneDNN's prepacked int8 weight for the ``onednn`` kernel (CPU only, where oneDNN's
     product is exact: :func:`onednn_saturates`)."""
     if weight.device.type != "cpu":
         raise RuntimeError("oneDNN's int8 linear is a CPU kernel")
@@ -215,21 +214,15 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def zero_points(n: int) -> torch.Tensor:
-    """The weights' zero points for oneDNN (symmetric: all 0), one shared tensor per width."""
-    return torch.zeros(n, dtype=torch.long)
-
-
-@functools.cache
-def unit_scales(n: int) -> torch.Tensor:
-    """Weight scales of 1 for oneDNN, one shared tensor per width: its output is then float32(acc), the
-    weight scales applied by :func:`epilogue` like every kernel's."""
-    return torch.ones(n, dtype=torch.float32)
+def unit_weights(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """oneDNN's weight scales and zero points, one shared pair per width: scales of 1, so its output is
+    float32(acc) and :func:`epilogue` applies the weight scales like every kernel's; zero points 0 (symmetric)."""
+    return torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.long)
 
 
 def _qlinear(xu: torch.Tensor, x_zero: int, packed: torch.Tensor, n: int) -> torch.Tensor:
     """oneDNN's ``float32((xu - x_zero) @ W.T)``: (rows, in) uint8 -> (rows, n) float32."""
-    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, x_zero, packed, unit_scales(n), zero_points(n), None,
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, x_zero, packed, *unit_weights(n), None,
                                               1.0, 0, torch.float32, "none", [], "")
 
 
@@ -245,26 +238,20 @@ def onednn_saturates() -> bool:
                for rows in (1, 32))
 
 
-def onednn_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): :func:`int8_mm`'s integer sums against ``m.packed`` (oneDNN's layout)."""
-    xu, s = _activations(x, quantized)  # (rows, in) uint8, (rows, 1)
-    return epilogue(_qlinear(xu, 128, m.packed, m.out_features), s, m, x.dtype)
-
-
-def native_mm(x: torch.Tensor, m: Int8Linear, quantized: Quantized | None = None) -> torch.Tensor:
-    """(rows, in) -> (rows, out): the integer sums by the project's C loops (pipeline/models/kernels/native.c):
+def native_sums(xu: torch.Tensor, m: Int8Linear) -> torch.Tensor:
+    """(rows, in) uint8 -> (rows, out) float32 sums by the project's C loops (pipeline/models/kernels/native.c):
     with AVX512-VNNI against the weight repacked once into 16-output blocks (vpdpbusd, weights streamed
     once per block of up to 8 rows: a decode step reads each weight once), else AVX2 on the plain weight."""
-    xu, s = _activations(x, quantized)
     xu = xu.contiguous()
     if m.packed is not None:
-        acc = native.int8_products_vnni(xu, m.packed, m.out_features, m.weight_sums)
-    else:
-        acc = native.int8_products(xu, m.weight)
-    return epilogue(acc.float(), s, m, x.dtype)
+        return native.int8_products_vnni(xu, m.packed, m.out_features, m.weight_sums).float()
+    return native.int8_products(xu, m.weight).float()
 
 
-PRODUCTS = {"int8": int8_mm, "onednn": onednn_mm, "dequantize": dequantized_mm, "native": native_mm}
+# each kernel's exact integer sums of (rows, in) uint8 activations against an Int8Linear's weight, as float32;
+# onednn: oneDNN's product against m.packed (its layout)
+SUMS = {"int8": int8_sums, "dequantize": dequantized_sums, "native": native_sums,
+        "onednn": lambda xu, m: _qlinear(xu, 128, m.packed, m.out_features)}
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -305,31 +292,18 @@ def median_times(fns: dict[str, Callable[[], object]], rounds: int = 7, budget_s
 def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
                    table: KernelTable | None = None, release: Callable[[], object] | None = None) -> dict[str, dict]:
     """Choose the kernel of each distinct (in, out) shape of the stage's :class:`Int8Linear` layers
-    and set it on every layer of that shape; returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms":
-    {kernel: [median ms at each size timed]}}}``. The choice is ``table``'s
-    (:class:`~pipeline.models.kernels.kernel_table.KernelTable`) when given, else measured now by
-    :func:`_measure`. ``release``: called after each layer's weight is repacked and after the timing
-    (the caller hands freed memory back)."""
-    by_shape: dict[tuple[int, int], list[Int8Linear]] = {}
-    for m in model.modules():
-        if isinstance(m, Int8Linear):
-            by_shape.setdefault((m.in_features, m.out_features), []).append(m)
-    chosen = {}
-    for (k, n), mods in by_shape.items():
-        probe = mods[0]
+    (:func:`~pipeline.models.kernels.kernel_table.set_per_shape`: ``table``'s choice when given, else
+    measured now by :func:`_measure`); returns ``{"INxOUT": {"kernel": ..., "rows": rows, "ms": {kernel:
+    [median ms at each size timed]}}}``."""
+
+    def plan(probe: Int8Linear) -> tuple[str, list[str], Callable[[], dict]]:
         alive, copies = _available(probe)
-        measure = functools.partial(_measure, probe, copies, alive, dtype, rows)
-        key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}"
-        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
-        del copies
-        for m in mods:
-            m.set_kernel(entry["kernel"])
-            if release is not None and m.packed is not None:  # the plain weight's pages, before the next copy
-                release()
-        chosen[f"{k}x{n}"] = entry
-    if release is not None:
-        release()  # the timing's temporaries
-    return chosen
+        shape = f"{probe.in_features}x{probe.out_features}"
+        key = f"int8/{probe.weight.device.type}/{str(dtype).removeprefix('torch.')}/{shape}"
+        return key, alive, functools.partial(_measure, probe, copies, alive, dtype, rows)
+
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    return set_per_shape(layers, lambda m: (m.in_features, m.out_features), plan, table, release)
 
 
 def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str], dtype: torch.dtype,
@@ -342,7 +316,7 @@ def _measure(probe: Int8Linear, copies: dict[str, Int8Linear], alive: list[str],
     ms: dict[str, list[float]] = {kernel: [] for kernel in alive}  # per size of rows
     for m_rows in rows:
         x = torch.randn(m_rows, probe.in_features, generator=gen).to(device=probe.weight.device, dtype=dtype)
-        fns = {kernel: functools.partial(PRODUCTS[kernel], x, copies[kernel]) for kernel in alive}
+        fns = {kernel: functools.partial(product, kernel, x, copies[kernel]) for kernel in alive}
         for kernel, seconds in median_times(fns).items():
             ms[kernel].append(round(seconds * 1e3, 4))
         fastest = min(ms[kernel][-1] for kernel in alive)
@@ -364,7 +338,7 @@ def _available(probe: Int8Linear) -> tuple[list[str], dict[str, Int8Linear]]:
             copies[kernel] = other = copy.copy(probe)
             other.packed, other.weight_sums, other.kernel = None, None, kernel
             other._pack(kernel)
-            PRODUCTS[kernel](x, other)
+            product(kernel, x, other)
             alive.append(kernel)
         except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the op
             copies.pop(kernel, None)

@@ -16,11 +16,13 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from pipeline.models.kernels.native import cpuinfo
 from pipeline.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -31,17 +33,11 @@ def machine() -> dict[str, str]:
     instructions PyTorch's kernels (and so the C loops) are held to (``ATEN_CPU_CAPABILITY``), the GPU's
     name when there is one, torch's version."""
     cpu = {"model": platform.processor() or platform.machine(), "flags": ""}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "Model") and not cpu["flags"]:
-                cpu["model"] = value.strip()
-            elif key in ("flags", "Features"):
-                cpu["flags"] = value.strip()
-                break
-    except OSError:
-        pass
+    for key, _, value in (line.partition(":") for line in cpuinfo()):
+        if key.strip() in ("model name", "Model"):
+            cpu["model"] = value.strip()
+        elif key.strip() in ("flags", "Features"):
+            cpu["flags"] = value.strip()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     return {"cpu": cpu["model"], "cpu_flags": cpu["flags"], "isa": torch.backends.cpu.get_cpu_capability(),
             "gpu": gpu, "torch": torch.__version__, "arch": platform.machine()}
@@ -110,3 +106,28 @@ class KernelTable:
     def summary(self) -> dict:
         """For the run summary: where the choices live and how many this stage read or measured."""
         return {"path": str(self.path), "kept": self.kept, "measured": self.measured}
+
+
+def set_per_shape(layers: Iterable[nn.Module], shape: Callable[[nn.Module], tuple],
+                  plan: Callable[[nn.Module], tuple[str, list[str], Callable[[], dict]]], table: KernelTable | None,
+                  release: Callable[[], object] | None = None) -> dict[str, dict]:
+    """Set one kernel on every layer of each ``shape`` (a tuple starting ``(in, out)``) and return
+    ``{"INxOUT": entry}``. ``plan(probe)`` gives the shape's table key, the kernels that run on the probe
+    and the measurement; the entry is ``table``'s when given, else measured now. ``release``: called
+    after each layer's weight is repacked and at the end (the caller hands freed memory back)."""
+    by_shape: dict[tuple, list[nn.Module]] = {}
+    for m in layers:
+        by_shape.setdefault(shape(m), []).append(m)
+    chosen = {}
+    for (k, n, *_), mods in by_shape.items():
+        key, alive, measure = plan(mods[0])
+        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
+        del measure  # what the timing holds (int8: packed copies), before the layers pack their own
+        for m in mods:
+            m.set_kernel(entry["kernel"])
+            if release is not None and m.packed is not None:  # the plain weight's pages, before the next copy
+                release()
+        chosen[f"{k}x{n}"] = entry
+    if release is not None:
+        release()  # the timing's temporaries
+    return chosen

@@ -61,19 +61,20 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpuinfo() -> list[str]:
+    """/proc/cpuinfo's lines up to the first CPU's ``flags`` (ARM: ``Features``) line; [] without the file."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return []
+    end = next((i for i, line in enumerate(lines) if line.startswith(("flags", "Features"))), len(lines))
+    return lines[: end + 1]
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_flags().encode(),
+    source, cpu = SOURCE.read_bytes(), cpuinfo()
+    cpu_flags = cpu[-1] if cpu and cpu[-1].startswith(("flags", "Features")) else platform.processor()  # as written
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), cpu_flags.encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.kernels.int8 import Float32Buffers, median_times
-from pipeline.models.kernels.kernel_table import KernelTable
+from pipeline.models.kernels.kernel_table import KernelTable, set_per_shape
 
 log = logging.getLogger(__name__)
 
@@ -191,30 +192,25 @@ def prepare_int8pack(m: QuantLinear) -> torch.Tensor:
 @torch.inference_mode()
 def choose_kernels(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...] = (32, 256),
                    table: KernelTable | None = None) -> dict[str, dict]:
-    """Choose the kernel of each distinct (in, out, bits, group) shape of the stage's
-    :class:`QuantLinear` layers and set it on every layer of that shape; returns ``{"INxOUT":
-    {"kernel": ..., "ms": {kernel: [median ms per size]}}}``. These kernels round differently (a
-    float product of dequantized weights against torch's packed kernels), so a choice is an answer:
-    with ``table`` (:class:`~pipeline.models.kernels.kernel_table.KernelTable`) it is measured once per
-    kind of machine and then read by every run; without, measured now (the median of interleaved
-    timings at ``rows`` token rows; the least total time wins)."""
-    by_shape: dict[tuple, list[QuantLinear]] = {}
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            by_shape.setdefault((m.in_features, m.out_features, m.bits, m.group_size, bool(m.perm.numel())),
-                                []).append(m)
-    chosen = {}
-    for (k, n, bits, group, act_order), mods in by_shape.items():
-        probe = mods[0]
+    """Choose the kernel of each distinct (in, out, bits, group, act order) shape of the stage's
+    :class:`QuantLinear` layers (:func:`~pipeline.models.kernels.kernel_table.set_per_shape`); returns
+    ``{"INxOUT": {"kernel": ..., "ms": {kernel: [median ms per size]}}}``. These kernels round
+    differently (a float product of dequantized weights against torch's packed kernels), so a choice is
+    an answer: with ``table`` it is measured once per kind of machine and then read by every run;
+    without, measured now (the median of interleaved timings at ``rows`` token rows; the least total
+    time wins)."""
+
+    def shape(m: QuantLinear) -> tuple:
+        return m.in_features, m.out_features, m.bits, m.group_size, bool(m.perm.numel())
+
+    def plan(probe: QuantLinear) -> tuple[str, list[str], Callable[[], dict]]:
+        k, n, bits, group, act_order = shape(probe)
         alive = [kernel for kernel in KERNELS if _runs(probe, kernel)]
-        measure = functools.partial(_measure, probe, alive, dtype, rows)
         key = (f"weight-only/{probe.qweight.device.type}/{str(dtype).removeprefix('torch.')}/{k}x{n}/int{bits}/g{group}"
                f"{'/act-order' if act_order else ''}")
-        entry = table.choose(key, alive.__contains__, measure) if table is not None else measure()
-        for m in mods:
-            m.set_kernel(entry["kernel"])
-        chosen[f"{k}x{n}"] = entry
-    return chosen
+        return key, alive, functools.partial(_measure, probe, alive, dtype, rows)
+
+    return set_per_shape([m for m in model.modules() if isinstance(m, QuantLinear)], shape, plan, table)
 
 
 def _runs(probe: QuantLinear, kernel: str) -> bool:
