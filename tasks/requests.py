@@ -357,7 +357,8 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
     if not isinstance(raw["body"], dict):
         raise RequestError("Batch API line: 'body' must be an object", "body")
     if url not in ("/v1/completions", "/v1/chat/completions"):
-        raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)", "url")
+        raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)",
+                           "url")
     return parse_body(raw["body"], url == "/v1/chat/completions", index, lenient, line=raw)
 
 

@@ -226,5 +226,5 @@ def parameter_sources(family, spec: DecoderSpec, model: torch.nn.Module) -> dict
 
 
 __all__ = ["DecoderSpec", "MoESpec", "RopeSpec", "Source", "by_module", "cat0", "per_head_to_qkv", "stack0",
-           "stack_pairs", "activation_name", "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder", "rotary_decoder",
-           "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]
+           "stack_pairs", "activation_name", "config_value", "rope_from_config", "layer_kinds", "layernorm_decoder",
+           "rotary_decoder", "family_for", "spec_from_config", "supported_model_types", "parameter_sources"]

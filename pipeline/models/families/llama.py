@@ -38,7 +38,8 @@ def to_spec(cfg: dict) -> DecoderSpec:
 
 
 _LAYER = {"n1": "input_layernorm", "n2": "post_attention_layernorm",
-          "attn.qkv": [f"self_attn.{x}_proj" for x in "qkv"], "attn.o": "self_attn.o_proj", "mlp.up": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down": "mlp.down_proj",
+          "attn.qkv": [f"self_attn.{x}_proj" for x in "qkv"], "attn.o": "self_attn.o_proj",
+          "mlp.up": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down": "mlp.down_proj",
           "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
           "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 # with norms on the branch outputs too (Gemma 2/3; OLMo 2 has no input norms) the pre-MLP norm is renamed
