@@ -362,7 +362,7 @@ class Scheduler:
         for g in window:
             if g.max_tokens:
                 continue
-            shared = sum(1 for _ in takewhile(lambda d: d in seen or self.prefix.resident(d), g.digests))
+            shared = sum(1 for _ in takewhile(lambda d: d in seen or d in self.prefix.blocks, g.digests))
             seen.update(g.digests)
             total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
         return -(-total // (2 * len(self.slots)))
