@@ -390,7 +390,7 @@ class Scheduler:
         fed = set(decode_rows)
         column = {r: slot.row_len[r] for r in decode_rows}
         prompts, forks, admitted = [], [], []
-        free = slot.free_rows() if new else []
+        free = [r for r, g in enumerate(slot.row_group) if g is None] if new else []
         if alloc:
             slot.adapters = [0] * slot.rows
         for g in new:
