@@ -97,10 +97,10 @@ class LastRank:
                          sorted({m.req for m in batch if m.alone}), sorted({m.req for m in batch if m.probe}),
                          max(m.probe for m in batch))
 
-    def record(self, msg: Admitting | None) -> None:
+    def record(self, msg: Admitting) -> None:
         """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
         0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
-        if msg is None or self.file is None or self.file.inflight is None:
+        if self.file is None or self.file.inflight is None:
             return
         self.file.inflight.admitted(msg.lines, msg.alone, msg.probe, msg.group)
         if LINE.armed:
