@@ -49,7 +49,7 @@ class LinePoint(FaultPoint):
         super().__init__("line")
 
     def admit(self, indices) -> None:
-        if self.armed and self.line in indices:
+        if self.line in indices:  # (armed: its caller tests that)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -66,17 +66,14 @@ class ForwardPoint(FaultPoint):
         self.passes = 0  # passes of this stage that computed the line's rows
 
     def watch(self, hdr) -> None:
-        """Every pass (a PassHeader) through the stage: note which rows its admissions take."""
-        if not self.armed:
-            return
+        """Every pass (a PassHeader) through the stage: note which rows its admissions take (called only
+        when armed: the stage tests it, as for :meth:`check`)."""
         for meta in hdr.admit:
             for r in meta.rows:
                 (self.rows.add if meta.req == self.line and not meta.live else self.rows.discard)((hdr.slot, r))
 
     def check(self, hdr) -> None:
         """Before a stage computes ``hdr``: fail when it computes the line's rows."""
-        if not self.armed:
-            return
         rows = {*hdr.decode_rows, *(p.row for p in hdr.prefill)}
         if any((hdr.slot, r) in self.rows for r in rows):
             self.passes += 1

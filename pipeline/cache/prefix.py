@@ -67,9 +67,6 @@ class PrefixCache:
             if self.pending[d] <= 0:
                 del self.pending[d]
 
-    def resident(self, digest: bytes | None) -> bool:
-        return digest is not None and digest in self.blocks
-
     def hits(self, digests) -> int:
         """Leading blocks of a prompt that are resident now."""
         return sum(1 for _ in takewhile(self.blocks.__contains__, digests))

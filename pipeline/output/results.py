@@ -170,11 +170,10 @@ def chat_choice(detok: Detokenizer, cand: Candidate, index: int, params) -> dict
 
 def chat_logprobs(lp: dict) -> dict:
     """Completion-style logprobs (tokens, token_logprobs, top_logprobs) in the chat format."""
-    content = []
-    for i, (tok, val) in enumerate(zip(lp["tokens"], lp["token_logprobs"])):
-        tops = (lp["top_logprobs"] or [])[i] if lp["top_logprobs"] else {}
-        content.append({"token": tok, "logprob": val, "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in (tops or {}).items()]})
+    tops = lp["top_logprobs"] or [{}] * len(lp["tokens"])  # (a chat choice has no echoed prompt: no None entry)
+    content = [{"token": tok, "logprob": val, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top.items()]}
+               for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops)]
     return {"content": content, "refusal": None}
 
 

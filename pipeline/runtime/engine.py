@@ -24,10 +24,11 @@ from tasks.requests import parse_request
 from tasks.shards import index_of
 
 from pipeline.runtime.last_rank import LastRank
-from pipeline.runtime.messages import CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Release, Reply, Stop
+from pipeline.runtime.messages import (Allocate, CloseFile, Closed, Message, OpenFile, Opened, PassHeader, Release,
+                                       Reply, Stop)
 from pipeline.runtime.retry import Retry
 from pipeline.runtime.sources import FileReport, FileSource, Job, Live, Requests
-from pipeline.runtime.stage import Stage, allocate_ahead, pack
+from pipeline.runtime.stage import Stage, pack
 from pipeline.scheduling.driver import Driver, read_lines
 from pipeline.scheduling.intake import as_request_error
 
@@ -305,10 +306,11 @@ class Engine:
 
     def _launch_pass(self, hdr: PassHeader, dec: torch.Tensor | None, pre: torch.Tensor | None,
                      ahead: bool = False) -> None:
-        """Compute a built pass on this stage and send it down (the other ranks told first when it
-        allocates its cache: :func:`~pipeline.runtime.stage.allocate_ahead`)."""
-        if hdr.alloc:
-            allocate_ahead(self.link, hdr)
+        """Compute a built pass on this stage and send it down. A pass that allocates its slot's cache
+        tells the other ranks first, so that they allocate theirs now (:class:`Allocate`); not one that
+        resizes the prefix pool: a pool dropped to make room for this cache must go first (the pass does that)."""
+        if hdr.alloc and self.link is not None and hdr.keeps_cache and hdr.prefix_grow is None:
+            self.link.send_next(Allocate(hdr.slot, *hdr.alloc, release=list(hdr.release)))
         if self.stats_every and time.monotonic() - self._stats_at >= self.stats_every:
             self._stats_at = time.monotonic()
             hdr.stats = []  # each stage appends its figures (pipeline.runtime.monitor reads them)

@@ -51,13 +51,6 @@ class LastRank:
             self.status.finish("stopped" if self.file is not None else "finished")
         return None
 
-    def _checkpoint(self) -> None:
-        """Every ``checkpoint_interval`` seconds: the rows in flight, for a run after a crash to resume."""
-        now = time.monotonic()
-        if self.checkpoint_interval and now - self._checkpointed >= self.checkpoint_interval:
-            self._checkpointed = now
-            self.file.checkpoint(self.head.checkpoint())
-
     def idle(self) -> None:
         """Between passes, once the answer has left (P > 1): the masks computed ahead without a thread."""
         masks = self.head.constraints.masks
@@ -97,10 +90,10 @@ class LastRank:
                          sorted({m.req for m in batch if m.alone}), sorted({m.req for m in batch if m.probe}),
                          max(m.probe for m in batch))
 
-    def record(self, msg: Admitting | None) -> None:
+    def record(self, msg: Admitting) -> None:
         """Note the file's lines a pass admits before they are computed (tasks.inflight): with P = 1 rank
         0 calls this before its forward; else rank 0 sends :class:`Admitting` ahead of the pass."""
-        if msg is None or self.file is None or self.file.inflight is None:
+        if self.file is None or self.file.inflight is None:
             return
         self.file.inflight.admitted(msg.lines, msg.alone, msg.probe, msg.group)
         if LINE.armed:
@@ -158,7 +151,10 @@ class LastRank:
             PREFILL.tick(ready=bool(hdr.prefill))
         if self.file is not None:
             self.file.flush(self.head.generated_tokens)
-            self._checkpoint()
+            now = time.monotonic()  # every checkpoint_interval seconds the rows in flight, for a rerun to resume
+            if self.checkpoint_interval and now - self._checkpointed >= self.checkpoint_interval:
+                self._checkpointed = now
+                self.file.checkpoint(self.head.checkpoint())
         self.stage.clock("sample+write", t0, slot=hdr.slot)
         if self.status is not None and self.file is not None:
             f = self.file

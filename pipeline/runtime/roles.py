@@ -42,7 +42,7 @@ from pipeline.runtime.last_rank import LastRank
 from pipeline.scheduling.driver import Driver, ModelNames
 from pipeline.runtime.engine import Engine
 from pipeline.runtime.sources import FileSource, Requests
-from pipeline.scheduling.scheduler import Scheduler, policy_for
+from pipeline.scheduling.scheduler import Scheduler
 from pipeline.cache.prefix import PrefixCache
 from pipeline.config.cores import usable_cores
 from pipeline.config.openmp import wait_note
@@ -251,7 +251,7 @@ def make_engine(rank: Rank, files: FileSource | None = None, requests: Requests 
     tokenizer = load_tokenizer(plan.model_dir, opts.trust_remote_code)
     block = prefix_block(plan, opts)
     config = scheduler_config(plan, opts, info.pipeline_size, info.device.type == "cuda", rank.budget, arriving)
-    sched = Scheduler(config, PrefixCache(block, rank.budget) if block else None, policy_for(config))
+    sched = Scheduler(config, PrefixCache(block, rank.budget) if block else None)  # the config's policy
     models = None
     if plan.adapters:
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,

@@ -274,14 +274,6 @@ def serve(link, stage: Stage, last=None) -> str | None:
             return output
 
 
-def allocate_ahead(link, hdr: PassHeader) -> None:
-    """Rank 0, before computing a pass that allocates its slot's cache: tell the other ranks, so that
-    they allocate theirs now (see :class:`~pipeline.runtime.messages.Allocate`). Not when the pass resizes
-    the prefix pool: a pool dropped to make room for this cache must go first (the pass does that)."""
-    if link is not None and hdr.alloc and hdr.keeps_cache and hdr.prefix_grow is None:
-        link.send_next(Allocate(hdr.slot, *hdr.alloc, release=list(hdr.release)))
-
-
 def decode_segment(hdr: PassHeader, device: torch.device) -> Segment:
     """The decode rows; their index tensors built once on the host and copied without a sync."""
     rows, starts = hdr.decode_layout, hdr.decode_start

@@ -47,9 +47,6 @@ class Slot:
         """Rows holding a group."""
         return sum(g is not None for g in self.row_group)
 
-    def free_rows(self) -> list[int]:
-        return [r for r, g in enumerate(self.row_group) if g is None]
-
 
 @dataclass(frozen=True)
 class PromptPart:

@@ -149,7 +149,7 @@ class Driver:
     @property
     def exhausted(self) -> bool:
         """Every line of the file is read into the scheduler or answered (no suspect waits for its probe)."""
-        return self.lines is None and not self.isolation.aside  # (no suspect line read waits for its probe)
+        return self.lines is None and not self.isolation.aside
 
     @property
     def done(self) -> bool:

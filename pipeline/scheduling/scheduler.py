@@ -229,20 +229,15 @@ class Scheduler:
                 free -= g.width
         return chosen
 
-    def _head_blocked(self) -> bool:
-        """The oldest queued group cannot start anywhere now: stop refilling so slots drain (else a long
-        request could wait behind endless short refills, the ordered writer holding every later result)."""
-        if not self._queue:
-            return False
-        head = self._queue[0]
-        if self.cells(head) <= self.budget - self.used:
-            return False
-        return not any(s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
-
     def _refill_limit(self, slot: Slot) -> int | None:
         """Most new tokens a group may have to join this allocated slot now (None: any): while the oldest
-        queued group is blocked, the policy's limit (:meth:`FilePolicy.blocked_limit`)."""
-        if not self._head_blocked():
+        queued group cannot start anywhere, the policy's limit (:meth:`FilePolicy.blocked_limit`), so that
+        slots drain for it (else a long request could wait behind endless short refills, the ordered writer
+        holding every later result)."""
+        head = self._queue[0] if self._queue else None
+        blocked = head is not None and self.cells(head) > self.budget - self.used and not any(
+            s.rows and head.need + self.spare <= s.cols and head.width <= s.rows for s in self.slots)
+        if not blocked:
             self.policy.unblocked()
             return None
         return self.policy.blocked_limit(self, slot)
@@ -362,7 +357,7 @@ class Scheduler:
         for g in window:
             if g.max_tokens:
                 continue
-            shared = sum(1 for _ in takewhile(lambda d: d in seen or self.prefix.resident(d), g.digests))
+            shared = sum(1 for _ in takewhile(lambda d: d in seen or d in self.prefix.blocks, g.digests))
             seen.update(g.digests)
             total += g.prompt_len - min(shared * bs, g.prompt_len - 1)
         return -(-total // (2 * len(self.slots)))
@@ -390,7 +385,7 @@ class Scheduler:
         fed = set(decode_rows)
         column = {r: slot.row_len[r] for r in decode_rows}
         prompts, forks, admitted = [], [], []
-        free = slot.free_rows() if new else []
+        free = [r for r, g in enumerate(slot.row_group) if g is None] if new else []
         if alloc:
             slot.adapters = [0] * slot.rows
         for g in new:
