@@ -142,7 +142,10 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
             log.warning("request fields ignored (--lenient-fields): %s", ", ".join(req.ignored))
             if state.metrics is not None:
                 state.metrics.fields(req.ignored, "ignored")
-        stream, include_usage = _stream_options(body)
+        stream = bool_field(body, "stream")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise RequestError("'stream_options' must be an object", "stream_options")
         if stream and req.params.best_of != req.params.n:
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
         if state.caps is not None:  # refused before tokenizing: too many prompts or rows, text over the window
@@ -161,7 +164,7 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         return error(503, str(e), "server_error")
     streaming = False
     try:
-        response = await _run(state, request, live, body, chat, include_usage)
+        response = await _run(state, request, live, body, chat, bool(stream_options.get("include_usage")))
         streaming = isinstance(response, _Stream)
         return response
     finally:
@@ -196,9 +199,13 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
     return ok(answer.result) if answer.ok else _error_response(answer)
 
 
-def _error_response(answer: Answer) -> Response:
+def _answer_error(answer: Answer) -> RequestError:
     """An answer that is not a result: the request's error, or the engine's end (503)."""
-    e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
+    return answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
+
+
+def _error_response(answer: Answer) -> Response:
+    e = _answer_error(answer)
     return error(e.status, e.message, e.kind, e.param)
 
 
@@ -221,14 +228,6 @@ def _closed(state: ServeState, live: Live) -> None:
     if not live.channel.future.done():
         state.source.cancel(live)
     state.source.release(live)
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = bool_field(body, "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise RequestError("'stream_options' must be an object", "stream_options")
-    return stream, bool(opts.get("include_usage"))
 
 
 async def _wait(state: ServeState, request: Request, live: Live):
@@ -258,7 +257,7 @@ async def _events(state: ServeState, live: Live, maker: ChunkMaker, include_usag
         finished = True
         answer = channel.future.result()
         if not answer.ok:
-            e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
+            e = _answer_error(answer)
             yield event({"error": {**e.to_dict(), "code": e.status}})
             yield DONE
             return
