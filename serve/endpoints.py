@@ -24,7 +24,7 @@ from tasks.protocol import Answer, RequestError
 from tasks.requests import bool_field, parse_body
 
 from serve.auth import Access, Keys, origin_list
-from tasks.batch_store import BatchStore, StoreError
+from tasks.batch_store import BatchStore
 from serve.guard import Guard
 from serve.metrics import CountRequests, ServeMetrics
 from serve.tokenizing import Caps, Tokenizing, check_caps
@@ -89,8 +89,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def http_error(request, exc):
         return error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
-    @app.exception_handler(StoreError)
-    async def store_error(request, exc: StoreError):  # a body read_json refuses, an unknown id (404), a quota
+    @app.exception_handler(RequestError)
+    async def request_error(request, exc: RequestError):  # a body read_json refuses, an unknown id (404), a quota
         return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
