@@ -90,7 +90,7 @@ def create_app(state: ServeState) -> FastAPI:
         return error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
     @app.exception_handler(RequestError)
-    async def request_error(request, exc: RequestError):  # a body read_json refuses, an unknown id (404), a quota
+    async def request_error(request, exc: RequestError):  # a bad body, an unknown id, a quota, an answer
         return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
@@ -188,7 +188,7 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
     if live.stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
         await asyncio.wait({channel.queued, channel.future}, return_when=asyncio.FIRST_COMPLETED)
         if not channel.queued.done() and not channel.future.result().ok:
-            return _error_response(channel.future.result())
+            raise _answer_error(channel.future.result())
         model = body["model"] if body.get("model") in state.adapters else state.model
         maker = ChunkMaker(chat, model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
         return _Stream(_events(state, live, maker, include_usage), lambda: _closed(state, live),
@@ -196,17 +196,15 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
     answer = await _wait(state, request, live)
     if answer is None:
         return error(499, "the client closed the connection")
-    return ok(answer.result) if answer.ok else _error_response(answer)
+    if not answer.ok:
+        raise _answer_error(answer)
+    return ok(answer.result)
 
 
 def _answer_error(answer: Answer) -> RequestError:
-    """An answer that is not a result: the request's error, or the engine's end (503)."""
+    """An answer that is not a result (raised: the app's handler answers it): the request's error, or the
+    engine's end (503)."""
     return answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
-
-
-def _error_response(answer: Answer) -> Response:
-    e = _answer_error(answer)
-    return error(e.status, e.message, e.kind, e.param)
 
 
 class _Stream(StreamingResponse):
