@@ -14,10 +14,9 @@ STATUS = {"invalid_request_error": 400, "not_found_error": 404, "rate_limit_erro
 class RequestError(ValueError):
     """A request that cannot run; becomes {"error": {"message", "type", "param"}}. ``reason``: the kind
     the run summary counts (default: the param, else "line"; e.g. "budget" where the param says less);
-    ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours);
-    ``code``: OpenAI's error code, in HTTP bodies (the Batch API's refusals set it: tasks.batch_records)."""
+    ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours)."""
 
-    code: str | None = None
+    code: str | None = None  # OpenAI's error code in HTTP bodies (the Batch API's StoreError sets it)
 
     def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  reason: str | None = None, status: int | None = None):
