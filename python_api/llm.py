@@ -323,8 +323,13 @@ class LLM:
                 log.warning("the pipeline thread did not stop within %.0f s", STOP_GRACE)
         if self.workers is not None:
             self.workers.stop()
-        if self.engine is not None and (self.opts.dist_url is not None or under_torchrun()):
-            _destroy_group()  # the pipeline thread could not (it died, or did not stop in time)
+        # a pipeline thread that died or did not stop in time left the process group: a next LLM needs it gone
+        grouped = self.engine is not None and (self.opts.dist_url is not None or under_torchrun())
+        if grouped and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001
+                log.warning("process group teardown: %s", e)
 
     def __enter__(self) -> LLM:
         return self
@@ -348,15 +353,6 @@ def _close_all() -> None:
     """At exit: every LLM still open stops its workers (under torchrun this releases the other ranks)."""
     for llm in list(_OPEN):
         llm.close()
-
-
-def _destroy_group() -> None:
-    """A pipeline thread that died without its shutdown leaves the process group: a next LLM needs it gone."""
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001
-            log.warning("process group teardown: %s", e)
 
 
 def _other_stage(plan, opts, info) -> int:
