@@ -193,8 +193,10 @@ class LLM:
                     "tools": tools or None, "add_generation_prompt": None if add_generation_prompt else False,
                     "continue_final_message": continue_final_message or None}
         template = {k: v for k, v in template.items() if v is not None}
-        per_row = [_with_fields(p, template) for p in params_for(_sampling(sampling_params, params), len(convs))] \
-            if template else _sampling(sampling_params, params)
+        per_row = _sampling(sampling_params, params)
+        if template:  # added to each prompt's parameters
+            per_row = [replace(p, extra={**p.extra, **template}) if isinstance(p, SamplingParams)
+                       else {**template, **(p or {})} for p in params_for(per_row, len(convs))]
         return sorted(self._run(convs, per_row, True, raise_errors, use_tqdm), key=lambda r: r.index)
 
     def stream(self, prompts, sampling_params: SamplingParams | dict | list | None = None, *, chat: bool = False,
@@ -421,13 +423,6 @@ def _sampling(sampling_params, params):
     if sampling_params is not None and params is not None:
         raise TypeError("give sampling_params (or params, its older name), not both")
     return sampling_params if sampling_params is not None else params
-
-
-def _with_fields(params, fields: dict):
-    """One prompt's parameters with ``fields`` added (vLLM's chat() arguments)."""
-    if isinstance(params, SamplingParams):
-        return replace(params, extra={**params.extra, **fields})
-    return {**fields, **(params or {})}
 
 
 def _checked(result: Result, raise_errors: bool) -> Result:
