@@ -12,6 +12,7 @@ Calls run one at a time; within a call, requests run together as a file's lines 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -341,10 +342,8 @@ class LLM:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            try:
+            with contextlib.suppress(Exception):  # interpreter shutdown
                 self.close()
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
