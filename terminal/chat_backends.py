@@ -71,12 +71,11 @@ class LocalBackend:
             err = error_of(ticket.answer)
             if err is not None:
                 raise BackendError(err.message, _is_context_error(err.message, err.param))
-            if ticket.answer.ok:  # the last deltas held back for stop strings arrive in the answer
-                choice = ticket.answer.result["choices"][0]
-                full = choice["message"]["content"] if chat else choice["text"]
-                sent = ticket.text.get(0, "")
-                if full.startswith(sent) and len(full) > len(sent):
-                    yield full[len(sent):]
+            choice = ticket.answer.result["choices"][0]  # answered: the last deltas held back for stop strings
+            full = choice["message"]["content"] if chat else choice["text"]
+            sent = ticket.text.get(0, "")
+            if full.startswith(sent) and len(full) > len(sent):
+                yield full[len(sent):]
         finally:
             self.engine.cancel(ticket)
 
