@@ -12,6 +12,7 @@ Calls run one at a time; within a call, requests run together as a file's lines 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -193,8 +194,10 @@ class LLM:
                     "tools": tools or None, "add_generation_prompt": None if add_generation_prompt else False,
                     "continue_final_message": continue_final_message or None}
         template = {k: v for k, v in template.items() if v is not None}
-        per_row = [_with_fields(p, template) for p in params_for(_sampling(sampling_params, params), len(convs))] \
-            if template else _sampling(sampling_params, params)
+        per_row = _sampling(sampling_params, params)
+        if template:  # added to each prompt's parameters
+            per_row = [replace(p, extra={**p.extra, **template}) if isinstance(p, SamplingParams)
+                       else {**template, **(p or {})} for p in params_for(per_row, len(convs))]
         return sorted(self._run(convs, per_row, True, raise_errors, use_tqdm), key=lambda r: r.index)
 
     def stream(self, prompts, sampling_params: SamplingParams | dict | list | None = None, *, chat: bool = False,
@@ -323,8 +326,13 @@ class LLM:
                 log.warning("the pipeline thread did not stop within %.0f s", STOP_GRACE)
         if self.workers is not None:
             self.workers.stop()
-        if self.engine is not None and (self.opts.dist_url is not None or under_torchrun()):
-            _destroy_group()  # the pipeline thread could not (it died, or did not stop in time)
+        # a pipeline thread that died or did not stop in time left the process group: a next LLM needs it gone
+        grouped = self.engine is not None and (self.opts.dist_url is not None or under_torchrun())
+        if grouped and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001
+                log.warning("process group teardown: %s", e)
 
     def __enter__(self) -> LLM:
         return self
@@ -334,10 +342,8 @@ class LLM:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            try:
+            with contextlib.suppress(Exception):  # interpreter shutdown
                 self.close()
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
@@ -348,15 +354,6 @@ def _close_all() -> None:
     """At exit: every LLM still open stops its workers (under torchrun this releases the other ranks)."""
     for llm in list(_OPEN):
         llm.close()
-
-
-def _destroy_group() -> None:
-    """A pipeline thread that died without its shutdown leaves the process group: a next LLM needs it gone."""
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001
-            log.warning("process group teardown: %s", e)
 
 
 def _other_stage(plan, opts, info) -> int:
@@ -425,13 +422,6 @@ def _sampling(sampling_params, params):
     if sampling_params is not None and params is not None:
         raise TypeError("give sampling_params (or params, its older name), not both")
     return sampling_params if sampling_params is not None else params
-
-
-def _with_fields(params, fields: dict):
-    """One prompt's parameters with ``fields`` added (vLLM's chat() arguments)."""
-    if isinstance(params, SamplingParams):
-        return replace(params, extra={**params.extra, **fields})
-    return {**fields, **(params or {})}
 
 
 def _checked(result: Result, raise_errors: bool) -> Result:

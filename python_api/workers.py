@@ -82,10 +82,6 @@ class Workers:
                 break
             for p in self.procs:
                 if p.poll() is None:
-                    _signal_group(p, sig)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):  # its group is gone already
+                        os.killpg(p.pid, sig)
         self.logs.cleanup()
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)

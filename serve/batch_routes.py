@@ -31,12 +31,10 @@ def add_batch_routes(app: FastAPI, state) -> None:
     @app.post("/v1/files")
     async def upload(request: Request):
         """The body streamed into the store's folder, counted against --max-upload-bytes as it comes."""
+        up = None
         try:
             up = await receive_upload(request.headers.get("content-type", ""), request.stream(), store.uploads_dir,
                                       state.max_upload_bytes)
-        except OSError:  # a full disk: the server goes on, the client may retry (no path in the message)
-            return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
-        try:
             purpose = up.fields.get("purpose")
             if purpose != "batch":
                 return error(400, f"'purpose' must be 'batch', got {purpose!r}", param="purpose")
@@ -44,10 +42,11 @@ def add_batch_routes(app: FastAPI, state) -> None:
                                           up.fields.get("expires_after[seconds]"))
             return ok(await run_in_threadpool(store.add_file, owner_of(request), up.path,
                                               up.filename or "upload.jsonl", purpose, None, expires))
-        except OSError:
+        except OSError:  # a full disk: the server goes on, the client may retry (no path in the message)
             return error(503, STORAGE_FULL, "server_error", headers={"Retry-After": "60"})
         finally:
-            up.discard()  # nothing left once the store took it
+            if up is not None:  # receive_upload removes what it wrote when it fails
+                up.discard()  # nothing left once the store took it
 
     @app.get("/v1/files")
     async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,

@@ -24,7 +24,7 @@ from tasks.protocol import Answer, RequestError
 from tasks.requests import bool_field, parse_body
 
 from serve.auth import Access, Keys, origin_list
-from tasks.batch_store import BatchStore, StoreError
+from tasks.batch_store import BatchStore
 from serve.guard import Guard
 from serve.metrics import CountRequests, ServeMetrics
 from serve.tokenizing import Caps, Tokenizing, check_caps
@@ -89,8 +89,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def http_error(request, exc):
         return error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
-    @app.exception_handler(StoreError)
-    async def store_error(request, exc: StoreError):  # a body read_json refuses, an unknown id (404), a quota
+    @app.exception_handler(RequestError)
+    async def request_error(request, exc: RequestError):  # a bad body, an unknown id, a quota, an answer
         return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
@@ -142,7 +142,10 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
             log.warning("request fields ignored (--lenient-fields): %s", ", ".join(req.ignored))
             if state.metrics is not None:
                 state.metrics.fields(req.ignored, "ignored")
-        stream, include_usage = _stream_options(body)
+        stream = bool_field(body, "stream")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise RequestError("'stream_options' must be an object", "stream_options")
         if stream and req.params.best_of != req.params.n:
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
         if state.caps is not None:  # refused before tokenizing: too many prompts or rows, text over the window
@@ -161,7 +164,7 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         return error(503, str(e), "server_error")
     streaming = False
     try:
-        response = await _run(state, request, live, body, chat, include_usage)
+        response = await _run(state, request, live, body, chat, bool(stream_options.get("include_usage")))
         streaming = isinstance(response, _Stream)
         return response
     finally:
@@ -185,7 +188,7 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
     if live.stream:  # a request that cannot run (prompt too long, ...) is still a plain 400, before any event
         await asyncio.wait({channel.queued, channel.future}, return_when=asyncio.FIRST_COMPLETED)
         if not channel.queued.done() and not channel.future.result().ok:
-            return _error_response(channel.future.result())
+            raise _answer_error(channel.future.result())
         model = body["model"] if body.get("model") in state.adapters else state.model
         maker = ChunkMaker(chat, model, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()))
         return _Stream(_events(state, live, maker, include_usage), lambda: _closed(state, live),
@@ -193,13 +196,15 @@ async def _run(state: ServeState, request: Request, live: Live, body: dict, chat
     answer = await _wait(state, request, live)
     if answer is None:
         return error(499, "the client closed the connection")
-    return ok(answer.result) if answer.ok else _error_response(answer)
+    if not answer.ok:
+        raise _answer_error(answer)
+    return ok(answer.result)
 
 
-def _error_response(answer: Answer) -> Response:
-    """An answer that is not a result: the request's error, or the engine's end (503)."""
-    e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
-    return error(e.status, e.message, e.kind, e.param)
+def _answer_error(answer: Answer) -> RequestError:
+    """An answer that is not a result (raised: the app's handler answers it): the request's error, or the
+    engine's end (503)."""
+    return answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
 
 
 class _Stream(StreamingResponse):
@@ -221,14 +226,6 @@ def _closed(state: ServeState, live: Live) -> None:
     if not live.channel.future.done():
         state.source.cancel(live)
     state.source.release(live)
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = bool_field(body, "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise RequestError("'stream_options' must be an object", "stream_options")
-    return stream, bool(opts.get("include_usage"))
 
 
 async def _wait(state: ServeState, request: Request, live: Live):
@@ -258,7 +255,7 @@ async def _events(state: ServeState, live: Live, maker: ChunkMaker, include_usag
         finished = True
         answer = channel.future.result()
         if not answer.ok:
-            e = answer.error or RequestError(f"the server stopped: {answer.dead}", kind="server_error", status=503)
+            e = _answer_error(answer)
             yield event({"error": {**e.to_dict(), "code": e.status}})
             yield DONE
             return

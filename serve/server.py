@@ -22,7 +22,6 @@ from serve.connection_limits import Limits, connection_cap
 log = logging.getLogger("serve")
 
 API_KEY_ENV = API_KEY_ENVS[0]
-_loopback = loopback  # tests import it from here
 
 
 def run_server(rank, stopping) -> None:

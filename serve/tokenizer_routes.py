@@ -50,11 +50,7 @@ async def _answer(state, request: Request, handler):
         return model_not_found(body["model"], state.served)
     if state.tokenizing is None:
         return error(503, "no tokenizer on this server", "server_error")
-    try:
-        work = handler(body, state)
-        return ok(await state.tokenizing.call(work))
-    except RequestError as e:
-        return error(e.status, e.message, e.kind, e.param)
+    return ok(await state.tokenizing.call(handler(body, state)))  # a RequestError: the app's handler answers it
 
 
 def _known(body: dict, fields: set[str], defaults: dict | None = None) -> None:

@@ -8,11 +8,11 @@ token covers at most ``max_token_bytes`` bytes, the longest entry of the vocabul
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pipeline.loading.tokenizer import own_copy
 from pipeline.runtime.sources import rows_of
 from tasks.requests import Request
 from tasks.protocol import RequestError
@@ -87,14 +87,9 @@ class Tokenizing:
 
     def _tok(self):
         """This worker thread's copy of the tokenizer (made on its first use)."""
-        tok = getattr(self.local, "tok", None)
-        if tok is None:
-            try:  # a fast tokenizer must not be used by two threads while one changes its settings
-                tok = copy.deepcopy(self.tokenizer)
-            except Exception:  # noqa: BLE001 - not copyable: share it (encoding only reads it)
-                tok = self.tokenizer
-            self.local.tok = tok
-        return tok
+        if not hasattr(self.local, "tok"):
+            self.local.tok = own_copy(self.tokenizer)
+        return self.local.tok
 
     async def __call__(self, req: Request) -> list[list[int]]:
         """Every prompt's token ids; RequestError when a prompt cannot be tokenized (no chat template, ...)."""

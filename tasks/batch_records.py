@@ -9,6 +9,8 @@ from pathlib import Path
 
 import orjson
 
+from tasks.protocol import RequestError
+
 _ID = re.compile(r"^(file|batch)[-_][A-Za-z0-9_-]{1,64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_OWNER = "default"  # the key without a name (or no key): the top-level files/ and batches/
@@ -37,11 +39,13 @@ class BatchJob:
     total: int
 
 
-class StoreError(ValueError):
+class StoreError(RequestError):
+    """A Batch API refusal: HTTP ``status`` with OpenAI's error object, its ``code`` included."""
+
     def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
                  code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
+        super().__init__(message, param, kind, status=status)
+        self.code = code
 
 
 def owner_slug(name: str | None) -> str:

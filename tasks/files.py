@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -14,16 +15,12 @@ FINGERPRINT_CHUNK = 1 << 20  # bytes hashed per read: the whole file goes throug
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in the folder ``path`` durable (a no-op where folders cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder: the rename still happened
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a folder; the rename itself still happened
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextmanager

@@ -114,9 +114,9 @@ class OutputFile:
                 self.inflight.path.unlink(missing_ok=True)
                 self.rows_path.unlink(missing_ok=True)
             self.suspects, self.culprits = self.inflight.open(skip)
-        if skip is not None and show_progress:
-            share_total = share_size(self.data_rank, total, self.data_size)
-            self.progress = Progress(str(self.writer.output), share_total, skip)
+            if show_progress:
+                share_total = share_size(self.data_rank, total, self.data_size)
+                self.progress = Progress(str(self.writer.output), share_total, skip)
         return skip
 
     def put(self, index: int, line: dict, error: bool = False) -> None:

@@ -16,6 +16,8 @@ class RequestError(ValueError):
     the run summary counts (default: the param, else "line"; e.g. "budget" where the param says less);
     ``status``: the HTTP status (default: the type's, 400 for the request's own fault, 500 for ours)."""
 
+    code: str | None = None  # OpenAI's error code in HTTP bodies (the Batch API's StoreError sets it)
+
     def __init__(self, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  reason: str | None = None, status: int | None = None):
         super().__init__(message)

@@ -14,7 +14,7 @@ import resource
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import orjson
@@ -59,8 +59,8 @@ class RunStatus:
         self.files = [{"input": i, "output": o, "lines_total": n, "lines_done": 0, "lines_written": 0, "resumed_lines": 0,
                        "errors": 0, "state": "waiting"} for i, o, n in files]
         self.current: dict | None = None
-        self.done_tokens = {"prompt": 0, "generated": 0, "cached": 0}  # files already closed
-        self.tokens = {"prompt": 0, "generated": 0, "cached": 0}  # the open file
+        self.done_tokens: Counter = Counter()  # prompt, generated and cached tokens of the files already closed
+        self.tokens: Counter = Counter()  # the open file's
         self.samples: deque[tuple[float, int, int]] = deque()  # (time, generated tokens, lines done) in the window
         self.file_started = time.time()
         self.stages: list[dict] = []
@@ -89,7 +89,7 @@ class RunStatus:
             entry.update(lines_total=total, lines_done=resumed, lines_written=resumed, resumed_lines=resumed, errors=0,
                          state="running")
             self.current, self.file_started = entry, time.time()
-            self.tokens = {"prompt": 0, "generated": 0, "cached": 0}
+            self.tokens = Counter()
             self.stages = []
 
     def skip_file(self, output: str) -> None:
@@ -111,9 +111,9 @@ class RunStatus:
                 return
             f["lines_done"], f["errors"] = lines_done, errors
             f["lines_written"] = lines_done if lines_written is None else lines_written
-            self.tokens = {"prompt": prompt, "generated": generated, "cached": cached}
+            self.tokens = Counter(prompt=prompt, generated=generated, cached=cached)
             self.last_pass_at = now
-            self.samples.append((now, self._total("generated"), self._lines_done()))
+            self.samples.append((now, (self.done_tokens + self.tokens)["generated"], self._lines_done()))
             while self.samples and now - self.samples[0][0] > RATE_WINDOW_S:
                 self.samples.popleft()
             if stages:
@@ -125,9 +125,8 @@ class RunStatus:
         with self.lock:
             if self.current is not None:
                 self.current["state"] = "finished" if complete else "incomplete"
-            for k in self.done_tokens:
-                self.done_tokens[k] += self.tokens[k]
-            self.tokens = {"prompt": 0, "generated": 0, "cached": 0}
+            self.done_tokens.update(self.tokens)
+            self.tokens = Counter()
             self.current = None
 
     def finish(self, state: str) -> None:
@@ -146,9 +145,6 @@ class RunStatus:
 
     # -- the file ------------------------------------------------------------------------------------
 
-    def _total(self, kind: str) -> int:
-        return self.done_tokens[kind] + self.tokens[kind]
-
     def _lines_done(self) -> int:
         return sum(f["lines_done"] - f.get("resumed_lines", 0) for f in self.files if f["state"] != "skipped")
 
@@ -157,7 +153,8 @@ class RunStatus:
         now = time.time()
         with self.lock:
             elapsed = now - self.started_at
-            generated, prompt, cached = self._total("generated"), self._total("prompt"), self._total("cached")
+            total = self.done_tokens + self.tokens
+            generated, prompt, cached = total["generated"], total["prompt"], total["cached"]
             window = [s for s in self.samples if now - s[0] <= RATE_WINDOW_S]
             recent_tok = recent_lines = None
             if len(window) >= 2 and window[-1][0] > window[0][0]:

@@ -126,16 +126,6 @@ def journal_path(output: str | os.PathLike, share: int = 0, shares: int = 1) -> 
     return output.with_name(output.name + (".partial" if shares == 1 else f".partial-{share}-of-{shares}"))
 
 
-def _count_and_trim(path: Path) -> int:
-    """Complete lines in a journal; a torn final line (killed mid-write) is truncated away."""
-    with open(path, "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            f.truncate(end)
-        return data[:end].count(b"\n")
-
-
 class OrderedWriter:
     def __init__(self, output: str | os.PathLike, fingerprint: dict, share: int = 0, shares: int = 1):
         self.output = Path(output)
@@ -165,7 +155,12 @@ class OrderedWriter:
         if self.journal.exists():
             if problem := journal_problem(self.journal, self.fingerprint):
                 raise JournalMismatch(problem)
-            self.written = _count_and_trim(self.journal)
+            with open(self.journal, "rb+") as f:  # its complete lines; a torn last one (killed mid-write) is cut
+                data = f.read()
+                end = data.rfind(b"\n") + 1
+                if end != len(data):
+                    f.truncate(end)
+                self.written = data[:end].count(b"\n")
         else:
             write_atomic(self.meta, json.dumps(self.fingerprint, sort_keys=True))
         self._file = open(self.journal, "ab", buffering=0)  # unbuffered: a failed write leaves nothing behind

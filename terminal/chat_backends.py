@@ -71,12 +71,11 @@ class LocalBackend:
             err = error_of(ticket.answer)
             if err is not None:
                 raise BackendError(err.message, _is_context_error(err.message, err.param))
-            if ticket.answer.ok:  # the last deltas held back for stop strings arrive in the answer
-                choice = ticket.answer.result["choices"][0]
-                full = choice["message"]["content"] if chat else choice["text"]
-                sent = ticket.text.get(0, "")
-                if full.startswith(sent) and len(full) > len(sent):
-                    yield full[len(sent):]
+            choice = ticket.answer.result["choices"][0]  # answered: the last deltas held back for stop strings
+            full = choice["message"]["content"] if chat else choice["text"]
+            sent = ticket.text.get(0, "")
+            if full.startswith(sent) and len(full) > len(sent):
+                yield full[len(sent):]
         finally:
             self.engine.cancel(ticket)
 
@@ -88,7 +87,9 @@ class HttpBackend:
         parts = urlsplit(url)
         self.https, self.host, self.port = parts.scheme == "https", parts.hostname, parts.port
         self.base = parts.path.rstrip("/").removesuffix("/v1")
-        self.key = api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+        key = api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+        self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
+                        **({"Authorization": f"Bearer {key}"} if key else {})}
         self.timeout = timeout
         self.where = url
         self.context, self.has_template = None, True  # unknown: the server's template applies
@@ -100,16 +101,10 @@ class HttpBackend:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=self.timeout)
 
-    def _headers(self) -> dict:
-        h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if self.key:
-            h["Authorization"] = f"Bearer {self.key}"
-        return h
-
     def _get(self, path: str) -> dict:
         conn = self._connection()
         try:
-            conn.request("GET", self.base + path, headers=self._headers())
+            conn.request("GET", self.base + path, headers=self.headers)
             resp = conn.getresponse()
             data = resp.read()
         except OSError as e:
@@ -132,7 +127,7 @@ class HttpBackend:
         conn = self._connection()
         try:
             try:
-                conn.request("POST", path, json.dumps({**body, "stream": True}).encode(), self._headers())
+                conn.request("POST", path, json.dumps({**body, "stream": True}).encode(), self.headers)
                 resp = conn.getresponse()
             except OSError as e:
                 raise BackendError(f"cannot reach the server at {self.where}: {e}") from None

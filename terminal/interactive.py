@@ -6,15 +6,12 @@ prompt or a chat turn is one more live request, as for an HTTP client.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from terminal.chat_backends import BackendError, HttpBackend, LocalBackend
 from terminal.chat_shell import ChatShell
 from terminal.local_engine import LocalEngine
 from terminal.prompts import run_prompts
-
-log = logging.getLogger("serve")
 
 
 def run_interactive(rank, stopping=None) -> int:

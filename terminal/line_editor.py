@@ -48,20 +48,18 @@ class Terminal:
         """One line (EOFError at end of input). A line ending in a backslash continues on the next."""
         lines = []
         while True:
-            line = self._typed_line(prompt if not lines else "... ")
-            if line is None:
-                line = input(prompt if not lines else "... ")
+            line = self._line(prompt if not lines else "... ")
             if line.endswith("\\") and not line.endswith("\\\\"):
                 lines.append(line[:-1])
                 continue
             lines.append(line)
             return "\n".join(lines)
 
-    def _typed_line(self, prompt: str) -> str | None:
-        """A line typed ahead while an answer streamed (echoed after the prompt), or None after putting a
-        partial one in readline's buffer for :func:`input` to finish. EOFError for a Ctrl-D typed ahead."""
+    def _line(self, prompt: str) -> str:
+        """A line typed ahead while an answer streamed (echoed after the prompt), else :func:`input`'s (which
+        finishes a partial one typed ahead, put in readline's buffer). EOFError for a Ctrl-D typed ahead."""
         if not self.typed:
-            return None
+            return input(prompt)
         text = self.typed.decode(errors="replace")
         if text.startswith("\x04"):
             self.typed = b""
@@ -74,7 +72,7 @@ class Terminal:
         self.typed = b""
         if readline is not None and line:
             readline.set_startup_hook(lambda: (readline.insert_text(line), readline.set_startup_hook(None)))
-        return None
+        return input(prompt)
 
     def streaming(self) -> "Streaming":
         return Streaming(self)

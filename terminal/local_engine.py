@@ -5,11 +5,11 @@ from this one; at P > 1 the answers ring back from the last rank as they do for 
 
 from __future__ import annotations
 
-import copy
 import queue
 import time
 from dataclasses import dataclass, field
 
+from pipeline.loading.tokenizer import own_copy
 from pipeline.runtime.engine_thread import EngineThread
 from pipeline.runtime.roles import make_engine
 from pipeline.runtime.sources import Live, QueueChannel
@@ -41,7 +41,7 @@ class LocalEngine:
         if engine is None:
             raise RuntimeError(f"the pipeline stopped: {self.thread.failure}")
         self.driver = engine.driver
-        self.tok = _own_copy(self.driver.tok)  # this thread's: the engine's thread detokenizes with its own
+        self.tok = own_copy(self.driver.tok)  # this thread's: the engine's thread detokenizes with its own
 
     def submit(self, body: dict, chat: bool, stream: bool = False) -> Ticket:
         """Parse, tokenize (on this thread) and queue one request; RequestError when it cannot run."""
@@ -85,9 +85,3 @@ def error_of(answer: Answer) -> RequestError | None:
         return None
     return answer.error or RequestError(f"the pipeline stopped: {answer.dead}", kind="server_error")
 
-
-def _own_copy(tok):
-    try:  # a fast tokenizer must not be used by two threads at once
-        return copy.deepcopy(tok)
-    except Exception:  # noqa: BLE001 - not copyable: share it (encoding only reads it)
-        return tok

@@ -4,6 +4,7 @@ sentencepiece ``tokenizer.model`` (read with sentencepiece directly when transfo
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import json
@@ -38,6 +39,14 @@ def load_tokenizer(model_dir: str | os.PathLike, trust_remote_code: bool = False
             raise CheckpointError(f"{d}: cannot load the tokenizer: {e}") from e
         log.warning("%s: AutoTokenizer failed (%s); using the sentencepiece tokenizer directly", d, e)
         return sentencepiece_tokenizer(d)
+
+
+def own_copy(tok):
+    """A copy of ``tok`` for one thread: a fast tokenizer must not be used by two threads at once."""
+    try:
+        return copy.deepcopy(tok)
+    except Exception:  # noqa: BLE001 - not copyable: share it (encoding only reads it)
+        return tok
 
 
 def _has_protobuf() -> bool:

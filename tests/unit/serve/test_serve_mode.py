@@ -30,14 +30,14 @@ def test_scheduler_priority_and_spare_rows():
 
 def test_serve_flags():
     from pipeline.config.options import parse_options, serve_address
-    from serve.server import _loopback
+    from serve.auth import loopback
 
     assert serve_address("8000") == ("127.0.0.1", 8000)
     assert serve_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
     assert serve_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ValueError, match="HOST:]PORT"):
         serve_address("localhost")
-    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost") and not _loopback("0.0.0.0")
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost") and not loopback("0.0.0.0")
     with pytest.raises(SystemExit):
         parse_options(["--serve", "8000", "--infer-data", "x.jsonl"])
     with pytest.raises(SystemExit):
