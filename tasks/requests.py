@@ -429,7 +429,9 @@ def as_json(value: object, where: str = "the request"):
 
 
 def parse_line(line: bytes, index: int, lenient: bool = False) -> Request:
-    """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo)."""
+    """One JSONL line -> Request, or RequestError (its ``raw`` attribute holds what to echo). A UTF-8 byte
+    order mark before the line (Windows editors write one at a file's start) is not part of it."""
+    line = line.removeprefix(b"\xef\xbb\xbf")
     try:
         raw = orjson.loads(line)
     except orjson.JSONDecodeError as e:

@@ -43,6 +43,13 @@ def test_a_bad_line_gets_the_runners_message():
     assert e.value.param is None and e.value.raw == '{"prompt": "x", "max_tokens": 3,}'
 
 
+def test_a_byte_order_mark_before_a_line_is_not_part_of_it():
+    """A file saved with a UTF-8 BOM (Notepad, PowerShell) keeps its first request, as split_queries.py
+    reads it; the line echoes the request without the mark."""
+    req = parse_line(b'\xef\xbb\xbf{"prompt": "x", "max_tokens": 3}\r\n', 0)
+    assert req.raw == {"prompt": "x", "max_tokens": 3} and req.prompts == ["x"]
+
+
 def test_a_plain_chat_line_is_told_where_chat_requests_go():
     """A plain line is a completions request: one with ``messages`` hears that chat requests are Batch API
     lines (or /v1/chat/completions), not only that a prompt is missing."""
