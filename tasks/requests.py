@@ -351,10 +351,12 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
     (--lenient-fields): ignored, and listed in the request's ``ignored``."""
     if not isinstance(raw, dict):
         raise RequestError(f"a request must be a JSON object, got a JSON {type(raw).__name__}", None)
-    if "custom_id" not in raw or "body" not in raw:
+    if "custom_id" not in raw:
         return parse_body(raw, False, index, lenient)
     url = raw.get("url", "/v1/completions")
-    if not isinstance(raw["body"], dict):
+    if not isinstance(raw["custom_id"], str):
+        raise RequestError(f"Batch API line: 'custom_id' must be a string, got {_show(raw['custom_id'])}", "custom_id")
+    if not isinstance(raw.get("body"), dict):
         raise RequestError("Batch API line: 'body' must be an object", "body")
     if url not in ("/v1/completions", "/v1/chat/completions"):
         raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)",
@@ -370,7 +372,7 @@ def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False, 
     prompts = [_messages(body)] if chat else _prompts(body)
     ignored = (check_batch_line(line, lenient) if line is not None else []) + check_fields(body, chat, lenient)
     return Request(index, body if line is None else line, prompts, parse_params(body, chat=chat),
-                   "chat" if chat else "completion", None if line is None else str(line["custom_id"]),
+                   "chat" if chat else "completion", None if line is None else line["custom_id"],
                    model=body.get("model"), ignored=ignored, template_kwargs=template_kwargs(body) if chat else None)
 
 

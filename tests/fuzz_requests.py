@@ -59,7 +59,7 @@ TEMPLATES = {"mistral-instruct": MISTRAL_INSTRUCT, "llama-2-chat": LLAMA2_CHAT, 
 # every field a request may carry, and what the error's "param" may name
 FIELDS = ("prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "best_of", "logprobs", "top_logprobs", "echo", "stop", "seed", "presence_penalty", "frequency_penalty",
-          "logit_bias", "model", "body", "url", "response_format", "structured_outputs", "min_p",
+          "logit_bias", "model", "custom_id", "body", "url", "response_format", "structured_outputs", "min_p",
           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "return_token_ids", "guided_json",
           "guided_regex", "guided_choice", "guided_grammar")
 # fields a request may carry that change nothing here (tasks.fields.NO_EFFECT), as real files carry them

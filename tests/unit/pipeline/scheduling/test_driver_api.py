@@ -54,6 +54,21 @@ def test_a_file_runs_through_the_driver_alone():
     assert sorted(released + d.take_released()) == [0, 1] and d.sched.used == 0
 
 
+def test_a_batch_line_that_cannot_run_is_answered_as_a_batch_line():
+    """A line with a custom_id is a Batch API line: without a body it hears so, in the Batch API format; a
+    custom_id that is not a string is refused by name (it was written back as the string "None" or "5")."""
+    d = driver()
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/completions"},
+             {"custom_id": None, "method": "POST", "url": "/v1/completions", "body": {"prompt": [1], "max_tokens": 1}},
+             {"custom_id": 5, "method": "POST", "url": "/v1/completions", "body": {"prompt": [1], "max_tokens": 1}}]
+    d.start(iter(enumerate(orjson.dumps(x) for x in lines)))
+    d.fill()
+    out = dict(d.take_errors())
+    assert out[0]["custom_id"] == "a" and out[0]["response"]["body"]["error"]["param"] == "body"
+    assert out[1]["error"]["param"] == out[2]["response"]["body"]["error"]["param"] == "custom_id"
+    assert out[2]["custom_id"] == 5 and d.queued == 0
+
+
 def test_cancel_and_shed_through_the_driver():
     d = driver(serve=True)
     ids = []
