@@ -55,8 +55,10 @@ def work(prompt_tokens: int, new_tokens: float) -> float:
     return PROMPT_WEIGHT * prompt_tokens + new_tokens
 
 
-def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = False) -> FileCount:
-    """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated)."""
+def count_file(path: str, tok, block: int, seen: set[bytes], window: int, vocab: int, lenient: bool = False,
+               truncate: bool = False) -> FileCount:
+    """Tokens of every line of ``path``; ``seen``: prefix block digests of the run so far (updated). A line
+    the driver refuses (ids outside ``vocab``, or beyond the context ``window`` without ``truncate``) is bad."""
     c = FileCount(path)
     with open(path, "rb") as f:
         for index, line in enumerate(x for x in f if x.strip()):
@@ -66,6 +68,11 @@ def count_file(path: str, tok, block: int, seen: set[bytes], lenient: bool = Fal
                 ids = [chat_ids(tok, p, req.template_kwargs) if req.kind == "chat" else
                        (list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p))
                        for p in req.prompts]
+                keep = window - req.params.max_tokens
+                if any(not 0 <= t < vocab for i in ids for t in i) or (
+                        any(len(i) > keep for i in ids) and (not truncate or keep < 1)):
+                    raise ValueError("the run answers it with an error")
+                ids = [i[-keep:] for i in ids]  # --truncate-prompts keeps a prompt's last tokens
             except Exception:  # noqa: BLE001 - the run answers it with an error object (RequestError among them)
                 c.bad += 1
                 c.per_line.append((0, 0))
@@ -138,7 +145,8 @@ def dry_run(opts: RunOptions, argv: list[str]) -> int:
     out = plan_lines(plan, opts)
     tok = load_tokenizer(plan.model_dir, opts.trust_remote_code)
     seen: set[bytes] = set()
-    counts = [count_file(p, tok, opts.prefix_block_size, seen, lenient=opts.lenient_fields) for p in plan.all_inputs]
+    counts = [count_file(p, tok, opts.prefix_block_size, seen, plan.spec.max_positions, plan.spec.vocab_size,
+                         opts.lenient_fields, opts.truncate_prompts) for p in plan.all_inputs]
     prompt = sum(c.prompt_tokens for c in counts)
     for c in counts:
         out.append(f"{c.path}: {c.lines} lines ({c.bad} will be errors), {c.prompt_tokens} prompt tokens, at most "

@@ -33,14 +33,15 @@ def test_a_file_counts_chat_and_completion_lines_as_the_run_tokenizes_them(tmp_p
                for i, body in enumerate(chats)),
              {"prompt": "Once upon a time", "max_tokens": 4},
              {"prompt": [5, 6, 7], "max_tokens": 1},
-             {"prompt": 3}]
+             {"prompt": 3}, {"prompt": [1] * 2040, "max_tokens": 9}, {"prompt": [1, 1024], "max_tokens": 1}]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines) + "not json\n")
-    c = count_file(str(path), tok, 16, set())
+    c = count_file(str(path), tok, 16, set(), 2048, 1024)
     ids = [chat_ids(tok, x["messages"], x.get("chat_template_kwargs")) for x in chats]
     text = list(tok("Once upon a time", add_special_tokens=True)["input_ids"])
-    assert c.lines == 6 and c.bad == 2
-    assert c.per_line == [(len(ids[0]), 3), (len(ids[1]), 4), (len(text), 4), (3, 1), (0, 0), (0, 0)]
+    assert c.lines == 8 and c.bad == 4  # (beyond the context window; a token id outside the vocabulary)
+    assert c.per_line == [(len(ids[0]), 3), (len(ids[1]), 4), (len(text), 4), (3, 1), (0, 0), (0, 0), (0, 0), (0, 0)]
+    assert count_file(str(path), tok, 16, set(), 2048, 1024, truncate=True).per_line[5] == (2039, 9)  # left-truncated
     assert parse_line(json.dumps(lines[1]).encode(), 1).template_kwargs == {"enable_thinking": True}
 
 
