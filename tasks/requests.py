@@ -29,6 +29,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds (and what the wir
 # A temperature below this is greedy: logits / T overflows float32 for tiny T (softmax gives NaN);
 # vLLM's _SAMPLING_EPS is the same 1e-5.
 GREEDY_BELOW = 1e-5
+MAX_NESTING = 240  # levels of arrays and objects in a request (see check_nesting)
 _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits (int() would take "+5", " 5", "٥")
 
 
@@ -97,6 +98,18 @@ def _show(v) -> str:
         return orjson.dumps(v).decode()[:40]
     except TypeError:  # e.g. an integer beyond 64 bits (from the Python API)
         return repr(v)[:40]
+
+
+def check_nesting(value) -> None:
+    """orjson reads any nesting but writes at most 255 levels, and a request is echoed in its result line and
+    travels inside the messages between ranks: one nested deeper than MAX_NESTING is refused, not a crash."""
+    level = [value]
+    for _ in range(MAX_NESTING + 1):  # the arrays and objects of each level, from the top
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            return
+        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v)]
+    raise RequestError(f"the request nests arrays and objects more than {MAX_NESTING} levels deep", None)
 
 
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, what: str = ""):
@@ -369,6 +382,7 @@ def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False, 
     ``line``: the Batch API line holding ``body`` (its own keys checked too; the output echoes it)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
+    check_nesting(line or body)
     prompts = [_messages(body)] if chat else _prompts(body)
     ignored = (check_batch_line(line, lenient) if line is not None else []) + check_fields(body, chat, lenient)
     return Request(index, body if line is None else line, prompts, parse_params(body, chat=chat),
@@ -436,8 +450,10 @@ def parse_line(line: bytes, index: int, lenient: bool = False) -> Request:
     line = line.removeprefix(b"\xef\xbb\xbf")
     try:
         raw = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        err = RequestError(f"the line is not valid JSON: {json_problem(line, e)}", None)
+        check_nesting(raw)
+    except (orjson.JSONDecodeError, RequestError) as e:  # echoed as its text
+        err = RequestError(f"the line is not valid JSON: {json_problem(line, e)}", None) \
+            if isinstance(e, orjson.JSONDecodeError) else e
         err.raw = line.decode("utf-8", errors="replace").rstrip("\r\n")
         raise err from None
     try:

@@ -50,6 +50,27 @@ def test_a_byte_order_mark_before_a_line_is_not_part_of_it():
     assert req.raw == {"prompt": "x", "max_tokens": 3} and req.prompts == ["x"]
 
 
+def test_a_request_nested_deeper_than_its_echo_can_be_written_is_refused():
+    """orjson reads any nesting but writes 255 levels: a line nested deeper (in its metadata, say) ended the
+    whole run when its result line, or at P > 1 the message carrying it, was written. Now it is that line's
+    error, echoed as its text; serve mode's bodies and the Python API's requests are refused the same way."""
+    from tasks.protocol import output_line
+    from tasks.requests import MAX_NESTING, parse_body
+
+    for line in (b'{"prompt": "x", "metadata": {"a": ' + b"[" * 300 + b"]" * 300 + b"}}", b"[" * 5000 + b"]" * 5000):
+        with pytest.raises(RequestError, match="levels deep") as e:
+            parse_line(line, 0)
+        assert e.value.raw == line.decode() and orjson.dumps(output_line(e.value.raw, None, error=e.value.to_dict()))
+    value = []
+    for _ in range(MAX_NESTING - 2):
+        value = [value]
+    deep = {"prompt": "x", "metadata": {"a": value}}  # MAX_NESTING + 1 levels
+    with pytest.raises(RequestError, match="levels deep"):
+        parse_body(deep, False)
+    deep["metadata"] = value  # MAX_NESTING levels: taken, and it fits in a message between ranks
+    assert orjson.dumps([[[[[[[[[[[parse_body(deep, False).raw]]]]]]]]]]])
+
+
 def test_a_plain_chat_line_is_told_where_chat_requests_go():
     """A plain line is a completions request: one with ``messages`` hears that chat requests are Batch API
     lines (or /v1/chat/completions), not only that a prompt is missing."""
