@@ -407,7 +407,7 @@ def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
         json.loads(doc)
     except json.JSONDecodeError as std:
         pos = len(text) if std.msg.startswith("Unterminated string") else std.pos
-    except ValueError:
+    except (ValueError, RecursionError):  # (the standard library's parser recurses per level of nesting)
         pass
 
     def where(pos: int) -> str:
@@ -419,7 +419,7 @@ def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
     start = len(doc) - len(doc.lstrip())
     try:  # a complete value, then more: e.g. two objects on one line
         after = start + json.JSONDecoder().raw_decode(doc[start:])[1] <= pos
-    except ValueError:
+    except (ValueError, RecursionError):
         after = False
     return f"unexpected {doc[pos]!r} {'after the JSON value ' if after else ''}at {where(pos)}"
 
