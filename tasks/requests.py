@@ -351,10 +351,10 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
     (--lenient-fields): ignored, and listed in the request's ``ignored``."""
     if not isinstance(raw, dict):
         raise RequestError(f"a request must be a JSON object, got a JSON {type(raw).__name__}", None)
-    if "custom_id" not in raw or "body" not in raw:
+    if "custom_id" not in raw:
         return parse_body(raw, False, index, lenient)
     url = raw.get("url", "/v1/completions")
-    if not isinstance(raw["body"], dict):
+    if not isinstance(raw.get("body"), dict):
         raise RequestError("Batch API line: 'body' must be an object", "body")
     if url not in ("/v1/completions", "/v1/chat/completions"):
         raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)",

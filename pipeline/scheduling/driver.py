@@ -142,7 +142,7 @@ class Driver:
 
     def error_line(self, index: int, raw, e: RequestError) -> None:
         """Line ``index`` is answered with the error ``e`` in its place."""
-        custom = raw.get("custom_id") if isinstance(raw, dict) and "body" in raw else None
+        custom = raw.get("custom_id") if isinstance(raw, dict) else None
         self.errors.append((index, output_line(raw, custom, error=e.to_dict())))
         self.error_kinds[e.reason] = self.error_kinds.get(e.reason, 0) + 1
 
