@@ -11,9 +11,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from pipeline.scheduling.intake import chat_ids
-from tasks.fields import check_role
 from tasks.protocol import RequestError
-from tasks.requests import bool_field
+from tasks.requests import bool_field, chat_messages
 
 from serve.responses import error, model_not_found, ok, read_json
 
@@ -71,11 +70,7 @@ def _tokenize(body: dict, state):
     special = bool_field(body, "add_special_tokens", not chat)
     if chat:
         _known(body, TOKENIZE_CHAT_FIELDS, TOKENIZE_CHAT_DEFAULTS)
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
-        for m in messages:
-            check_role(m)
+        messages = chat_messages(body)  # as /v1/chat/completions takes them
         opened = bool_field(body, "add_generation_prompt", True)
         cont = bool_field(body, "continue_final_message")
         if opened and cont and "add_generation_prompt" in body:

@@ -347,7 +347,7 @@ def _structured(body: dict) -> dict | None:
     return {"kind": kind, "value": value}
 
 
-def _messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -355,7 +355,16 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
             raise RequestError("each message must be an object with a string 'role' and a 'content'", "messages")
         check_role(m)
-    return msgs
+    return [dict(m, content=_text_parts(m["content"])) if isinstance(m["content"], list) else m for m in msgs]
+
+
+def _text_parts(parts: list) -> str:
+    """OpenAI's content parts as the one text a chat template takes (vLLM joins them so for templates of
+    string content): text parts only, this runner takes no images, audio or files."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise RequestError("a message's content parts must be text parts {\"type\": \"text\", \"text\": \"...\"} "
+                           "(no images, audio or files)", "messages")
+    return "\n".join(p["text"] for p in parts)
 
 
 def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
@@ -383,7 +392,7 @@ def parse_body(body: object, chat: bool, index: int = 0, lenient: bool = False, 
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     check_nesting(line or body)
-    prompts = [_messages(body)] if chat else _prompts(body)
+    prompts = [chat_messages(body)] if chat else _prompts(body)
     ignored = (check_batch_line(line, lenient) if line is not None else []) + check_fields(body, chat, lenient)
     return Request(index, body if line is None else line, prompts, parse_params(body, chat=chat),
                    "chat" if chat else "completion", None if line is None else line["custom_id"],

@@ -35,10 +35,10 @@ BAD = [
     ({"prompt": [5, 1024, 7]}, "prompt"),
     ({"prompt": "Hello", "top_k": 2**40}, "top_k"),
 ]
-CHAT_BAD = [  # what Mistral-Instruct's template refuses
+CHAT_BAD = [  # what Mistral-Instruct's template refuses, and an image (no model here takes one)
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
     [{"role": "user", "content": "Hi"}, {"role": "user", "content": "again"}],
-    [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
 ]
 
 

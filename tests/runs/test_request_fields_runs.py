@@ -136,6 +136,10 @@ def test_vllms_tokenizer_routes(server):
     messages = [{"role": "user", "content": "Who has the ball?"}]
     chat = server.post("/tokenize", {"messages": messages}).json()
     assert chat["tokens"] == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who has"}, {"type": "text", "text": "the ball?"}]}]
+    joined = [{"role": "user", "content": "Who has\nthe ball?"}]  # OpenAI's content parts: their text, as vLLM joins it
+    assert server.post("/tokenize", {"messages": parts}).json()["tokens"] == tok.apply_chat_template(
+        joined, add_generation_prompt=True, tokenize=True)["input_ids"]
     closed = server.post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert closed["count"] < chat["count"]
     assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(ids)}
@@ -143,7 +147,9 @@ def test_vllms_tokenizer_routes(server):
                                        ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate", 400),
                                        ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
                                        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages",
-                                        400)]:
+                                        400),
+                                       ("/tokenize", {"messages": [{"role": "user", "content": [
+                                           {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages", 400)]:
         got = server.post(path, body)
         assert got.status_code == status and got.json()["error"]["param"] == param, got.text
     info = server.get("/tokenizer_info").json()

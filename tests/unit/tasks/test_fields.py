@@ -113,6 +113,19 @@ def test_openais_refusals():
                       True).params.logprobs == 2
 
 
+def test_content_parts_are_their_text_and_other_parts_are_refused():
+    """OpenAI's content parts reach the chat template as one text (a template of string content rendered the
+    list's Python repr), as vLLM joins them; an image part is the request's error, never dropped."""
+    def chat(content):
+        return parse_body({"messages": [{"role": "user", "content": content}]}, True).prompts[0]
+
+    assert chat([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == chat("a\nb")
+    for parts in ([{"type": "image_url", "image_url": {"url": "data:,"}}], [{"type": "text"}], ["a"]):
+        with pytest.raises(RequestError) as e:
+            chat(parts)
+        assert e.value.param == "messages" and "content parts" in e.value.message
+
+
 def test_batch_lines_and_request_lines():
     line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}, "extra": 1}'
     with pytest.raises(RequestError) as e:

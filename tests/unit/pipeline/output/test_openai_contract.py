@@ -207,9 +207,12 @@ def test_batch_api_lines_mixed_endpoints(model_dir, tmp_path):
         {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "m", "messages": "not a list"}},
         {"custom_id": "d", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "e", "method": "POST", "url": "/v1/completions", "Body": {"prompt": "x"}},  # misspelt
+        {"custom_id": "f", "method": "POST", "url": "/v1/completions"},
     ]
     out = run(model_dir, tmp_path, lines)
-    assert [x["custom_id"] for x in out] == ["a", "b", "c", "d"]
+    assert [x["custom_id"] for x in out] == ["a", "b", "c", "d", "e", "f"]  # a broken line keeps its custom_id
+    assert all(x["error"]["message"] == "Batch API line: 'body' must be an object" for x in out[4:])
     assert out[0]["response"]["status_code"] == 200 and out[0]["error"] is None
     validate_completion(out[0]["response"]["body"])
     chat = out[1]["response"]["body"]
