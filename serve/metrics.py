@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.routing import Match
 
+from tasks.fields import KNOWN
 from tasks.status_exporter import stage_metrics
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -50,9 +51,10 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
     def fields(self, names: list[str], outcome: str) -> None:
-        """Request fields the server did not take: ``refused`` or ``ignored`` (--lenient-fields)."""
+        """Request fields the server did not take: ``refused`` or ``ignored`` (--lenient-fields); a name no
+        table knows counts as ``unknown``, so clients cannot add series without bound (the answer names it)."""
         for name in names:
-            self.request_fields.labels(name[:64], outcome).inc()
+            self.request_fields.labels(name if name in KNOWN else "unknown", outcome).inc()
 
     # -- the pipeline thread ----------------------------------------------------------------------
     def set_load(self, queue: int, rows: int, live: int, hit_tokens: int, queried_tokens: int) -> None:

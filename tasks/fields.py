@@ -59,6 +59,7 @@ ENDPOINT_DEFAULT: dict[str, tuple[tuple, tuple]] = {  # field: (completion value
 }
 TOOLS: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                            "function_call": (None, "none")}
+KNOWN = COMPLETION | CHAT | NO_EFFECT | DEFAULT_ONLY.keys() | ENDPOINT_DEFAULT.keys() | TOOLS.keys()
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 
