@@ -146,6 +146,9 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
+        if stream_options and not stream:  # as OpenAI and vLLM answer
+            raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include_usage = bool_field(stream_options, "include_usage")
         if stream and req.params.best_of != req.params.n:
             raise RequestError("'best_of' other than 'n' cannot be streamed", "best_of")
         if state.caps is not None:  # refused before tokenizing: too many prompts or rows, text over the window
@@ -164,7 +167,7 @@ async def _complete(state: ServeState, request: Request, chat: bool) -> Response
         return error(503, str(e), "server_error")
     streaming = False
     try:
-        response = await _run(state, request, live, body, chat, bool(stream_options.get("include_usage")))
+        response = await _run(state, request, live, body, chat, include_usage)
         streaming = isinstance(response, _Stream)
         return response
     finally:

@@ -106,6 +106,10 @@ def test_bad_requests(server, key):
     for stream in (False, True):  # found when tokenizing, on the pipeline thread
         r = httpx.post(server.url("/v1/completions"), json={"prompt": [10**9], "stream": stream}, headers=h)
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    for options, stream in (({"include_usage": True}, False), ({"include_usage": "x"}, True), ("yes", True)):
+        r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "stream": stream,
+                                                            "stream_options": options}, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("stream_options", "include_usage"), r.text
     r = httpx.get(server.url("/v1/batches/batch_nope"), headers=h)
     assert r.status_code == 404
     with pytest.raises(openai.BadRequestError):
