@@ -94,8 +94,10 @@ def create_app(state: ServeState) -> FastAPI:
         return error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request, exc):
-        return error(400, f"invalid request: {exc.errors()[:1]}")
+    async def validation_error(request, exc):  # a query parameter: ?limit=x
+        e = exc.errors()[0]
+        where = e["loc"][-1] if e.get("loc") else None
+        return error(400, f"invalid '{where}': {e.get('msg', 'not valid')}", param=where)
 
     @app.get("/health")
     async def health():

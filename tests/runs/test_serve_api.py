@@ -110,6 +110,9 @@ def test_bad_requests(server, key):
         r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "stream": stream,
                                                             "stream_options": options}, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"] in ("stream_options", "include_usage"), r.text
+    r = httpx.get(server.url("/v1/batches?limit=x"), headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+    assert r.json()["error"]["message"].startswith("invalid 'limit': ")
     r = httpx.get(server.url("/v1/batches/batch_nope"), headers=h)
     assert r.status_code == 404
     with pytest.raises(openai.BadRequestError):
