@@ -380,6 +380,8 @@ def parse_request(raw: object, index: int, lenient: bool = False) -> Request:
         raise RequestError(f"Batch API line: 'custom_id' must be a string, got {_show(raw['custom_id'])}", "custom_id")
     if not isinstance(raw.get("body"), dict):
         raise RequestError("Batch API line: 'body' must be an object", "body")
+    if raw.get("method", "POST") != "POST":  # OpenAI's lines are POSTs of a body
+        raise RequestError(f"Batch API line: 'method' must be \"POST\", got {_show(raw['method'])}", "method")
     if url not in ("/v1/completions", "/v1/chat/completions"):
         raise RequestError(f"Batch API line: unsupported url {url!r} (use /v1/completions or /v1/chat/completions)",
                            "url")

@@ -209,10 +209,12 @@ def test_batch_api_lines_mixed_endpoints(model_dir, tmp_path):
         {"custom_id": "d", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "e", "method": "POST", "url": "/v1/completions", "Body": {"prompt": "x"}},  # misspelt
         {"custom_id": "f", "method": "POST", "url": "/v1/completions"},
+        {"custom_id": "g", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
     ]
     out = run(model_dir, tmp_path, lines)
-    assert [x["custom_id"] for x in out] == ["a", "b", "c", "d", "e", "f"]  # a broken line keeps its custom_id
-    assert all(x["error"]["message"] == "Batch API line: 'body' must be an object" for x in out[4:])
+    assert [x["custom_id"] for x in out] == ["a", "b", "c", "d", "e", "f", "g"]  # a broken line keeps its custom_id
+    assert all(x["error"]["message"] == "Batch API line: 'body' must be an object" for x in out[4:6])
+    assert out[6]["error"]["message"] == 'Batch API line: \'method\' must be "POST", got "GET"'
     assert out[0]["response"]["status_code"] == 200 and out[0]["error"] is None
     validate_completion(out[0]["response"]["body"])
     chat = out[1]["response"]["body"]
