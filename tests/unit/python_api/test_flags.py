@@ -20,6 +20,9 @@ def test_unknown_and_refused_kwargs():
         to_argv(None, {"budgte": 1})
     with pytest.raises(TypeError, match="generate_file"):
         to_argv(None, {"infer_data": ["a.jsonl"]})
+    for value in (False, True):  # a flag with a value given as a switch: False was dropped (the cache stayed on)
+        with pytest.raises(TypeError, match=r"prefix_cache=.*--prefix-cache takes a value.*prefix_cache='on'"):
+            to_argv(None, {"prefix_cache": value})
 
 
 def test_bad_value_is_the_runners_message():
