@@ -87,8 +87,9 @@ def to_argv(model: str | None, kwargs: dict) -> list[str]:
             continue
         if value is True:
             argv.append(flag)
-        elif key == "lora":  # {"name": path} or ["name=path", ...]
-            pairs = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else [str(v) for v in value]
+        elif key == "lora":  # {"name": path}, ["name=path", ...] or one "name=path"
+            pairs = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
+                [value] if isinstance(value, str) else [str(v) for v in value]
             for pair in pairs:
                 argv += [flag, pair]
         elif isinstance(value, (list, tuple)):

@@ -12,6 +12,8 @@ def test_kwargs_become_flags():
     assert argv == ["--model-name", "/m", "--budget", "4096", "--prefix-cache", "off", "--batch-invariant",
                     "--lora", "a=/x"]
     opts = parse(to_argv(None, {"budget": 4096, "prefix_cache": "off"}))
+    # one adapter as the command line writes it (a string was split into one --lora per character)
+    assert to_argv(None, {"lora": "a=/x"}) == to_argv(None, {"lora": ["a=/x"]}) == ["--lora", "a=/x"]
     assert opts.budget == 4096 and opts.prefix_cache == "off"
 
 
