@@ -234,11 +234,12 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     unknown = sorted(k for k in values if k not in known or k == "config")
     if unknown:
         parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}; keys are the long flag names, e.g. budget, infer-data")
+    values = {k: v for k, v in values.items() if v is not None}  # null: the default (seed: null crashed the run)
     if isinstance(values.get("infer_data"), str):
         values["infer_data"] = [values["infer_data"]]
     types = {f.name: f.type for f in dataclasses.fields(RunOptions)}
     for key, value in values.items():
-        if value is None or _type_ok(types[key], value):
+        if _type_ok(types[key], value):
             continue
         parser.error(f"--config {path}: '{key.replace('_', '-')}' must be {_type_word(types[key])}, got {value!r}")
     for f in dataclasses.fields(RunOptions):

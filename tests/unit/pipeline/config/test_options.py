@@ -81,6 +81,9 @@ def test_missing_file_exits_2(tmp_path, capsys):
 def test_empty_file_changes_nothing(tmp_path):
     cfg = config(tmp_path, "")
     assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
+    # null is the default (seed: null reached the sampler as None: a traceback at the first token)
+    cfg = config(tmp_path, "seed: null\nbudget: null\nmodel-name: null\nlora:\n")
+    assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
 
 
 @pytest.mark.parametrize("text, message", [
