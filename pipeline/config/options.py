@@ -237,6 +237,8 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     values = {k: v for k, v in values.items() if v is not None}  # null: the default (seed: null crashed the run)
     if isinstance(values.get("infer_data"), str):
         values["infer_data"] = [values["infer_data"]]
+    if isinstance(values.get("prefix_cache"), bool):  # YAML 1.1 reads an unquoted on / off as a boolean
+        values["prefix_cache"] = "on" if values["prefix_cache"] else "off"
     types = {f.name: f.type for f in dataclasses.fields(RunOptions)}
     for key, value in values.items():
         if _type_ok(types[key], value):

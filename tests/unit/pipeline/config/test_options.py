@@ -86,6 +86,11 @@ def test_empty_file_changes_nothing(tmp_path):
     assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
 
 
+def test_prefix_cache_on_off_unquoted(tmp_path):  # YAML 1.1 reads on / off as booleans
+    assert parse_options(["--config", config(tmp_path, "prefix-cache: off\n")]).prefix_cache == "off"
+    assert parse_options(["--config", config(tmp_path, "prefix-cache: on\n")]).prefix_cache == "on"
+
+
 @pytest.mark.parametrize("text, message", [
     ("budget: 12.5\n", "'budget' must be an integer"),
     ("infer-data: 5\n", "'infer-data' must be a list of paths"),
