@@ -21,6 +21,7 @@ from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import read_key_file, serve_address, serve_problems  # noqa: F401 (read_key_file: re-exported)
 from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 from pipeline.models.backends import BACKENDS  # what each means
+from tasks.requests import SEED_RANGE
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -296,6 +297,8 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append(f"--{f.name.replace('_', '-')} must be at least {least}, got {value}")
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if not SEED_RANGE[0] <= opts.seed <= SEED_RANGE[1]:  # a 64-bit seed, as a request's
+        problems.append(f"--seed must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {opts.seed}")
     if not opts.grammar_timeout > 0:
         problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
     if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):
