@@ -235,7 +235,7 @@ class LLM:
         the output path (default ``output_<input name>`` beside the input). A complete output is kept
         unless the LLM was made with ``overwrite=True``."""
         src = str(input_path)
-        out = str(output_path) if output_path is not None else output_for(src, None, False)
+        out = output_for(src, None if output_path is None else str(output_path), False)
         if Path(out).exists():
             if not self.opts.overwrite:
                 log.warning("%s: complete output exists at %s, skipping (overwrite=True recomputes)", src, out)

@@ -60,7 +60,7 @@ class RunOptions:
     model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or any HF model_type, see --backend). Omitted: read from config.json.")
     backend: str = _opt("auto", "Stage code: auto = the native family if there is one, else transformers' own decoder layers (any decoder-only *ForCausalLM); native = native code only; transformers = force the generic stage.", choices=BACKENDS)
     infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
-    output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
+    output_path: str | None = _opt(None, "Output file (one input; an existing directory: output_<input name> in it) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
     budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=number_or_auto("KV-cache tokens"))
