@@ -80,12 +80,16 @@ def to_argv(model: str | None, kwargs: dict) -> list[str]:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}: it takes the runner's flags "
                             "(docs/usage/flags.md) with underscores, e.g. budget=4096, prefix_cache='off'")
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool) and f.type != "bool":  # prefix_cache=False would be dropped: the cache stays on
+            raise TypeError(f"LLM() got {key}={value!r}, but {flag} takes a value, not a switch: e.g. "
+                            f"{key}={f.default!r} (docs/usage/flags.md)")
         if value is None or value is False:
             continue
         if value is True:
             argv.append(flag)
-        elif key == "lora":  # {"name": path} or ["name=path", ...]
-            pairs = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else [str(v) for v in value]
+        elif key == "lora":  # {"name": path}, ["name=path", ...] or one "name=path"
+            pairs = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
+                [value] if isinstance(value, str) else [str(v) for v in value]
             for pair in pairs:
                 argv += [flag, pair]
         elif isinstance(value, (list, tuple)):

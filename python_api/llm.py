@@ -70,7 +70,9 @@ class LLM:
                  setup_logging: bool = True, pipeline_parallel_size: int | None = None, **flags):
         if pipeline_size is not None and pipeline_parallel_size is not None and pipeline_size != pipeline_parallel_size:
             raise TypeError("LLM(): pipeline_size and pipeline_parallel_size (its vLLM name) disagree: give one")
-        pipeline_size = pipeline_size or pipeline_parallel_size or 1
+        pipeline_size = next((p for p in (pipeline_size, pipeline_parallel_size) if p is not None), 1)
+        if pipeline_size < 1:
+            raise UsageError(f"pipeline_size must be at least 1, got {pipeline_size}")
         flags, aside = from_vllm(model, flags)
         self.raise_errors = raise_errors
         self._tokenizer = None
@@ -100,8 +102,6 @@ class LLM:
                                  "process group): close it first, or use pipeline_size=1 beside it")
             opts.rank, opts.world_size, opts.pipeline_group_size = 0, pipeline_size, pipeline_size
             opts.dist_url = f"tcp://127.0.0.1:{free_port()}"
-        elif pipeline_size < 1:
-            raise UsageError(f"pipeline_size must be at least 1, got {pipeline_size}")
         self._local: LocalRanks | None = None
         if opts.in_process:
             launch, opts = opts, in_process_options(opts)
@@ -235,7 +235,7 @@ class LLM:
         the output path (default ``output_<input name>`` beside the input). A complete output is kept
         unless the LLM was made with ``overwrite=True``."""
         src = str(input_path)
-        out = str(output_path) if output_path is not None else output_for(src, None, False)
+        out = output_for(src, None if output_path is None else str(output_path), False)
         if Path(out).exists():
             if not self.opts.overwrite:
                 log.warning("%s: complete output exists at %s, skipping (overwrite=True recomputes)", src, out)

@@ -128,6 +128,7 @@ class ChatShell:
                  f"{len(self.conv.turns)} kept)")
 
     def turn(self, user: str) -> None:
+        kept = list(self.conv.turns)
         body, chat = self.fit(user)
         while True:
             self.last_context = self._context(body, chat)
@@ -139,7 +140,8 @@ class ChatShell:
                     self.drop_oldest()
                     body, chat = self.request(user)
                     continue
-                self.say(f"error: {e}")
+                dropped, self.conv.turns = len(kept) - len(self.conv.turns), kept  # they did not make it fit
+                self.say(f"error: {e}" + (f" (the {dropped} exchange(s) dropped for it are kept)" if dropped else ""))
                 return
         self.conv.turns.append((user, answer))
         if stopped:

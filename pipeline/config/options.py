@@ -21,6 +21,7 @@ from pipeline.loading.hub import looks_like_repo_id
 from pipeline.config.serve_options import read_key_file, serve_address, serve_problems  # noqa: F401 (read_key_file: re-exported)
 from pipeline.config.partition import parse_layers_per_stage, parse_stage_memory
 from pipeline.models.backends import BACKENDS  # what each means
+from tasks.requests import SEED_RANGE
 
 PP_MODES = ("pipe_sync_sample_mask_token_pipe",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -59,7 +60,7 @@ class RunOptions:
     model_type: str | None = _opt(None, "Model family (gpt2, gptj, gptneox, opt, bloom, llama, falcon, or any HF model_type, see --backend). Omitted: read from config.json.")
     backend: str = _opt("auto", "Stage code: auto = the native family if there is one, else transformers' own decoder layers (any decoder-only *ForCausalLM); native = native code only; transformers = force the generic stage.", choices=BACKENDS)
     infer_data: list[str] = _opt(None, "Request files (JSONL): several files, a glob or a directory. Omitted: the path after '#' in the job name, else dummy-data mode.", nargs="+")
-    output_path: str | None = _opt(None, "Output file (one input) or directory (several inputs). Default: output_<input name> beside each input.")
+    output_path: str | None = _opt(None, "Output file (one input; an existing directory: output_<input name> in it) or directory (several inputs). Default: output_<input name> beside each input.")
     job_name: str | None = _opt(None, "Job name NAME#PATH: PATH is used as --infer-data when that is omitted (LSF's LSB_JOBNAME and Slurm's SLURM_JOB_NAME are read too, in that order).")
     # scheduling
     budget: int | str = _opt("auto", "KV-cache tokens held at once over all micro-batches (rows x columns); requests beyond it wait. auto = what fits in the memory left once every stage has loaded (the least over stages, 1 GiB or 10%% kept free; on CPU the available RAM shared among the node's processes, 8192..65536). A ceiling: a micro-batch takes only the cells its rows need.", type=number_or_auto("KV-cache tokens"))
@@ -95,7 +96,7 @@ class RunOptions:
     in_process: bool = _opt(False, "Run every rank (--pipeline-group-size x --data-group-size) as a thread of this one process, joined by in-memory links instead of a process group: no torchrun. For tests and debugging, and for several stages on one GPU (each stage on GPU stage %% device count).")
     dist_backend: str = _opt("auto", "How ranks talk: auto = NCCL for activations on GPUs (one rank per GPU) and gloo on CPUs; gloo = every message through host memory, also on GPUs, where ranks may then share a GPU (a pipeline tested on one GPU; slower than NCCL); nccl = require GPUs.", choices=("auto", "gloo", "nccl"))
     timeout: int = _opt(1800, "Seconds a collective may wait before the run fails (first prefill of a big model included).", least=1)
-    num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes, 1 for a model under 400k weights a layer; every core of the node (its share per pipeline) for stages of 512 MiB of weights or more when the whole pipeline runs on one node and --num-micro-batches is 0 or 1: the stages take turns with the cores, one micro-batch at a time, as fast as one process there (on a node shared with other work, --num-threads 1 stages side by side hold up better). Threads wait passively between parallel regions (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set).")
+    num_threads: int = _opt(0, "CPU threads per process; 0 = the cores this process may use (its affinity mask, e.g. a Slurm or LSF allocation, and its cgroup's CPU quota) divided among local processes, 1 for a model under 400k weights a layer; every core of the node (its share per pipeline) for stages of 512 MiB of weights or more when the whole pipeline runs on one node and --num-micro-batches is 0 or 1: the stages take turns with the cores, one micro-batch at a time, as fast as one process there (on a node shared with other work, --num-threads 1 stages side by side hold up better). Threads wait passively between parallel regions (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set).", least=0)
     # requests and results
     truncate_prompts: bool = _opt(False, "Left-truncate prompts that do not fit the context window (noted in the result) instead of failing them.")
     json_string_max_length: int = _opt(256, "Structured outputs: a JSON schema's string that sets no length of its own (no maxLength, pattern, format, enum or const) is closed by the grammar at this many characters, so a model that never ends a string (a plain str field on a small model) still gives valid JSON within max_tokens; give a maxLength in the schema for longer text. An integer without a minimum or maximum is likewise held to 18 digits. 0: neither bound (vLLM's and OpenAI's behaviour).", least=0)
@@ -234,11 +235,14 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     unknown = sorted(k for k in values if k not in known or k == "config")
     if unknown:
         parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}; keys are the long flag names, e.g. budget, infer-data")
+    values = {k: v for k, v in values.items() if v is not None}  # null: the default (seed: null crashed the run)
     if isinstance(values.get("infer_data"), str):
         values["infer_data"] = [values["infer_data"]]
+    if isinstance(values.get("prefix_cache"), bool):  # YAML 1.1 reads an unquoted on / off as a boolean
+        values["prefix_cache"] = "on" if values["prefix_cache"] else "off"
     types = {f.name: f.type for f in dataclasses.fields(RunOptions)}
     for key, value in values.items():
-        if value is None or _type_ok(types[key], value):
+        if _type_ok(types[key], value):
             continue
         parser.error(f"--config {path}: '{key.replace('_', '-')}' must be {_type_word(types[key])}, got {value!r}")
     for f in dataclasses.fields(RunOptions):
@@ -293,6 +297,8 @@ def check_options(opts: RunOptions) -> list[str]:
             problems.append(f"--{f.name.replace('_', '-')} must be at least {least}, got {value}")
     if opts.budget != "auto" and not (isinstance(opts.budget, int) and opts.budget >= 1):
         problems.append(f"--budget must be a positive number of KV-cache tokens or auto, got {opts.budget}")
+    if not SEED_RANGE[0] <= opts.seed <= SEED_RANGE[1]:  # a 64-bit seed, as a request's
+        problems.append(f"--seed must be an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {opts.seed}")
     if not opts.grammar_timeout > 0:
         problems.append(f"--grammar-timeout must be a positive number of seconds, got {opts.grammar_timeout}")
     if opts.prefill_chunk != "auto" and not (isinstance(opts.prefill_chunk, int) and opts.prefill_chunk >= 0):

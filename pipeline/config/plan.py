@@ -392,6 +392,9 @@ def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
 def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
     """Two inputs whose results would go to one output file (the same file name under --output-path DIR,
     or one file given twice): refused before anything runs, since one would overwrite or resume the other."""
+    if len(inputs) > 1 and output_path is not None and Path(output_path).is_file():
+        raise UsageError(f"--output-path {output_path} is a file, but the {len(inputs)} inputs need a folder for their "
+                         "outputs: name a folder (it is created), or run the inputs one at a time")
     seen: dict[str, str] = {}
     for path in inputs:
         output = str(Path(output_for(path, output_path, len(inputs) > 1)).resolve())
@@ -402,8 +405,8 @@ def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
 
 
 def output_for(input_path: str, output_path: str | None, several: bool) -> str:
-    """``output_<input name>`` beside the input, or in/at ``--output-path``."""
+    """``output_<input name>`` beside the input, or in/at ``--output-path`` (in it: several inputs, or a folder)."""
     name = "output_" + Path(input_path).name
     if output_path is None:
         return str(Path(input_path).with_name(name))
-    return str(Path(output_path) / name) if several else output_path
+    return str(Path(output_path) / name) if several or Path(output_path).is_dir() else output_path

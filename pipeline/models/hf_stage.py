@@ -13,6 +13,7 @@ additive for eager attention), and what the HF forwards do outside the layers
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import threading
@@ -48,9 +49,11 @@ def hf_config(cfg: dict, model_type: str | None = None):
     values = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(kind, **values)
-    except ValueError as e:
+    except ValueError:  # its message lists every model type transformers has: name the close ones instead
+        near = difflib.get_close_matches(kind or "", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, 3)
         raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type {kind!r} "
-                               f"(architectures: {cfg.get('architectures')}): {e}") from None
+                               f"(architectures: {cfg.get('architectures')})"
+                               + (f"; did you mean {' or '.join(near)}?" if near else "")) from None
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{kind} is an encoder-decoder model; this runner runs decoder-only causal LMs")
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

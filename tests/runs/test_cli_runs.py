@@ -20,6 +20,8 @@ def model_dir(make_llama):
     (["--pp-mode", "bogus"], "bogus"),  # argparse words the refusal; the bad value is in it
     (["--num-layers", "1"], "--num-layers 1 x 1 stages"),
     (["--max-layers", "0"], "--max-layers must be at least 1"),
+    (["--num-threads", "-1"], "--num-threads must be at least 0"),  # was torch's RuntimeError after planning
+    (["--seed", str(2**64)], "--seed must be an integer between"),  # was orjson's TypeError writing the status
     (["--budget", "0"], "--budget must be a positive"),
     (["--prefill-chunk", "many"], "expected a number of prompt tokens (0: off) or auto"),
     (["--prefill-chunk", "64", "--batch-invariant"], "drop --prefill-chunk"),

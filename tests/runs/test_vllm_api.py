@@ -157,6 +157,10 @@ def test_engine_arguments_of_vllm():
         LLM(max_model_len=128)
     with pytest.raises(TypeError, match="disagree"):
         LLM(pipeline_size=1, pipeline_parallel_size=2)
+    for size in ({"pipeline_size": 0}, {"pipeline_parallel_size": 0}, {"pipeline_size": 0, "in_process": True},
+                 {"pipeline_size": -1, "in_process": True}):  # 0 ran one stage
+        with pytest.raises(ValueError, match="pipeline_size must be at least 1"):
+            LLM(**size)
 
 
 def test_lenient_fields_ignore_and_log(caplog):

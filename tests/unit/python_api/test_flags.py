@@ -12,6 +12,8 @@ def test_kwargs_become_flags():
     assert argv == ["--model-name", "/m", "--budget", "4096", "--prefix-cache", "off", "--batch-invariant",
                     "--lora", "a=/x"]
     opts = parse(to_argv(None, {"budget": 4096, "prefix_cache": "off"}))
+    # one adapter as the command line writes it (a string was split into one --lora per character)
+    assert to_argv(None, {"lora": "a=/x"}) == to_argv(None, {"lora": ["a=/x"]}) == ["--lora", "a=/x"]
     assert opts.budget == 4096 and opts.prefix_cache == "off"
 
 
@@ -20,6 +22,9 @@ def test_unknown_and_refused_kwargs():
         to_argv(None, {"budgte": 1})
     with pytest.raises(TypeError, match="generate_file"):
         to_argv(None, {"infer_data": ["a.jsonl"]})
+    for value in (False, True):  # a flag with a value given as a switch: False was dropped (the cache stayed on)
+        with pytest.raises(TypeError, match=r"prefix_cache=.*--prefix-cache takes a value.*prefix_cache='on'"):
+            to_argv(None, {"prefix_cache": value})
 
 
 def test_bad_value_is_the_runners_message():

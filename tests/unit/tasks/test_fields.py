@@ -106,6 +106,12 @@ def test_openais_refusals():
     with pytest.raises(RequestError) as e:
         parse_body({"messages": [{"role": "wizard", "content": "hi"}]}, True)
     assert e.value.param == "messages" and "'wizard'" in e.value.message
+    image = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}  # was rendered as text: its repr
+    for content in ([{"type": "text", "text": "what is this?"}, image], ["hi"]):
+        with pytest.raises(RequestError, match="content parts must be text parts") as e:
+            parse_body({"messages": [{"role": "user", "content": content}]}, True)
+        assert e.value.param == "messages"
+    assert parse_body({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True)
     with pytest.raises(RequestError) as e:
         parse_body({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, True)
     assert e.value.param == "top_logprobs"

@@ -133,6 +133,22 @@ def test_server_side_context_error_drops_turns():
     assert len(backend.sent) == 3
 
 
+def test_a_request_that_fails_anyway_keeps_the_exchanges_dropped_for_it():
+    class Window(Backend):  # the pipeline's own check: prompt + max_tokens over the window is the request's error
+        def generate(self, body, chat):
+            if self.tokens(body, chat) + body["max_tokens"] > self.context:
+                raise BackendError("prompt + max_tokens exceeds the context window", context=True)
+            yield from super().generate(body, chat)
+
+    # max_tokens alone is over the window: dropping every exchange could not make the request fit
+    sh, out = shell(["q1", "q2", "/set max_tokens 1000", "q3"], Window(context=400))
+    assert "dropped; 0 kept" in out and "(the 2 exchange(s) dropped for it are kept)" in out
+    assert sh.conv.turns == [("q1", "A1"), ("q2", "A2")]
+    # a server that refuses the new turn even alone
+    sh, out = shell(["q1", "q2", "a question much too long for this tiny server's window"], Backend(refuse_over=80))
+    assert "(the 1 exchange(s) dropped for it are kept)" in out and sh.conv.turns == [("q2", "A2")]
+
+
 def test_error_is_reported_and_shell_goes_on():
     class Failing(Backend):
         def generate(self, body, chat):

@@ -81,6 +81,14 @@ def test_missing_file_exits_2(tmp_path, capsys):
 def test_empty_file_changes_nothing(tmp_path):
     cfg = config(tmp_path, "")
     assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
+    # null is the default (seed: null reached the sampler as None: a traceback at the first token)
+    cfg = config(tmp_path, "seed: null\nbudget: null\nmodel-name: null\nlora:\n")
+    assert parse_options(["--config", cfg]) == dataclasses.replace(parse_options([]), config=cfg)
+
+
+def test_prefix_cache_on_off_unquoted(tmp_path):  # YAML 1.1 reads on / off as booleans
+    assert parse_options(["--config", config(tmp_path, "prefix-cache: off\n")]).prefix_cache == "off"
+    assert parse_options(["--config", config(tmp_path, "prefix-cache: on\n")]).prefix_cache == "on"
 
 
 @pytest.mark.parametrize("text, message", [

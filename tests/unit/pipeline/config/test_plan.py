@@ -39,6 +39,19 @@ def test_inputs_from_a_folder_and_the_job_name(llama_2l, tmp_path):
     assert output_for("/q/a.jsonl", "/o", True) == "/o/output_a.jsonl"
 
 
+def test_output_path_of_the_other_kind(llama_2l, tmp_path):
+    """One input and an existing folder: the output goes in it (a traceback renaming the journal onto the
+    folder once every line was done); several inputs and an existing file: refused before loading."""
+    inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl")]
+    for path in inputs:
+        Path(path).write_text("{}\n")
+    (tmp_path / "out").mkdir()
+    assert output_for(inputs[0], str(tmp_path / "out"), False) == str(tmp_path / "out" / "output_a.jsonl")
+    (tmp_path / "taken.jsonl").write_text("{}\n")
+    with pytest.raises(UsageError, match="taken.jsonl is a file, but the 2 inputs need a folder"):
+        plan(llama_2l, "--infer-data", *inputs, "--output-path", str(tmp_path / "taken.jsonl"))
+
+
 def test_micro_batches_follow_what_bounds_a_pass(llama_2l, monkeypatch):
     """CPU pipelines keep P + 1 micro-batches in flight (host work covered) unless a stage's weights are
     big enough that reading them bounds its decode passes: then P (fewer re-reads per token); one stage,

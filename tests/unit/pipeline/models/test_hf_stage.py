@@ -186,6 +186,10 @@ def test_generic_stage_refuses_batch_invariant_and_what_it_cannot_run(models, tm
         (tmp_path / kind / "config.json").write_text(json.dumps({"model_type": kind, "vocab_size": 64}))
         with pytest.raises(UsageError, match=why):  # gemma3 and mixtral have native code: force the generic stage
             make_plan(RunOptions(model_name=str(tmp_path / kind), backend="transformers"), env={})
+    # a misspelt --model-type: one short line naming the close types, not transformers' list of them all
+    with pytest.raises(UsageError, match=r"'lama' .*did you mean llama\b") as e:
+        make_plan(RunOptions(model_name=models("granite"), model_type="lama"), env={})
+    assert len(str(e.value)) < 300
     from transformers import BertConfig
 
     bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, is_decoder=True)
