@@ -354,9 +354,6 @@ def chat_messages(body: dict) -> list[dict]:
     for m in msgs:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
             raise RequestError("each message must be an object with a string 'role' and a 'content'", "messages")
-        if isinstance(m["content"], list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]):
-            raise RequestError("a message's content parts must be text parts ({\"type\": \"text\", \"text\": ...}): "
-                               "images, audio and files are not supported (no multimodal inputs)", "messages")
         check_role(m)
     return [dict(m, content=_text_parts(m["content"])) if isinstance(m["content"], list) else m for m in msgs]
 
