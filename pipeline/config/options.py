@@ -310,6 +310,8 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append("--reasoning-parser gpt_oss: gpt-oss's harmony channels are not parsed (their markers are "
                         "special tokens, which results leave out of the text); use --reasoning-parser none: results then "
                         "carry the raw text of both channels (docs/usage/reasoning.md)")
+    if opts.status_file == "":
+        problems.append("--status-file needs a file path ('none' turns the status file off)")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
         problems.append(f"--metrics-port must be a TCP port (1-65535), got {opts.metrics_port}")
     if opts.serve is not None and (opts.dry_run or opts.metrics_port is not None or opts.status_file):

@@ -23,6 +23,7 @@ def model_dir(make_llama):
     (["--num-threads", "-1"], "--num-threads must be at least 0"),  # was torch's RuntimeError after planning
     (["--seed", str(2**64)], "--seed must be an integer between"),  # was orjson's TypeError writing the status
     (["--budget", "0"], "--budget must be a positive"),
+    (["--status-file", ""], "--status-file needs a file path"),  # was pathlib's ValueError at the first status
     (["--prefill-chunk", "many"], "expected a number of prompt tokens (0: off) or auto"),
     (["--prefill-chunk", "64", "--batch-invariant"], "drop --prefill-chunk"),
     (["--model-name", "/nonexistent/model"], "no such folder"),
