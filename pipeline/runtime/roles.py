@@ -255,8 +255,8 @@ def make_engine(rank: Rank, files: FileSource | None = None, requests: Requests 
     models = None
     if plan.adapters:
         models = ModelNames([opts.served_model_name, plan.model_name, opts.model_name,
-                             plan.source.repo_id if plan.source else None,
-                             str(Path(plan.model_dir).resolve())], [a.name for a in plan.adapters])
+                             plan.source.repo_id if plan.source else None, str(Path(plan.model_dir).resolve()),
+                             Path(plan.model_dir).name], [a.name for a in plan.adapters])
     grammars = Grammars(tokenizer, plan.spec.vocab_size, opts.json_string_max_length)
     driver = Driver(tokenizer, plan.spec.vocab_size, plan.spec.max_positions, sched, opts.truncate_prompts,
                     info.data_rank, info.data_size, models, GrammarIntake(grammars, opts.grammar_timeout),

@@ -71,3 +71,19 @@ def test_runner_mixes_adapters_base_and_an_unknown_name(llama, tmp_path):  # noq
         assert choice["text"] == tok.decode(ref_t, skip_special_tokens=True), i
         assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref_lp, strict=True)) < 1e-4
     assert out[2]["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a1 reused a1's blocks
+
+
+def test_the_default_models_folder_name_selects_the_base(tmp_path):
+    """lora.md: the model folder's name selects the base, also for the embedded default model, whose results
+    carry its versioned name (tiny-llama-default-v5), not its folder's."""
+    from pipeline.loading.default_model import default_model_dir
+
+    adapter = make_adapter(str(default_model_dir()), tmp_path / "a", ["q_proj"], seed=3)
+    reqs = [{"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "model": m}
+            for m in ("tiny-llama-default", "org/tiny-llama-default", "a")]
+    src = write_jsonl(tmp_path / "r.jsonl", reqs)
+    res = run_local(["--infer-data", src, "--lora", f"a={adapter}", "--no-progress"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = read_jsonl(tmp_path / "output_r.jsonl")
+    assert [o.get("error") for o in out] == [None] * 3, out
+    assert out[0]["result"]["model"] == out[1]["result"]["model"] != "a" and out[2]["result"]["model"] == "a"
