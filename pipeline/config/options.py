@@ -374,6 +374,8 @@ def _lora_problems(opts: RunOptions) -> list[str]:
             continue
         if name in names:
             problems.append(f"--lora {value}: the name {name!r} is given twice")
+        if name in (opts.served_model_name, Path(opts.model_name or "").name):  # requests naming it get the base
+            problems.append(f"--lora {value}: {name!r} is the base model's name: give the adapter another")
         names.add(name)
         if not Path(path).is_dir() and not looks_like_repo_id(path):
             problems.append(f"--lora {value}: no such folder, nor a hub id org/name")

@@ -39,6 +39,10 @@ def test_unsupported_adapters_fail_before_loading(llama, make_llama, tmp_path): 
     assert res.returncode == 2 and "DoRA" in res.stderr
     res = run_local(["--model-name", model, "--lora", f"a1={llama['a1']}", "--batch-invariant"])
     assert res.returncode == 2 and "--batch-invariant does not apply LoRA adapters" in res.stderr
+    for flags in (["--lora", f"{model.rstrip('/').rsplit('/', 1)[-1]}={llama['a1']}"],
+                  ["--lora", f"tiny={llama['a1']}", "--served-model-name", "tiny"]):
+        res = run_local(["--model-name", model, *flags])  # its requests would get the base model
+        assert res.returncode == 2 and "is the base model's name" in res.stderr
     res = run_local(["--model-name", model, "--lora", "a1"])
     assert res.returncode == 2 and "expected NAME=PATH" in res.stderr
 

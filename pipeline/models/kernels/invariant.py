@@ -89,19 +89,25 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     A fresh prompt (no ALiBi, soft-capping or shorter window) goes through SDPA's causal kernel, which
     splits work by query blocks whatever the threads; everything else through plain matmuls (SDPA's CPU
     kernel splits a single query's keys, and its masked path, by the thread count: test_invariant.py).
+    A head that is not whole 64-byte lines (head_dim 10 in float32) takes plain matmuls on copies of the
+    row's own: the BLAS's sums then follow where a view sits (so the micro-batch's shape), and SDPA's the
+    thread count (measured for head_dim < 12).
     """
     b, h, t, d = q.shape
     scale = d**-0.5 if scale is None else scale
     out = q.new_zeros(b, h, t, d)
+    lines = d * q.element_size() % 64 == 0
     for i in range(b):
         n, k, v = lens[i], keys[i], values[i]
+        qi = q[i : i + 1, :, :n]
+        if not lines:
+            qi, k, v = (x.clone(memory_format=torch.contiguous_format) for x in (qi, k, v))
         first = key_starts[i] if key_starts else 0
-        if slopes is None and not softcap and starts[i] == 0 and n > 1 and (not window or n <= window):
-            out[i : i + 1, :, :n] = F.scaled_dot_product_attention(q[i : i + 1, :, :n], k, v, is_causal=True,
-                                                                    scale=scale, enable_gqa=gqa)
+        if lines and slopes is None and not softcap and starts[i] == 0 and n > 1 and (not window or n <= window):
+            out[i : i + 1, :, :n] = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+                                                                    enable_gqa=gqa)
         else:
-            out[i, :, :n] = _plain_attention(q[i, :, :n], k[0], v[0], starts[i], slopes, scale, softcap, window,
-                                             first)
+            out[i, :, :n] = _plain_attention(qi[0], k[0], v[0], starts[i], slopes, scale, softcap, window, first)
     return out
 
 

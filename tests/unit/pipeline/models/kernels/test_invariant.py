@@ -93,6 +93,10 @@ def _llama(tmp_path):
     return tiny_llama(tmp_path, num_key_value_heads=2)
 
 
+def _llama_head10(tmp_path):  # a head of 40 bytes: where a row's keys sit follows the micro-batch's shape
+    return tiny_llama(tmp_path, hidden_size=30, num_attention_heads=3, num_key_value_heads=3, intermediate_size=50)
+
+
 def _bloom(tmp_path):  # ALiBi
     return build_family(tmp_path, "bloom", hidden_size=48, n_layer=3, n_head=6)
 
@@ -101,7 +105,7 @@ def _gptj(tmp_path):  # parallel residual, interleaved partial rotary
     return build_family(tmp_path, "gptj", n_embd=64, n_layer=3, n_head=4, rotary_dim=8, n_positions=128)
 
 
-@pytest.mark.parametrize("make", [_llama, _bloom, _gptj], ids=["llama", "bloom", "gptj"])
+@pytest.mark.parametrize("make", [_llama, _llama_head10, _bloom, _gptj], ids=["llama", "llama-head10", "bloom", "gptj"])
 def test_stage_chain_is_batch_invariant_and_matches_hf(make, tmp_path, threads):
     model_dir = make(tmp_path)
     alone = None
