@@ -282,6 +282,14 @@ STRUCTURED_OPTIONS = {"disable_fallback": (None, True, False), "disable_any_whit
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def constraint_param(raw: object) -> str:
+    """The field a request's output constraint came in (its errors' ``param``): ``response_format``, one
+    of vLLM's ``guided_*`` fields, or ``structured_outputs``; ``raw``: the line (a Batch API line's body)."""
+    body = raw.get("body", raw) if isinstance(raw, dict) else None
+    return next((k for k in ("response_format", *GUIDED) if isinstance(body, dict) and body.get(k) is not None),
+                "structured_outputs")
+
+
 def _structured(body: dict) -> dict | None:
     """The request's output constraint, from ``response_format`` (OpenAI: json_object, json_schema) or
     ``structured_outputs`` (one of regex, choice, grammar (Lark or GBNF), json); None: free text.

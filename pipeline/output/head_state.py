@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tasks.requests import Params
+from tasks.requests import Params, constraint_param
 from pipeline.output.results import Candidate, IncrementalText
 from pipeline.sampling.grammar import GrammarError
 from pipeline.sampling.processors import prompt_tokens
@@ -77,10 +77,9 @@ class RequestState:
         if self.error is not None:
             return
         if isinstance(e, GrammarError):
-            body = self.raw.get("body", self.raw) if isinstance(self.raw, dict) else None
-            param = "response_format" if isinstance(body, dict) and "response_format" in body else "structured_outputs"
             self.error = {"message": f"the request's grammar could not go on while {doing}: {e}; the other "
-                                     "requests were answered", "type": "invalid_request_error", "param": param}
+                                     "requests were answered", "type": "invalid_request_error",
+                          "param": constraint_param(self.raw)}
             return
         self.error = {"message": f"this request failed while {doing} ({type(e).__name__}: {str(e)[:200]}); "
                                  "the other requests were answered", "type": "server_error", "param": None}

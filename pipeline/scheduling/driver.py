@@ -17,7 +17,7 @@ from itertools import islice
 import torch
 
 from tasks.inflight import crash_error
-from tasks.requests import Request, parse_line
+from tasks.requests import Request, constraint_param, parse_line
 from tasks.protocol import CANCELLED, RequestError, output_line
 from tasks.shards import share_of
 
@@ -216,7 +216,7 @@ class Driver:
         if p.structured is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs are not available here", "structured_outputs")
-            self.grammars.check(p.structured)
+            self.grammars.check(p.structured, constraint_param(req.raw))
         adapter, model = self.models.resolve(req.model) if self.models is not None else (0, None)
         salt = model.encode() if model else b""
         groups, metas = [], []

@@ -20,11 +20,12 @@ class GrammarIntake:
         self.timed_out: set[str] = set()  # specs that ran out of time: their next requests fail at once
         self.constrained = 0  # requests with a constraint that compiled
 
-    def check(self, spec: dict) -> None:
-        """Raise :class:`RequestError` unless ``spec`` compiles within the time limit (cached by text)."""
+    def check(self, spec: dict, param: str = "structured_outputs") -> None:
+        """Raise :class:`RequestError` (naming ``param``, the field the constraint came in) unless ``spec``
+        compiles within the time limit (cached by text)."""
         key = spec_key(spec)
         if key in self.timed_out:
-            raise self._timeout_error()
+            raise self._timeout_error(param)
         if not self.grammars.known(spec):
             # a daemon thread per new grammar: one that never ends cannot hold up later ones or the exit
             worker = threading.Thread(target=self._compile_quietly, args=(spec,), daemon=True,
@@ -33,11 +34,10 @@ class GrammarIntake:
             worker.join(self.timeout)
             if worker.is_alive():
                 self.timed_out.add(key)
-                raise self._timeout_error()
+                raise self._timeout_error(param)
         try:
             self.grammars.compile(spec)
         except GrammarError as e:
-            param = "response_format" if spec["kind"] == "json_object" else "structured_outputs"
             raise RequestError(f"the output constraint cannot be compiled: {e}", param, reason="grammar") from None
         self.constrained += 1
 
@@ -47,7 +47,7 @@ class GrammarIntake:
         except GrammarError:
             pass  # cached as the spec's error: check() raises it
 
-    def _timeout_error(self) -> RequestError:
+    def _timeout_error(self, param: str) -> RequestError:
         return RequestError(f"the output constraint did not compile within {self.timeout:g} s "
-                            "(--grammar-timeout); simplify the schema or raise the limit", "response_format",
+                            "(--grammar-timeout); simplify the schema or raise the limit", param,
                             reason="grammar_timeout")

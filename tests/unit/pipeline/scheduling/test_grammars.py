@@ -37,3 +37,26 @@ def test_errors_and_time_limit(monkeypatch):
     release.set()  # it compiles in the end: the spec still fails at once, without a second wait
     with pytest.raises(RequestError, match="did not compile"):
         intake.check(slow)
+
+
+def test_an_error_names_the_field_its_constraint_came_in():
+    """A constraint that cannot compile is a 400 naming the request's own field (OpenAI's ``param``):
+    ``response_format`` for a json_schema, a ``guided_*`` field as vLLM's older clients send it."""
+    import orjson
+
+    from pipeline.scheduling.driver import Driver
+    from pipeline.scheduling.scheduler import Scheduler, SchedulerConfig
+
+    tok = local_tokenizer()
+    d = Driver(tok, len(tok), 4096, Scheduler(SchedulerConfig(budget=4000, num_slots=2, max_rows=4)),
+               grammars=GrammarIntake(Grammars(tok, len(tok))))
+    bad = {"type": "no-such-type"}
+    lines = [{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+             {"prompt": "x", "guided_regex": "(("}, {"prompt": "x", "structured_outputs": {"json": bad}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "x", "guided_json": bad}}]
+    d.start(iter(enumerate(orjson.dumps(r) for r in lines)))
+    d.fill()
+    params = [line["response"]["body"]["error"]["param"] if "response" in line else line["error"]["param"]
+              for _, line in sorted(d.take_errors(), key=lambda e: e[0])]
+    assert params == ["response_format", "guided_regex", "structured_outputs", "guided_json"]
