@@ -296,7 +296,8 @@ def _kill_group(p: subprocess.Popen) -> None:
 
 
 def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    # "\n" only: str.splitlines would also split at U+2028 and U+2029, which JSON strings hold unescaped
+    return [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
 
 
 def strip_volatile(line: dict) -> dict:
