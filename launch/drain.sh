@@ -82,7 +82,7 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
         wait "$watcher" 2>/dev/null || true
     fi
     if ((! existed)) && [[ -f $status ]]; then
-        echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
+        echo "drain: status: $(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m tasks.status "$status")" >&2 || true
     fi
     if ((rc == 130 || rc == 143)); then
         echo "drain: $input interrupted (status $rc); rerun to resume" >&2

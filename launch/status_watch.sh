@@ -21,7 +21,7 @@ trap 'exit 0' TERM INT
 show() {  # one status line; returns the reader's code (0 finished, 1 failed/stopped/stale, 3 running)
     [[ -f $file ]] || return 3
     local line rc
-    line=$(cd "$REPO" && "$PYTHON" -m tasks.status "$file")
+    line=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m tasks.status "$file")
     rc=$?
     echo "status: $line" >&2
     return $rc

@@ -268,6 +268,22 @@ def test_drain_torchrun_path_failures_and_missing_folder(shards, tmp_path):
     assert p.returncode == 2 and "is not a folder" in p.stderr
 
 
+def test_drain_status_lines_from_another_folder(shards, tmp_path):
+    """drain.sh started outside the checkout with a relative QUERY_DIR prints the running shard's status
+    line (launch/status_watch.sh) and the one at its end; the reader ran in the checkout, where the
+    relative path named nothing ("no status file (yet)")."""
+    shard_copy(shards, tmp_path / "q")
+    status = '{"state": "%s", "updated_at": 1e12, "heartbeat_seconds": 5, "lines_done": 1, "lines_total": 3, ' \
+             '"errors": 0, "prompt_tokens": 9, "generated_tokens": 4}'
+    _stub(tmp_path / "bin", "fake_torchrun", 'out="$*"; out=${out##*--output-path }; out=${out%% *}.status.json\n'
+          f"echo '{status % 'running'}' > \"$out\"; sleep 2; echo '{status % 'finished'}' > \"$out\"\n")
+    env = {"TORCHRUN": str(tmp_path / "bin" / "fake_torchrun"), "QUERY_DIR": "q", "MAX_INDEX": "0", "NPROC": "2",
+           "STATUS_EVERY": "1", "PYTHONPATH": "", "PYTHON": sys.executable}
+    p = run_cmd(["bash", "-c", f"cd {tmp_path} && exec bash {LAUNCH / 'drain.sh'}"], 30, env)
+    assert p.returncode == 0, p.stderr
+    assert "status: running: 1/3 lines" in p.stderr and "drain: status: finished: 1/3 lines" in p.stderr, p.stderr
+
+
 # ---------------------------------------------------------------- Slurm and LSF with stub commands
 
 # srun/blaunch stubs: record the arguments, then (unless STUB_DRY_RUN=1) run the per-node command once
