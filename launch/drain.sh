@@ -27,6 +27,7 @@
 #                the line at its end  [60]
 # Any further arguments go to every run unchanged.
 set -euo pipefail
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0; }
 
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 MODEL=${MODEL:-}

@@ -6,6 +6,7 @@
 # Usage: launch/status_watch.sh STATUS_FILE [EVERY=60] [PID]
 #        launch/status_watch.sh --path INPUT [OUTPUT]   # prints the default status path of a one-file run
 set -uo pipefail
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0; }
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 PYTHON=${PYTHON:-python}
 if [[ ${1:-} == --path ]]; then  # the runner's default: <output>.status.json, output_<name> beside the input

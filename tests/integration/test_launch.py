@@ -266,6 +266,10 @@ def test_drain_torchrun_path_failures_and_missing_folder(shards, tmp_path):
     assert p.returncode == 1 and len((tmp_path / "calls").read_text().splitlines()) == 1
     p = run_script("drain.sh", {"QUERY_DIR": str(tmp_path / "nope")}, tmp_path, timeout=30)
     assert p.returncode == 2 and "is not a folder" in p.stderr
+    for script in ("drain.sh", "status_watch.sh"):  # the usage: not --help run on every shard, nor a watch without end
+        p = run_script(script, env, tmp_path, ["--help"], timeout=10)
+        assert p.returncode == 0 and "Usage:" in p.stdout and "drain: run" not in p.stderr, p.stderr
+    assert len((tmp_path / "calls").read_text().splitlines()) == 1
 
 
 def test_drain_status_lines_from_another_folder(shards, tmp_path):
