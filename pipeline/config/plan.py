@@ -160,6 +160,8 @@ def _fingerprint(opts: RunOptions, source: ModelSource, dtype: torch.dtype, data
                "kv_cache_dtype": opts.kv_cache_dtype if opts.kv_cache_dtype != "auto" else None,
                "reasoning_parser": opts.reasoning_parser if opts.reasoning_parser != "auto" else None,
                "retry_starved": True if opts.retry_starved else None,  # a starved row's line is its rerun's
+               "lenient_fields": True if opts.lenient_fields else None,  # unknown fields: ignored, not errors
+               "json_string_max_length": opts.json_string_max_length if opts.json_string_max_length != 256 else None,
                "lora": {a.name: adapter_record(a.path) for a in adapters} or None}  # resumed only with the same ones
     fingerprint.update((k, v) for k, v in changes.items() if v is not None)
     return fingerprint

@@ -161,6 +161,11 @@ def test_a_finished_output_of_another_run_is_refused_in_the_plan(llama_2l, make_
     assert not plan(llama_2l, "--infer-data", str(src), "--overwrite").nothing_to_do
     with pytest.raises(UsageError, match="batch_invariant: False there, True now"):
         plan(llama_2l, "--infer-data", str(src), "--batch-invariant")
+    # flags that turn a request's error into an answer, or change a constrained answer, are other settings too
+    for flags, changed in ((["--lenient-fields"], "lenient_fields: None there, True now"),
+                           (["--json-string-max-length", "16"], "json_string_max_length: None there, 16 now")):
+        with pytest.raises(UsageError, match=changed):
+            plan(llama_2l, "--infer-data", str(src), *flags)
 
 
 def test_two_inputs_of_one_name_under_one_output_folder_are_refused(llama_2l, tmp_path):
