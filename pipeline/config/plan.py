@@ -393,7 +393,8 @@ def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
 
 def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
     """Two inputs whose results would go to one output file (the same file name under --output-path DIR,
-    or one file given twice): refused before anything runs, since one would overwrite or resume the other."""
+    or one file given twice): refused before anything runs, since one would overwrite or resume the other; so is
+    a new output in a folder this process cannot write (its nearest existing folder: the run creates the rest)."""
     seen: dict[str, str] = {}
     for path in inputs:
         output = str(Path(output_for(path, output_path, len(inputs) > 1)).resolve())
@@ -401,6 +402,10 @@ def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
             raise UsageError(f"--infer-data: {seen[output]} and {path} would both write {output} (the output is named "
                              "after the input's file name); rename one of them, or run them separately")
         seen[output] = path
+        folder = next(p for p in Path(output).parents if p.exists())
+        if not Path(output).exists() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            raise UsageError(f"{path}: its output {output} cannot be written ({folder} is not a folder this user can "
+                             "write); pass --output-path somewhere writable")
 
 
 def output_for(input_path: str, output_path: str | None, several: bool) -> str:
