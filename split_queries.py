@@ -11,6 +11,7 @@ prompt counting len / 4) and input line numbers. docs/usage/scale.md shows it wi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import re
 import sys
@@ -57,6 +58,8 @@ def sanitize_engine(name: object) -> str:
     safe = re.sub(r"[^\w.\-]", "_", name.strip())
     if safe.startswith("."):  # no hidden dirs, no "." or ".."
         safe = "_" + safe[1:]
+    if len(safe.encode()) > 200:  # a folder name is at most 255 bytes: a prefix, and a hash that keeps names apart
+        safe = safe[:48] + "_" + hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
     return safe + "_" if safe == MANIFEST else safe
 
 

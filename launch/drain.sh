@@ -27,6 +27,7 @@
 #                the line at its end  [60]
 # Any further arguments go to every run unchanged.
 set -euo pipefail
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0; }
 
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 MODEL=${MODEL:-}
@@ -53,8 +54,15 @@ else
     launch=("$PYTHON" "$REPO/dist_inference_runner.py")
 fi
 
-trap 'echo "drain: interrupted" >&2; exit 130' SIGINT
-trap 'echo "drain: terminated" >&2; exit 143' SIGTERM
+stop=0 child=
+# shellcheck disable=SC2329 # invoked by the traps below
+on_signal() {  # SIGTERM to the running shard (a background job ignores SIGINT), which stops and journals; none: exit
+    stop=$1
+    [[ -n $child ]] || { echo "drain: stopped" >&2; exit "$stop"; }
+    kill -TERM "$child" 2>/dev/null || true
+}
+trap 'on_signal 130' SIGINT
+trap 'on_signal 143' SIGTERM
 ran=0 skipped=0 missing=0 failed=0
 for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
     input="$QUERY_DIR/request_$k.jsonl"
@@ -76,17 +84,21 @@ for ((k = MIN_INDEX; k <= MAX_INDEX; k++)); do
         PYTHON=$PYTHON "$REPO/launch/status_watch.sh" "$status" "$STATUS_EVERY" "$$" </dev/null &
         watcher=$!
     fi
-    "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" || rc=$?
+    "${launch[@]}" ${model_args[@]+"${model_args[@]}"} --infer-data "$input" --output-path "$output" "$@" &
+    child=$!  # in the background: a signal to this script alone interrupts wait, and its trap passes it on
+    wait "$child" || rc=$?
+    while ((stop)) && kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
+    child=
     if [[ -n $watcher ]]; then  # (killed before its trap is set, it ends with 143: not this shard's status)
         kill "$watcher" 2>/dev/null || true
         wait "$watcher" 2>/dev/null || true
     fi
     if ((! existed)) && [[ -f $status ]]; then
-        echo "drain: status: $(cd "$REPO" && "$PYTHON" -m tasks.status "$status")" >&2 || true
+        echo "drain: status: $(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m tasks.status "$status")" >&2 || true
     fi
-    if ((rc == 130 || rc == 143)); then
+    if ((stop || rc == 130 || rc == 143)); then
         echo "drain: $input interrupted (status $rc); rerun to resume" >&2
-        exit "$rc"
+        exit $((stop ? stop : rc))
     elif ((rc != 0)); then
         echo "drain: $input failed with status $rc" >&2
         failed=$((failed + 1))

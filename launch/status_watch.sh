@@ -6,6 +6,7 @@
 # Usage: launch/status_watch.sh STATUS_FILE [EVERY=60] [PID]
 #        launch/status_watch.sh --path INPUT [OUTPUT]   # prints the default status path of a one-file run
 set -uo pipefail
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0; }
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 PYTHON=${PYTHON:-python}
 if [[ ${1:-} == --path ]]; then  # the runner's default: <output>.status.json, output_<name> beside the input
@@ -21,7 +22,7 @@ trap 'exit 0' TERM INT
 show() {  # one status line; returns the reader's code (0 finished, 1 failed/stopped/stale, 3 running)
     [[ -f $file ]] || return 3
     local line rc
-    line=$(cd "$REPO" && "$PYTHON" -m tasks.status "$file")
+    line=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m tasks.status "$file")
     rc=$?
     echo "status: $line" >&2
     return $rc

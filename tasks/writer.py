@@ -10,6 +10,7 @@ keeps another model's or other settings' lines from being mixed in, or taken for
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import json
 import logging
@@ -149,21 +150,25 @@ class OrderedWriter:
                 raise JournalMismatch(problem)
             return None
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            for p in (self.journal, self.meta):
-                p.unlink(missing_ok=True)
-        if self.journal.exists():
-            if problem := journal_problem(self.journal, self.fingerprint):
-                raise JournalMismatch(problem)
-            with open(self.journal, "rb+") as f:  # its complete lines; a torn last one (killed mid-write) is cut
-                data = f.read()
-                end = data.rfind(b"\n") + 1
-                if end != len(data):
-                    f.truncate(end)
-                self.written = data[:end].count(b"\n")
-        else:
+        resume = self.journal.exists() and not overwrite
+        self._file = open(self.journal, "a+b", buffering=0)  # unbuffered: a failed write leaves nothing behind
+        try:  # one run per output: a second would write every line again (a POSIX lock: never this process's)
+            fcntl.lockf(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            self._file.close()
+            raise JournalMismatch(f"{self.journal} is being written by another run; wait for it to end or stop it "
+                                  "(its journal resumes)") from None
+        if not resume:
+            self._file.truncate(0)
             write_atomic(self.meta, json.dumps(self.fingerprint, sort_keys=True))
-        self._file = open(self.journal, "ab", buffering=0)  # unbuffered: a failed write leaves nothing behind
+        elif problem := journal_problem(self.journal, self.fingerprint):
+            self._file.close()
+            raise JournalMismatch(problem)
+        else:  # its complete lines; a torn last one (killed mid-write) is cut
+            self._file.seek(0)
+            data = self._file.read()
+            self._file.truncate(end := data.rfind(b"\n") + 1)
+            self.written = data[:end].count(b"\n")
         self._size = self.journal.stat().st_size
         self._synced = time.monotonic()
         return self.written

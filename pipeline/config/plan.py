@@ -160,6 +160,8 @@ def _fingerprint(opts: RunOptions, source: ModelSource, dtype: torch.dtype, data
                "kv_cache_dtype": opts.kv_cache_dtype if opts.kv_cache_dtype != "auto" else None,
                "reasoning_parser": opts.reasoning_parser if opts.reasoning_parser != "auto" else None,
                "retry_starved": True if opts.retry_starved else None,  # a starved row's line is its rerun's
+               "lenient_fields": True if opts.lenient_fields else None,  # unknown fields: ignored, not errors
+               "json_string_max_length": opts.json_string_max_length if opts.json_string_max_length != 256 else None,
                "lora": {a.name: adapter_record(a.path) for a in adapters} or None}  # resumed only with the same ones
     fingerprint.update((k, v) for k, v in changes.items() if v is not None)
     return fingerprint
@@ -391,7 +393,8 @@ def resolve_inputs(opts: RunOptions, env: dict[str, str]) -> list[str]:
 
 def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
     """Two inputs whose results would go to one output file (the same file name under --output-path DIR,
-    or one file given twice): refused before anything runs, since one would overwrite or resume the other."""
+    or one file given twice): refused before anything runs, since one would overwrite or resume the other; so is
+    a new output in a folder this process cannot write (its nearest existing folder: the run creates the rest)."""
     if len(inputs) > 1 and output_path is not None and Path(output_path).is_file():
         raise UsageError(f"--output-path {output_path} is a file, but the {len(inputs)} inputs need a folder for their "
                          "outputs: name a folder (it is created), or run the inputs one at a time")
@@ -402,6 +405,10 @@ def check_outputs_distinct(inputs: list[str], output_path: str | None) -> None:
             raise UsageError(f"--infer-data: {seen[output]} and {path} would both write {output} (the output is named "
                              "after the input's file name); rename one of them, or run them separately")
         seen[output] = path
+        folder = next(p for p in Path(output).parents if p.exists())
+        if not Path(output).exists() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            raise UsageError(f"{path}: its output {output} cannot be written ({folder} is not a folder this user can "
+                             "write); pass --output-path somewhere writable")
 
 
 def output_for(input_path: str, output_path: str | None, several: bool) -> str:

@@ -12,6 +12,7 @@ LSB_JOBNAME: tests/runs/test_cli_runs.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -266,6 +267,51 @@ def test_drain_torchrun_path_failures_and_missing_folder(shards, tmp_path):
     assert p.returncode == 1 and len((tmp_path / "calls").read_text().splitlines()) == 1
     p = run_script("drain.sh", {"QUERY_DIR": str(tmp_path / "nope")}, tmp_path, timeout=30)
     assert p.returncode == 2 and "is not a folder" in p.stderr
+    for script in ("drain.sh", "status_watch.sh"):  # the usage: not --help run on every shard, nor a watch without end
+        p = run_script(script, env, tmp_path, ["--help"], timeout=10)
+        assert p.returncode == 0 and "Usage:" in p.stdout and "drain: run" not in p.stderr, p.stderr
+    assert len((tmp_path / "calls").read_text().splitlines()) == 1
+
+
+def test_drain_passes_a_signal_to_its_running_shard(shards, tmp_path):
+    """SIGTERM to drain.sh alone (kill PID, a container's stop, a supervisor): the running shard gets it at
+    once and drain.sh exits 143 with "rerun to resume"; it waited for the whole shard to end."""
+    qdir = shard_copy(shards, tmp_path / "q")
+    _stub(tmp_path / "bin", "fake_python", f"trap 'echo TERM >> {tmp_path}/got; exit 143' TERM\n"
+          f"touch {tmp_path}/started\nfor _ in $(seq 300); do sleep 0.1; done\n")
+    env = {"PYTHON": str(tmp_path / "bin" / "fake_python"), "QUERY_DIR": str(qdir), "MAX_INDEX": "2",
+           "STATUS_EVERY": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "drain.sh")], env={**os.environ, **env}, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "started").exists():
+            assert time.monotonic() < deadline, "the shard did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 143
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (tmp_path / "got").read_text() == "TERM\n"
+    assert "request_0.jsonl interrupted (status 143); rerun to resume" in proc.stderr.read()
+
+
+def test_drain_status_lines_from_another_folder(shards, tmp_path):
+    """drain.sh started outside the checkout with a relative QUERY_DIR prints the running shard's status
+    line (launch/status_watch.sh) and the one at its end; the reader ran in the checkout, where the
+    relative path named nothing ("no status file (yet)")."""
+    shard_copy(shards, tmp_path / "q")
+    status = '{"state": "%s", "updated_at": 1e12, "heartbeat_seconds": 5, "lines_done": 1, "lines_total": 3, ' \
+             '"errors": 0, "prompt_tokens": 9, "generated_tokens": 4}'
+    _stub(tmp_path / "bin", "fake_torchrun", 'out="$*"; out=${out##*--output-path }; out=${out%% *}.status.json\n'
+          f"echo '{status % 'running'}' > \"$out\"; sleep 2; echo '{status % 'finished'}' > \"$out\"\n")
+    env = {"TORCHRUN": str(tmp_path / "bin" / "fake_torchrun"), "QUERY_DIR": "q", "MAX_INDEX": "0", "NPROC": "2",
+           "STATUS_EVERY": "1", "PYTHONPATH": "", "PYTHON": sys.executable}
+    p = run_cmd(["bash", "-c", f"cd {tmp_path} && exec bash {LAUNCH / 'drain.sh'}"], 30, env)
+    assert p.returncode == 0, p.stderr
+    assert "status: running: 1/3 lines" in p.stderr and "drain: status: finished: 1/3 lines" in p.stderr, p.stderr
 
 
 # ---------------------------------------------------------------- Slurm and LSF with stub commands

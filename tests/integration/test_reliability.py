@@ -3,7 +3,8 @@ two) and a rerun that ends with a clean run's file; a dying peer heard within se
 channel, and the status file of a killed run (failed, or stale when the writer died); a rank killed
 while loading stops every rank; a line that kills its process answered with an error on the third run
 (no crash loop), also when an earlier stage dies on its first pass; SIGINT and SIGTERM through the
-seed's launch script; a refused output reported once under torchrun.
+seed's launch script; a refused output reported once under torchrun; a second run on an output
+another process is writing refused.
 
 The killed runs are processes (the fault points SIGKILL their own process: comm.faults); the reruns
 and the clean references run in this process (``--in-process``, tests.utils.run_local: the same rank
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from tasks import writer
 from tasks.inflight import replay
 from tasks.status import is_stale, read_status
 from tests.unit.pipeline.cache.test_prefix import assert_same_answers, model_dir, reference, workload  # noqa: F401
+from tests.unit.tasks.test_writer import FP as WRITER_FP, line, lines_of
 from tests.utils import (REPO, RUNNER, _close, _env, _kill_group, assert_consistent_results, assert_identical_results,
                          free_port, read_jsonl,
                          run_local, run_single, run_torchrun, strip_volatile, write_jsonl)
@@ -206,6 +209,33 @@ def test_a_line_that_kills_its_process_is_cornered_and_answered_with_an_error(tm
         assert not record.exists()
         keep = [i for i in range(len(reqs)) if i != culprit]
         assert_identical_results([got[i] for i in keep], [ref[i] for i in keep])
+
+
+# -- two runs on one output ----------------------------------------------------------------------
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_path):
+    """Two runs on one output at once (a shard resubmitted while it runs, two drain loops on one folder) wrote
+    every line twice; the journal's lock refuses the second (only another process shows it: a POSIX lock never
+    blocks its own), and --overwrite must not clear the running one's journal."""
+    out = tmp_path / "out.jsonl"
+    first = writer.OrderedWriter(out, WRITER_FP)
+    first.open()
+    first.put(0, line(0))
+    first.flush()
+    hold = ("import sys; from tasks import writer as w; wr = w.OrderedWriter(sys.argv[1], %r); wr.open(); "
+            "print('open', flush=True); sys.stdin.read()" % WRITER_FP)
+    first._file.close()  # the first run goes on in another process
+    other = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             cwd=REPO)
+    try:
+        assert other.stdout.readline() == b"open\n"
+        for overwrite in (False, True):
+            with pytest.raises(writer.JournalMismatch, match="being written by another run"):
+                writer.OrderedWriter(out, WRITER_FP).open(overwrite)
+        assert lines_of(first.journal) == [0]
+    finally:
+        other.communicate(b"")
+    assert writer.OrderedWriter(out, WRITER_FP).open() == 1  # that run gone: this one resumes
 
 
 # -- signals ----------------------------------------------------------------------------------------

@@ -207,6 +207,11 @@ def test_engine_naming_and_sanitizing(tmp_path):
     assert sq.sanitize_engine("a\\b c") == "a_b_c"
     assert sq.sanitize_engine(None) == sq.sanitize_engine(7) == sq.sanitize_engine("") == "default"
     assert sq.sanitize_engine("manifest.json") != "manifest.json"
+    # a folder name is at most 255 bytes (a longer "model" stopped the split with a traceback), and distinct
+    long = ["x" * 300, "x" * 299, "модель" * 50]
+    assert all(len(sq.sanitize_engine(n).encode()) <= 255 for n in long) and len(set(map(sq.sanitize_engine, long))) == 3
+    inp = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "a", "model": n} for n in long])
+    assert run(tmp_path, inp, out="long")[0] == 0
 
 
 def test_invalid_and_blank_lines(tmp_path):

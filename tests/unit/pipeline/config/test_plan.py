@@ -174,6 +174,25 @@ def test_a_finished_output_of_another_run_is_refused_in_the_plan(llama_2l, make_
     assert not plan(llama_2l, "--infer-data", str(src), "--overwrite").nothing_to_do
     with pytest.raises(UsageError, match="batch_invariant: False there, True now"):
         plan(llama_2l, "--infer-data", str(src), "--batch-invariant")
+    # flags that turn a request's error into an answer, or change a constrained answer, are other settings too
+    for flags, changed in ((["--lenient-fields"], "lenient_fields: None there, True now"),
+                           (["--json-string-max-length", "16"], "json_string_max_length: None there, 16 now")):
+        with pytest.raises(UsageError, match=changed):
+            plan(llama_2l, "--infer-data", str(src), *flags)
+
+
+def test_an_output_that_cannot_be_written_fails_before_anything_loads(llama_2l, tmp_path, monkeypatch):
+    """It failed after loading, with exit 1 and 'rerun the same command to resume'. (Root writes any
+    folder: a read-only one is mimicked with os.access.)"""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UsageError, match=f"{src} is not a folder this user can write"):
+        plan(llama_2l, "--infer-data", str(src), "--output-path", str(src / "out" / "o.jsonl"))
+    monkeypatch.setattr("pipeline.config.plan.os.access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(UsageError, match=f"{tmp_path} is not a folder this user can write"):
+        plan(llama_2l, "--infer-data", str(src))  # beside the input, in a read-only folder
+    monkeypatch.undo()
+    assert plan(llama_2l, "--infer-data", str(src), "--output-path", str(tmp_path / "new" / "o.jsonl")).inputs
 
 
 def test_two_inputs_of_one_name_under_one_output_folder_are_refused(llama_2l, tmp_path):
