@@ -166,8 +166,8 @@ class RunStatus:
             done = self._lines_done()
             compute_s = max(now - self.file_started, 1e-9) if self.current else elapsed
             rate = recent_lines or (done / compute_s if done else None)
-            eta = 0.0 if remaining == 0 and self.state == "finished" else (
-                round(remaining / rate, 1) if rate else None)
+            eta = 0.0 if remaining == 0 and self.state == "finished" else (  # none once stopped or failed
+                round(remaining / rate, 1) if rate and self.state == "running" else None)
             return {
                 "state": self.state,
                 "updated_at": round(now, 3),

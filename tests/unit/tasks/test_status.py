@@ -57,6 +57,16 @@ def test_failed_keeps_the_first_reason_and_stale_detection(tmp_path):
     assert describe(running, now=got["updated_at"] + 100).startswith("stale (running")
 
 
+def test_a_stopped_run_has_no_eta(tmp_path):
+    s = make(tmp_path)
+    s.start()
+    s.open_file("in.jsonl", "out.jsonl", 10, 0)
+    s.progress(4, 0, 100, 0, 30)
+    s.finish("stopped")
+    got = read_status(s.path)
+    assert got["state"] == "stopped" and got["eta_seconds"] is None and "ETA" not in describe(got)
+
+
 def test_a_finished_status_is_not_failed_by_a_later_run_of_the_process(tmp_path):
     """Runs in one process (--in-process, the Python API): a run that fails marks its own running status
     files failed, not an earlier run's finished one (it used to rewrite it as failed)."""
