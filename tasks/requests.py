@@ -426,7 +426,9 @@ def json_problem(data: bytes, e: orjson.JSONDecodeError) -> str:
         json.loads(doc)
     except json.JSONDecodeError as std:
         pos = len(text) if std.msg.startswith("Unterminated string") else std.pos
-    except (ValueError, RecursionError):  # (the standard library's parser recurses per level of nesting)
+    except RecursionError:  # the standard library's parser recurses per level (orjson stops at a depth of its own)
+        return f"it nests arrays and objects more than {MAX_NESTING} levels deep"
+    except ValueError:
         pass
 
     def where(pos: int) -> str:

@@ -31,7 +31,8 @@ def problem(data: bytes) -> str:
     (b'{"a": "\xff"}', "byte 8 is not UTF-8"),
     (b"", "it is empty"),
     (b" \n ", "it is empty"),
-    (b"[" * 5000, "it ends before the JSON value is complete (column 5001)"),  # deeper than Python's parser goes
+    # deeper than Python's parser goes: orjson's own limit and position differ between releases
+    (b"[" * 5000, "it nests arrays and objects more than 240 levels deep"),
 ])
 def test_json_problem_says_what_and_where(data, want):
     assert problem(data) == want
