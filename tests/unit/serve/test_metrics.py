@@ -53,6 +53,9 @@ def test_status_collector(tmp_path):
     assert s[("dist_infer_run_state", (("state", "running"),))] == 1
     assert s[("dist_infer_generation_tokens_total", ())] == 12
     assert s[("dist_infer_stage_peak_memory_bytes", (("stage", "0"),))] == 5.0 * 2**20
+    status.finish("stopped")  # a run stopped with a file open: that state, not none of them
+    s = samples(generate_latest(registry))
+    assert [st for (name, labels), v in s.items() if name == "dist_infer_run_state" and v for _, st in labels] == ["stopped"]
 
 
 def test_each_data_groups_writer_serves_metrics_on_a_port_of_its_own(tmp_path):
