@@ -22,8 +22,9 @@ class Progress:
             self.bar = tqdm(total=total, initial=done, desc=os.path.basename(name), unit="req",
                             dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, newly_done: int, generated_tokens: int) -> None:
-        self.done += newly_done
+    def update(self, done: int, generated_tokens: int) -> None:
+        """``done``: the lines answered so far (resumed ones included)."""
+        newly_done, self.done = done - self.done, done
         now = time.perf_counter()
         rate = generated_tokens / max(now - self.t0, 1e-9)
         if self.bar is not None:

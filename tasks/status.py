@@ -225,11 +225,12 @@ def fail_active(reason: str) -> None:
 
 
 def read_status(path: str | os.PathLike) -> dict | None:
-    """The status file's content, None when missing or torn (never torn: it is replaced whole)."""
+    """The status file's content, None when missing or not a status file (never torn: it is replaced whole)."""
     try:
-        return orjson.loads(Path(path).read_bytes())
+        status = orjson.loads(Path(path).read_bytes())
     except (OSError, orjson.JSONDecodeError):
         return None
+    return status if isinstance(status, dict) and "state" in status else None
 
 
 def is_stale(status: dict, now: float | None = None) -> bool:
@@ -256,12 +257,15 @@ def describe(status: dict, now: float | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tasks.status FILE``: one line describing the run; exit 0 finished, 1 failed, stopped or
-    stale (run it again to resume), 3 running."""
+    stale (run it again to resume), 2 not a status file, 3 running."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m tasks.status STATUS_FILE", file=sys.stderr)
         return 2
     status = read_status(argv[0])
+    if status is None and os.path.exists(argv[0]):  # a watcher must not wait on it forever
+        print(f"{argv[0]}: not a status file (docs/usage/monitoring.md)", file=sys.stderr)
+        return 2
     if status is None:
         print(f"{argv[0]}: no status file (yet)")
         return 3

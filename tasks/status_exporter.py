@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tasks.status import RunStatus
 
-STATES = ("loading", "running", "finished", "failed")
+STATES = ("loading", "running", "finished", "stopped", "failed")
 
 
 class StatusCollector:

@@ -126,17 +126,16 @@ class HttpBackend:
         path = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
         conn = self._connection()
         try:
-            try:
-                conn.request("POST", path, json.dumps({**body, "stream": True}).encode(), self.headers)
-                resp = conn.getresponse()
-            except OSError as e:
-                raise BackendError(f"cannot reach the server at {self.where}: {e}") from None
+            conn.request("POST", path, json.dumps({**body, "stream": True}).encode(), self.headers)
+            resp = conn.getresponse()
             if resp.status != 200:
                 data = resp.read()
                 err = _error(data)
                 raise BackendError(f"the server answered {resp.status}: {err.get('message', data[:200])}",
                                    resp.status == 400 and _is_context_error(err.get("message", ""), err.get("param")))
             yield from _sse_text(resp, chat)
+        except (OSError, http.client.HTTPException) as e:  # before or during the answer (a server gone: IncompleteRead)
+            raise BackendError(f"the connection to the server at {self.where} failed: {e!r}") from None
         finally:
             conn.close()  # an answer stopped early: the server sees the client leave and frees its rows
 
@@ -157,6 +156,7 @@ def _sse_text(resp, chat: bool) -> Iterator[str]:
             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
             if text:
                 yield text
+    raise BackendError("the answer broke off: the server closed the stream before its end")
 
 
 def _error(data: bytes) -> dict:

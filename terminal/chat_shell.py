@@ -165,8 +165,8 @@ class ChatShell:
             stopped = True
         finally:
             gen.close()  # a stopped answer's rows are freed
-        self.out.write("\n")
-        self.out.flush()
+            self.out.write("\n")  # an error that cut the answer is said on a line of its own
+            self.out.flush()
         return "".join(parts), stopped
 
     def _context(self, body: dict, chat: bool) -> str:

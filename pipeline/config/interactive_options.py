@@ -29,8 +29,13 @@ def interactive_problems(opts) -> list[str]:
                         "in a request file)")
     if faces and opts.data_group_size != 1:
         problems.append(f"{faces[0]} runs one pipeline: drop --data-group-size")
-    if opts.prompts_file is not None and not Path(opts.prompts_file).is_file():
-        problems.append(f"--prompts-file {opts.prompts_file}: no such file")
+    if opts.prompts_file is not None:
+        try:
+            if not Path(opts.prompts_file).read_text(encoding="utf-8").strip():
+                problems.append(f"--prompts-file {opts.prompts_file}: no prompts in it (one a line; blank lines skipped)")
+        except (OSError, UnicodeDecodeError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror.lower()
+            problems.append(f"--prompts-file {opts.prompts_file}: {why}")
     if opts.url is not None:
         if not opts.chat:
             problems.append("--url is the server --chat talks to: add --chat (or drop --url)")

@@ -314,6 +314,8 @@ def check_options(opts: RunOptions) -> list[str]:
         problems.append("--status-file needs a file path ('none' turns the status file off)")
     if opts.metrics_port is not None and not 0 < opts.metrics_port < 65536:
         problems.append(f"--metrics-port must be a TCP port (1-65535), got {opts.metrics_port}")
+    if opts.metrics_port is not None and opts.status_file == "none":
+        problems.append("--metrics-port serves the status file's figures: drop --status-file none (or --metrics-port)")
     if opts.serve is not None and (opts.dry_run or opts.metrics_port is not None or opts.status_file):
         problems.append("--dry-run, --metrics-port and --status-file are for file mode: serve mode has /metrics on "
                         "its own port; drop them or --serve")

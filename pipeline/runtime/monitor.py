@@ -69,16 +69,17 @@ def run_flags(opts) -> dict:
 
 
 def start_metrics(opts, status: RunStatus | None):
-    """``--metrics-port``: Prometheus metrics from the status figures on 127.0.0.1:PORT (a daemon
-    thread) while the run lasts; the server, for :func:`stop_metrics` (None without the flag)."""
+    """``--metrics-port``: Prometheus metrics from the status figures on 127.0.0.1:PORT (+ the data rank: a
+    daemon thread) while the run lasts; the server, for :func:`stop_metrics` (None without the flag)."""
     if opts.metrics_port is None or status is None:
         return None
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
     registry.register(StatusCollector(status))
-    server, _ = start_http_server(opts.metrics_port, addr="127.0.0.1", registry=registry)
-    log.info("metrics: http://127.0.0.1:%d/metrics", opts.metrics_port)
+    port = opts.metrics_port + status.record["data_rank"]  # each data group's writer: a port of its own
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    log.info("metrics: http://127.0.0.1:%d/metrics", port)
     return server
 
 

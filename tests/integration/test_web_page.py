@@ -78,6 +78,8 @@ def test_page_with_an_api_key_streams_answers(server, browser):
     shown = browser.js("document.getElementById('prompt').textContent")
     assert shown.startswith("POST /v1/completions, the exact prompt:\nPassage: The kitchen is north"), shown
     assert shown.endswith("the garden?\nAnswer:"), shown
+    prompt = browser.js("formatted('costs $& or $\\' or $$')")  # the message as typed, not as a pattern
+    assert prompt.endswith(" north west\n\nPassage: costs $& or $' or $$\nAnswer:"), prompt
     # the model's chat template, a longer answer: shown growing as its chunks arrive, not once at the end
     browser.js("document.getElementById('reset').click(); { const f = document.getElementById('format');"
                " f.value = 'template'; f.dispatchEvent(new Event('change')); }"

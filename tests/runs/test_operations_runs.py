@@ -69,6 +69,8 @@ def test_progress_lines_summary_and_no_progress(model_dir, requests, tmp_path, m
     p = run_local(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(out)])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "/12 requests" in p.stderr and "generated tok/s" in p.stderr and "ETA" in p.stderr
+    counts = [int(n) for n in re.findall(r"(\d+)/12 requests", p.stderr)]
+    assert counts == sorted(counts) and counts[-1] <= 12, counts  # the lines answered, not a sum of the counts
     assert "12 requests, 11 answered, 1 errors (max_tokens: 1)" in p.stderr
     # a request larger than the budget is counted as such, not under its OpenAI param (max_tokens)
     p = run_local(["--model-name", model_dir, "--infer-data", requests, "--output-path", str(tmp_path / "b.jsonl"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,3 +53,28 @@ def test_status_collector(tmp_path):
     assert s[("dist_infer_run_state", (("state", "running"),))] == 1
     assert s[("dist_infer_generation_tokens_total", ())] == 12
     assert s[("dist_infer_stage_peak_memory_bytes", (("stage", "0"),))] == 5.0 * 2**20
+    status.finish("stopped")  # a run stopped with a file open: that state, not none of them
+    s = samples(generate_latest(registry))
+    assert [st for (name, labels), v in s.items() if name == "dist_infer_run_state" and v for _, st in labels] == ["stopped"]
+
+
+def test_each_data_groups_writer_serves_metrics_on_a_port_of_its_own(tmp_path):
+    """--metrics-port PORT with --data-group-size 2: group d's on PORT + d (both on PORT: the second rank's
+    'Address already in use' ended the run)."""
+    from pipeline.config.options import parse_options
+    from pipeline.runtime.monitor import start_metrics, stop_metrics
+    from tests.utils import free_port
+
+    port = free_port()
+    opts = parse_options(["--metrics-port", str(port)])
+    servers = []
+    try:
+        for d in (0, 1):
+            status = RunStatus(tmp_path / f"s{d}.json", {"data_rank": d}, [("a", f"o{d}", 4 + d)], 1.0, 1)
+            servers.append(start_metrics(opts, status))
+        for d in (0, 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + d}/metrics", timeout=10) as r:
+                assert samples(r.read())[("dist_infer_lines", (("state", "total"),))] == 4 + d
+    finally:
+        for server in servers:
+            stop_metrics(server)

@@ -92,6 +92,10 @@ def test_reader_exit_codes(tmp_path, capsys, state, code):
     assert st.main([str(s.path)]) == code
     assert capsys.readouterr().out.startswith(state)
     assert st.main([str(tmp_path / "missing.json")]) == 3
+    (tmp_path / "out.jsonl").write_text('{"request": {}, "result": {}}\n{"request": {}, "result": {}}\n')
+    (tmp_path / "one.jsonl").write_text('{"request": {}, "result": {}}\n')
+    for wrong in ("out.jsonl", "one.jsonl", "."):  # an output file or a folder by mistake: not "running" forever
+        assert st.main([str(tmp_path / wrong)]) == 2 and "not a status file" in capsys.readouterr().err
 
 
 def test_skipped_files_count_as_done(tmp_path):

@@ -3,11 +3,13 @@ no terminal: tests/integration/test_chat.py drives the real thing through a pty)
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
+import threading
 
 from pipeline.config.options import parse_options
-from terminal.chat_backends import BackendError
+from terminal.chat_backends import BackendError, HttpBackend
 from terminal.chat_shell import ChatShell, Conversation
 
 
@@ -164,3 +166,27 @@ def test_conversation_formatting():
     assert c.formatted("u2", "<{}>", "[{}]") == "sys\n<u1>[a1]<u2>["
     assert c.messages() == [{"role": "system", "content": "sys\n"}, {"role": "user", "content": "u1"},
                             {"role": "assistant", "content": "a1"}]
+
+
+def test_a_server_that_goes_away_mid_answer_is_an_error_and_the_shell_goes_on():
+    """--chat --url: a stream cut in a chunk (uvicorn's chunked encoding: IncompleteRead) or closed before
+    its [DONE] is the turn's error, on a line of its own; not a traceback, nor a short answer kept as whole."""
+    delta = b'data: {"choices":[{"delta":{"content":"hel"}}]}\n\n'
+    cuts = [b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n50\r\ndata: {" % (len(delta), delta),
+            b"Connection: close\r\n\r\n" + delta]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # /v1/models
+            self.wfile.write(b'HTTP/1.1 200 OK\r\nContent-Length: 21\r\n\r\n{"data":[{"id":"m"}]}')
+
+        def do_POST(self):  # the answer, cut
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + cuts.pop(0))
+            self.close_connection = True
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        sh, out = shell(["one", "two", "/show"], HttpBackend(f"http://127.0.0.1:{server.server_port}"))
+        server.shutdown()
+    assert out.count("hel\nerror: ") == 2 and "IncompleteRead" in out and "closed the stream before its end" in out
+    assert "exchanges kept: 0" in out

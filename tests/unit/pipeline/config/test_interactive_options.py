@@ -32,6 +32,15 @@ def test_refused_before_loading(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, words", [(b"\n  \n", "no prompts in it"), (b"caf\xe9\n", "not UTF-8 text")])
+def test_a_prompts_file_without_prompts_is_refused_before_loading(tmp_path, content, words, capsys):
+    (tmp_path / "p.txt").write_bytes(content)
+    for path, said in ((tmp_path / "p.txt", words), (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit) as e:
+            parse_options(["--prompts-file", str(path)])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_accepted_and_request_fields():
     opts = parse_options(["--prompts", "a", "b", "--temperature", "0.5", "--stop", r"\n", "--top-k", "5"])
     assert opts.prompts == ["a", "b"]

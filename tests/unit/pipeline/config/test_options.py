@@ -124,6 +124,7 @@ def test_budget_auto_from_gpu_memory():
     (["--budget", "0"], "--budget must be a positive number of KV-cache tokens or auto, got 0"),
     (["--pp-mode", "bogus"], "argument --pp-mode: invalid choice: 'bogus'"),
     (["--max-tokens"], "argument --max-tokens: expected one argument"),
+    (["--metrics-port", "9100", "--status-file", "none"], "drop --status-file none"),  # was no metrics, no word
 ])
 def test_a_usage_error_is_its_line_and_a_pointer_to_help(argv, message, capsys):
     """Not argparse's 70 lines of usage before the one that says what is wrong (issue 58)."""
