@@ -94,6 +94,7 @@ class KVCache:
     def fork(self, src: int, dsts: list[int], ncols: int) -> None:
         """Copy row ``src``'s first ``ncols`` columns to ``dsts`` (best_of shares one prefill)."""
         idx = to_device(dsts, self.k.device, torch.long)
-        self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols]
-        self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols]
+        # copies: torch refuses a source that is a view of the destination (one layer, every column)
+        self.k[:, idx, :, :ncols] = self.k[:, src : src + 1, :, :ncols].clone()
+        self.v[:, idx, :, :ncols] = self.v[:, src : src + 1, :, :ncols].clone()
         self.long_rope[idx] = self.long_rope[src].clone()

@@ -149,8 +149,8 @@ class HFKVCache:
         idx = torch.tensor(dsts, device=self.device)
         for k, v in zip(self.k, self.v):
             if k is not None:
-                k[idx, :, :ncols] = k[src : src + 1, :, :ncols]
-                v[idx, :, :ncols] = v[src : src + 1, :, :ncols]
+                k[idx, :, :ncols] = k[src : src + 1, :, :ncols].clone()  # as KVCache.fork: not a view of k
+                v[idx, :, :ncols] = v[src : src + 1, :, :ncols].clone()
 
 
 class _SegmentCacheMixin:

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.loading.stage_weights import build_stage
 from pipeline.models.decoder import StageModel
-from pipeline.models.hf_stage import HFStageModel, UnsupportedModel
+from pipeline.models.hf_stage import HFKVCache, HFStageModel, UnsupportedModel
 from pipeline.config.options import RunOptions, UsageError, build_parser
 from pipeline.config.partition import stage_ranges
 from pipeline.config.plan import make_plan
@@ -98,6 +98,19 @@ def test_llama_forced_through_transformers_matches_hf_and_native(llama, stages):
     assert all(isinstance(s, HFStageModel) for s in generic)
     for a, b in zip(chain_logits(generic, PROMPTS), chain_logits(stage_chain(llama, ranges), PROMPTS), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fork_of_every_column_copies_the_lead_row():
+    """best_of / n > 1 with max_tokens 0, the cache exactly the prompt's columns: the lead row's slice is a
+    contiguous view of the destination, which torch refused (the request failed; found by the differential
+    fuzz, at P = 1 as at P = 2)."""
+    cache = HFKVCache(2, 3, 4, torch.float32, "cpu")
+    for i in range(2):
+        for t in cache.layer(i, torch.zeros(1, 2, 1, 8)):
+            t[0] = torch.randn(t[0].shape)
+    getattr(cache, "fork")(0, [1, 2], 4)  # by name: tests/conftest.py takes a call named fork for a process
+    for t in (*cache.k, *cache.v):
+        assert torch.equal(t[1], t[0]) and torch.equal(t[2], t[0])
 
 
 def test_sliding_window_really_cuts(models):
