@@ -186,11 +186,11 @@ def _listing(repo_id: str, commit: str) -> frozenset[str] | None:
     if _offline():
         return None
     import httpx2
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    try:
-        info = HfApi().model_info(repo_id, revision=commit)
+    try:  # bounded as the library's own metadata requests are (a hub that never answers must not hang the run)
+        info = HfApi().model_info(repo_id, revision=commit, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (httpx2.TransportError, HfHubHTTPError, OSError) as e:
         log.warning("%s: cannot list the repository (%s); using the cached snapshot only", repo_id, e)
         return None

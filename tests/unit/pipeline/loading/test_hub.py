@@ -82,6 +82,25 @@ def test_missing_shard_names_it(cache, mode):
             missing_weights(source)
 
 
+def test_listing_a_hub_that_never_answers_is_bounded(monkeypatch):
+    """A hub that accepts connections and never answers: the listing gives up after the library's metadata
+    timeout (HF_HUB_ETAG_TIMEOUT) and the run goes on from the cache, instead of waiting forever."""
+    import socket
+    import threading
+
+    from pipeline.loading.hub import _listing
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody ever answers
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+        found = []
+        asking = threading.Thread(target=lambda: found.append(_listing(REPO, COMMIT)), daemon=True)
+        asking.start()
+        asking.join(30)
+        assert found == [None], "the listing still waits on a hub that never answers"
+
+
 def test_folder_wins_and_refs_parse(model):
     assert resolve_model(str(model)).repo_id is None
     assert looks_like_repo_id("org/name") and looks_like_repo_id("org/name@v1.0")
