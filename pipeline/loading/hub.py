@@ -216,7 +216,8 @@ def _download(repo_id: str, filename: str, revision: str, cache_dir: str | None,
     except RevisionNotFoundError:
         raise ModelUnavailable(f"{label}: the hub has no revision {revision!r} (a branch, tag or commit); "
                                "check --revision") from None
-    except LocalEntryNotFoundError:  # offline, or the hub unreachable, and not cached
+    except LocalEntryNotFoundError as e:  # offline, or the hub unreachable or refusing, and not cached
+        _refused(label, e.__cause__)
         why = "HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached"
         raise ModelUnavailable(f"{label}: {filename} is not in the cache and {why}: "
                                f"{_fix(repo_id, asked, cache_dir, None if filename == 'config.json' else [filename])}"
@@ -225,7 +226,19 @@ def _download(repo_id: str, filename: str, revision: str, cache_dir: str | None,
         raise ModelUnavailable(f"{label}: the repository has no {filename} at revision {revision}"
                                + (" (it is not a transformers model)" if filename == "config.json" else "")) from None
     except (HfHubHTTPError, OSError) as e:
-        raise ModelUnavailable(f"{label}: cannot fetch {filename}: {e}") from None
+        _refused(label, e)
+        raise ModelUnavailable(f"{label}: cannot fetch {filename}: {str(e).strip().splitlines()[0]}") from None
+
+
+def _refused(label: str, error: BaseException | None) -> None:
+    """The hub's 401 (a token it does not accept) or 403 (one without the right to read the repository)."""
+    response = getattr(error, "response", None)
+    if response is not None and response.status_code in (401, 403):
+        said = response.headers.get("X-Error-Message")
+        raise ModelUnavailable(f"{label}: the hub refused access (HTTP {response.status_code}"
+                               f"{': ' + said if said else ''}): set HF_TOKEN (or run `hf auth login`) "
+                               "to a valid token allowed to read this repository (a fine-grained token needs read "
+                               "access to it, and to public gated repositories)")
 
 
 def resolve_adapter(value: str, cache_dir: str | None = None) -> ModelSource:

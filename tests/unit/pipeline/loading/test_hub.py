@@ -101,6 +101,22 @@ def test_listing_a_hub_that_never_answers_is_bounded(monkeypatch):
         assert found == [None], "the listing still waits on a hub that never answers"
 
 
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_token_says_how_to_fix_it(model, monkeypatch, tmp_path, status):
+    """The hub's 401 (a token it does not accept) or 403 (a token not allowed to read the repository): one line
+    naming the refusal and HF_TOKEN, not the library's multi-line HTTP error nor "the hub cannot be reached"."""
+    from tests.hub_helpers import HubServer
+
+    with HubServer({REPO: {"commits": {COMMIT: model}, "refs": {"main": COMMIT}, "refused": status}}) as hub:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint())
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint() + "/{repo_id}/resolve/{revision}/{filename}")
+        with pytest.raises(ModelUnavailable, match=fr"refused access \(HTTP {status}: Invalid credentials.*HF_TOKEN") as e:
+            resolve_model(REPO, None, str(tmp_path / "cache"))
+    assert "\n" not in str(e.value)
+
+
 def test_folder_wins_and_refs_parse(model):
     assert resolve_model(str(model)).repo_id is None
     assert looks_like_repo_id("org/name") and looks_like_repo_id("org/name@v1.0")
