@@ -4,7 +4,7 @@
 ``refs/``), fetches the small files every rank needs and returns a :class:`ModelSource` on the cached
 snapshot; weight files are fetched by the stage that opens them (:meth:`ModelSource.fetch`), so a stage
 downloads only its own layers' shards. :func:`missing_weights` lets the plan refuse shards that are
-neither cached nor fetchable. Everything that cannot work raises :class:`ModelUnavailable` saying how to
+neither cached nor fetchable (of a folder: missing from it). Everything that cannot work raises :class:`ModelUnavailable` saying how to
 fix it (``HF_HUB_OFFLINE``, ``HF_TOKEN``, ``HF_ENDPOINT``: docs/usage/models.md).
 """
 
@@ -141,14 +141,15 @@ def weight_files(source: ModelSource, depth: int | None = None) -> list[str]:
 
 def missing_weights(source: ModelSource, depth: int | None = None) -> None:
     """Raise :class:`ModelUnavailable` naming every weight file the plan needs that is neither cached nor
-    fetchable (rank 0 calls this before any process group or loading)."""
-    if source.repo_id is None:
-        return
+    fetchable (rank 0 calls this before any process group or loading); of a folder: not in it."""
     needed = weight_files(source, depth)
     missing = [f for f in needed if not source.available(f)]
     if not missing:
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    if source.repo_id is None:
+        raise ModelUnavailable(f"--model-name {source.folder}: weight file(s) {shown}, listed in the shard index, are "
+                               "not in the folder: the checkpoint is incomplete; copy them into it")
     if source.files is None:
         raise ModelUnavailable(f"--model-name {source.repo_id} (commit {source.commit}): weight file(s) {shown} not in "
                                f"the cache and the hub cannot be asked (offline): "

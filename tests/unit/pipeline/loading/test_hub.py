@@ -117,6 +117,23 @@ def test_a_refused_token_says_how_to_fix_it(model, monkeypatch, tmp_path, status
     assert "\n" not in str(e.value)
 
 
+def test_a_folder_missing_a_shard_is_refused_before_loading(model, tmp_path):
+    """A local folder whose shard index lists a file it lacks: named from the plan (exit 2), as for a hub id,
+    not found by the stage that opens it (at P = 2 another rank's traceback, exit 1)."""
+    import shutil
+
+    folder = tmp_path / "partial"
+    shutil.copytree(model, folder)
+    (folder / SHARDS[1]).unlink()
+    source = resolve_model(str(folder))
+    missing_weights(source, depth=1)  # layer 0 and the rest: shards 1 and 3
+    with pytest.raises(ModelUnavailable, match=f"{SHARDS[1]}, listed in the shard index, are not in the folder"):
+        missing_weights(source)
+    code, err = run_main(["--model-name", str(folder), "--pipeline-group-size", "2", "--in-process",
+                          "--infer-data", str(_requests(tmp_path))])
+    assert code == 2 and SHARDS[1] in err and "Traceback" not in err, err
+
+
 def test_folder_wins_and_refs_parse(model):
     assert resolve_model(str(model)).repo_id is None
     assert looks_like_repo_id("org/name") and looks_like_repo_id("org/name@v1.0")
