@@ -4,7 +4,8 @@
 ``refs/``), fetches the small files every rank needs and returns a :class:`ModelSource` on the cached
 snapshot; weight files are fetched by the stage that opens them (:meth:`ModelSource.fetch`), so a stage
 downloads only its own layers' shards. :func:`missing_weights` lets the plan refuse shards that are
-neither cached nor fetchable (of a folder: missing from it). Everything that cannot work raises :class:`ModelUnavailable` saying how to
+neither cached nor fetchable (of a folder: missing from it), :func:`missing_tokenizer` a model without
+a tokenizer. Everything that cannot work raises :class:`ModelUnavailable` saying how to
 fix it (``HF_HUB_OFFLINE``, ``HF_TOKEN``, ``HF_ENDPOINT``: docs/usage/models.md).
 """
 
@@ -110,9 +111,6 @@ def resolve_model(value: str, revision: str | None = None, cache_dir: str | None
     wanted = sorted(f for f in files if _small(f)) if files is not None else []
     for name in wanted:
         _download(repo_id, name, commit, cache_dir, rev, what)
-    if files is None and what == "--model-name" and not any((folder / t).is_file() for t in TOKENIZER_FILES):
-        raise ModelUnavailable(f"{what} {repo_id} (revision {rev}): the cached snapshot {folder} holds no tokenizer "
-                               f"files and the hub cannot be asked (offline): {_fix(repo_id, rev, cache_dir)}")
     log.info("%s: %s at commit %s (%s)", what, repo_id, commit, folder)
     return ModelSource(folder, repo_id, rev, commit, cache_dir, files)
 
@@ -157,6 +155,17 @@ def missing_weights(source: ModelSource, depth: int | None = None) -> None:
     raise ModelUnavailable(f"--model-name {source.repo_id} (commit {source.commit}): weight file(s) {shown}, listed in "
                            "the shard index, are not in the repository: the checkpoint is incomplete at this revision; "
                            "pick another --revision")
+
+
+def missing_tokenizer(source: ModelSource) -> None:
+    """Raise :class:`ModelUnavailable` when the model's folder holds no tokenizer (first and last ranks load one)."""
+    if any((source.folder / t).is_file() for t in TOKENIZER_FILES):
+        return
+    fix = "copy the tokenizer's files into it" if source.repo_id is None else \
+        "the repository has none at this revision" if source.files is not None else \
+        f"offline: {_fix(source.repo_id, source.revision, source.cache_dir)}"
+    raise ModelUnavailable(f"--model-name {source.repo_id or source.folder}: {source.folder} holds no tokenizer "
+                           f"files ({', '.join(TOKENIZER_FILES)}): {fix}")
 
 
 def _small(filename: str) -> bool:

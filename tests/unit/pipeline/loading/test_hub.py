@@ -12,8 +12,8 @@ from huggingface_hub import constants
 
 import dist_inference_runner
 from pipeline.config.options import UsageError
-from pipeline.loading.hub import (ModelUnavailable, looks_like_repo_id, missing_weights, resolve_model, split_ref,
-                                  weight_files)
+from pipeline.loading.hub import (ModelUnavailable, looks_like_repo_id, missing_tokenizer, missing_weights,
+                                  resolve_model, split_ref, weight_files)
 from tests.hub_helpers import COMMIT, OLD_COMMIT, build_cache, sharded_llama
 from tests.utils import free_port
 
@@ -132,6 +132,33 @@ def test_a_folder_missing_a_shard_is_refused_before_loading(model, tmp_path):
     code, err = run_main(["--model-name", str(folder), "--pipeline-group-size", "2", "--in-process",
                           "--infer-data", str(_requests(tmp_path))])
     assert code == 2 and SHARDS[1] in err and "Traceback" not in err, err
+
+
+def test_a_model_without_tokenizer_files_is_refused_before_loading(model, monkeypatch, tmp_path):
+    """Every run loads a tokenizer from the model's folder: a folder, a cached snapshot (offline) or a
+    repository (online) without one is named from the plan (exit 2), not after every stage has loaded
+    (and, online, downloaded) its weights, with transformers' five-line message."""
+    import shutil
+
+    from tests.hub_helpers import HubServer
+
+    folder = tmp_path / "untokenized"
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, err = run_main(["--model-name", str(folder), "--pipeline-group-size", "2", "--in-process",
+                          "--infer-data", str(_requests(tmp_path))])
+    assert code == 2 and "holds no tokenizer files" in err and "copy the tokenizer's files into it" in err, err
+    build_cache(tmp_path / "cache", REPO, folder)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelUnavailable, match="holds no tokenizer files.*offline.*hf download"):
+        missing_tokenizer(resolve_model(REPO, None, str(tmp_path / "cache")))
+    with HubServer({REPO: {"commits": {COMMIT: folder}, "refs": {"main": COMMIT}}}) as hub:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint())
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint() + "/{repo_id}/resolve/{revision}/{filename}")
+        with pytest.raises(ModelUnavailable, match="holds no tokenizer files.*the repository has none"):
+            missing_tokenizer(resolve_model(REPO, None, str(tmp_path / "cache")))
+        assert not any(f.endswith(".safetensors") for f in hub.gets())
 
 
 def test_folder_wins_and_refs_parse(model):
