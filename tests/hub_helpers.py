@@ -74,7 +74,8 @@ def build_cache(cache: Path, repo_id: str, folder: Path, commit: str = COMMIT, r
 
 
 class HubServer:
-    """A local hub: ``repos[repo_id] = {"commits": {commit: folder}, "refs": {branch: commit}, "gated": bool}``.
+    """A local hub: ``repos[repo_id] = {"commits": {commit: folder}, "refs": {branch: commit}, "gated": bool}``
+    (``"refused": 401`` or ``403``: the hub refuses the token).
 
     ``requests`` records ``(who, method, file, range header)`` for resolve calls and ``(who, "API", path, None)``
     for API calls, where ``who`` is an endpoint prefix (``HF_ENDPOINT=http://127.0.0.1:PORT/r0`` -> ``r0``),
@@ -148,6 +149,9 @@ class HubServer:
         repo = self.repos.get(repo_id)
         if repo is None:
             return self._error(h, 401, "RepoNotFound", head)
+        if repo.get("refused"):  # a token the hub does not accept (401) or one not allowed to read it (403)
+            return self._reply(h, repo["refused"], {"X-Error-Message": "Invalid credentials in Authorization header"},
+                               head=head)
         if repo.get("gated"):
             return self._error(h, 401, "GatedRepo", head)
         rev = (api or res).group(2)

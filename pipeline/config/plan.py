@@ -20,7 +20,8 @@ import torch
 from comm.dist import resolve_layout
 from tasks.writer import input_id, journal_path, output_problem
 
-from pipeline.loading.hub import ModelSource, ModelUnavailable, missing_weights, resolve_adapter, resolve_model
+from pipeline.loading.hub import (ModelSource, ModelUnavailable, missing_tokenizer, missing_weights, resolve_adapter,
+                                  resolve_model)
 from pipeline.loading.quantized import checkpoint_format
 from pipeline.loading.stage_weights import CheckpointError, read_config
 from pipeline.loading.tensor_store import SafetensorsFile, check_weights_present
@@ -125,6 +126,7 @@ def make_plan(opts: RunOptions, env: dict[str, str] | None = None, cpu_count: in
         adapters = load_adapters(opts, config, spec)
         ranges, layout_note = stage_layout(opts, config, spec, pipeline, local_world, dtype, device, adapters)
         missing_weights(source, ranges[-1][1])  # every shard of the plan's layers cached or fetchable
+        missing_tokenizer(source)
         if not opts.no_memory_check and opts.stage_memory is None:
             check_memory(opts, config, spec, ranges, (rank, local_world, pipeline), dtype, device, adapters)
     except (ValueError, CheckpointError, ModelUnavailable) as e:

@@ -4,7 +4,8 @@
 ``refs/``), fetches the small files every rank needs and returns a :class:`ModelSource` on the cached
 snapshot; weight files are fetched by the stage that opens them (:meth:`ModelSource.fetch`), so a stage
 downloads only its own layers' shards. :func:`missing_weights` lets the plan refuse shards that are
-neither cached nor fetchable. Everything that cannot work raises :class:`ModelUnavailable` saying how to
+neither cached nor fetchable (of a folder: missing from it), :func:`missing_tokenizer` a model without
+a tokenizer. Everything that cannot work raises :class:`ModelUnavailable` saying how to
 fix it (``HF_HUB_OFFLINE``, ``HF_TOKEN``, ``HF_ENDPOINT``: docs/usage/models.md).
 """
 
@@ -110,9 +111,6 @@ def resolve_model(value: str, revision: str | None = None, cache_dir: str | None
     wanted = sorted(f for f in files if _small(f)) if files is not None else []
     for name in wanted:
         _download(repo_id, name, commit, cache_dir, rev, what)
-    if files is None and what == "--model-name" and not any((folder / t).is_file() for t in TOKENIZER_FILES):
-        raise ModelUnavailable(f"{what} {repo_id} (revision {rev}): the cached snapshot {folder} holds no tokenizer "
-                               f"files and the hub cannot be asked (offline): {_fix(repo_id, rev, cache_dir)}")
     log.info("%s: %s at commit %s (%s)", what, repo_id, commit, folder)
     return ModelSource(folder, repo_id, rev, commit, cache_dir, files)
 
@@ -141,14 +139,15 @@ def weight_files(source: ModelSource, depth: int | None = None) -> list[str]:
 
 def missing_weights(source: ModelSource, depth: int | None = None) -> None:
     """Raise :class:`ModelUnavailable` naming every weight file the plan needs that is neither cached nor
-    fetchable (rank 0 calls this before any process group or loading)."""
-    if source.repo_id is None:
-        return
+    fetchable (rank 0 calls this before any process group or loading); of a folder: not in it."""
     needed = weight_files(source, depth)
     missing = [f for f in needed if not source.available(f)]
     if not missing:
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    if source.repo_id is None:
+        raise ModelUnavailable(f"--model-name {source.folder}: weight file(s) {shown}, listed in the shard index, are "
+                               "not in the folder: the checkpoint is incomplete; copy them into it")
     if source.files is None:
         raise ModelUnavailable(f"--model-name {source.repo_id} (commit {source.commit}): weight file(s) {shown} not in "
                                f"the cache and the hub cannot be asked (offline): "
@@ -156,6 +155,17 @@ def missing_weights(source: ModelSource, depth: int | None = None) -> None:
     raise ModelUnavailable(f"--model-name {source.repo_id} (commit {source.commit}): weight file(s) {shown}, listed in "
                            "the shard index, are not in the repository: the checkpoint is incomplete at this revision; "
                            "pick another --revision")
+
+
+def missing_tokenizer(source: ModelSource) -> None:
+    """Raise :class:`ModelUnavailable` when the model's folder holds no tokenizer (first and last ranks load one)."""
+    if any((source.folder / t).is_file() for t in TOKENIZER_FILES):
+        return
+    fix = "copy the tokenizer's files into it" if source.repo_id is None else \
+        "the repository has none at this revision" if source.files is not None else \
+        f"offline: {_fix(source.repo_id, source.revision, source.cache_dir)}"
+    raise ModelUnavailable(f"--model-name {source.repo_id or source.folder}: {source.folder} holds no tokenizer "
+                           f"files ({', '.join(TOKENIZER_FILES)}): {fix}")
 
 
 def _small(filename: str) -> bool:
@@ -186,11 +196,11 @@ def _listing(repo_id: str, commit: str) -> frozenset[str] | None:
     if _offline():
         return None
     import httpx2
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    try:
-        info = HfApi().model_info(repo_id, revision=commit)
+    try:  # bounded as the library's own metadata requests are (a hub that never answers must not hang the run)
+        info = HfApi().model_info(repo_id, revision=commit, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (httpx2.TransportError, HfHubHTTPError, OSError) as e:
         log.warning("%s: cannot list the repository (%s); using the cached snapshot only", repo_id, e)
         return None
@@ -216,7 +226,8 @@ def _download(repo_id: str, filename: str, revision: str, cache_dir: str | None,
     except RevisionNotFoundError:
         raise ModelUnavailable(f"{label}: the hub has no revision {revision!r} (a branch, tag or commit); "
                                "check --revision") from None
-    except LocalEntryNotFoundError:  # offline, or the hub unreachable, and not cached
+    except LocalEntryNotFoundError as e:  # offline, or the hub unreachable or refusing, and not cached
+        _refused(label, e.__cause__)
         why = "HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached"
         raise ModelUnavailable(f"{label}: {filename} is not in the cache and {why}: "
                                f"{_fix(repo_id, asked, cache_dir, None if filename == 'config.json' else [filename])}"
@@ -225,7 +236,19 @@ def _download(repo_id: str, filename: str, revision: str, cache_dir: str | None,
         raise ModelUnavailable(f"{label}: the repository has no {filename} at revision {revision}"
                                + (" (it is not a transformers model)" if filename == "config.json" else "")) from None
     except (HfHubHTTPError, OSError) as e:
-        raise ModelUnavailable(f"{label}: cannot fetch {filename}: {e}") from None
+        _refused(label, e)
+        raise ModelUnavailable(f"{label}: cannot fetch {filename}: {str(e).strip().splitlines()[0]}") from None
+
+
+def _refused(label: str, error: BaseException | None) -> None:
+    """The hub's 401 (a token it does not accept) or 403 (one without the right to read the repository)."""
+    response = getattr(error, "response", None)
+    if response is not None and response.status_code in (401, 403):
+        said = response.headers.get("X-Error-Message")
+        raise ModelUnavailable(f"{label}: the hub refused access (HTTP {response.status_code}"
+                               f"{': ' + said if said else ''}): set HF_TOKEN (or run `hf auth login`) "
+                               "to a valid token allowed to read this repository (a fine-grained token needs read "
+                               "access to it, and to public gated repositories)")
 
 
 def resolve_adapter(value: str, cache_dir: str | None = None) -> ModelSource:

@@ -53,7 +53,8 @@ def hf_config(cfg: dict, model_type: str | None = None):
         near = difflib.get_close_matches(kind or "", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, 3)
         raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type {kind!r} "
                                f"(architectures: {cfg.get('architectures')})"
-                               + (f"; did you mean {' or '.join(near)}?" if near else "")) from None
+                               + (f"; did you mean {' or '.join(near)}?" if near else
+                                  "; name the family with --model-type (e.g. llama), or upgrade transformers")) from None
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{kind} is an encoder-decoder model; this runner runs decoder-only causal LMs")
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -12,8 +12,8 @@ from huggingface_hub import constants
 
 import dist_inference_runner
 from pipeline.config.options import UsageError
-from pipeline.loading.hub import (ModelUnavailable, looks_like_repo_id, missing_weights, resolve_model, split_ref,
-                                  weight_files)
+from pipeline.loading.hub import (ModelUnavailable, looks_like_repo_id, missing_tokenizer, missing_weights,
+                                  resolve_model, split_ref, weight_files)
 from tests.hub_helpers import COMMIT, OLD_COMMIT, build_cache, sharded_llama
 from tests.utils import free_port
 
@@ -80,6 +80,85 @@ def test_missing_shard_names_it(cache, mode):
     if mode == "offline":
         with pytest.raises(ModelUnavailable, match="unset HF_HUB_OFFLINE"):
             missing_weights(source)
+
+
+def test_listing_a_hub_that_never_answers_is_bounded(monkeypatch):
+    """A hub that accepts connections and never answers: the listing gives up after the library's metadata
+    timeout (HF_HUB_ETAG_TIMEOUT) and the run goes on from the cache, instead of waiting forever."""
+    import socket
+    import threading
+
+    from pipeline.loading.hub import _listing
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody ever answers
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+        found = []
+        asking = threading.Thread(target=lambda: found.append(_listing(REPO, COMMIT)), daemon=True)
+        asking.start()
+        asking.join(30)
+        assert found == [None], "the listing still waits on a hub that never answers"
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_token_says_how_to_fix_it(model, monkeypatch, tmp_path, status):
+    """The hub's 401 (a token it does not accept) or 403 (a token not allowed to read the repository): one line
+    naming the refusal and HF_TOKEN, not the library's multi-line HTTP error nor "the hub cannot be reached"."""
+    from tests.hub_helpers import HubServer
+
+    with HubServer({REPO: {"commits": {COMMIT: model}, "refs": {"main": COMMIT}, "refused": status}}) as hub:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint())
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint() + "/{repo_id}/resolve/{revision}/{filename}")
+        with pytest.raises(ModelUnavailable, match=fr"refused access \(HTTP {status}: Invalid credentials.*HF_TOKEN") as e:
+            resolve_model(REPO, None, str(tmp_path / "cache"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_folder_missing_a_shard_is_refused_before_loading(model, tmp_path):
+    """A local folder whose shard index lists a file it lacks: named from the plan (exit 2), as for a hub id,
+    not found by the stage that opens it (at P = 2 another rank's traceback, exit 1)."""
+    import shutil
+
+    folder = tmp_path / "partial"
+    shutil.copytree(model, folder)
+    (folder / SHARDS[1]).unlink()
+    source = resolve_model(str(folder))
+    missing_weights(source, depth=1)  # layer 0 and the rest: shards 1 and 3
+    with pytest.raises(ModelUnavailable, match=f"{SHARDS[1]}, listed in the shard index, are not in the folder"):
+        missing_weights(source)
+    code, err = run_main(["--model-name", str(folder), "--pipeline-group-size", "2", "--in-process",
+                          "--infer-data", str(_requests(tmp_path))])
+    assert code == 2 and SHARDS[1] in err and "Traceback" not in err, err
+
+
+def test_a_model_without_tokenizer_files_is_refused_before_loading(model, monkeypatch, tmp_path):
+    """Every run loads a tokenizer from the model's folder: a folder, a cached snapshot (offline) or a
+    repository (online) without one is named from the plan (exit 2), not after every stage has loaded
+    (and, online, downloaded) its weights, with transformers' five-line message."""
+    import shutil
+
+    from tests.hub_helpers import HubServer
+
+    folder = tmp_path / "untokenized"
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, err = run_main(["--model-name", str(folder), "--pipeline-group-size", "2", "--in-process",
+                          "--infer-data", str(_requests(tmp_path))])
+    assert code == 2 and "holds no tokenizer files" in err and "copy the tokenizer's files into it" in err, err
+    build_cache(tmp_path / "cache", REPO, folder)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelUnavailable, match="holds no tokenizer files.*offline.*hf download"):
+        missing_tokenizer(resolve_model(REPO, None, str(tmp_path / "cache")))
+    with HubServer({REPO: {"commits": {COMMIT: folder}, "refs": {"main": COMMIT}}}) as hub:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint())
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint() + "/{repo_id}/resolve/{revision}/{filename}")
+        with pytest.raises(ModelUnavailable, match="holds no tokenizer files.*the repository has none"):
+            missing_tokenizer(resolve_model(REPO, None, str(tmp_path / "cache")))
+        assert not any(f.endswith(".safetensors") for f in hub.gets())
 
 
 def test_folder_wins_and_refs_parse(model):

@@ -203,6 +203,10 @@ def test_generic_stage_refuses_batch_invariant_and_what_it_cannot_run(models, tm
     with pytest.raises(UsageError, match=r"'lama' .*did you mean llama\b") as e:
         make_plan(RunOptions(model_name=models("granite"), model_type="lama"), env={})
     assert len(str(e.value)) < 300
+    (tmp_path / "untyped").mkdir()  # a config.json without model_type: the fix is --model-type
+    (tmp_path / "untyped" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UsageError, match="model_type None .*--model-type"):
+        make_plan(RunOptions(model_name=str(tmp_path / "untyped")), env={})
     from transformers import BertConfig
 
     bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, is_decoder=True)
