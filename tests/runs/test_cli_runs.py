@@ -97,7 +97,8 @@ def test_help_lists_the_parser_flags():
 
 
 def test_broken_checkpoint_is_reported_naming_the_file_and_tensor(tmp_path):
-    """A sharded checkpoint with a shard missing: the run fails naming the shard and a tensor in it."""
+    """A sharded checkpoint with a shard missing: refused before loading (exit 2), naming the shard; a
+    shard that is there but broken is named with its tensor: tests/unit/pipeline/loading."""
     import shutil
 
     from tests.utils import tiny_llama
@@ -114,9 +115,7 @@ def test_broken_checkpoint_is_reported_naming_the_file_and_tensor(tmp_path):
     req = tmp_path / "req.jsonl"
     req.write_text(json.dumps({"prompt": "hello", "max_tokens": 2}) + "\n")
     r = run_local(["--model-name", str(d), "--infer-data", str(req)])
-    assert r.returncode != 0
-    assert str(d / shard) in r.stderr
-    assert any(f"tensor {n!r}" in r.stderr for n, f in index.items() if f == shard), r.stderr
+    assert r.returncode == 2 and shard in r.stderr and "listed in the shard index" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
